@@ -1,0 +1,29 @@
+"""Helpers shared by the blocks: the GEMV, the psum, the GLU activations."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+
+
+def linear(x_BD: jax.Array, w_FD: jax.Array) -> jax.Array:
+    """`x @ w.T` for a checkpoint weight `w [out, in]`, inputs in w's dtype, fp32 accumulate/out."""
+    return jnp.einsum("bd,fd->bf", x_BD.astype(w_FD.dtype), w_FD, preferred_element_type=F32)
+
+
+def psum(x: jax.Array, tp_axis: str | None) -> jax.Array:
+    """Sum the row-parallel partials over the TP axis (identity without one)."""
+    return x if tp_axis is None else lax.psum(x, tp_axis)
+
+
+def glu(a: jax.Array, b: jax.Array, act: str, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:
+    """Gated activation in fp32: SiLU-GLU `silu(a)*b`, or SiTU-GLU (spec §3.5):
+    `β1·tanh(a/β1)·sigmoid(a) · β2·tanh(b/β2)`."""
+    a, b = a.astype(F32), b.astype(F32)
+    if act == "silu":
+        return jax.nn.silu(a) * b
+    if act == "situ":
+        return beta * jnp.tanh(a / beta) * jax.nn.sigmoid(a) * (linear_beta * jnp.tanh(b / linear_beta))
+    raise ValueError(f"hidden_act: unknown activation {act!r}")

@@ -1,0 +1,104 @@
+"""Kimi Delta Attention (KDA), one decode token (spec §3.2).
+
+Per head h (d = head_dim), for the normed input x:
+
+    u       = [W_q x | W_k x | W_v x]                       raw projections (activation dtype)
+    y       = silu(Σ_i w[i]·[conv_state | u][i])             depthwise causal conv, K taps, no bias
+    q, k, v = y split;  q ← l2norm(q)·d^-½,  k ← l2norm(k)     (l2norm eps 1e-6 inside the sqrt)
+    f       = W_fb (W_fa x) + dt_bias
+    g       = lb·sigmoid(exp(A_log)·f)          K3 (gate_lower_bound lb = -5)
+            = -exp(A_log)·softplus(f)            Kimi-Linear
+    β       = sigmoid(W_b x)
+    S       ← diag(exp(g)) S;   S ← S + k ⊗ β(v − Sᵀk);   o = Sᵀq        (S [K, Vd], fp32, fla layout)
+    z       = W_g x (K3 full rank)  |  W_gb (W_ga x) (Kimi-Linear)
+    out     = W_o · concat_h( RMSNorm(o_h; o_norm) ⊙ sigmoid(z_h) )        row-parallel → psum
+
+Caches per layer: conv_B3CW (the last K-1 raw q|k|v projections, oldest first, activation dtype)
+and state_BHKV (fp32).  Under TP every array here holds the local heads only; `o_proj` is
+row-parallel and its partial is psum-ed.  Rows with `valid_B == False` leave their caches as they
+were (used for left padding of ragged prompts).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxk3.config import KimiK3Config
+from jaxk3.layers.common import F32, linear, psum
+from jaxk3.layers.norm import gated_rms_norm
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KDAWeights:
+    """HF `model.layers.{l}.self_attn.<field>[.weight]`; shapes global (TP shards the C/H axis)."""
+    q_proj: jax.Array  # [C, D]
+    k_proj: jax.Array  # [C, D]
+    v_proj: jax.Array  # [C, D]
+    q_conv1d: jax.Array  # [C, 1, K] fp32
+    k_conv1d: jax.Array  # [C, 1, K] fp32
+    v_conv1d: jax.Array  # [C, 1, K] fp32
+    f_a_proj: jax.Array  # [d, D]   replicated
+    f_b_proj: jax.Array  # [C, d]
+    b_proj: jax.Array  # [H, D]
+    A_log: jax.Array  # [H] fp32 (checkpoint [1,1,H,1] or [>=H]; normalised by the loader)
+    dt_bias: jax.Array  # [C] fp32
+    o_norm: jax.Array  # [d] fp32, shared by the heads
+    o_proj: jax.Array  # [D, C]
+    g_proj: jax.Array | None = None  # [C, D]   K3 full-rank output gate
+    g_a_proj: jax.Array | None = None  # [d, D]   Kimi-Linear low-rank output gate (replicated)
+    g_b_proj: jax.Array | None = None  # [C, d]
+
+
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def kda_gate(f_BHK: jax.Array, A_log_H: jax.Array, gate_lower_bound: float | None) -> jax.Array:
+    """Log-space forget gate g (fp32); f already includes dt_bias."""
+    a_H11 = jnp.exp(A_log_H.astype(F32))[None, :, None]
+    f = f_BHK.astype(F32)
+    if gate_lower_bound is not None:  # K3: g ∈ (lb, 0)
+        return gate_lower_bound * jax.nn.sigmoid(a_H11 * f)
+    softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
+    return -a_H11 * softplus
+
+
+def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array, conv_B3CW: jax.Array, state_BHKV: jax.Array,
+             valid_B: jax.Array, tp_axis: str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One KDA decode step.  Returns (out_BD fp32 summed over TP, new conv_B3CW, new state_BHKV)."""
+    B = x_BD.shape[0]
+    Kd = cfg.kda_head_dim
+    dt = x_BD.dtype
+    # -- projections and short causal conv
+    u_B3C = jnp.stack([linear(x_BD, w.q_proj), linear(x_BD, w.k_proj), linear(x_BD, w.v_proj)], 1).astype(dt)
+    win_B3CK = jnp.concatenate([conv_B3CW, u_B3C[..., None]], axis=-1)
+    w_3CK = jnp.stack([w.q_conv1d[:, 0], w.k_conv1d[:, 0], w.v_conv1d[:, 0]], 0).astype(F32)
+    y_B3C = jax.nn.silu(jnp.einsum("bjck,jck->bjc", win_B3CK.astype(F32), w_3CK))
+    q_BHK, k_BHK, v_BHK = (y_B3C[:, j].reshape(B, -1, Kd) for j in range(3))
+    q_BHK = _l2norm(q_BHK) * Kd ** -0.5
+    k_BHK = _l2norm(k_BHK)
+    # -- gates
+    f_BHK = (linear(linear(x_BD, w.f_a_proj).astype(dt), w.f_b_proj) + w.dt_bias.astype(F32)).reshape(B, -1, Kd)
+    g_BHK = kda_gate(f_BHK, w.A_log, cfg.gate_lower_bound)
+    beta_BH = jax.nn.sigmoid(linear(x_BD, w.b_proj))
+    # -- gated delta rule, fp32 state [K, Vd] per head
+    S = state_BHKV * jnp.exp(g_BHK)[..., None]
+    pred_BHV = jnp.einsum("bhkv,bhk->bhv", S, k_BHK)
+    upd_BHV = beta_BH[..., None] * (v_BHK - pred_BHV)
+    S = S + jnp.einsum("bhk,bhv->bhkv", k_BHK, upd_BHV)
+    o_BHV = jnp.einsum("bhkv,bhk->bhv", S, q_BHK)
+    # -- output gate, per-head norm, row-parallel o_proj
+    if cfg.use_full_rank_gate:
+        z_BC = linear(x_BD, w.g_proj)
+    else:
+        z_BC = linear(linear(x_BD, w.g_a_proj).astype(dt), w.g_b_proj)
+    o_BHV = gated_rms_norm(o_BHV, w.o_norm, z_BC.reshape(o_BHV.shape), cfg.rms_norm_eps)
+    out_BD = psum(linear(o_BHV.reshape(B, -1).astype(dt), w.o_proj), tp_axis)
+    # -- cache update (pad rows keep their caches)
+    keep = valid_B.astype(bool)
+    new_conv = jnp.where(keep[:, None, None, None], win_B3CK[..., 1:], conv_B3CW)
+    new_state = jnp.where(keep[:, None, None, None], S, state_BHKV)
+    return out_BD, new_conv, new_state

@@ -1,0 +1,109 @@
+"""Gated NoPE MLA over a latent cache, absorbed decode (spec §3.4).
+
+    c_q          = RMSNorm(W_qa x; q_a_layernorm)              (K3 q-LoRA)
+    q            = (W_qb c_q | W_q x).view(H, nope+rope) = [q_nope | q_pe]   (no RoPE anywhere)
+    [c_kv | k_pe]= W_kva x;  c_kv ← RMSNorm(c_kv; kv_a_layernorm)
+    cache[t]     = [c_kv | k_pe]        R = kv_lora + rope wide, one latent "head" shared by all heads,
+                                        written BEFORE attention (the token attends to itself)
+    W_kvb.view(H, nope+v, kv_lora) = [W_UK ; W_UV]
+    ql_h         = W_UK[h]ᵀ q_nope_h                                   (absorbed query, kv_lora wide)
+    score_t      = (ql_h·c_kv_t + q_pe_h·k_pe_t) · (nope+rope)^-½
+    o_h          = W_UV[h] Σ_t softmax(score)_t c_kv_t
+    out          = W_o · (concat_h o_h ⊙ sigmoid(W_g x))              gate: K3 only; row-parallel → psum
+
+Latent projection under TP (`shard_latent=True`): `q_a_proj` and `kv_a_proj_with_mqa` are each
+split by output rows over TP; a rank computes its rows of both, concatenated, and ONE
+`collectives.padded_all_gather` along features rebuilds the full `[c_q | c_kv | k_pe]` on every rank.
+With `shard_latent=False` both weights are replicated (stock vLLM) and no gather is needed.
+Kimi-Linear has no q-LoRA: its `q_proj` is column-parallel by heads; only `kv_a` is the latent.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxk3 import collectives
+from jaxk3.config import KimiK3Config
+from jaxk3.layers.common import F32, linear, psum
+from jaxk3.layers.norm import rms_norm
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MLAWeights:
+    """HF `model.layers.{l}.self_attn.<field>.weight`; shapes global."""
+    kv_a_proj_with_mqa: jax.Array  # [R, D]  rows [c_kv | k_pe]   latent (sharded by rows or replicated)
+    kv_a_layernorm: jax.Array  # [kv_lora]
+    kv_b_proj: jax.Array  # [H*(nope+v), kv_lora]  per head rows [k_nope | v]   column-parallel
+    o_proj: jax.Array  # [D, H*v]   row-parallel
+    q_a_proj: jax.Array | None = None  # [q_lora, D]   latent (K3)
+    q_a_layernorm: jax.Array | None = None  # [q_lora]
+    q_b_proj: jax.Array | None = None  # [H*(nope+rope), q_lora]   column-parallel
+    q_proj: jax.Array | None = None  # [H*(nope+rope), D]   Kimi-Linear, column-parallel
+    g_proj: jax.Array | None = None  # [H*v, D]   K3 output gate, column-parallel
+
+
+def latent_projection(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp_axis: str | None,
+                      shard_latent: bool, gather: str) -> tuple[jax.Array | None, jax.Array]:
+    """Returns (c_q_BQ or None, ckv_BR = [c_kv | k_pe]) as full vectors, in the activation dtype."""
+    dt = x_BD.dtype
+    parts = [w.q_a_proj] if w.q_a_proj is not None else []
+    parts.append(w.kv_a_proj_with_mqa)
+    local = [linear(x_BD, p).astype(dt) for p in parts]
+    if not (shard_latent and tp_axis is not None):
+        return (local[0] if len(local) == 2 else None), local[-1]
+    # each rank holds rows [r·n/tp, (r+1)·n/tp) of each weight: one gather of the concatenation
+    widths = [p.shape[0] for p in parts]
+    full_BTX = collectives.padded_all_gather(jnp.concatenate(local, -1), tp_axis, axis=-1, tiled=True,
+                                             impl=gather)
+    B = x_BD.shape[0]
+    full_BTX = full_BTX.reshape(B, -1, sum(widths))  # [B, tp, local widths]
+    tp = full_BTX.shape[1]
+    outs, off = [], 0
+    for n in widths:
+        outs.append(full_BTX[:, :, off:off + n].reshape(B, tp * n))
+        off += n
+    return (outs[0] if len(outs) == 2 else None), outs[-1]
+
+
+def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,
+             valid_B: jax.Array, tp_axis: str | None, shard_latent: bool = True, gather: str = "auto",
+             ) -> tuple[jax.Array, jax.Array]:
+    """One MLA decode step.  `length_B` = tokens already cached per row (this token's slot).
+
+    Returns (out_BD fp32 summed over TP, new kv_BSR).  Rows with `valid_B == False` are not written.
+    """
+    B, S = x_BD.shape[0], kv_BSR.shape[1]
+    dt = x_BD.dtype
+    n, r, v, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    cq_BQ, ckv_BR = latent_projection(cfg, w, x_BD, tp_axis, shard_latent, gather)
+    if cq_BQ is not None:
+        q_BF = linear(rms_norm(cq_BQ, w.q_a_layernorm, cfg.rms_norm_eps).astype(dt), w.q_b_proj)
+    else:
+        q_BF = linear(x_BD, w.q_proj)
+    q_BHX = q_BF.astype(dt).astype(F32).reshape(B, -1, n + r)
+    qn_BHN, qpe_BHP = q_BHX[..., :n], q_BHX[..., n:]
+    entry_BR = jnp.concatenate(
+        [rms_norm(ckv_BR[:, :R], w.kv_a_layernorm, cfg.rms_norm_eps).astype(dt), ckv_BR[:, R:]], -1)
+    # -- write the new latent at slot length_B (pad rows keep the old value)
+    rows = jnp.arange(B)
+    slot_B = jnp.minimum(length_B, S - 1)
+    old_BR = kv_BSR[rows, slot_B]
+    kv_BSR = kv_BSR.at[rows, slot_B].set(jnp.where(valid_B[:, None], entry_BR.astype(kv_BSR.dtype), old_BR))
+    # -- absorbed attention over slots t <= length_B
+    wkvb_HXR = w.kv_b_proj.reshape(-1, n + v, R).astype(F32)
+    ql_BHR = jnp.einsum("bhn,hnr->bhr", qn_BHN, wkvb_HXR[:, :n])
+    c_BSR = kv_BSR.astype(F32)
+    score_BHS = (jnp.einsum("bhr,bsr->bhs", ql_BHR, c_BSR[..., :R])
+                 + jnp.einsum("bhp,bsp->bhs", qpe_BHP, c_BSR[..., R:])) * (n + r) ** -0.5
+    mask_BS = jnp.arange(S)[None, :] <= length_B[:, None]
+    score_BHS = jnp.where(mask_BS[:, None, :], score_BHS, -jnp.inf)
+    p_BHS = jax.nn.softmax(score_BHS, axis=-1)
+    olat_BHR = jnp.einsum("bhs,bsr->bhr", p_BHS, c_BSR[..., :R])
+    o_BHV = jnp.einsum("bhr,hvr->bhv", olat_BHR, wkvb_HXR[:, n:])
+    o_BF = o_BHV.reshape(B, -1)
+    if cfg.mla_use_output_gate:
+        o_BF = o_BF * jax.nn.sigmoid(linear(x_BD, w.g_proj))
+    return psum(linear(o_BF.astype(dt), w.o_proj), tp_axis), kv_BSR

@@ -1,0 +1,113 @@
+"""Dense GLU MLP (layer 0, shared experts) and the MoE block (spec §3.5, §3.6).
+
+    MLP(x)  = W_down · act(W_gate x, W_up x)            act: SiTU-GLU (K3) or SiLU-GLU
+    logits  = W_router x  (fp32);  s = sigmoid(logits)
+    I       = top_k(s + e_score_correction_bias)         the bias only selects (grouped top-k when n_group > 1)
+    w_e     = s[e] / Σ_I s  (moe_renormalize)  · routed_scaling_factor
+    K3 (latent):   z = W_lat_down x;  y = Σ_I w_e W2_e act(W1_e z, W3_e z)
+                   y_rout = W_lat_up · RMSNorm(y; routed_expert_norm)
+    Kimi-Linear:   y_rout = Σ_I w_e W2_e act(W1_e x, W3_e x)
+    MoE(x)  = y_rout + MLP_shared(x)                      shared experts see the full x
+
+TP (spec §4): gate/up and W1/W3 are column-parallel over the intermediate, down/W2 row-parallel;
+the router and latent down/up/norm are replicated.  K3 psums the latent partial (before its
+RMSNorm) and the shared partial separately, as vLLM does; Kimi-Linear sums both partials first and
+psums once.  Selected experts' weights are gathered (`jnp.take`), not all experts run.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxk3.config import KimiK3Config
+from jaxk3.layers.common import F32, glu, linear, psum
+from jaxk3.layers.norm import rms_norm
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MLPWeights:
+    """HF `mlp.<field>.weight` (layer 0) or `block_sparse_moe.shared_experts.<field>.weight`."""
+    gate_proj: jax.Array  # [I, D]  column-parallel
+    up_proj: jax.Array  # [I, D]  column-parallel
+    down_proj: jax.Array  # [D, I]  row-parallel
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MoEWeights:
+    """HF `model.layers.{l}.block_sparse_moe.*` (names in the comments)."""
+    gate: jax.Array  # [E, D]       gate.weight, replicated
+    e_score_correction_bias: jax.Array  # [E] fp32 gate.e_score_correction_bias
+    experts_w1: jax.Array  # [E, I, L]    experts.{e}.w1.weight stacked (gate), column over I
+    experts_w2: jax.Array  # [E, L, I]    experts.{e}.w2.weight stacked (down), row over I
+    experts_w3: jax.Array  # [E, I, L]    experts.{e}.w3.weight stacked (up)
+    shared_experts: MLPWeights | None = None
+    routed_expert_down_proj: jax.Array | None = None  # [L, D]  replicated (K3 latent)
+    routed_expert_norm: jax.Array | None = None  # [L]
+    routed_expert_up_proj: jax.Array | None = None  # [D, L]  replicated
+
+
+def _act(cfg: KimiK3Config, a: jax.Array, b: jax.Array) -> jax.Array:
+    return glu(a, b, cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+
+
+def mlp_partial(cfg: KimiK3Config, w: MLPWeights, x_BD: jax.Array) -> jax.Array:
+    """Row-parallel partial of the GLU MLP, fp32 [B, D] (sum over TP ranks = MLP(x))."""
+    h_BI = _act(cfg, linear(x_BD, w.gate_proj), linear(x_BD, w.up_proj))
+    return linear(h_BI.astype(x_BD.dtype), w.down_proj)
+
+
+def mlp(cfg: KimiK3Config, w: MLPWeights, x_BD: jax.Array, tp_axis: str | None) -> jax.Array:
+    """Dense MLP, fp32 out, summed over TP."""
+    return psum(mlp_partial(cfg, w, x_BD), tp_axis)
+
+
+def route(cfg: KimiK3Config, gate_ED: jax.Array, bias_E: jax.Array, x_BD: jax.Array
+          ) -> tuple[jax.Array, jax.Array]:
+    """Sigmoid noaux_tc router in fp32: (weights_Bk with rsf applied, ids_Bk)."""
+    logits_BE = jnp.einsum("bd,ed->be", x_BD.astype(F32), gate_ED.astype(F32))
+    s_BE = jax.nn.sigmoid(logits_BE)
+    sel_BE = s_BE + bias_E.astype(F32)
+    G = cfg.num_expert_group
+    if G > 1:  # DeepSeek-V3 group limit: keep the topk_group groups with the best top-2 sums
+        B, E = sel_BE.shape
+        gs_BG = lax.top_k(sel_BE.reshape(B, G, E // G), 2)[0].sum(-1)
+        _, gid_Bg = lax.top_k(gs_BG, cfg.topk_group)
+        keep_BG = jnp.zeros((B, G), bool).at[jnp.arange(B)[:, None], gid_Bg].set(True)
+        sel_BE = jnp.where(jnp.repeat(keep_BG, E // G, axis=1), sel_BE, -jnp.inf)
+    _, ids_Bk = lax.top_k(sel_BE, cfg.num_experts_per_token)
+    w_Bk = jnp.take_along_axis(s_BE, ids_Bk, axis=1)
+    if cfg.moe_renormalize:
+        w_Bk = w_Bk / (jnp.sum(w_Bk, axis=-1, keepdims=True) + 1e-20)
+    return w_Bk * cfg.routed_scaling_factor, ids_Bk
+
+
+def experts_partial(cfg: KimiK3Config, w: MoEWeights, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array
+                    ) -> jax.Array:
+    """Σ_k w_k · W2_k act(W1_k z, W3_k z) over the local intermediate shard: fp32 [B, L] partial."""
+    dt = w.experts_w1.dtype
+    z = z_BL.astype(dt)
+    h1_BkI = jnp.einsum("bl,bkil->bki", z, jnp.take(w.experts_w1, ids_Bk, axis=0), preferred_element_type=F32)
+    h3_BkI = jnp.einsum("bl,bkil->bki", z, jnp.take(w.experts_w3, ids_Bk, axis=0), preferred_element_type=F32)
+    a_BkI = _act(cfg, h1_BkI, h3_BkI).astype(dt)
+    y_BkL = jnp.einsum("bki,bkli->bkl", a_BkI, jnp.take(w.experts_w2, ids_Bk, axis=0), preferred_element_type=F32)
+    return jnp.einsum("bkl,bk->bl", y_BkL, w_Bk)
+
+
+def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp_axis: str | None) -> jax.Array:
+    """The MoE block: fp32 [B, D], summed over TP."""
+    dt = x_BD.dtype
+    w_Bk, ids_Bk = route(cfg, w.gate, w.e_score_correction_bias, x_BD)
+    shared_BD = mlp_partial(cfg, w.shared_experts, x_BD) if w.shared_experts is not None else 0.0
+    if w.routed_expert_down_proj is None:  # Kimi-Linear: experts on x, one psum for both partials
+        return psum(experts_partial(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp_axis)
+    z_BL = linear(x_BD, w.routed_expert_down_proj).astype(dt)
+    y_BL = psum(experts_partial(cfg, w, z_BL, w_Bk, ids_Bk), tp_axis)
+    if cfg.latent_moe_use_norm:
+        y_BL = rms_norm(y_BL, w.routed_expert_norm, cfg.rms_norm_eps)
+    rout_BD = linear(y_BL.astype(dt), w.routed_expert_up_proj)
+    return rout_BD + psum(shared_BD, tp_axis)

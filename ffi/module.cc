@@ -1,0 +1,111 @@
+// nanobind module jaxk3._ffi: handler capsules, build facts and the communicator controls.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "group.h"
+#include "handlers.h"
+#include "host_comm.h"
+
+namespace nb = nanobind;
+
+namespace jaxk3 {
+namespace {
+std::atomic<int64_t> g_process_index{0};
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+// Drives the host rendezvous directly (no XLA), so tests can exercise missing peers and
+// disagreeing ranks from Python threads.
+nb::bytes HostGatherForTest(std::vector<int64_t> devices, int64_t site, int rank, nb::bytes payload,
+                            int32_t dtype, size_t align, int64_t timeout_ms) {
+  HostComm* comm = GetHostComm(devices.data(), devices.size());
+  std::string in(payload.c_str(), payload.size());
+  std::string out(in.size() * devices.size(), '\0');
+  std::optional<std::string> error;
+  {
+    nb::gil_scoped_release release;
+    const int64_t saved = GatherTimeoutMs();
+    if (timeout_ms > 0) SetGatherTimeoutMs(timeout_ms);
+    GatherArgs a;
+    a.site = site;
+    a.rank = rank;
+    a.in = in.data();
+    a.bytes = in.size();
+    a.dtype = dtype;
+    a.align = align;
+    a.out = out.data();
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    comm->Gather(a).OnReady([&](const std::optional<xla::ffi::Error>& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (e) error = e->message();
+      done = true;
+      cv.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+    if (timeout_ms > 0) SetGatherTimeoutMs(saved);
+  }
+  if (error) throw std::runtime_error(*error);
+  return nb::bytes(out.data(), out.size());
+}
+}  // namespace
+
+int64_t ProcessIndex() { return g_process_index.load(std::memory_order_relaxed); }
+void SetProcessIndex(int64_t p) { g_process_index.store(p, std::memory_order_relaxed); }
+
+}  // namespace jaxk3
+
+NB_MODULE(_ffi, m) {
+  using namespace jaxk3;
+  m.def("cpu_targets", []() {
+    nb::dict d;
+    d["jaxk3_one_shot_all_gather"] = Capsule(jaxk3_cpu_one_shot_all_gather);
+    d["jaxk3_padded_all_gather"] = Capsule(jaxk3_cpu_padded_all_gather);
+    return d;
+  });
+  m.def("cuda_targets", []() {
+    nb::dict d;
+#ifdef JAXK3_WITH_CUDA
+    d["jaxk3_one_shot_all_gather"] = Capsule(jaxk3_cuda_one_shot_all_gather);
+    d["jaxk3_padded_all_gather"] = Capsule(jaxk3_cuda_padded_all_gather);
+#endif
+    return d;
+  });
+  m.def("build_info", []() {
+    nb::dict d;
+    d["ffi_cpu"] = true;
+#ifdef JAXK3_WITH_CUDA
+    d["ffi_cuda"] = true;
+    d["cuda_archs"] = std::string(JAXK3_CUDA_ARCHS_STR);
+#else
+    d["ffi_cuda"] = false;
+    d["cuda_archs"] = std::string();
+#endif
+    d["built_with_jax"] = std::string(JAXK3_BUILT_WITH_JAX);
+    d["transport_align"] = kTransportAlign;
+    return d;
+  });
+  m.def("set_process_index", &SetProcessIndex);
+  m.def("set_timeout_ms", &SetGatherTimeoutMs);
+  m.def("timeout_ms", &GatherTimeoutMs);
+  m.def("reset", &ResetHostComms);
+  m.def("_set_poison_outputs", &SetPoisonOutputs);
+  m.def("num_host_comms", &NumHostComms);
+  m.def("_host_gather_for_test", &HostGatherForTest, nb::arg("devices"), nb::arg("site"),
+        nb::arg("rank"), nb::arg("payload"), nb::arg("dtype"), nb::arg("align"),
+        nb::arg("timeout_ms"));
+}

@@ -1,0 +1,151 @@
+"""`jaxk3 bench gather`: per-gather latency of the FFI path against lax.all_gather, same run.
+
+Method (../shared/docs/collectives.md §4.7): a chain of K dependent gathers unrolled in one
+jit (each gather's output feeds the next gather's input), wall time of the whole program
+divided by K, median over repeats.  A third column, ``floor``, runs the same chain with the
+gather replaced by one local XLA op that writes an output of the same size (tiling the local
+shard): what one dependent step costs on this device without any communication.
+"""
+from __future__ import annotations
+
+import json
+import platform as _platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxk3 import collectives
+
+DEFAULT_SIZES = (64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+@dataclass
+class GatherRow:
+    bytes_per_rank: int
+    impl: str
+    path: str
+    us_per_gather: float
+    us_spread: tuple[float, float]  # min, max over repeats
+
+
+def _chain_fn(mesh, n: int, cols: int, chain: int, impl: str, dtype):
+    """Returns a jitted f(x[n, cols]) running `chain` dependent gathers of [1, cols] per rank."""
+
+    def step(x, i):
+        if impl == "floor":
+            g = jnp.tile(x, (1, n))
+        else:
+            g = collectives.all_gather(x, "tp", axis=1, tiled=True, impl=impl)
+        k = (i + 1) % n  # read a peer's slice, so the next step depends on the exchange
+        return g[:, k * cols:(k + 1) * cols]
+
+    def body(x):
+        for i in range(chain):
+            x = step(x, i)
+        return x
+
+    f = collectives.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+    return jax.jit(f)
+
+
+def _time(fn, x, repeats: int) -> list[float]:
+    jax.block_until_ready(fn(x))  # compile + warm up
+    jax.block_until_ready(fn(x))
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def bench_gather(sizes=DEFAULT_SIZES, chain: int = 100, repeats: int = 15, devices=None,
+                 dtype=jnp.float32, impls=("floor", "lax", "ffi"), progress=None) -> dict:
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices)
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("tp",))
+    itemsize = jnp.dtype(dtype).itemsize
+    rows: list[GatherRow] = []
+    for nbytes in sizes:
+        cols = max(1, nbytes // itemsize)
+        x = jax.device_put(
+            jax.random.normal(jax.random.key(nbytes), (n, cols), jnp.float32).astype(dtype),
+            NamedSharding(mesh, P("tp")),
+        )
+        ref = None
+        for impl in impls:
+            if progress:
+                progress(f"{cols * itemsize} B/rank {impl}")
+            fn = _chain_fn(mesh, n, cols, chain, impl, dtype)
+            path = "local" if impl == "floor" else _path_of(mesh, cols, dtype, impl)
+            times = _time(fn, x, repeats)
+            result = np.asarray(fn(x))
+            if impl != "floor":
+                if ref is None:
+                    ref = result
+                elif not np.array_equal(result.view(np.uint8), ref.view(np.uint8)):
+                    raise AssertionError(f"{impl} gather chain differs from the reference at {nbytes} B/rank")
+            per = [t / chain * 1e6 for t in times]
+            rows.append(GatherRow(cols * itemsize, impl, path, statistics.median(per), (min(per), max(per))))
+    return {
+        "kind": "gather",
+        "devices": n,
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "chain": chain,
+        "repeats": repeats,
+        "dtype": jnp.dtype(dtype).name,
+        "versions": versions(),
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def _path_of(mesh, cols, dtype, impl) -> str:
+    p = collectives.explain(jax.ShapeDtypeStruct((1, cols), dtype), "tp", axis=1, tiled=True, impl=impl, mesh=mesh)
+    return p.path if p.path != "ffi" else f"ffi:{p.target.replace('jaxk3_', '').replace('_all_gather', '')}"
+
+
+def versions() -> dict:
+    import jaxlib
+
+    return {
+        "jaxk3": __import__("jaxk3").__version__,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "python": sys.version.split()[0],
+        "machine": _platform.machine(),
+        "cpus": __import__("os").cpu_count(),
+    }
+
+
+def gather_table(result: dict) -> str:
+    """Sizes x {floor, lax, ffi} with the ratios lax/ffi and ffi/floor."""
+    by = {}
+    for r in result["rows"]:
+        by.setdefault(r["bytes_per_rank"], {})[r["impl"]] = r
+    head = f"{'bytes/rank':>10} | {'floor us':>9} | {'lax us':>9} | {'ffi us':>9} | {'lax/ffi':>7} | {'ffi/floor':>9} | path"
+    lines = [
+        f"gather chain: {result['devices']} x {result['device_kind']} ({result['platform']}), "
+        f"chain {result['chain']}, median of {result['repeats']}, {result['dtype']}, "
+        f"jax {result['versions']['jax']}",
+        head,
+        "-" * len(head),
+    ]
+    for b in sorted(by):
+        d = by[b]
+        f = d.get("floor", {}).get("us_per_gather", float("nan"))
+        lx = d.get("lax", {}).get("us_per_gather", float("nan"))
+        fi = d.get("ffi", {}).get("us_per_gather", float("nan"))
+        lines.append(f"{b:>10} | {f:>9.1f} | {lx:>9.1f} | {fi:>9.1f} | {lx / fi:>7.2f} | {fi / f:>9.2f} | {d.get('ffi', {}).get('path', '-')}")
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)

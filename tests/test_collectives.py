@@ -1,0 +1,343 @@
+"""The FFI gathers against lax.all_gather: bitwise, on random data, with poisoned outputs."""
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxk3 import collectives as C
+
+ext = C.extension()
+pytestmark = pytest.mark.skipif(ext is None, reason=f"jaxk3._ffi not built: {C.extension_error()}")
+
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32, jnp.int8, jnp.bool_]
+# Per-rank shapes: one row and several, 16-byte aligned and not (131 and 264 bf16 columns
+# are the TP-sharded projection widths of the spec), and a rank-3 array.
+SHAPES = [(1, 1), (1, 131), (1, 264), (1, 1024), (3, 40), (2, 3, 5)]
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    ext._set_poison_outputs(True)
+    yield
+    ext._set_poison_outputs(False)
+
+
+def random_array(key, shape, dtype):
+    """Random data of any dtype, never all zeros."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bool_:
+        return jax.random.bernoulli(key, 0.5, shape)
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return jax.random.randint(key, shape, info.min, info.max, dtype=dtype)
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype) * 3
+
+
+def bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype != np.bool_ else a.astype(np.uint8)
+
+
+def make_mesh(order, names=("tp",), shape=None):
+    devs = np.asarray(jax.devices())[list(order)]
+    return jax.sharding.Mesh(devs.reshape(shape or (len(order),)), names)
+
+
+def gather_fn(mesh, in_spec, impl, *, axis, tiled, axis_name="tp", padded=False, donate=False):
+    fn = C.padded_all_gather if padded else C.all_gather
+
+    def body(xs):
+        out = [fn(x, axis_name, axis=axis, tiled=tiled, impl=impl) for x in xs]
+        if donate:  # same-shape outputs that XLA can place in the donated operands
+            out += [x[::-1] for x in xs]
+        return out
+
+    f = C.shard_map(body, mesh=mesh, in_specs=(in_spec,), out_specs=in_spec)
+    return jax.jit(f, donate_argnums=(0,) if donate else ())
+
+
+def sharded_inputs(mesh, spec, n, seed):
+    keys = jax.random.split(jax.random.key(seed), len(DTYPES) * len(SHAPES))
+    xs = []
+    for i, (dt, shp) in enumerate((d, s) for d in DTYPES for s in SHAPES):
+        global_shape = (shp[0] * n, *shp[1:])
+        xs.append(jax.device_put(random_array(keys[i], global_shape, dt), NamedSharding(mesh, spec)))
+    return xs
+
+
+ORDERS = {
+    2: [(0, 1), (1, 0)],
+    4: [(0, 1, 2, 3), (3, 1, 0, 2)],
+    8: [tuple(range(8)), (5, 2, 7, 0, 3, 6, 1, 4)],
+}
+
+
+@pytest.mark.parametrize("n,order", [(n, o) for n, os in ORDERS.items() for o in os])
+@pytest.mark.parametrize("axis,tiled", [(0, False), (0, True), (-1, False), (-1, True)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_bitwise_equal_to_lax(n, order, axis, tiled, padded):
+    mesh = make_mesh(order)
+    spec = P("tp")
+    xs = sharded_inputs(mesh, spec, n, seed=n * 100 + axis + 7 * tiled)
+    ref = gather_fn(mesh, spec, "lax", axis=axis, tiled=tiled)(xs)
+    got = gather_fn(mesh, spec, "ffi", axis=axis, tiled=tiled, padded=padded)(xs)
+    for x, r, g in zip(xs, ref, got):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        np.testing.assert_array_equal(bits(g), bits(r), err_msg=f"{x.dtype} {x.shape} n={n} order={order}")
+
+
+def test_lowered_hlo_names_the_path():
+    mesh = make_mesh(range(4))
+    xs = sharded_inputs(mesh, P("tp"), 4, seed=1)
+    ffi_text = gather_fn(mesh, P("tp"), "auto", axis=-1, tiled=True).lower(xs).as_text()
+    assert "jaxk3_one_shot_all_gather" in ffi_text  # aligned widths
+    assert "jaxk3_padded_all_gather" in ffi_text  # 131 columns of bf16, 1 of f32, ...
+    assert "all_gather" not in ffi_text.replace("jaxk3_one_shot_all_gather", "").replace("jaxk3_padded_all_gather", "")
+    lax_text = gather_fn(mesh, P("tp"), "lax", axis=-1, tiled=True).lower(xs).as_text()
+    assert "jaxk3_" not in lax_text and "all_gather" in lax_text
+
+
+def test_donated_inputs_under_jit():
+    mesh = make_mesh((2, 0, 3, 1))
+    xs = sharded_inputs(mesh, P("tp"), 4, seed=3)
+    ref = gather_fn(mesh, P("tp"), "lax", axis=0, tiled=True)(xs)
+    flipped = [np.asarray(x).reshape(4, -1, *x.shape[1:])[:, ::-1].reshape(x.shape) for x in xs]
+    got = gather_fn(mesh, P("tp"), "ffi", axis=0, tiled=True, donate=True)(xs)
+    assert all(x.is_deleted() for x in xs)
+    for r, g in zip(ref, got[: len(ref)]):
+        np.testing.assert_array_equal(bits(g), bits(r))
+    for f, g in zip(flipped, got[len(ref):]):
+        np.testing.assert_array_equal(bits(g), bits(f))
+
+
+@pytest.mark.parametrize("names", [("a", "b"), ("b", "a")])
+def test_tuple_axes_and_two_axis_mesh(names):
+    """Gathers over a tuple of axes (rank order as lax numbers it) and over one axis of a
+    2-D mesh (two communicators of 4 devices, one per row)."""
+    mesh = make_mesh((6, 1, 4, 3, 0, 7, 2, 5), names=("a", "b"), shape=(2, 4))
+    spec = P(("a", "b"))
+    x = jax.device_put(random_array(jax.random.key(9), (8, 1, 40), jnp.bfloat16), NamedSharding(mesh, spec))
+
+    def run(impl, axis_name):
+        f = C.shard_map(lambda v: C.all_gather(v, axis_name, axis=1, tiled=True, impl=impl),
+                        mesh=mesh, in_specs=(spec,), out_specs=spec)
+        return jax.jit(f)(x)
+
+    for axis_name in (names, "b", "a"):
+        np.testing.assert_array_equal(bits(run("ffi", axis_name)), bits(run("lax", axis_name)))
+
+
+def test_gather_logits_slices_padding():
+    mesh = make_mesh(range(8))
+    vocab, vpad = 1000, 1024
+    logits = jax.device_put(random_array(jax.random.key(5), (3, vpad), jnp.float32), NamedSharding(mesh, P(None, "tp")))
+
+    def run(impl):
+        f = C.shard_map(lambda v: C.gather_logits(v, "tp", vocab, impl=impl), mesh=mesh,
+                        in_specs=(P(None, "tp"),), out_specs=P(), check_vma=False)
+        return jax.jit(f, out_shardings=NamedSharding(mesh, P()))(logits)
+
+    got, ref = run("ffi"), run("lax")
+    assert got.shape == (3, vocab)
+    np.testing.assert_array_equal(bits(got), bits(ref))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(logits)[:, :vocab])
+
+
+# ---------------------------------------------------------------------------------------
+# Fallback rules: each reason, decided statically.
+# ---------------------------------------------------------------------------------------
+
+def explain_in_mesh(shape, dtype, impl="auto", n=4, padded=False):
+    mesh = make_mesh(range(n))
+    return C.explain(jax.ShapeDtypeStruct(shape, dtype), "tp", impl=impl, padded=padded, mesh=mesh)
+
+
+def test_fallback_reasons(monkeypatch):
+    assert explain_in_mesh((1, 256), jnp.bfloat16).path == "ffi"
+    assert explain_in_mesh((1, 256), jnp.bfloat16, n=1).path == "identity"
+    assert "rows" in explain_in_mesh((65, 256), jnp.bfloat16).reason
+    assert explain_in_mesh((65, 256), jnp.bfloat16).path == "lax"
+    assert "dtype complex64" in explain_in_mesh((1, 8), jnp.complex64).reason
+    assert "float8" in explain_in_mesh((1, 64), jnp.float8_e4m3fn).reason
+    assert "impl='lax'" in explain_in_mesh((1, 8), jnp.float32, impl="lax").reason
+    monkeypatch.setenv(C.ENV_MAX_BYTES, "1024")
+    assert "bytes per rank" in explain_in_mesh((1, 512), jnp.float32).reason
+    monkeypatch.setenv(C.ENV_MAX_ROWS, "1")
+    assert "rows" in explain_in_mesh((2, 8), jnp.float32).reason
+
+
+def test_fallback_no_handler_and_no_extension(monkeypatch):
+    monkeypatch.setattr(C, "_registered", set())
+    monkeypatch.setattr(C, "_targets_for", lambda platform: {})
+    monkeypatch.setattr(C, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="without cpu handlers"):
+        p = explain_in_mesh((1, 8), jnp.float32)
+    assert p.path == "lax" and "no cpu handler" in p.reason
+
+    monkeypatch.setattr(C, "_ext", None)
+    monkeypatch.setattr(C, "_ext_error", "the jaxk3._ffi extension failed to import (ImportError: test)")
+    with pytest.warns(RuntimeWarning, match="failed to import"):
+        p = explain_in_mesh((1, 8), jnp.float32)
+    assert p.path == "lax" and "failed to import" in p.reason
+
+
+class FakeDevice:
+    def __init__(self, id, process_index):
+        self.id, self.process_index, self.local_hardware_id, self.platform = id, process_index, id % 4, "cpu"
+
+
+def test_group_spanning_processes_is_detected():
+    class FakeMesh:
+        axis_names = ("dp", "tp")
+        devices = np.array([[FakeDevice(i, i // 4) for i in range(4)], [FakeDevice(i, i // 4) for i in range(4, 8)]])
+
+    _, _, spans_tp = C._group_tables(FakeMesh, ("tp",))
+    _, _, spans_dp = C._group_tables(FakeMesh, ("dp",))
+    assert not spans_tp and spans_dp
+    p = C.plan((1, 8), jnp.float32, "dp", mesh=FakeMesh)
+    assert p.path == "lax" and "spans processes" in p.reason
+
+
+def test_impl_ffi_raises_with_reason_and_env_switch(monkeypatch):
+    mesh = make_mesh(range(4))
+    x = jax.device_put(random_array(jax.random.key(0), (4 * 100, 8), jnp.float32), NamedSharding(mesh, P("tp")))
+    with pytest.raises(C.GatherUnavailableError, match="rows"):
+        jax.jit(C.shard_map(lambda v: C.all_gather(v, "tp", impl="ffi"), mesh=mesh, in_specs=(P("tp"),), out_specs=P("tp")))(x)
+    small = jax.device_put(random_array(jax.random.key(0), (4, 8), jnp.float32), NamedSharding(mesh, P("tp")))
+    f = lambda: jax.jit(C.shard_map(lambda v: C.all_gather(v, "tp"), mesh=mesh, in_specs=(P("tp"),), out_specs=P("tp")))
+    assert "jaxk3_" in f().lower(small).as_text()
+    monkeypatch.setenv(C.ENV_IMPL, "lax")
+    text = f().lower(small).as_text()
+    assert "jaxk3_" not in text and "all_gather" in text
+    monkeypatch.setenv(C.ENV_IMPL, "bogus")
+    with pytest.raises(ValueError, match="JAXK3_GATHER"):
+        f().lower(small)
+
+
+def test_plain_shard_map_without_mesh_falls_back():
+    mesh = make_mesh(range(2))
+    x = jax.device_put(random_array(jax.random.key(0), (2, 8), jnp.float32), NamedSharding(mesh, P("tp")))
+    seen = []
+
+    def body(v):
+        seen.append(C.explain(v, "tp"))
+        return C.all_gather(v, "tp")
+
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),), out_specs=P("tp")))(x)
+    assert seen[0].path == "lax" and "mesh is unknown" in seen[0].reason
+
+
+# ---------------------------------------------------------------------------------------
+# No hangs, no silent corruption.
+# ---------------------------------------------------------------------------------------
+
+def _threads(fns):
+    results = [None] * len(fns)
+
+    def run(i):
+        try:
+            results[i] = fns[i]()
+        except Exception as e:  # noqa: BLE001
+            results[i] = e
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    return results
+
+
+def test_host_rendezvous_missing_peer_times_out():
+    devices = [901, 902, 903]
+    t0 = time.monotonic()
+    res = _threads([lambda r=r: ext._host_gather_for_test(devices, 1, r, b"abcd", 4, 1, 300) for r in (0, 1)])
+    assert time.monotonic() - t0 < 10
+    for r in res:
+        assert isinstance(r, RuntimeError) and "timed out" in str(r) and "arrived 2 of 3" in str(r)
+    # The communicator is now broken: later calls fail at once, until reset().
+    with pytest.raises(RuntimeError, match="unusable"):
+        ext._host_gather_for_test(devices, 2, 0, b"abcd", 4, 1, 300)
+    C.reset()
+    res = _threads([lambda r=r: ext._host_gather_for_test(devices, 3, r, bytes([r]) * 5, 4, 16, 5000) for r in range(3)])
+    assert res == [b"\x00" * 5 + b"\x01" * 5 + b"\x02" * 5] * 3
+
+
+def test_host_rendezvous_disagreeing_ranks_fail_everywhere():
+    devices = [911, 912]
+    res = _threads([
+        lambda: ext._host_gather_for_test(devices, 1, 0, b"x" * 16, 11, 1, 5000),
+        lambda: ext._host_gather_for_test(devices, 1, 1, b"y" * 32, 11, 1, 5000),
+    ])
+    assert all(isinstance(r, RuntimeError) and "disagree" in str(r) for r in res), res
+    res = _threads([
+        lambda: ext._host_gather_for_test(devices, 2, 0, b"x" * 16, 11, 1, 5000),
+        lambda: ext._host_gather_for_test(devices, 2, 1, b"y" * 16, 4, 1, 5000),
+    ])
+    assert all(isinstance(r, RuntimeError) and "dtype" in str(r) for r in res), res
+
+
+def test_xla_missing_peer_errors_in_bounded_time():
+    """A program on one device whose gather names a 2-device group: the peer never comes."""
+    d0, d1 = jax.devices()[:2]
+    C.extension()
+    C._register("cpu")
+    call = jax.ffi.ffi_call(C.ONE_SHOT_TARGET, jax.ShapeDtypeStruct((2, 4), jnp.float32))
+    table = np.array([d0.process_index, d0.id, 0, 0, d1.process_index, d1.id, 0, 1], np.int64)
+    f = jax.jit(lambda v: call(v, site=np.int64(10**12), group_size=np.int64(2), table=table,
+                               groups=np.array([d0.id + 7000, d1.id + 7000], np.int64)))
+    ext.set_timeout_ms(500)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="timed out"):
+            jax.block_until_ready(f(jax.device_put(jnp.ones(4, jnp.float32), d0)))
+        assert time.monotonic() - t0 < 30
+    finally:
+        ext.set_timeout_ms(20000)
+        C.reset()
+
+
+# ---------------------------------------------------------------------------------------
+# Stress: thousands of dependent gathers, async dispatch, random sizes, several communicators.
+# ---------------------------------------------------------------------------------------
+
+def test_stress_async_dispatch_random_sizes():
+    rng = np.random.default_rng(0)
+    mesh = make_mesh((3, 6, 0, 5, 7, 2, 4, 1), names=("a", "b"), shape=(2, 4))
+    spec = P(None, ("a", "b"))
+    chain = 24
+    plan_ = [(("b", "a")[i % 2], int(rng.integers(1, 300))) for i in range(chain)]
+
+    def body(v):  # v: [1, 8] per device; each step gathers a random width and feeds the next
+        for axis_name, width in plan_:
+            src = jnp.tile(v, (1, width // v.shape[1] + 1))[:, :width] * 1.5 + 1
+            g = C.all_gather(src.astype(jnp.bfloat16), axis_name, axis=1, tiled=True, impl=impl_box[0])
+            v = g[:, :8].astype(jnp.float32) - g[:, -8:].astype(jnp.float32) * 0.25
+        return v
+
+    impl_box = ["ffi"]
+    f_ffi = jax.jit(C.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=spec))
+    impl_box[0] = "lax"
+    f_lax = jax.jit(C.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=spec))
+    impl_box[0] = "ffi"
+    inputs = [jax.device_put(random_array(jax.random.key(i), (1, 64), jnp.float32), NamedSharding(mesh, spec))
+              for i in range(8)]
+    launches = 60
+    outs = [f_ffi(inputs[i % 8]) for i in range(launches)]  # dispatched without waiting
+    chained = inputs[0]
+    for _ in range(20):  # a dependent chain of launches too
+        chained = f_ffi(chained)
+    refs = [f_lax(x) for x in inputs]
+    ref_chain = inputs[0]
+    for _ in range(20):
+        ref_chain = f_lax(ref_chain)
+    mismatches = sum(not np.array_equal(bits(o), bits(refs[i % 8])) for i, o in enumerate(outs))
+    mismatches += not np.array_equal(bits(chained), bits(ref_chain))
+    assert mismatches == 0
+    assert (launches + 20) * chain >= 1900

@@ -1,6 +1,7 @@
 // nanobind module jaxk3._ffi: handler capsules, build facts and the communicator controls.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include <atomic>
@@ -14,6 +15,9 @@
 #include "group.h"
 #include "handlers.h"
 #include "host_comm.h"
+#ifdef JAXK3_WITH_CUDA
+#include "cuda_comm.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -85,6 +89,29 @@ NB_MODULE(_ffi, m) {
 #endif
     return d;
   });
+#ifdef JAXK3_WITH_CUDA
+  // (ok, reason) for a GPU group in rank order; creates its communicator (receive buffers,
+  // peer access, kernel loaded on every GPU) so that no execute does setup.  Device ids are
+  // taken as CUDA ordinals unless `ordinals` is given (true for one process).
+  m.def(
+      "cuda_group_ok",
+      [](std::vector<int64_t> devices, std::optional<std::vector<int>> ordinals) {
+        std::vector<int> ords;
+        if (ordinals) {
+          ords = *ordinals;
+        } else {
+          for (int64_t d : devices) ords.push_back(static_cast<int>(d));
+        }
+        std::string why;
+        {
+          nb::gil_scoped_release release;
+          why = CudaGroupSetup(devices, ords);
+        }
+        return nb::make_tuple(why.empty(), why);
+      },
+      nb::arg("devices"), nb::arg("ordinals") = nb::none());
+  m.def("cuda_device_count", &CudaDeviceCount);
+#endif
   m.def("build_info", []() {
     nb::dict d;
     d["ffi_cpu"] = true;

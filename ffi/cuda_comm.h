@@ -1,0 +1,80 @@
+// One-shot gather communicator for the GPUs of one process (platform CUDA).
+//
+// One CudaComm per *ordered* GPU group (key: global device ids in rank order), created once,
+// outside the execute path: at trace time by cuda_group_ok() (the Python plan calls it for
+// every group it sends to the FFI path), or, failing that, on the first execute (with stream
+// capture relaxed so that a command-buffer capture does not fail).
+//
+// Memory, on every GPU of the group (one cudaMalloc each, owned by the library):
+//   ctl    [64] u32     : ctl[0] = epoch (next call's generation, starts at 1),
+//                         ctl[1] = blocks of the running call that have finished
+//   flags  [2][kMaxRanks][kMaxBlocks] u32 : flags[slot][sender][block] = epoch of the data
+//                         that sender's block `block` pushed into slot `slot` here
+//   data   [2][n][cap] bytes : receive slots, slot = epoch & 1, row = sender rank, 16-B padded
+// plus one mapped host word block (error code, rank, epoch) shared by the group.
+//
+// Each call is one kernel per GPU: every block pushes its chunk of the local operand into
+// its row of every peer's receive slot (NVLink stores), publishes a flag on the peer
+// (fence.sys + st.release.sys), copies its own chunk to the output, then spins on the flags
+// in *local* memory (ld.acquire.sys) and copies the peers' chunks from the local receive slot
+// into the output, dropping the 16-B padding.  The last block to finish bumps the epoch.
+// All per-call state is in device memory, so CUDA-graph replay is correct; the kernel
+// arguments (pointers, sizes, the timeout) are fixed per call site.
+//
+// Two slots suffice: a rank can only start call e+2 after receiving every peer's data of
+// call e+1, which a peer sends only after its call e finished reading slot e&1 (same stream).
+//
+// Bounded waits: a spinning block gives up after the timeout (set_timeout / JAXK3_GATHER_TIMEOUT_S,
+// read when the call is launched or captured), measured with %globaltimer; it writes an error
+// code into the mapped host word and exits (its output is garbage).  Every later kernel of that
+// communicator sees the code and stops waiting, and every later execute of the handler
+// returns an ffi::Error naming the failure (the communicator stays broken: the process must
+// restart its gathers; there is no in-place recovery of the epochs).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace jaxk3 {
+
+constexpr int kCudaMaxRanks = 8;
+constexpr int kCudaMaxBlocks = 64;
+constexpr int kCudaThreads = 256;
+
+struct CudaComm {
+  int n = 0;
+  std::vector<int64_t> devices;   // global ids, rank order (the key)
+  std::vector<int> ordinals;      // CUDA ordinals, rank order
+  size_t cap = 0;                 // receive slot bytes per rank (multiple of 16)
+  std::vector<char*> base;        // per rank: its GPU's allocation
+  std::vector<unsigned*> ctl;     // per rank
+  std::vector<unsigned*> flags;   // per rank
+  std::vector<char*> data;        // per rank
+  volatile unsigned* host_err = nullptr;  // [0] code (0 = ok, 1 = timeout), [1] rank, [2] epoch
+  unsigned* dev_err = nullptr;            // the same words, as the kernels address them
+};
+
+// Checks that `ordinals` (CUDA ordinals, rank order) can form a one-shot group (at most
+// kCudaMaxRanks, distinct, every pair peer-capable) and creates its communicator once.
+// Returns "" on success, else the reason.
+std::string CudaGroupSetup(const std::vector<int64_t>& devices, const std::vector<int>& ordinals);
+
+// The communicator of `devices`, created on first use (ordinals checked against an existing
+// one).  Returns nullptr and sets *why on failure.
+CudaComm* GetCudaComm(const std::vector<int64_t>& devices, const std::vector<int>& ordinals,
+                      std::string* why);
+
+// Number of visible CUDA devices (0 when the runtime has none).
+int CudaDeviceCount();
+
+// Launches one gather of `bytes` per rank on `stream` (a cudaStream_t).  Returns "" or the
+// CUDA error.
+std::string LaunchCudaGather(CudaComm* comm, int rank, const void* in, void* out, size_t bytes,
+                             void* stream, int64_t timeout_ms);
+
+// Non-empty when a kernel of `comm` timed out earlier (the communicator is broken).
+std::string CudaCommFailure(const CudaComm* comm);
+
+}  // namespace jaxk3

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# On a machine with >= 2 NVIDIA GPUs: build the extension with its CUDA handlers against this
+# machine's own jax, print the machine, run the GPU tests, and benchmark the gathers (floor /
+# lax / ffi in the same run) with XLA command buffers on (default) and off.
+#
+#   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench]   (no argument: all of them)
+#
+# Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
+# --no-deps, so scikit-build-core, nanobind, cmake, nvcc and jax must be installed already.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out/gpu}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+STAGES=${*:-env build test thunks bench}
+export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export JAX_PLATFORMS=cuda
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export JAXK3_GATHER_TIMEOUT_S=${JAXK3_GATHER_TIMEOUT_S:-20}
+status=0
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+if has env; then
+  {
+    date -u; uname -a
+    nvidia-smi || true
+    nvidia-smi topo -m || true
+    nvcc --version | tail -2 || true
+    $PY -c "import sys, jax, jaxlib; print('python', sys.version.split()[0]); print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
+    $PY -m pip list 2>/dev/null | grep -Ei '^(jax|jaxlib|jax-cuda|nanobind|scikit-build|cmake|numpy) ' || true
+  } 2>&1 | tee "$OUT/env.txt"
+fi
+
+if has build; then
+  echo "== build ($(date -u +%T))"
+  JAXK3_CUDA=ON JAXK3_CUDA_ARCHS=${JAXK3_CUDA_ARCHS:-90} timeout 300 \
+    $PY -m pip install -v --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1
+  rc=$?
+  tail -5 "$OUT/build.log"
+  if [ $rc -ne 0 ]; then echo "BUILD FAILED ($rc)"; grep -E "error|Error" "$OUT/build.log" | head -30; exit 1; fi
+  $PY -c "from jaxk3 import _ffi; print(_ffi.build_info()); print('cuda_group_ok', _ffi.cuda_group_ok([0, 1]))"
+fi
+
+if has test; then
+  echo "== tests ($(date -u +%T))"
+  timeout 300 $PY -m pytest tests/test_gpu_gathers.py -m gpu -v -rs -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed|error" | tail -60
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has thunks; then
+  echo "== is the custom call inside a command buffer? ($(date -u +%T))"
+  rm -rf /tmp/jaxk3_xdump
+  XLA_FLAGS="--xla_dump_to=/tmp/jaxk3_xdump" timeout 120 $PY - <<'EOF' 2>&1 | tee "$OUT/thunks.txt"
+import glob, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxk3 import collectives as C
+devs = jax.devices()[:2]
+mesh = jax.sharding.Mesh(np.asarray(devs), ("tp",))
+def body(x):
+    for i in range(4):
+        g = C.all_gather(x, "tp", axis=1, tiled=True, impl="ffi")
+        x = g[:, 256:512] * 1.5
+    return x
+f = jax.jit(C.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+x = jax.device_put(jnp.ones((2, 256), jnp.float32), NamedSharding(mesh, P("tp")))
+print(np.asarray(f(x))[0, :4])
+for path in sorted(glob.glob("/tmp/jaxk3_xdump/*thunk_sequence*")):
+    txt = open(path).read()
+    if "jaxk3" in txt or "custom" in txt.lower():
+        print(path.split("/")[-1], "kCommandBuffer:", txt.count("kCommandBuffer"), "custom-call lines:",
+              sum("jaxk3" in l for l in txt.splitlines()))
+        print("\n".join(l for l in txt.splitlines() if "CommandBuffer" in l or "jaxk3" in l or "CustomCall" in l)[:3000])
+EOF
+fi
+
+bench() {  # $1 = label, XLA_FLAGS from the environment
+  if [ -f jaxk3/cli.py ]; then
+    timeout 200 $PY -m jaxk3.cli bench gather --json "$OUT/bench_$1.json" 2>&1 | tee "$OUT/bench_$1.log"
+  else
+    timeout 200 $PY -c "from jaxk3 import bench; r=bench.bench_gather(); print(bench.gather_table(r)); bench.write_json(r, '$OUT/bench_$1.json')" 2>&1 | tee "$OUT/bench_$1.log"
+  fi
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+
+if has bench; then
+  echo "== bench, command buffers on (XLA default) ($(date -u +%T))"
+  bench cb_on
+  echo "== bench, command buffers off ($(date -u +%T))"
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" bench cb_off
+fi
+echo "== done ($(date -u +%T)), status $status"
+exit $status

@@ -9,6 +9,7 @@ shard): what one dependent step costs on this device without any communication.
 from __future__ import annotations
 
 import json
+import os
 import platform as _platform
 import statistics
 import sys
@@ -67,6 +68,19 @@ def _time(fn, x, repeats: int) -> list[float]:
 
 def bench_gather(sizes=DEFAULT_SIZES, chain: int = 100, repeats: int = 15, devices=None,
                  dtype=jnp.float32, impls=("floor", "lax", "ffi"), progress=None) -> dict:
+    # Measure the FFI path at every size asked, past the default cap that `auto` applies.
+    saved = os.environ.get(collectives.ENV_MAX_BYTES)
+    os.environ[collectives.ENV_MAX_BYTES] = str(max(sizes))
+    try:
+        return _bench_gather(sizes, chain, repeats, devices, dtype, impls, progress)
+    finally:
+        if saved is None:
+            os.environ.pop(collectives.ENV_MAX_BYTES, None)
+        else:
+            os.environ[collectives.ENV_MAX_BYTES] = saved
+
+
+def _bench_gather(sizes, chain, repeats, devices, dtype, impls, progress) -> dict:
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
     mesh = jax.sharding.Mesh(np.asarray(devices), ("tp",))
@@ -120,7 +134,7 @@ def versions() -> dict:
         "jaxlib": jaxlib.__version__,
         "python": sys.version.split()[0],
         "machine": _platform.machine(),
-        "cpus": __import__("os").cpu_count(),
+        "cpus": os.cpu_count(),
     }
 
 

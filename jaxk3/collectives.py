@@ -16,7 +16,7 @@ variable                   meaning                                              
 =========================  ======================================================  ========
 ``JAXK3_GATHER``           default ``impl``: ``auto``, ``ffi`` or ``lax``          ``auto``
 ``JAXK3_GATHER_MAX_ROWS``  rows (all dims but the last) above which it falls back  ``64``
-``JAXK3_GATHER_MAX_BYTES`` payload bytes per rank above which it falls back        ``1048576``
+``JAXK3_GATHER_MAX_BYTES`` payload bytes per rank above which it falls back        CUDA ``1048576``, CPU ``32768``
 ``JAXK3_GATHER_TIMEOUT_S`` seconds a rank waits for its peers before failing       ``60``
 =========================  ======================================================  ========
 """
@@ -254,8 +254,13 @@ def max_rows() -> int:
     return _env_int(ENV_MAX_ROWS, 64)
 
 
-def max_bytes() -> int:
-    return _env_int(ENV_MAX_BYTES, 1 << 20)
+# Above this many bytes per rank the CPU handler (one thread copies all n x n payloads) loses
+# to XLA's all-gather at 8 devices (docs/PERF.md: 16 KB 5x faster, 64 KB 0.83x).
+_DEFAULT_MAX_BYTES = {"cpu": 32 << 10, "CUDA": 1 << 20}
+
+
+def max_bytes(platform: str = "CUDA") -> int:
+    return _env_int(ENV_MAX_BYTES, _DEFAULT_MAX_BYTES.get(platform, 1 << 20))
 
 
 def _axis_names(axis_name) -> tuple[str, ...]:
@@ -328,8 +333,6 @@ def plan(shape: Sequence[int], dtype, axis_name, *, padded: bool = False, impl: 
         return no("empty payload")
     if rows > max_rows():
         return no(f"{rows} rows > {ENV_MAX_ROWS}={max_rows()} (prefill-sized)")
-    if nbytes > max_bytes():
-        return no(f"{nbytes} bytes per rank > {ENV_MAX_BYTES}={max_bytes()}")
     not_manual = [a for a in sizes if "Manual" not in types.get(a, "Manual")]
     if not_manual:
         return no(f"mesh axes {not_manual} are not manual (partial shard_map)")
@@ -341,6 +344,9 @@ def plan(shape: Sequence[int], dtype, axis_name, *, padded: bool = False, impl: 
     platform = _FFI_PLATFORM.get(np.asarray(m.devices).flat[0].platform)
     if platform is None:
         return no(f"no jaxk3 handler for platform {np.asarray(m.devices).flat[0].platform!r}")
+    if nbytes > max_bytes(platform):
+        return no(f"{nbytes} bytes per rank > {ENV_MAX_BYTES}={max_bytes(platform)} (the {platform} default"
+                  " is where the FFI path stops beating lax)")
     table, groups, spans = _group_tables(m, names)
     if spans:
         return no("the group spans processes (XLA's collectives handle that)")

@@ -1,0 +1,57 @@
+# jaxk3: every target sets up its own virtual environment on a fresh machine.
+#   make demo   the embedded default job: a tiny random K3 model on 8 CPU devices + gather verdict
+#   make test   the test suite (8 fake CPU devices)
+#   make bench  jaxk3 bench gather on 8 CPU devices, JSON in out/
+#   make build  rebuild the C++/CUDA extension after editing ffi/
+# Variables: PY (interpreter for the venv), VENV (its folder), ORACLES=1|0 (torch, transformers
+# and fla-core for the reference tests; 0 skips those tests with their reason), JAXK3_CUDA
+# (AUTO|ON|OFF: build the CUDA handlers when nvcc is found / require it / never).
+
+PY ?= python3
+VENV ?= .venv
+ORACLES ?= 1
+JAX_SPEC ?= jax
+JAXK3_CUDA ?= AUTO
+export JAXK3_CUDA
+PYBIN := $(VENV)/bin/python
+STAMP := $(VENV)/.jaxk3-installed
+TORCH_WHEEL := $(wildcard /opt/wheels/torch-2.13.0+cpu-cp311-*.whl)
+PIP := $(PYBIN) -m pip install -q --disable-pip-version-check
+
+.PHONY: demo test bench build venv clean
+
+venv: $(STAMP)
+
+$(VENV)/bin/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.deps: $(VENV)/bin/python pyproject.toml
+	$(PIP) "$(JAX_SPEC)" numpy ml_dtypes "scikit-build-core>=0.10" "nanobind>=2.4" "pytest>=8" safetensors matplotlib
+ifeq ($(ORACLES),1)
+	@# torch: the CPU build that lies on local disk (Python 3.11); else PyPI's CPU index is not
+	@# reachable here, so the oracle tests need ORACLES=0 on other Pythons.
+	$(PIP) $(if $(TORCH_WHEEL),$(TORCH_WHEEL),torch) "transformers==5.23.0" einops
+	$(PIP) --no-deps "fla-core==0.6.0"
+endif
+	touch $@
+
+$(STAMP): $(VENV)/.deps CMakeLists.txt $(wildcard ffi/*)
+	$(PIP) --no-build-isolation --no-deps -e .
+	touch $@
+
+build:
+	$(PIP) --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PYBIN) -m pytest -q -rs
+
+demo: $(STAMP)
+	$(VENV)/bin/jaxk3 demo --cpu-devices 8
+
+bench: $(STAMP)
+	mkdir -p out
+	$(VENV)/bin/jaxk3 bench gather --cpu-devices 8 --json out/bench_gather_cpu8.json
+
+clean:
+	rm -rf build .venv .venv312 out

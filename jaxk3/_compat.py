@@ -22,5 +22,14 @@ _CHECK_KW = "check_vma" if "check_vma" in _PARAMS else "check_rep"
 
 
 def shard_map(f: Callable, mesh: jax.sharding.Mesh, in_specs: Any, out_specs: Any) -> Callable:
-    """`shard_map(f, mesh=..., in_specs=..., out_specs=...)` with the replication check off."""
-    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{_CHECK_KW: False})
+    """`shard_map(f, mesh=..., in_specs=..., out_specs=...)` with the replication check off.
+
+    Goes through `jaxk3.collectives.shard_map` when it exists: that wrapper records the concrete
+    mesh while `f` is traced, which the FFI gathers need to pick their device group.
+    """
+    from jaxk3 import collectives
+
+    sm = getattr(collectives, "shard_map", None)
+    if sm is None:
+        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{_CHECK_KW: False})
+    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{_CHECK_KW: False})

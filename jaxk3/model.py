@@ -421,9 +421,10 @@ class Model:
 
     def step(self, cache: Cache, tokens_B: Any, valid_B: Any = None) -> tuple[jax.Array, jax.Array, Cache]:
         """One jitted decode step (cache donated): (logits [B, vocab] fp32, argmax [B], new cache)."""
-        tokens_B = jnp.asarray(tokens_B, jnp.int32)
-        valid_B = jnp.ones(tokens_B.shape, bool) if valid_B is None else jnp.asarray(valid_B, bool)
-        return self._step(self.weights, cache, tokens_B, valid_B)
+        tokens_B = np.asarray(tokens_B, np.int32)
+        valid_B = np.ones(tokens_B.shape, bool) if valid_B is None else np.asarray(valid_B, bool)
+        rep = NamedSharding(self.mesh, P())  # same input sharding as the fed-back argmax: one compile
+        return self._step(self.weights, cache, jax.device_put(tokens_B, rep), jax.device_put(valid_B, rep))
 
     def _check_prompts(self, prompt_ids: Any) -> list[list[int]]:
         if isinstance(prompt_ids, np.ndarray) or hasattr(prompt_ids, "shape"):
@@ -461,7 +462,7 @@ class Model:
             logits, nxt, cache = self.step(cache, toks[:, t], valid[:, t])
             times.append(time.perf_counter() - t0)
         out_tok, out_logits = [nxt], [logits]
-        ones = jnp.ones((B,), bool)
+        ones = jax.device_put(np.ones((B,), bool), NamedSharding(self.mesh, P()))
         for _ in range(max_new_tokens - 1):
             t0 = time.perf_counter()
             logits, nxt, cache = self._step(self.weights, cache, nxt, ones)

@@ -1,0 +1,201 @@
+"""The whole decode step and `Model.generate` on the tiny configs (spec §7.1).
+
+Tolerances
+- float32 model vs float64 NumPy reference (test_*_matches_numpy_reference): max|Δlogit| <=
+  1e-4 · max|logit|.  Same argument as tests/test_layers.py, over 8 layers: the observed error is
+  ~1e-6 relative; a real mistake moves logits by >= 1e-2.
+- bfloat16 across TP sizes (test_tp_sizes_agree): tokens equal and max|Δlogit| <= 2e-2 · max|logit|.
+  bf16 keeps 8 significant bits (one ulp = 0.4-0.8 %).  Changing TP changes the GEMM splits and the
+  psum order of every row-parallel partial, so a stored bf16 activation can round to a neighbouring
+  value at any of the ~40 rounding points of a step and the AttnRes / residual sums carry it to the
+  logits; we observe 0.65 % of the largest logit (one-two ulps of a logit), so 2 % is a 3x margin
+  that still fails for any sharding mistake (those give O(1) changes).  The tiny configs' greedy
+  top-2 logit gaps are >= 0.02-0.09 on these prompts, far above the observed drift, so the tokens
+  must agree exactly.
+- FFI vs lax gathers: bitwise (the gathers are bitwise equal to lax.all_gather, so the whole
+  program is identical).
+- ragged batch vs solo rows, float32: tokens equal, logits within 1e-5 · max|logit| (rows are
+  computed independently; only GEMM blocking for B=3 vs B=1 may round differently).
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jaxk3
+from jaxk3.config import KimiK3Config
+from jaxk3.model import Model, random_hf_weights, weights_from_hf
+from refs import np_ref
+
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82, 81, 82, 84, 59, 4]]
+NEW = 6
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.max(np.abs(a - b)) / np.max(np.abs(b))
+
+
+@pytest.fixture(scope="module")
+def k3_f32():
+    return jaxk3.init_random_model(KimiK3Config.tiny_k3(), seed=0, tp=1, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def bf16_runs():
+    """Greedy runs of the tiny K3 model in bf16 under several TP sizes and switches (one compile each)."""
+    cfg = KimiK3Config.tiny_k3()
+    runs = {}
+    for tp, gather, latent in ((1, "auto", True), (2, "auto", True), (4, "auto", True), (4, "auto", False),
+                               (8, "lax", True)):
+        m = jaxk3.init_random_model(cfg, seed=0, tp=tp, gather=gather, shard_latent=latent)
+        runs[(tp, gather, latent)] = m.generate(PROMPTS, NEW, return_logits=True)
+    return runs
+
+
+# ------------------------------------------------------------------------ vs reference
+def _reference_run(cfg, weights, prompt, tokens):
+    ref = np_ref.RefModel(cfg.to_hf_dict(), weights)
+    logits = None
+    for t in prompt:
+        logits = ref.step(t)
+    out = [logits]
+    for t in tokens[:-1]:
+        out.append(ref.step(int(t)))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("mode", ["k3", "kl"])
+def test_matches_numpy_reference(mode, k3_f32):
+    cfg = KimiK3Config.tiny_k3() if mode == "k3" else KimiK3Config.tiny_kimi_linear()
+    model = k3_f32 if mode == "k3" else jaxk3.init_random_model(cfg, seed=0, tp=1, dtype="float32")
+    prompt = PROMPTS[0][:5]
+    out = model.generate([prompt], 4, return_logits=True)
+    assert out.tokens.shape == (1, 4) and out.logits.shape == (1, 4, cfg.vocab_size)
+    assert out.tokens.dtype == np.int32 and out.logits.dtype == np.float32
+    ref = _reference_run(cfg, random_hf_weights(cfg, 0), prompt, out.tokens[0])
+    assert rel_err(out.logits[0], ref) <= 1e-4
+    np.testing.assert_array_equal(out.tokens[0], ref.argmax(-1))
+
+
+# ------------------------------------------------------------------------- TP, switches
+def test_tp_sizes_agree(bf16_runs):
+    base = bf16_runs[(1, "auto", True)]
+    for key, run in bf16_runs.items():
+        np.testing.assert_array_equal(run.tokens, base.tokens, err_msg=str(key))
+        assert rel_err(run.logits, base.logits) <= 2e-2, key
+
+
+def test_ffi_and_lax_gathers_bitwise_equal(bf16_runs):
+    m = jaxk3.init_random_model(KimiK3Config.tiny_k3(), seed=0, tp=8, gather="ffi")
+    a, b = m.generate(PROMPTS, NEW, return_logits=True), bf16_runs[(8, "lax", True)]
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logits, b.logits)
+
+
+def test_sharded_and_replicated_latent_agree(bf16_runs):
+    a, b = bf16_runs[(4, "auto", True)], bf16_runs[(4, "auto", False)]
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert rel_err(a.logits, b.logits) <= 2e-2
+
+
+def test_sharded_latent_lowers_to_one_gather_per_mla_layer():
+    """shard_latent=True: one all-gather per MLA layer plus the logits gather; False: logits only."""
+    cfg = KimiK3Config.tiny_k3()
+    for latent, want in ((True, len(cfg.mla_layers) + 1), (False, 1)):
+        m = jaxk3.init_random_model(cfg, seed=0, tp=2, gather="lax", shard_latent=latent)
+        c = m.init_cache(1, 64)
+        hlo = m._step.lower(m.weights, c, np.zeros(1, np.int32), np.ones(1, bool)).as_text()
+        assert hlo.count('"stablehlo.all_gather"') == want, latent
+
+
+# ------------------------------------------------------------------------------ caches
+def test_cache_is_updated(k3_f32):
+    m = k3_f32
+    tok = np.array([7], np.int32)
+    c = m.init_cache(1, 64)
+    l1, _, c = m.step(c, tok)
+    assert int(c.length[0]) == 1
+    for name in ("conv", "state", "kv"):
+        assert np.any(np.asarray(getattr(c, name))), name
+    l2, _, c = m.step(c, tok)  # same token again: the state it sees is different
+    assert int(c.length[0]) == 2
+    assert rel_err(l2, l1) > 1e-2
+    l1_again, _, _ = m.step(m.init_cache(1, 64), tok)  # a fresh first step reproduces the first one
+    np.testing.assert_array_equal(np.asarray(l1_again), np.asarray(l1))
+
+
+def test_pad_steps_leave_the_cache_alone(k3_f32):
+    m = k3_f32
+    c = m.init_cache(1, 64)
+    _, _, c = m.step(c, [5], [False])
+    assert int(c.length[0]) == 0
+    for name in ("conv", "state", "kv"):
+        assert not np.any(np.asarray(getattr(c, name))), name
+
+
+def test_ragged_batch_equals_solo_rows(k3_f32):
+    prompts = [[11, 12, 13, 14, 15], [21, 22], [31, 32, 33, 34, 35, 36, 37]]
+    batch = k3_f32.generate(prompts, 4, return_logits=True)
+    for i, p in enumerate(prompts):
+        solo = k3_f32.generate([p], 4, return_logits=True)
+        np.testing.assert_array_equal(batch.tokens[i], solo.tokens[0])
+        assert rel_err(batch.logits[i], solo.logits[0]) <= 1e-5
+
+
+def test_int_array_prompts(k3_f32):
+    a = k3_f32.generate(np.array([PROMPTS[0][:5]]), 2)
+    b = k3_f32.generate([PROMPTS[0][:5]], 2)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert a.logits is None
+
+
+# --------------------------------------------------------------------- input validation
+def test_bad_inputs_raise_before_compiling(k3_f32):
+    cfg = KimiK3Config.tiny_k3()
+    with pytest.raises(ValueError, match="not divisible by the TP size 3"):
+        jaxk3.init_random_model(cfg, tp=3)
+    with pytest.raises(ValueError, match="tp: must be an int"):
+        jaxk3.init_random_model(cfg, tp=len(jax.devices()) + 1)
+    with pytest.raises(ValueError, match="gather"):
+        jaxk3.init_random_model(cfg, tp=1, gather="nccl")
+    with pytest.raises(ValueError, match="dtype"):
+        jaxk3.init_random_model(cfg, tp=1, dtype="int8")
+    with pytest.raises(ValueError, match="outside"):
+        k3_f32.generate([[1, 1000]], 2)
+    with pytest.raises(ValueError, match="outside"):
+        k3_f32.generate([[-1]], 2)
+    with pytest.raises(ValueError, match="row 1 is empty"):
+        k3_f32.generate([[1], []], 2)
+    with pytest.raises(ValueError, match="empty batch"):
+        k3_f32.generate([], 2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        k3_f32.generate([[1]], 0)
+
+
+# ------------------------------------------------------------------- HF names / loading
+def test_weights_load_by_hf_names():
+    cfg = KimiK3Config.tiny_k3()
+    W = random_hf_weights(cfg, 0)
+    # K3 multimodal prefix, and A_log given as the checkpoint's [128] (only the first H are used)
+    W2 = {("language_model." + k[len("model."):] if k.startswith("model.layers.") else k): v for k, v in W.items()}
+    l = cfg.kda_layers[0]
+    W2[f"language_model.layers.{l}.self_attn.A_log"] = np.concatenate(
+        [W[f"model.layers.{l}.self_attn.A_log"], np.full(120, 99.0, np.float32)])
+    a, b = weights_from_hf(cfg, W), weights_from_hf(cfg, W2)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+    del W2["lm_head.weight"]
+    with pytest.raises(ValueError, match="missing tensor 'lm_head.weight'"):
+        weights_from_hf(cfg, W2)
+    W[f"model.layers.{l}.self_attn.q_proj.weight"] = np.zeros((3, 3), np.float32)
+    with pytest.raises(ValueError, match="q_proj.weight"):
+        weights_from_hf(cfg, W)
+
+
+def test_from_weights_equals_init_random(k3_f32):
+    cfg = KimiK3Config.tiny_k3()
+    m = Model.from_weights(cfg, weights_from_hf(cfg, random_hf_weights(cfg, 0)), tp=1, dtype="float32")
+    for x, y in zip(jax.tree.leaves(m.weights), jax.tree.leaves(k3_f32.weights)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -133,7 +133,8 @@ def _chain(mesh, n, cols, steps, impl):
             nxt = lax.dynamic_slice_in_dim(g, (r + 1) % n, 1, axis=0) + 1.0
             return nxt, bad
 
-        x, bad = lax.fori_loop(0, steps, step, (x, jnp.zeros((), jnp.int32)))
+        bad0 = (r * 0).astype(jnp.int32)  # varying over "tp", like the loop's output
+        x, bad = lax.fori_loop(0, steps, step, (x, bad0))
         return x, bad[None]
 
     return jax.jit(C.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"), P("tp"))))
@@ -181,37 +182,43 @@ def test_unrolled_chain_matches_lax():
 
 
 @requires_gpus
-def test_two_communicators_in_one_program():
-    """Two ordered groups (the GPUs forward and reversed) in one jit, interleaved."""
+def test_two_communicators():
+    """Two communicators at once.  With >= 4 GPUs: one program on a (n/2, 2) mesh gathering over
+    the size-2 axis (n/2 groups, each its own communicator).  With 2 GPUs a jit takes one device
+    order, so: the GPUs forward and reversed (two ordered groups, two communicators) in two
+    programs, dispatched interleaved without waiting, several times."""
     gpus = _gpus()
     n = len(gpus)
-    fwd = mesh_of(gpus)
-    rev = mesh_of(gpus[::-1])
     cols = 300
 
-    def make(impl):
-        def f1(x):
-            return C.all_gather(x, "tp", axis=1, tiled=True, impl=impl)
+    def gather_prog(mesh, axis, impl):
+        def body(x):
+            a = C.all_gather(x, axis, axis=1, tiled=True, impl=impl)
+            return C.all_gather(a[:, :cols] + 1, axis, axis=1, tiled=True, impl=impl)
 
-        def f2(y):
-            return C.all_gather(y, "tp", axis=1, tiled=True, impl=impl)
+        return jax.jit(C.shard_map(body, mesh=mesh, in_specs=P(mesh.axis_names), out_specs=P(mesh.axis_names)))
 
-        s1 = C.shard_map(f1, mesh=fwd, in_specs=P("tp"), out_specs=P("tp"))
-        s2 = C.shard_map(f2, mesh=rev, in_specs=P("tp"), out_specs=P("tp"))
+    if n >= 4:
+        m = n // 2 * 2
+        mesh = mesh_of(gpus[:m], ("dp", "tp"), (m // 2, 2))
+        x = jax.device_put(random_array(jax.random.key(5), (m, cols), jnp.float32),
+                           NamedSharding(mesh, P(("dp", "tp"))))
+        got = gather_prog(mesh, "tp", "ffi")(x)
+        want = gather_prog(mesh, "tp", "lax")(x)
+        np.testing.assert_array_equal(bits(got), bits(want))
+        return
 
-        def prog(x, y):
-            a = s1(x)
-            b = s2(y)
-            return a, b, s1(a[:, :cols] + 1), s2(b[:, :cols] - 1)
-
-        return jax.jit(prog)
-
-    x = jax.device_put(random_array(jax.random.key(5), (n, cols), jnp.float32), NamedSharding(fwd, P("tp")))
-    y = jax.device_put(random_array(jax.random.key(6), (n, cols), jnp.float32), NamedSharding(rev, P("tp")))
-    got = make("ffi")(x, y)
-    want = make("lax")(x, y)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(bits(g), bits(w))
+    fwd, rev = mesh_of(gpus), mesh_of(gpus[::-1])
+    xs = {k: jax.device_put(random_array(jax.random.key(i), (n, cols), jnp.float32), NamedSharding(m, P("tp")))
+          for i, (k, m) in enumerate((("fwd", fwd), ("rev", rev)))}
+    progs = {(k, impl): gather_prog(m, "tp", impl) for k, m in (("fwd", fwd), ("rev", rev)) for impl in ("ffi", "lax")}
+    want = {k: np.asarray(progs[(k, "lax")](xs[k])) for k in xs}
+    outs = []
+    for _ in range(20):  # both communicators' kernels queued on the same GPU streams
+        outs.append(("fwd", progs[("fwd", "ffi")](xs["fwd"])))
+        outs.append(("rev", progs[("rev", "ffi")](xs["rev"])))
+    for k, o in outs:
+        np.testing.assert_array_equal(bits(o), bits(want[k]))
 
 
 @requires_gpus

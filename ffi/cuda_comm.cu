@@ -246,11 +246,16 @@ std::string Create(const std::vector<int64_t>& devices, const std::vector<int>& 
     c->flags.push_back(reinterpret_cast<unsigned*>(base + kCtlBytes));
     c->data.push_back(base + kCtlBytes + kFlagBytes);
     // Zero the control words and flags, epoch 1; the receive slots need no initial value.
+    // On a private non-blocking stream: a legacy-stream copy would wait for XLA's streams,
+    // whose gather kernels may be spinning for a peer whose host thread waits for us.
     std::vector<unsigned> init((kCtlBytes + kFlagBytes) / sizeof(unsigned), 0u);
     init[0] = 1;
-    if ((e = cudaMemcpy(base, init.data(), kCtlBytes + kFlagBytes, cudaMemcpyHostToDevice)) != cudaSuccess) {
-      return fail("cudaMemcpy of the control words", e);
-    }
+    cudaStream_t s = nullptr;
+    if ((e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)) != cudaSuccess) return fail("cudaStreamCreate", e);
+    e = cudaMemcpyAsync(base, init.data(), kCtlBytes + kFlagBytes, cudaMemcpyHostToDevice, s);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+    if (e != cudaSuccess) return fail("copying the control words", e);
     cudaFuncAttributes attr;
     if ((e = cudaFuncGetAttributes(&attr, OneShotGatherKernel)) != cudaSuccess) {
       return fail("loading the gather kernel", e);
@@ -294,23 +299,40 @@ int CudaDeviceCount() {
 
 CudaComm* GetCudaComm(const std::vector<int64_t>& devices, const std::vector<int>& ordinals,
                       std::string* why) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto& reg = Registry();
-  auto it = reg.find(devices);
-  if (it != reg.end()) {
+  auto find = [&]() -> CudaComm* {
+    auto& reg = Registry();
+    auto it = reg.find(devices);
+    if (it == reg.end()) return nullptr;
     if (it->second->ordinals != ordinals) {
       *why = "jaxk3 CUDA gather: the group's CUDA ordinals differ from those its communicator was made with";
       return nullptr;
     }
     return it->second.get();
+  };
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (CudaComm* c = find()) return c;
+    if (!why->empty()) return nullptr;
+  }
+  // Created without the registry lock, so that other GPUs' host threads can keep launching
+  // (and completing) the gathers of existing communicators meanwhile.  Only one creator at a
+  // time; a communicator made twice by a race would be kept once (the other is leaked rather
+  // than freed, since cudaFree synchronises the device).
+  static std::mutex create_mu;
+  std::lock_guard<std::mutex> create_lock(create_mu);
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (CudaComm* c = find()) return c;
+    if (!why->empty()) return nullptr;
   }
   std::unique_ptr<CudaComm> c;
   if (std::string err = Create(devices, ordinals, &c); !err.empty()) {
     *why = err;
     return nullptr;
   }
+  std::lock_guard<std::mutex> lock(g_mu);
   CudaComm* raw = c.get();
-  reg.emplace(devices, std::move(c));
+  Registry().emplace(devices, std::move(c));
   return raw;
 }
 

@@ -30,7 +30,6 @@ struct GatherParams {
   unsigned long long timeout_ns;
   int n;
   int rank;
-  int width;                       // element width of every copy: 16, 8, 4, 2 or 1
 };
 
 __device__ __forceinline__ unsigned long long GlobalTimer() {
@@ -50,21 +49,35 @@ __device__ __forceinline__ unsigned LoadAcquireSys(const unsigned* p) {
 }
 
 template <typename T>
-__device__ __forceinline__ void CopyT(char* dst, const char* src, size_t nbytes) {
-  const size_t count = nbytes / sizeof(T);
+__device__ __forceinline__ void CopyT(char* dst, const char* src, size_t count) {
   T* d = reinterpret_cast<T*>(dst);
   const T* s = reinterpret_cast<const T*>(src);
   for (size_t i = threadIdx.x; i < count; i += blockDim.x) d[i] = s[i];
 }
 
-__device__ __forceinline__ void Copy(char* dst, const char* src, size_t nbytes, int width) {
-  switch (width) {
-    case 16: CopyT<uint4>(dst, src, nbytes); break;
-    case 8: CopyT<uint2>(dst, src, nbytes); break;
-    case 4: CopyT<unsigned>(dst, src, nbytes); break;
-    case 2: CopyT<unsigned short>(dst, src, nbytes); break;
-    default: CopyT<unsigned char>(dst, src, nbytes); break;
+// Copies `nbytes` with the widest access (16/8/4/2 bytes) that both addresses allow, then the
+// tail byte by byte.  The receive rows are 16-byte aligned, so the pushes over NVLink are
+// 16-byte stores whatever the payload size; only an output row that starts off 16 bytes
+// (rank r * bytes not a multiple of 16) gets narrower local stores.
+__device__ __forceinline__ void Copy(char* dst, const char* src, size_t nbytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  size_t done;
+  if (a % 16 == 0) {
+    CopyT<uint4>(dst, src, nbytes / 16);
+    done = nbytes / 16 * 16;
+  } else if (a % 8 == 0) {
+    CopyT<uint2>(dst, src, nbytes / 8);
+    done = nbytes / 8 * 8;
+  } else if (a % 4 == 0) {
+    CopyT<unsigned>(dst, src, nbytes / 4);
+    done = nbytes / 4 * 4;
+  } else if (a % 2 == 0) {
+    CopyT<unsigned short>(dst, src, nbytes / 2);
+    done = nbytes / 2 * 2;
+  } else {
+    done = 0;
   }
+  for (size_t i = done + threadIdx.x; i < nbytes; i += blockDim.x) dst[i] = src[i];
 }
 
 __global__ void __launch_bounds__(kCudaThreads) OneShotGatherKernel(GatherParams p) {
@@ -88,7 +101,7 @@ __global__ void __launch_bounds__(kCudaThreads) OneShotGatherKernel(GatherParams
   for (int k = 1; k < p.n; ++k) {
     const int peer = (p.rank + k) % p.n;
     char* dst = p.data[peer] + (static_cast<size_t>(slot) * p.n + p.rank) * p.cap + lo;
-    Copy(dst, p.in + lo, len, p.width);
+    Copy(dst, p.in + lo, len);
   }
   __syncthreads();
   // 2. Publish: one thread per peer orders the block's stores (bar.sync + fence.sys) before
@@ -98,7 +111,7 @@ __global__ void __launch_bounds__(kCudaThreads) OneShotGatherKernel(GatherParams
     StoreReleaseSys(p.flags[tid] + (slot * kCudaMaxRanks + p.rank) * kCudaMaxBlocks + b, e);
   }
   // 3. My own chunk straight to the output while the pushes travel.
-  Copy(p.out + static_cast<size_t>(p.rank) * p.bytes + lo, p.in + lo, len, p.width);
+  Copy(p.out + static_cast<size_t>(p.rank) * p.bytes + lo, p.in + lo, len);
   // 4. Wait for every peer's flag for this block, in local memory, bounded in time.
   if (tid < p.n && tid != p.rank) {
     const unsigned* f = p.flags[p.rank] + (slot * kCudaMaxRanks + tid) * kCudaMaxBlocks + b;
@@ -127,7 +140,7 @@ __global__ void __launch_bounds__(kCudaThreads) OneShotGatherKernel(GatherParams
   for (int k = 1; k < p.n; ++k) {
     const int s = (p.rank + k) % p.n;
     const char* src = p.data[p.rank] + (static_cast<size_t>(slot) * p.n + s) * p.cap + lo;
-    Copy(p.out + static_cast<size_t>(s) * p.bytes + lo, src, len, p.width);
+    Copy(p.out + static_cast<size_t>(s) * p.bytes + lo, src, len);
   }
   // 6. The last block to finish advances the epoch for the next call on this GPU.
   __syncthreads();
@@ -370,8 +383,6 @@ std::string LaunchCudaGather(CudaComm* comm, int rank, const void* in, void* out
   p.timeout_ns = static_cast<unsigned long long>(timeout_ms > 0 ? timeout_ms : 1) * 1000000ull;
   p.n = comm->n;
   p.rank = rank;
-  const uintptr_t a = reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out) | bytes;
-  p.width = (a % 16 == 0) ? 16 : (a % 8 == 0) ? 8 : (a % 4 == 0) ? 4 : (a % 2 == 0) ? 2 : 1;
   // ~4 KB per block: 256 KB per rank runs on 64 blocks, a few KB on one.
   const size_t slot_bytes = (bytes + 15) / 16 * 16;
   int blocks = static_cast<int>((slot_bytes + 4095) / 4096);
@@ -385,6 +396,47 @@ std::string LaunchCudaGather(CudaComm* comm, int rank, const void* in, void* out
   OneShotGatherKernel<<<blocks, kCudaThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return CudaErr("kernel launch", e);
   return "";
+}
+
+}  // namespace jaxk3
+
+namespace jaxk3 {
+
+// Test hook: launches a gather on rank 0 of a private communicator of `ordinals` (keyed by
+// negative device ids, so no program's communicator is touched) while no other rank ever
+// arrives, waits for it on its own stream, and returns the failure it reported ("" if none)
+// and the wall time in *waited_ms.  Synchronises: never call it with gathers in flight.
+std::string CudaLonelyGatherForTest(const std::vector<int>& ordinals, int64_t timeout_ms, double* waited_ms) {
+  std::vector<int64_t> key;
+  for (size_t i = 0; i < ordinals.size(); ++i) key.push_back(-1000 - static_cast<int64_t>(i));
+  std::string why;
+  CudaComm* c = GetCudaComm(key, ordinals, &why);
+  if (c == nullptr) return "setup failed: " + why;
+  ScopedSetup scope;
+  cudaSetDevice(ordinals[0]);
+  char* buf = nullptr;
+  cudaStream_t s = nullptr;
+  if (cudaMalloc(&buf, 64 * (1 + ordinals.size())) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+    cudaGetLastError();
+    return "setup failed: allocation";
+  }
+  cudaEvent_t t0, t1;
+  cudaEventCreate(&t0);
+  cudaEventCreate(&t1);
+  cudaEventRecord(t0, s);
+  std::string err = LaunchCudaGather(c, 0, buf, buf + 64, 64, s, timeout_ms);
+  cudaEventRecord(t1, s);
+  cudaStreamSynchronize(s);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, t0, t1);
+  *waited_ms = ms;
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+  cudaStreamDestroy(s);
+  cudaFree(buf);
+  if (!err.empty()) return "launch failed: " + err;
+  return CudaCommFailure(c);
 }
 
 }  // namespace jaxk3

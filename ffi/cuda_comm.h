@@ -74,6 +74,10 @@ int CudaDeviceCount();
 std::string LaunchCudaGather(CudaComm* comm, int rank, const void* in, void* out, size_t bytes,
                              void* stream, int64_t timeout_ms);
 
+// Test hook (cuda_comm.cu): a gather on rank 0 of a private communicator whose peers never
+// come; returns the failure it reported and the kernel's time in *waited_ms.
+std::string CudaLonelyGatherForTest(const std::vector<int>& ordinals, int64_t timeout_ms, double* waited_ms);
+
 // Non-empty when a kernel of `comm` timed out earlier (the communicator is broken).
 std::string CudaCommFailure(const CudaComm* comm);
 

@@ -84,8 +84,9 @@ ffi::Error CudaGather(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
 
 // The padded variant differs only in what the caller may pass: any payload size.  Both move
 // each rank's payload through a 16-byte padded receive row and write the rank-major output
-// without padding; the copy width is the largest of 16/8/4/2/1 bytes that the payload size
-// and both buffer addresses allow.
+// without padding.  Pushes into the 16-byte aligned receive rows are 16-byte stores whenever the
+// operand is 16-byte aligned; each copy uses the widest access both addresses allow plus a
+// byte tail.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_one_shot_all_gather, CudaGather, JAXK3_CUDA_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_padded_all_gather, CudaGather, JAXK3_CUDA_BINDING,

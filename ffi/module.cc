@@ -111,6 +111,15 @@ NB_MODULE(_ffi, m) {
       },
       nb::arg("devices"), nb::arg("ordinals") = nb::none());
   m.def("cuda_device_count", &CudaDeviceCount);
+  m.def("_cuda_lonely_gather_for_test", [](std::vector<int> ordinals, int64_t timeout_ms) {
+    double ms = 0;
+    std::string msg;
+    {
+      nb::gil_scoped_release release;
+      msg = CudaLonelyGatherForTest(ordinals, timeout_ms, &ms);
+    }
+    return nb::make_tuple(msg, ms);
+  });
 #endif
   m.def("build_info", []() {
     nb::dict d;

@@ -81,6 +81,7 @@ CASES = [
     ((1, 131), jnp.bfloat16),    # 262 B, unaligned (a TP projection width)
     ((1, 264), jnp.bfloat16),    # 528 B
     ((3, 77), jnp.float16),      # 462 B, 3 rows, unaligned
+    ((1, 37), jnp.int8),         # 37 B: odd, byte tails
     ((1, 1056), jnp.bfloat16),   # 2112 B: q_a ⊕ kv_a latent over 2
     ((4, 1024), jnp.float32),    # 16 KB, 4 rows
     ((1, 7001), jnp.float16),    # 14002 B, unaligned
@@ -246,6 +247,19 @@ def test_cuda_group_ok():
     assert not ok
 
 
+@requires_gpus
+def test_missing_peer_fails_in_bounded_time():
+    """A rank whose peer never arrives stops waiting after the timeout and reports it."""
+    ext = C.extension()
+    ordinals = [int(d.local_hardware_id) for d in _gpus()[:2]]
+    msg, ms = ext._cuda_lonely_gather_for_test(ordinals, 300)
+    assert "timeout" in msg, msg
+    assert 250 <= ms < 5000, ms
+    # the private communicator stays broken: the next kernel gives up at once
+    msg2, ms2 = ext._cuda_lonely_gather_for_test(ordinals, 300)
+    assert "timeout" in msg2 and ms2 < 250, (msg2, ms2)
+
+
 def _rerun_with_flags(xla_flags: str, select: str):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
@@ -257,7 +271,7 @@ def _rerun_with_flags(xla_flags: str, select: str):
     assert " passed" in proc.stdout and " failed" not in proc.stdout
 
 
-_SUBSET = "test_10000_dependent_gathers or test_unrolled_chain or test_two_communicators or (test_bitwise and (1x131 or 1x65536 or 8x8192))"
+_SUBSET = "test_10000_dependent_gathers or test_unrolled_chain or test_two_communicators or (test_bitwise and (1x131 or 1x37 or 1x65536 or 8x8192))"
 
 
 @requires_gpus

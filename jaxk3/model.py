@@ -90,7 +90,8 @@ class Cache:
 class GenerateOutput:
     tokens: np.ndarray  # [B, N] int32, the new tokens only
     logits: np.ndarray | None  # [B, N, vocab] float32: the logits each new token was chosen from
-    step_times_s: list[float] = dataclasses.field(default_factory=list)  # wall time of each decode call
+    step_times_s: list[float] = dataclasses.field(default_factory=list)  # wall time of each decode step after
+    prompt_time_s: float = 0.0  # the prompt (token by token, synchronised at its end; includes any compile)
 
 
 # ------------------------------------------------------------------- HF names and shapes
@@ -456,11 +457,11 @@ class Model:
         for i, r in enumerate(rows):
             toks[i, T - len(r):], valid[i, T - len(r):] = r, True
         cache = self.init_cache(B, -(-(T + max_new_tokens) // 64) * 64)
-        times = []
+        t0 = time.perf_counter()
         for t in range(T):
-            t0 = time.perf_counter()
             logits, nxt, cache = self.step(cache, toks[:, t], valid[:, t])
-            times.append(time.perf_counter() - t0)
+        nxt.block_until_ready()
+        prompt_s, times = time.perf_counter() - t0, []
         out_tok, out_logits = [nxt], [logits]
         ones = jax.device_put(np.ones((B,), bool), NamedSharding(self.mesh, P()))
         for _ in range(max_new_tokens - 1):
@@ -472,7 +473,7 @@ class Model:
             out_logits.append(logits)
         tokens = np.stack([np.asarray(t) for t in out_tok], axis=1)
         logits_np = np.stack([np.asarray(x, np.float32) for x in out_logits], axis=1) if return_logits else None
-        return GenerateOutput(tokens=tokens, logits=logits_np, step_times_s=times)
+        return GenerateOutput(tokens=tokens, logits=logits_np, step_times_s=times, prompt_time_s=prompt_s)
 
 
 def init_random_model(cfg: KimiK3Config, seed: int = 0, mesh: Mesh | None = None, tp: int | None = None,

@@ -199,3 +199,11 @@ def test_from_weights_equals_init_random(k3_f32):
     m = Model.from_weights(cfg, weights_from_hf(cfg, random_hf_weights(cfg, 0)), tp=1, dtype="float32")
     for x, y in zip(jax.tree.leaves(m.weights), jax.tree.leaves(k3_f32.weights)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_demo_runs_and_agrees():
+    from jaxk3.demo import run_demo
+
+    r = run_demo(tp=2, prompt_len=3, new_tokens=3, verbose=False)
+    assert r["tokens_equal"] and len(r["tokens"][0]) == 3
+    assert len(r["fast_step_ms"]) == len(r["lax_step_ms"]) == 2

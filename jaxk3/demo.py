@@ -1,0 +1,71 @@
+"""`run_demo`: a tiny random Kimi-K3 decoded over TP CPU devices with the FFI and the lax gathers.
+
+The process needs `tp` devices before JAX starts, e.g.
+`XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu` (the CLI sets them).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxk3 import collectives
+from jaxk3.config import KimiK3Config
+from jaxk3.model import init_random_model
+
+
+def _ffi_available() -> tuple[bool, str | None]:
+    err_fn = getattr(collectives, "extension_error", None)
+    err = err_fn() if err_fn is not None else "this jaxk3.collectives has no FFI extension"
+    return err is None, err
+
+
+def _timed_generate(model, prompts, new_tokens: int):
+    model.generate(prompts, new_tokens)  # compile and warm up
+    out = model.generate(prompts, new_tokens)
+    return out.tokens, [1e3 * t for t in out.step_times_s]
+
+
+def run_demo(tp: int = 8, prompt_len: int = 8, new_tokens: int = 16, batch: int = 1, seed: int = 0,
+             dtype: str = "bfloat16", verbose: bool = True) -> dict[str, Any]:
+    """Generate greedily with gather="ffi" (or "auto" when the FFI is unavailable) and with "lax";
+    check the tokens agree; return per-step decode latencies (ms) of both."""
+    if len(jax.devices()) < tp:
+        raise ValueError(
+            f"tp={tp} needs {tp} devices, JAX sees {len(jax.devices())}: start the process with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={tp} (before JAX initialises)")
+    if prompt_len < 1 or new_tokens < 2:
+        raise ValueError("prompt_len must be >= 1 and new_tokens >= 2")
+    cfg = KimiK3Config.tiny_k3()
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, cfg.vocab_size, size=(batch, prompt_len)).tolist()
+    ok, why = _ffi_available()
+    fast = "ffi" if ok else "auto"
+    results: dict[str, Any] = {"tp": tp, "devices": str(jax.devices()[0].platform), "batch": batch,
+                               "prompt_len": prompt_len, "new_tokens": new_tokens, "fast_gather": fast,
+                               "ffi_unavailable_reason": why}
+    toks = {}
+    for name, gather in (("fast", fast), ("lax", "lax")):
+        model = init_random_model(cfg, seed=seed, tp=tp, dtype=dtype, gather=gather)
+        toks[name], ms = _timed_generate(model, prompts, new_tokens)
+        results[f"{name}_step_ms"] = ms
+        results[f"{name}_median_ms"] = statistics.median(ms)
+    results["tokens"] = toks["fast"].tolist()
+    results["tokens_equal"] = bool(np.array_equal(toks["fast"], toks["lax"]))
+    if verbose:
+        print(f"tiny Kimi-K3, TP={tp} on {results['devices']}, batch {batch}, prompt {prompt_len}, "
+              f"{new_tokens} new tokens, {dtype}")
+        if why:
+            print(f"  FFI unavailable ({why}); fast path = gather='auto'")
+        for name, gather in (("fast", fast), ("lax", "lax")):
+            ms = results[f"{name}_step_ms"]
+            print(f"  gather={gather:4s} decode step ms: median {results[f'{name}_median_ms']:.2f}  "
+                  f"per step: {' '.join(f'{t:.2f}' for t in ms)}")
+        print(f"  tokens equal: {results['tokens_equal']}   tokens: {results['tokens'][0]}")
+    return results
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run_demo()

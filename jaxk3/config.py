@@ -54,6 +54,7 @@ class KimiK3Config:
     routed_expert_hidden_size: int | None  # None: experts act on the full hidden (no latent path)
     latent_moe_use_norm: bool
     moe_router_activation_func: str
+    use_grouped_topk: bool  # DeepSeek-V3 group-limited selection (a no-op with one group)
     num_expert_group: int
     topk_group: int
     moe_renormalize: bool
@@ -264,6 +265,7 @@ class KimiK3Config:
             routed_expert_hidden_size=get("routed_expert_hidden_size"),
             latent_moe_use_norm=bool(get("latent_moe_use_norm", default=get("routed_expert_hidden_size") is not None)),
             moe_router_activation_func=str(get("moe_router_activation_func", default="sigmoid")),
+            use_grouped_topk=bool(get("use_grouped_topk", default=True)),
             num_expert_group=int(get("num_expert_group", "n_group", default=1)),
             topk_group=int(get("topk_group", default=1)),
             moe_renormalize=bool(get("moe_renormalize", "norm_topk_prob", default=True)),

@@ -423,6 +423,8 @@ class Model:
     def step(self, cache: Cache, tokens_B: Any, valid_B: Any = None) -> tuple[jax.Array, jax.Array, Cache]:
         """One jitted decode step (cache donated): (logits [B, vocab] fp32, argmax [B], new cache)."""
         tokens_B = np.asarray(tokens_B, np.int32)
+        if tokens_B.ndim != 1 or np.any((tokens_B < 0) | (tokens_B >= self.cfg.vocab_size)):
+            raise ValueError(f"tokens_B: need a [B] array of ids in [0, {self.cfg.vocab_size}), got {tokens_B}")
         valid_B = np.ones(tokens_B.shape, bool) if valid_B is None else np.asarray(valid_B, bool)
         rep = NamedSharding(self.mesh, P())  # same input sharding as the fed-back argmax: one compile
         return self._step(self.weights, cache, jax.device_put(tokens_B, rep), jax.device_put(valid_B, rep))

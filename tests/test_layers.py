@@ -151,9 +151,10 @@ def test_mla_sharded_latent_under_shard_map(tp):
 
 
 # ------------------------------------------------------------------------------- FFN
-@pytest.mark.parametrize("mode, rsf", [("k3", 1.0), ("k3", 2.5), ("kl", 2.446)])
-def test_moe(mode, rsf):
-    cfg, W, host, rcfg = model_weights(mode, routed_scaling_factor=rsf)
+@pytest.mark.parametrize("mode, rsf, groups", [("k3", 1.0, 1), ("k3", 2.5, 1), ("kl", 2.446, 1), ("k3", 1.0, 4)])
+def test_moe(mode, rsf, groups):
+    over = dict(num_expert_group=groups, topk_group=2) if groups > 1 else {}
+    cfg, W, host, rcfg = model_weights(mode, routed_scaling_factor=rsf, **over)
     l = 2
     assert cfg.layer_ffn[l] == "moe"
     w = f32(host.layers[l].ffn)

@@ -73,7 +73,7 @@ def route(cfg: KimiK3Config, gate_ED: jax.Array, bias_E: jax.Array, x_BD: jax.Ar
     s_BE = jax.nn.sigmoid(logits_BE)
     sel_BE = s_BE + bias_E.astype(F32)
     G = cfg.num_expert_group
-    if G > 1:  # DeepSeek-V3 group limit: keep the topk_group groups with the best top-2 sums
+    if cfg.use_grouped_topk and G > 1:  # DeepSeek-V3 group limit: keep the topk_group groups with the best top-2 sums
         B, E = sel_BE.shape
         gs_BG = lax.top_k(sel_BE.reshape(B, G, E // G), 2)[0].sum(-1)
         _, gid_Bg = lax.top_k(gs_BG, cfg.topk_group)

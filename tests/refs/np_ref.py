@@ -85,6 +85,8 @@ class Config:
         self.E, self.topk = d["num_experts"], d["num_experts_per_token"]
         self.n_shared = d.get("num_shared_experts", 0)
         self.renorm = d.get("moe_renormalize", True)
+        self.n_group = d.get("num_expert_group", 1) if d.get("use_grouped_topk", True) else 1
+        self.topk_group = d.get("topk_group", 1)
         self.rsf = d.get("routed_scaling_factor", 1.0)
         self.act = d.get("hidden_act", "silu")
         self.b1 = d.get("activation_situ_beta", 4.0)
@@ -171,6 +173,11 @@ def route(cfg: Config, W: dict, m: str, x):
     """Returns (selected expert ids, their weights incl. routed_scaling_factor)."""
     s = sigmoid(mat(W[m + "gate.weight"]) @ np.asarray(x, f64))
     choice = s + mat(W[m + "gate.e_score_correction_bias"])
+    if cfg.n_group > 1:  # keep the topk_group groups whose two best scores sum highest
+        groups = choice.reshape(cfg.n_group, -1)
+        gscore = np.sort(groups, axis=1)[:, -2:].sum(1)
+        keep = np.argsort(-gscore, kind="stable")[: cfg.topk_group]
+        choice = np.where(np.isin(np.arange(cfg.n_group), keep)[:, None], groups, -np.inf).reshape(-1)
     ids = list(np.argsort(-choice, kind="stable")[: cfg.topk])
     w = s[ids]
     if cfg.renorm:

@@ -208,3 +208,26 @@ def test_vocab_parallel_embed_and_head(tp):
     np.testing.assert_array_equal(np.asarray(x), table[tokens])
     assert logits.shape == (6, cfg.vocab_size)
     close(logits, h.astype(np.float64) @ table[:cfg.vocab_size].T.astype(np.float64))
+
+
+def test_realistic_tiles_kda_and_mla():
+    """Spec §7.1 "realistic-tile" shapes: K3's per-rank TP8 tiles (KDA 12 heads × 128, MLA latent 512+64)."""
+    lac = dict(full_attn_layers=[4, 7, 8], kda_layers=[1, 2, 3, 5, 6], num_heads=12, head_dim=128,
+               short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True)
+    cfg = KimiK3Config.tiny_k3(linear_attn_config=lac, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                               v_head_dim=128, num_attention_heads=4)
+    W = random_hf_weights(cfg, 2)
+    host, rcfg = weights_from_hf(cfg, W), np_ref.Config(cfg.to_hf_dict())
+    xs = np.random.default_rng(10).standard_normal((3, 1, cfg.hidden_size)).astype(np.float32)
+    lk, lm = cfg.kda_layers[0], cfg.mla_layers[0]
+    wk, wm = f32(host.layers[lk].attn), f32(host.layers[lm].attn)
+    conv = jnp.zeros((1, 3, cfg.kda_dim, 3))
+    state = jnp.zeros((1, 12, 128, 128))
+    kv, n, valid = jnp.zeros((1, 4, cfg.latent_dim)), np.zeros(1, np.int32), np.ones(1, bool)
+    st, cache = np_ref.KDAState(rcfg), []
+    for t in range(3):
+        out, conv, state = kda_step(cfg, wk, xs[t], conv, state, valid, None)
+        close(out[0], np_ref.kda_step(rcfg, W, f"model.layers.{lk}.self_attn.", xs[t, 0], st))
+        out, kv = mla_step(cfg, wm, xs[t], kv, n + t, valid, None)
+        close(out[0], np_ref.mla_step(rcfg, W, f"model.layers.{lm}.self_attn.", xs[t, 0], cache))
+    close(state[0], st.S)

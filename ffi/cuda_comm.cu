@@ -85,7 +85,13 @@ __global__ void __launch_bounds__(kCudaThreads) OneShotGatherKernel(GatherParams
   const int tid = threadIdx.x;
   const int b = blockIdx.x;
   const int nb = gridDim.x;
-  if (tid == 0) s_epoch = *reinterpret_cast<volatile unsigned*>(p.ctl);
+  unsigned active_before = 0;
+  if (tid == 0) {
+    s_epoch = *reinterpret_cast<volatile unsigned*>(p.ctl);
+    // Blocks of this communicator running on this GPU now; more than this grid has means a
+    // second kernel of the same communicator overlaps (two streams): checked after the pushes.
+    active_before = atomicAdd(p.ctl + 2, 1u);
+  }
   __syncthreads();
   const unsigned e = s_epoch;
   const unsigned slot = e & 1u;
@@ -102,6 +108,16 @@ __global__ void __launch_bounds__(kCudaThreads) OneShotGatherKernel(GatherParams
     const int peer = (p.rank + k) % p.n;
     char* dst = p.data[peer] + (static_cast<size_t>(slot) * p.n + p.rank) * p.cap + lo;
     Copy(dst, p.in + lo, len);
+  }
+  if (tid == 0 && active_before >= static_cast<unsigned>(nb)) {
+    volatile unsigned* err = p.err;
+    if (err[0] == 0) {
+      err[1] = static_cast<unsigned>(p.rank);
+      err[2] = e;
+      __threadfence_system();
+      err[0] = 2;
+      __threadfence_system();
+    }
   }
   __syncthreads();
   // 2. Publish: one thread per peer orders the block's stores (bar.sync + fence.sys) before
@@ -152,6 +168,7 @@ __global__ void __launch_bounds__(kCudaThreads) OneShotGatherKernel(GatherParams
       *reinterpret_cast<volatile unsigned*>(p.ctl) = next;
       __threadfence();
     }
+    atomicSub(p.ctl + 2, 1u);
   }
 }
 
@@ -358,6 +375,11 @@ std::string CudaGroupSetup(const std::vector<int64_t>& devices, const std::vecto
 
 std::string CudaCommFailure(const CudaComm* comm) {
   if (comm->host_err[0] == 0) return "";
+  if (comm->host_err[0] == 2) {
+    return "jaxk3 CUDA gather: two kernels of one communicator ran at once on the GPU of rank " +
+           std::to_string(comm->host_err[1]) + " (call " + std::to_string(comm->host_err[2]) +
+           "): the communicator was used on two streams; outputs may be wrong and the communicator is broken";
+  }
   return "jaxk3 CUDA gather: rank " + std::to_string(comm->host_err[1]) + " waited past the timeout for a peer in call " +
          std::to_string(comm->host_err[2]) + " of the group; that call's output is garbage and the communicator is broken";
 }
@@ -405,19 +427,22 @@ namespace jaxk3 {
 // Test hook: launches a gather on rank 0 of a private communicator of `ordinals` (keyed by
 // negative device ids, so no program's communicator is touched) while no other rank ever
 // arrives, waits for it on its own stream, and returns the failure it reported ("" if none)
-// and the wall time in *waited_ms.  Synchronises: never call it with gathers in flight.
-std::string CudaLonelyGatherForTest(const std::vector<int>& ordinals, int64_t timeout_ms, double* waited_ms) {
+// and the wall time in *waited_ms; with two_streams, a second kernel of the same communicator
+// on another stream overlaps the first (to check that the overlap is reported).  Synchronises: never call it with gathers in flight.
+std::string CudaLonelyGatherForTest(const std::vector<int>& ordinals, int64_t timeout_ms, bool two_streams,
+                                    double* waited_ms) {
   std::vector<int64_t> key;
-  for (size_t i = 0; i < ordinals.size(); ++i) key.push_back(-1000 - static_cast<int64_t>(i));
+  for (size_t i = 0; i < ordinals.size(); ++i) key.push_back((two_streams ? -2000 : -1000) - static_cast<int64_t>(i));
   std::string why;
   CudaComm* c = GetCudaComm(key, ordinals, &why);
   if (c == nullptr) return "setup failed: " + why;
   ScopedSetup scope;
   cudaSetDevice(ordinals[0]);
   char* buf = nullptr;
-  cudaStream_t s = nullptr;
-  if (cudaMalloc(&buf, 64 * (1 + ordinals.size())) != cudaSuccess ||
-      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+  cudaStream_t s = nullptr, s2 = nullptr;
+  if (cudaMalloc(&buf, 2 * 64 * (1 + ordinals.size())) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking) != cudaSuccess) {
     cudaGetLastError();
     return "setup failed: allocation";
   }
@@ -426,14 +451,20 @@ std::string CudaLonelyGatherForTest(const std::vector<int>& ordinals, int64_t ti
   cudaEventCreate(&t1);
   cudaEventRecord(t0, s);
   std::string err = LaunchCudaGather(c, 0, buf, buf + 64, 64, s, timeout_ms);
+  if (err.empty() && two_streams) {
+    const size_t half = 64 * (1 + ordinals.size());
+    err = LaunchCudaGather(c, 0, buf + half, buf + half + 64, 64, s2, timeout_ms);
+  }
   cudaEventRecord(t1, s);
   cudaStreamSynchronize(s);
+  cudaStreamSynchronize(s2);
   float ms = 0;
   cudaEventElapsedTime(&ms, t0, t1);
   *waited_ms = ms;
   cudaEventDestroy(t0);
   cudaEventDestroy(t1);
   cudaStreamDestroy(s);
+  cudaStreamDestroy(s2);
   cudaFree(buf);
   if (!err.empty()) return "launch failed: " + err;
   return CudaCommFailure(c);

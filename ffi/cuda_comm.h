@@ -7,7 +7,8 @@
 //
 // Memory, on every GPU of the group (one cudaMalloc each, owned by the library):
 //   ctl    [64] u32     : ctl[0] = epoch (next call's generation, starts at 1),
-//                         ctl[1] = blocks of the running call that have finished
+//                         ctl[1] = blocks of the running call that have finished,
+//                         ctl[2] = blocks of this communicator running on this GPU
 //   flags  [2][kMaxRanks][kMaxBlocks] u32 : flags[slot][sender][block] = epoch of the data
 //                         that sender's block `block` pushed into slot `slot` here
 //   data   [2][n][cap] bytes : receive slots, slot = epoch & 1, row = sender rank, 16-B padded
@@ -23,6 +24,11 @@
 //
 // Two slots suffice: a rank can only start call e+2 after receiving every peer's data of
 // call e+1, which a peer sends only after its call e finished reading slot e&1 (same stream).
+//
+// Assumptions: every GPU of a group runs the group's gathers in the same order (one SPMD
+// program: XLA schedules the same HLO on every device), on one stream per GPU.  A second
+// kernel of the same communicator overlapping on one GPU (two streams; the sglang #31117 trap)
+// is detected through ctl[2] and reported as error code 2 instead of corrupting silently.
 //
 // Bounded waits: a spinning block gives up after the timeout (set_timeout / JAXK3_GATHER_TIMEOUT_S,
 // read when the call is launched or captured), measured with %globaltimer; it writes an error
@@ -52,7 +58,7 @@ struct CudaComm {
   std::vector<unsigned*> ctl;     // per rank
   std::vector<unsigned*> flags;   // per rank
   std::vector<char*> data;        // per rank
-  volatile unsigned* host_err = nullptr;  // [0] code (0 = ok, 1 = timeout), [1] rank, [2] epoch
+  volatile unsigned* host_err = nullptr;  // [0] code (0 ok, 1 timeout, 2 overlap), [1] rank, [2] epoch
   unsigned* dev_err = nullptr;            // the same words, as the kernels address them
 };
 
@@ -76,7 +82,8 @@ std::string LaunchCudaGather(CudaComm* comm, int rank, const void* in, void* out
 
 // Test hook (cuda_comm.cu): a gather on rank 0 of a private communicator whose peers never
 // come; returns the failure it reported and the kernel's time in *waited_ms.
-std::string CudaLonelyGatherForTest(const std::vector<int>& ordinals, int64_t timeout_ms, double* waited_ms);
+std::string CudaLonelyGatherForTest(const std::vector<int>& ordinals, int64_t timeout_ms, bool two_streams,
+                                    double* waited_ms);
 
 // Non-empty when a kernel of `comm` timed out earlier (the communicator is broken).
 std::string CudaCommFailure(const CudaComm* comm);

@@ -111,15 +111,18 @@ NB_MODULE(_ffi, m) {
       },
       nb::arg("devices"), nb::arg("ordinals") = nb::none());
   m.def("cuda_device_count", &CudaDeviceCount);
-  m.def("_cuda_lonely_gather_for_test", [](std::vector<int> ordinals, int64_t timeout_ms) {
-    double ms = 0;
-    std::string msg;
-    {
-      nb::gil_scoped_release release;
-      msg = CudaLonelyGatherForTest(ordinals, timeout_ms, &ms);
-    }
-    return nb::make_tuple(msg, ms);
-  });
+  m.def(
+      "_cuda_lonely_gather_for_test",
+      [](std::vector<int> ordinals, int64_t timeout_ms, bool two_streams) {
+        double ms = 0;
+        std::string msg;
+        {
+          nb::gil_scoped_release release;
+          msg = CudaLonelyGatherForTest(ordinals, timeout_ms, two_streams, &ms);
+        }
+        return nb::make_tuple(msg, ms);
+      },
+      nb::arg("ordinals"), nb::arg("timeout_ms"), nb::arg("two_streams") = false);
 #endif
   m.def("build_info", []() {
     nb::dict d;

@@ -260,6 +260,17 @@ def test_missing_peer_fails_in_bounded_time():
     assert "timeout" in msg2 and ms2 < 250, (msg2, ms2)
 
 
+@requires_gpus
+def test_two_streams_on_one_communicator_is_reported():
+    """Two kernels of one communicator overlapping on a GPU (two streams) give an error, not
+    silent corruption or an endless wait."""
+    ext = C.extension()
+    ordinals = [int(d.local_hardware_id) for d in _gpus()[:2]]
+    msg, ms = ext._cuda_lonely_gather_for_test(ordinals, 300, two_streams=True)
+    assert "two streams" in msg, msg
+    assert ms < 5000, ms
+
+
 def _rerun_with_flags(xla_flags: str, select: str):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()

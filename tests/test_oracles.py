@@ -17,7 +17,6 @@ Tolerances (all float32 on both sides; max|Δ| relative to max|reference|):
 """
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
+#include <condition_variable>
 #include <deque>
 #include <optional>
 #include <sstream>
@@ -25,36 +26,65 @@ std::atomic<int64_t> g_timeout_ms{[] {
 }()};
 std::atomic<bool> g_poison{false};
 
-// Completing a promise runs XLA's continuation of that device inline, which may reach the
-// next gather and complete another round on this same thread.  To keep the stack flat over
-// long chains, completions requested while this thread is already completing are queued
-// and run by the outermost call.
+// Completing a promise runs that device's continuation inline: the rest of its program, up
+// to its next pending gather, on the completing thread.  That continuation may block in one of
+// XLA's own collectives (a psum waits for all devices), so the completions of *other* devices
+// must not wait behind it on one thread.  Each completion therefore runs on a worker thread of
+// its own: the pool grows whenever more completions are queued than workers are idle, so a
+// worker blocked in a collective never holds up another device.  The last arriver completes
+// its own promise before returning (XLA then simply continues on its thread).
 struct Settlement {
-  std::vector<ffi::Promise> promises;
+  ffi::Promise promise;
   std::optional<ffi::Error> error;
-};
-thread_local bool t_settling = false;
-thread_local std::deque<Settlement>* t_queue = nullptr;
-
-void Settle(Settlement s) {
-  if (t_settling) {
-    t_queue->push_back(std::move(s));
-    return;
+  void Run() {
+    if (error) promise.SetError(*error);
+    else promise.SetAvailable();
   }
-  std::deque<Settlement> queue;
-  t_queue = &queue;
-  t_settling = true;
-  queue.push_back(std::move(s));
-  while (!queue.empty()) {
-    Settlement cur = std::move(queue.front());
-    queue.pop_front();
-    for (auto& p : cur.promises) {
-      if (cur.error) p.SetError(*cur.error);
-      else p.SetAvailable();
+};
+
+class Completer {
+ public:
+  void Submit(Settlement s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    queue_.push_back(std::move(s));
+    if (static_cast<int>(queue_.size()) > idle_ && threads_ < kMaxThreads) {
+      ++threads_;
+      std::thread([this] { Work(); }).detach();
+    } else {
+      cv_.notify_one();
     }
   }
-  t_settling = false;
-  t_queue = nullptr;
+
+ private:
+  static constexpr int kMaxThreads = 4096;
+  void Work() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      ++idle_;
+      cv_.wait(lock, [this] { return !queue_.empty(); });
+      --idle_;
+      Settlement s = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      s.Run();
+      lock.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Settlement> queue_;
+  int idle_ = 0;
+  int threads_ = 0;
+};
+
+Completer& Completions() {
+  static auto* c = new Completer();
+  return *c;
+}
+
+// Completes `promises` (all with `error`, or all successfully) on worker threads.
+void SettleAll(std::vector<ffi::Promise> promises, const std::optional<ffi::Error>& error) {
+  for (auto& p : promises) Completions().Submit(Settlement{std::move(p), error});
 }
 
 void StartWatchdog();
@@ -139,25 +169,24 @@ ffi::Future HostComm::Gather(const GatherArgs& a) {
       pending_.erase({a.site, gen});
     }
   }
-  if (done) Complete(std::move(done));
+  if (done) Complete(std::move(done), a.rank);
   return future;
 }
 
-void HostComm::Complete(std::unique_ptr<Round> round) {
+void HostComm::Complete(std::unique_ptr<Round> round, int last_rank) {
   const int n = size();
   auto& es = round->entries;
-  Settlement s;
-  for (auto& e : es) s.promises.push_back(e.promise);
-  for (int r = 1; r < n && !s.error; ++r) {
+  std::optional<ffi::Error> error;
+  for (int r = 1; r < n && !error; ++r) {
     if (es[r].bytes != es[0].bytes || es[r].dtype != es[0].dtype) {
       std::ostringstream os;
       os << "jaxk3 gather: ranks of " << Describe() << " disagree at site " << round->site << " generation "
          << round->gen << ": rank 0 has " << es[0].bytes << " bytes of dtype " << es[0].dtype << ", rank " << r
          << " has " << es[r].bytes << " bytes of dtype " << es[r].dtype;
-      s.error = ffi::Error(ffi::ErrorCode::kInvalidArgument, os.str());
+      error = ffi::Error(ffi::ErrorCode::kInvalidArgument, os.str());
     }
   }
-  if (!s.error) {
+  if (!error) {
     const size_t bytes = es[0].bytes;
     const size_t align = es[0].align;
     if (align > 1) {
@@ -177,7 +206,12 @@ void HostComm::Complete(std::unique_ptr<Round> round) {
       }
     }
   }
-  Settle(std::move(s));
+  std::vector<ffi::Promise> others;
+  for (int r = 0; r < n; ++r) {
+    if (r != last_rank) others.push_back(es[r].promise);
+  }
+  SettleAll(std::move(others), error);
+  Settlement{es[last_rank].promise, error}.Run();
 }
 
 int HostComm::ExpireOlderThan(std::chrono::milliseconds timeout) {
@@ -211,11 +245,10 @@ int HostComm::ExpireOlderThan(std::chrono::milliseconds timeout) {
     }
   }
   for (auto& r : expired) {
-    Settlement s;
+    std::vector<ffi::Promise> ps;
     for (auto& e : r->entries)
-      if (e.present) s.promises.push_back(e.promise);
-    s.error = ffi::Error(ffi::ErrorCode::kDeadlineExceeded, why);
-    Settle(std::move(s));
+      if (e.present) ps.push_back(e.promise);
+    SettleAll(std::move(ps), ffi::Error(ffi::ErrorCode::kDeadlineExceeded, why));
   }
   return static_cast<int>(expired.size());
 }
@@ -229,11 +262,10 @@ void HostComm::FailAll(const std::string& why) {
     pending_.clear();
   }
   for (auto& r : all) {
-    Settlement s;
+    std::vector<ffi::Promise> ps;
     for (auto& e : r->entries)
-      if (e.present) s.promises.push_back(e.promise);
-    s.error = ffi::Error(ffi::ErrorCode::kAborted, why);
-    Settle(std::move(s));
+      if (e.present) ps.push_back(e.promise);
+    SettleAll(std::move(ps), ffi::Error(ffi::ErrorCode::kAborted, why));
   }
 }
 

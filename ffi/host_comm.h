@@ -12,7 +12,9 @@
 //
 // No thread ever blocks: each rank registers its operand, its output and a promise, and
 // returns an ffi::Future.  The last rank to arrive copies every operand into every output
-// (rank-major; through 16-byte slots for the padded variant) and completes all promises.
+// (rank-major; through 16-byte slots for the padded variant), completes its own promise and
+// hands the others to worker threads (a device's continuation may block in one of XLA's own
+// collectives, so no device's continuation may run behind another's on one thread).
 // Blocking would deadlock: XLA's CPU runtime may run independent custom calls of one device
 // on a small shared thread pool, in any order.
 //
@@ -68,7 +70,7 @@ class HostComm {
 
  private:
   struct Round;
-  void Complete(std::unique_ptr<Round> round);
+  void Complete(std::unique_ptr<Round> round, int last_rank);
   void MarkBroken(const std::string& why);  // requires mu_
 
   const std::vector<int64_t> devices_;

@@ -161,7 +161,13 @@ def cmd_demo(args) -> int:
     except ImportError:
         model_demo = None
     if model_demo is not None and not args.gather_only:
-        status = model_demo.main() or 0
+        res = model_demo.run_demo(tp=len(devices))
+        if not res["tokens_equal"]:
+            print("FAIL: the FFI-gather model and the lax-gather model chose different tokens")
+            status = 1
+        else:
+            print(f"model: {res['new_tokens']} tokens identical with the one-shot FFI gathers and with lax; "
+                  f"median decode step {res['fast_median_ms']:.2f} ms (FFI) vs {res['lax_median_ms']:.2f} ms (lax)")
     sizes = (64, 1024, 4096)
     result = bench.bench_gather(sizes=sizes, chain=100, repeats=7, devices=devices)
     print(bench.gather_table(result))

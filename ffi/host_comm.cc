@@ -11,6 +11,8 @@
 #include <sstream>
 #include <thread>
 
+#include <sched.h>
+
 namespace ffi = xla::ffi;
 
 namespace jaxk3 {
@@ -82,12 +84,12 @@ Completer& Completions() {
   return *c;
 }
 
-// Completes `promises` (all with `error`, or all successfully) on worker threads.
-void SettleAll(std::vector<ffi::Promise> promises, const std::optional<ffi::Error>& error) {
-  for (auto& p : promises) Completions().Submit(Settlement{std::move(p), error});
-}
-
 void StartWatchdog();
+
+// How long a rank polls (yielding the core) for its round to complete before it returns a
+// pending future instead.  Polling keeps the common case on the device's own thread (no
+// hand-off); the bound keeps a rank from holding a thread that another device needs.
+constexpr auto kPollWindow = std::chrono::microseconds(200);
 
 }  // namespace
 
@@ -102,11 +104,16 @@ struct HostComm::Round {
     bool present = false;
     ffi::Promise promise;
   };
+  // Per rank: kWaiting while it polls on its own thread, kAsync once it returned a pending
+  // future, kReleased once the completer handed the round back to a rank still polling.
+  enum : int { kWaiting = 0, kAsync = 1, kReleased = 2 };
   int64_t site = 0;
   uint64_t gen = 0;
   int arrived = 0;
   Clock::time_point start;
   std::vector<Entry> entries;
+  std::unique_ptr<std::atomic<int>[]> wait;
+  std::optional<ffi::Error> error;  // written before any rank is released
 };
 
 HostComm::HostComm(std::vector<int64_t> devices) : devices_(std::move(devices)) {}
@@ -135,7 +142,8 @@ ffi::Future HostComm::Gather(const GatherArgs& a) {
     return future;
   }
   StartWatchdog();
-  std::unique_ptr<Round> done;
+  std::shared_ptr<Round> round;
+  bool last = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_) {
@@ -149,11 +157,13 @@ ffi::Future HostComm::Gather(const GatherArgs& a) {
     const uint64_t gen = gens[a.rank]++;
     auto& slot = pending_[{a.site, gen}];
     if (!slot) {
-      slot = std::make_unique<Round>();
+      slot = std::make_shared<Round>();
       slot->site = a.site;
       slot->gen = gen;
       slot->start = Clock::now();
       slot->entries.resize(n);
+      slot->wait.reset(new std::atomic<int>[n]);
+      for (int r = 0; r < n; ++r) slot->wait[r].store(Round::kWaiting, std::memory_order_relaxed);
     }
     auto& e = slot->entries[a.rank];
     e.in = a.in;
@@ -164,24 +174,54 @@ ffi::Future HostComm::Gather(const GatherArgs& a) {
     e.align = std::max<size_t>(1, a.align);
     e.present = true;
     e.promise = promise;
+    round = slot;
     if (++slot->arrived == n) {
-      done = std::move(slot);
+      last = true;
       pending_.erase({a.site, gen});
     }
   }
-  if (done) Complete(std::move(done), a.rank);
+  if (last) {
+    Complete(*round, a.rank);
+    return future;
+  }
+  // Poll briefly on this thread; the completer either releases us here or, once we have
+  // given up, completes our future from a worker thread.
+  std::atomic<int>& w = round->wait[a.rank];
+  const auto until = Clock::now() + kPollWindow;
+  int polls = 0;
+  while (w.load(std::memory_order_acquire) != Round::kReleased) {
+    if ((++polls & 15) == 0 && Clock::now() > until) {
+      int expected = Round::kWaiting;
+      if (w.compare_exchange_strong(expected, Round::kAsync, std::memory_order_acq_rel)) return future;
+      break;  // released meanwhile
+    }
+    sched_yield();
+  }
+  Settlement{promise, round->error}.Run();
   return future;
 }
 
-void HostComm::Complete(std::unique_ptr<Round> round, int last_rank) {
+// Hands every present rank but `skip` its result: a rank still polling is released to finish
+// on its own thread; one that returned a pending future is completed by a worker thread.
+void HostComm::Release(Round& round, std::optional<ffi::Error> error, int skip) {
+  round.error = std::move(error);
+  for (int r = 0; r < size(); ++r) {
+    if (r == skip || !round.entries[r].present) continue;
+    int expected = Round::kWaiting;
+    if (round.wait[r].compare_exchange_strong(expected, Round::kReleased, std::memory_order_acq_rel)) continue;
+    Completions().Submit(Settlement{round.entries[r].promise, round.error});
+  }
+}
+
+void HostComm::Complete(Round& round, int last_rank) {
   const int n = size();
-  auto& es = round->entries;
+  auto& es = round.entries;
   std::optional<ffi::Error> error;
   for (int r = 1; r < n && !error; ++r) {
     if (es[r].bytes != es[0].bytes || es[r].dtype != es[0].dtype) {
       std::ostringstream os;
-      os << "jaxk3 gather: ranks of " << Describe() << " disagree at site " << round->site << " generation "
-         << round->gen << ": rank 0 has " << es[0].bytes << " bytes of dtype " << es[0].dtype << ", rank " << r
+      os << "jaxk3 gather: ranks of " << Describe() << " disagree at site " << round.site << " generation "
+         << round.gen << ": rank 0 has " << es[0].bytes << " bytes of dtype " << es[0].dtype << ", rank " << r
          << " has " << es[r].bytes << " bytes of dtype " << es[r].dtype;
       error = ffi::Error(ffi::ErrorCode::kInvalidArgument, os.str());
     }
@@ -206,16 +246,12 @@ void HostComm::Complete(std::unique_ptr<Round> round, int last_rank) {
       }
     }
   }
-  std::vector<ffi::Promise> others;
-  for (int r = 0; r < n; ++r) {
-    if (r != last_rank) others.push_back(es[r].promise);
-  }
-  SettleAll(std::move(others), error);
+  Release(round, error, last_rank);
   Settlement{es[last_rank].promise, error}.Run();
 }
 
 int HostComm::ExpireOlderThan(std::chrono::milliseconds timeout) {
-  std::vector<std::unique_ptr<Round>> expired;
+  std::vector<std::shared_ptr<Round>> expired;
   std::string why;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -244,29 +280,19 @@ int HostComm::ExpireOlderThan(std::chrono::milliseconds timeout) {
       it = pending_.erase(it);
     }
   }
-  for (auto& r : expired) {
-    std::vector<ffi::Promise> ps;
-    for (auto& e : r->entries)
-      if (e.present) ps.push_back(e.promise);
-    SettleAll(std::move(ps), ffi::Error(ffi::ErrorCode::kDeadlineExceeded, why));
-  }
+  for (auto& r : expired) Release(*r, ffi::Error(ffi::ErrorCode::kDeadlineExceeded, why), -1);
   return static_cast<int>(expired.size());
 }
 
 void HostComm::FailAll(const std::string& why) {
-  std::vector<std::unique_ptr<Round>> all;
+  std::vector<std::shared_ptr<Round>> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
     MarkBroken(why);
     for (auto& [k, r] : pending_) all.push_back(std::move(r));
     pending_.clear();
   }
-  for (auto& r : all) {
-    std::vector<ffi::Promise> ps;
-    for (auto& e : r->entries)
-      if (e.present) ps.push_back(e.promise);
-    SettleAll(std::move(ps), ffi::Error(ffi::ErrorCode::kAborted, why));
-  }
+  for (auto& r : all) Release(*r, ffi::Error(ffi::ErrorCode::kAborted, why), -1);
 }
 
 namespace {

@@ -10,11 +10,13 @@
 // dispatch therefore never mix, and neither do independent gathers that XLA runs in a
 // different order on different devices.
 //
-// No thread ever blocks: each rank registers its operand, its output and a promise, and
-// returns an ffi::Future.  The last rank to arrive copies every operand into every output
-// (rank-major; through 16-byte slots for the padded variant), completes its own promise and
-// hands the others to worker threads (a device's continuation may block in one of XLA's own
-// collectives, so no device's continuation may run behind another's on one thread).
+// No thread blocks for long: each rank registers its operand, its output and a promise, polls
+// (yielding the core) for up to 200 us, and then returns its ffi::Future.  The last rank to
+// arrive copies every operand into every output (rank-major; through 16-byte slots for the
+// padded variant) and releases the ranks still polling, which finish on their own threads;
+// the futures of ranks that already returned are completed by worker threads (a device's
+// continuation may block in one of XLA's own collectives, so no device's continuation may run
+// behind another's on one thread).
 // Blocking would deadlock: XLA's CPU runtime may run independent custom calls of one device
 // on a small shared thread pool, in any order.
 //
@@ -29,6 +31,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -70,13 +73,14 @@ class HostComm {
 
  private:
   struct Round;
-  void Complete(std::unique_ptr<Round> round, int last_rank);
+  void Complete(Round& round, int last_rank);
+  void Release(Round& round, std::optional<xla::ffi::Error> error, int skip);
   void MarkBroken(const std::string& why);  // requires mu_
 
   const std::vector<int64_t> devices_;
   std::mutex mu_;
   std::unordered_map<int64_t, std::vector<uint64_t>> next_gen_;  // site -> per-rank generation
-  std::map<std::pair<int64_t, uint64_t>, std::unique_ptr<Round>> pending_;  // (site, gen)
+  std::map<std::pair<int64_t, uint64_t>, std::shared_ptr<Round>> pending_;  // (site, gen)
   bool broken_ = false;
   std::string broken_reason_;
 };

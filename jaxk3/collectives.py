@@ -267,6 +267,16 @@ def _axis_names(axis_name) -> tuple[str, ...]:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
+def _ffi_ordinal(d) -> int:
+    """The number XLA's FFI reports as this device's ordinal (`Ctx<DeviceOrdinal>`).
+
+    On CPU it is the global device id (seen: 2048.. in process 1 of a 2-process run, where
+    local_hardware_id is 0..); on CUDA it is the process-local GPU ordinal."""
+    if d.platform == "cpu" or d.local_hardware_id is None:
+        return int(d.id)
+    return int(d.local_hardware_id)
+
+
 def _group_tables(mesh, names: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
     """(table, groups, spans_processes) for gathering over `names` of `mesh`.
 
@@ -289,7 +299,7 @@ def _group_tables(mesh, names: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[
         spans |= len(procs) > 1
         groups.extend(int(d.id) for d in row)
         for r, d in enumerate(row):
-            table.extend((int(d.process_index), int(d.local_hardware_id if d.local_hardware_id is not None else d.id), g, r))
+            table.extend((int(d.process_index), _ffi_ordinal(d), g, r))
     return tuple(table), tuple(groups), spans
 
 

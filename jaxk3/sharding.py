@@ -18,6 +18,7 @@ from typing import Any
 from jax.sharding import PartitionSpec as P
 
 TP = "tp"
+DP = "dp"  # optional data-parallel axis: splits the batch (jaxk3.distributed.make_mesh)
 COL, ROW, REP = P(TP, None), P(None, TP), P()
 LATENT = "latent"
 
@@ -49,9 +50,14 @@ WEIGHT_SPECS: dict[str, Any] = {
 FP32_WEIGHTS = frozenset({"kda.q_conv1d", "kda.k_conv1d", "kda.v_conv1d", "kda.A_log", "kda.dt_bias",
                           "kda.o_norm", "moe.e_score_correction_bias"})
 
-#: Cache fields: KDA state split by heads / channels, MLA latent cache replicated (MQA, spec §4)
-CACHE_SPECS = {"conv": P(None, None, None, TP, None), "state": P(None, None, TP, None, None),
-               "kv": P(), "length": P()}
+def cache_specs(dp_axis: str | None = None) -> dict[str, P]:
+    """Cache fields: KDA state split by heads / channels, MLA latent cache replicated over TP (MQA,
+    spec §4); the batch dimension split over `dp_axis` when the mesh has one."""
+    return {"conv": P(None, dp_axis, None, TP, None), "state": P(None, dp_axis, TP, None, None),
+            "kv": P(None, dp_axis), "length": P(dp_axis)}
+
+
+CACHE_SPECS = cache_specs(None)
 
 
 def spec(key: str, shard_latent: bool) -> P:

@@ -447,9 +447,11 @@ class Model:
                 raise ValueError(f"prompt_ids: row {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
         return rows
 
-    def generate(self, prompt_ids: Any, max_new_tokens: int, return_logits: bool = False) -> GenerateOutput:
+    def generate(self, prompt_ids: Any, max_new_tokens: int, return_logits: bool = False,
+                 progress: Any = None) -> GenerateOutput:
         """Greedy decoding.  Ragged prompts are left-padded; pad steps do not touch a row's caches,
-        so each row gets the tokens of running it alone."""
+        so each row gets the tokens of running it alone.  `progress(phase, done, total)`, if given, is
+        called after the prompt ("prompt") and after each new token ("decode")."""
         rows = self._check_prompts(prompt_ids)
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be an int >= 1, got {max_new_tokens!r}")
@@ -465,6 +467,9 @@ class Model:
         nxt.block_until_ready()
         prompt_s, times = time.perf_counter() - t0, []
         out_tok, out_logits = [nxt], [logits]
+        if progress is not None:
+            progress("prompt", T, T)
+            progress("decode", 1, max_new_tokens)
         ones = jax.device_put(np.ones((B,), bool), NamedSharding(self.mesh, P()))
         for _ in range(max_new_tokens - 1):
             t0 = time.perf_counter()
@@ -473,6 +478,8 @@ class Model:
             times.append(time.perf_counter() - t0)
             out_tok.append(nxt)
             out_logits.append(logits)
+            if progress is not None:
+                progress("decode", len(out_tok), max_new_tokens)
         tokens = np.stack([np.asarray(t) for t in out_tok], axis=1)
         logits_np = np.stack([np.asarray(x, np.float32) for x in out_logits], axis=1) if return_logits else None
         return GenerateOutput(tokens=tokens, logits=logits_np, step_times_s=times, prompt_time_s=prompt_s)

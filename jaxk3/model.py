@@ -382,11 +382,17 @@ class Model:
         self.cfg, self.weights, self.mesh = cfg, weights, mesh
         self.dtype, self.gather, self.shard_latent = jnp.dtype(dtype), gather, shard_latent
         self.tp = mesh.shape[shd.TP]
+        # An optional "dp" mesh axis splits the batch (jaxk3.distributed.make_mesh: DP across
+        # processes, TP inside each); weights are replicated over it.
+        self.dp_axis = shd.DP if shd.DP in mesh.axis_names else None
+        self.dp = mesh.shape[shd.DP] if self.dp_axis else 1
+        batch = P(self.dp_axis)
+        self._batch_sharding = NamedSharding(mesh, batch)
         opt = StepOptions(tp_axis=shd.TP, gather=gather, shard_latent=shard_latent)
         wspecs = shd.weight_specs(weights, shard_latent)
-        self._cache_specs = Cache(**shd.CACHE_SPECS)
+        self._cache_specs = Cache(**shd.cache_specs(self.dp_axis))
         local = shard_map(functools.partial(forward_local, cfg, opt), mesh,
-                          in_specs=(wspecs, self._cache_specs, P(), P()), out_specs=(P(), self._cache_specs))
+                          in_specs=(wspecs, self._cache_specs, batch, batch), out_specs=(batch, self._cache_specs))
 
         def step(weights: Weights, cache: Cache, tokens_B: jax.Array, valid_B: jax.Array):
             logits_BV, cache = local(weights, cache, tokens_B, valid_B)
@@ -417,8 +423,16 @@ class Model:
             state=((Lk, batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32),
             kv=((Lm, batch, max_len, cfg.latent_dim), self.dtype),
             length=((batch,), jnp.int32))
-        return Cache(**{k: jax.device_put(jnp.zeros(s, d), NamedSharding(self.mesh, shd.CACHE_SPECS[k]))
+        if batch % self.dp:
+            raise ValueError(f"batch: {batch} rows do not split over dp={self.dp} (generate pads for you)")
+        # Created in place on every device (also across processes), never on one host first.
+        return Cache(**{k: jax.jit(functools.partial(jnp.zeros, s, d),
+                                   out_shardings=NamedSharding(self.mesh, getattr(self._cache_specs, k)))()
                         for k, (s, d) in shapes.items()})
+
+    def _put_batch(self, a_B: np.ndarray) -> jax.Array:
+        """A host [B] array, split over the dp axis (every process passes the same values)."""
+        return jax.make_array_from_callback(a_B.shape, self._batch_sharding, lambda idx: a_B[idx])
 
     def step(self, cache: Cache, tokens_B: Any, valid_B: Any = None) -> tuple[jax.Array, jax.Array, Cache]:
         """One jitted decode step (cache donated): (logits [B, vocab] fp32, argmax [B], new cache)."""
@@ -426,8 +440,8 @@ class Model:
         if tokens_B.ndim != 1 or np.any((tokens_B < 0) | (tokens_B >= self.cfg.vocab_size)):
             raise ValueError(f"tokens_B: need a [B] array of ids in [0, {self.cfg.vocab_size}), got {tokens_B}")
         valid_B = np.ones(tokens_B.shape, bool) if valid_B is None else np.asarray(valid_B, bool)
-        rep = NamedSharding(self.mesh, P())  # same input sharding as the fed-back argmax: one compile
-        return self._step(self.weights, cache, jax.device_put(tokens_B, rep), jax.device_put(valid_B, rep))
+        # the same input sharding as the fed-back argmax: one compile
+        return self._step(self.weights, cache, self._put_batch(tokens_B), self._put_batch(valid_B))
 
     def _check_prompts(self, prompt_ids: Any) -> list[list[int]]:
         if isinstance(prompt_ids, np.ndarray) or hasattr(prompt_ids, "shape"):
@@ -456,11 +470,12 @@ class Model:
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be an int >= 1, got {max_new_tokens!r}")
         B, T = len(rows), max(len(r) for r in rows)
-        toks = np.zeros((B, T), np.int32)
-        valid = np.zeros((B, T), bool)
+        Bp = -(-B // self.dp) * self.dp  # rows added to split over dp never touch a cache
+        toks = np.zeros((Bp, T), np.int32)
+        valid = np.zeros((Bp, T), bool)
         for i, r in enumerate(rows):
             toks[i, T - len(r):], valid[i, T - len(r):] = r, True
-        cache = self.init_cache(B, -(-(T + max_new_tokens) // 64) * 64)
+        cache = self.init_cache(Bp, -(-(T + max_new_tokens) // 64) * 64)
         t0 = time.perf_counter()
         for t in range(T):
             logits, nxt, cache = self.step(cache, toks[:, t], valid[:, t])
@@ -470,7 +485,7 @@ class Model:
         if progress is not None:
             progress("prompt", T, T)
             progress("decode", 1, max_new_tokens)
-        ones = jax.device_put(np.ones((B,), bool), NamedSharding(self.mesh, P()))
+        ones = self._put_batch(np.arange(Bp) < B)
         for _ in range(max_new_tokens - 1):
             t0 = time.perf_counter()
             logits, nxt, cache = self._step(self.weights, cache, nxt, ones)
@@ -480,9 +495,19 @@ class Model:
             out_logits.append(logits)
             if progress is not None:
                 progress("decode", len(out_tok), max_new_tokens)
-        tokens = np.stack([np.asarray(t) for t in out_tok], axis=1)
-        logits_np = np.stack([np.asarray(x, np.float32) for x in out_logits], axis=1) if return_logits else None
+        tokens = np.stack([_to_host(t)[:B] for t in out_tok], axis=1)
+        logits_np = (np.stack([_to_host(x)[:B].astype(np.float32) for x in out_logits], axis=1)
+                     if return_logits else None)
         return GenerateOutput(tokens=tokens, logits=logits_np, step_times_s=times, prompt_time_s=prompt_s)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """The whole array on this host, also when other processes hold some of its rows."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def init_random_model(cfg: KimiK3Config, seed: int = 0, mesh: Mesh | None = None, tp: int | None = None,

@@ -26,12 +26,14 @@ $(VENV)/bin/python:
 	$(PY) -m venv $(VENV)
 
 $(VENV)/.deps: $(VENV)/bin/python pyproject.toml
-	$(PIP) "$(JAX_SPEC)" numpy ml_dtypes "scikit-build-core>=0.10" "nanobind>=2.4" "pytest>=8" safetensors matplotlib
+	$(PIP) "$(JAX_SPEC)" numpy ml_dtypes "scikit-build-core>=0.10" "nanobind>=2.4" "pytest>=8" safetensors matplotlib tqdm tiktoken
 ifeq ($(ORACLES),1)
 	@# torch: the CPU build that lies on local disk (Python 3.11); else PyPI's CPU index is not
 	@# reachable here, so the oracle tests need ORACLES=0 on other Pythons.
 	$(PIP) $(if $(TORCH_WHEEL),$(TORCH_WHEEL),torch) "transformers==5.23.0" einops
 	$(PIP) --no-deps "fla-core==0.6.0"
+	@# compressed-tensors: the MXFP4 unpacking oracle (needs torch; its other deps are small)
+	$(PIP) "compressed-tensors==0.20.1"
 endif
 	touch $@
 

@@ -35,7 +35,11 @@ from typing import Any, Callable, Mapping
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, which safetensors' numpy reader needs)
 import numpy as np
-from safetensors import safe_open
+
+try:
+    from safetensors import safe_open
+except ImportError:  # optional dependency: pip install "jaxk3[checkpoint]"
+    safe_open = None
 
 from jaxk3 import mxfp4
 from jaxk3 import sharding as shd
@@ -496,6 +500,8 @@ def load_model(path: str | os.PathLike, mesh=None, tp: int | None = None, dtype:
     from jaxk3.model import GATHER_IMPLS, Model, _resolve_dtype, make_mesh
 
     path = os.fspath(path)
+    if safe_open is None:
+        raise CheckpointError("checkpoint: loading needs the `safetensors` package (pip install safetensors)")
     if gather not in GATHER_IMPLS:
         raise ValueError(f"gather: must be one of {GATHER_IMPLS}, got {gather!r}")
     dt = _resolve_dtype(dtype)

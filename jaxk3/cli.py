@@ -4,6 +4,7 @@
   jaxk3 bench gather [options]         FFI gather vs lax.all_gather, same run (table + JSON)
   jaxk3 demo [--cpu-devices N]         the embedded default: a tiny random K3 model on N CPU
                                        devices decoding through the one-shot gathers
+  jaxk3 generate --checkpoint DIR ...  greedy decoding from a safetensors checkpoint (K3, Kimi-Linear)
 
 `--cpu-devices N` (any command) runs on N fake CPU devices; it must be handled before JAX
 starts, so it is read here, first thing.
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the embedded default job (no files needed)")
     demo.add_argument("--cpu-devices", type=int, default=None, help="use N fake CPU devices (make demo uses 8)")
     demo.add_argument("--gather-only", action="store_true", help="only the gather benchmark verdict")
+
+    from jaxk3 import cli_generate
+    cli_generate.add_parser(sub)
     return p
 
 
@@ -189,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench_gather(args)
     if args.cmd == "demo":
         return cmd_demo(args)
+    if args.cmd == "generate":
+        from jaxk3 import cli_generate
+        return cli_generate.run(args)
     return 2
 
 

@@ -1,0 +1,88 @@
+"""The Kimi tokenizer of a checkpoint directory, through `tiktoken` (optional dependency).
+
+Kimi checkpoints ship `tiktoken.model` (the BPE ranks: one `base64(token bytes) rank` per line) and
+`tokenizer_config.json` (`added_tokens_decoder`: id -> {"content": "[BOS]", ...}, the special
+tokens).  The pre-tokenisation regex is the one of Kimi's `tokenization_kimi.py` (Han runs kept
+together, cased-letter words with English contractions, up to 3 digits, punctuation, whitespace).
+Text is encoded as is: no BOS is added (Kimi's tokenizer adds none by default).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+KIMI_PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+RANKS_FILE = "tiktoken.model"
+CONFIG_FILE = "tokenizer_config.json"
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class KimiTokenizer:
+    """encode(text) -> ids; decode(ids) -> text (ids the tokenizer does not know print as <id>)."""
+
+    def __init__(self, encoding, special: dict[str, int]):
+        self.encoding, self.special = encoding, special
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "KimiTokenizer":
+        path = os.fspath(path)
+        ranks_path = os.path.join(path, RANKS_FILE)
+        if not os.path.exists(ranks_path):
+            raise TokenizerError(f"tokenizer: {path} has no {RANKS_FILE}; pass token ids with --prompt-ids instead")
+        try:
+            import tiktoken
+            from tiktoken.load import load_tiktoken_bpe
+        except ImportError:
+            raise TokenizerError("tokenizer: text prompts need the `tiktoken` package (pip install tiktoken); "
+                                 "or pass token ids with --prompt-ids") from None
+        try:
+            ranks = load_tiktoken_bpe(ranks_path)
+        except Exception as e:
+            raise TokenizerError(f"tokenizer: cannot read {ranks_path} as tiktoken BPE ranks ({e})") from None
+        special: dict[str, int] = {}
+        cpath = os.path.join(path, CONFIG_FILE)
+        if os.path.exists(cpath):
+            with open(cpath) as f:
+                conf = json.load(f)
+            for i, tok in (conf.get("added_tokens_decoder") or {}).items():
+                content = tok.get("content") if isinstance(tok, dict) else tok
+                if content is not None and int(i) not in ranks.values():
+                    special[str(content)] = int(i)
+        enc = tiktoken.Encoding(name=os.path.basename(os.path.abspath(path)) or "kimi", pat_str=KIMI_PAT_STR,
+                                mergeable_ranks=ranks, special_tokens=special)
+        return cls(enc, special)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text, allowed_special="all")
+
+    def decode(self, ids) -> str:
+        out, run = [], []
+        for i in map(int, ids):
+            try:
+                self.encoding.decode_single_token_bytes(i)
+                run.append(i)
+            except KeyError:
+                if run:
+                    out.append(self.encoding.decode(run, errors="replace"))
+                    run = []
+                out.append(f"<{i}>")
+        if run:
+            out.append(self.encoding.decode(run, errors="replace"))
+        return "".join(out)
+
+
+def has_tokenizer(path: str | os.PathLike) -> bool:
+    return os.path.exists(os.path.join(os.fspath(path), RANKS_FILE))

@@ -1,0 +1,106 @@
+"""`jaxk3 generate`: a fresh process on a tiny K3 checkpoint in the real format (text prompt through a
+tiny tiktoken tokenizer written here), and the argument / checkpoint errors (in-process, no compile)."""
+import base64
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxk3 import cli
+from jaxk3.config import KimiK3Config
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_checkpoint import write_k3  # noqa: E402
+
+MERGES = [b"he", b"ll", b"llo", b"hello", b" w", b"or", b" wor", b"ld", b" world"]
+SPECIAL = {990: "[BOS]", 991: "[EOS]"}
+
+
+def write_tokenizer(path):
+    """A tiny Kimi-style tokenizer: tiktoken.model (base64 token, rank per line) + tokenizer_config.json."""
+    ranks = [bytes([b]) for b in range(256)] + MERGES
+    with open(os.path.join(path, "tiktoken.model"), "w") as f:
+        for r, tok in enumerate(ranks):
+            f.write(f"{base64.b64encode(tok).decode()} {r}\n")
+    conf = {"added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in SPECIAL.items()},
+            "bos_token": "[BOS]", "eos_token": "[EOS]", "tokenizer_class": "TikTokenTokenizer"}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(conf, f)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("k3cli")
+    write_k3(str(d), seed=11)
+    write_tokenizer(str(d))
+    return str(d)
+
+
+def test_tokenizer_encodes_with_merges_and_specials(ckpt):
+    pytest.importorskip("tiktoken", reason="text prompts need tiktoken")
+    from jaxk3.tokenizer import KimiTokenizer
+
+    tok = KimiTokenizer.from_dir(ckpt)
+    assert tok.encode("hello world") == [256 + MERGES.index(b"hello"), 256 + MERGES.index(b" world")]
+    assert tok.encode("[BOS]hi") == [990, ord("h"), ord("i")]
+    assert tok.decode(tok.encode("hello world!")) == "hello world!"
+    assert tok.decode([256 + 3, 999]) == "hello<999>"  # ids past the tokenizer print as <id>
+
+
+def test_generate_fresh_process_text_prompt(ckpt):
+    """`python -m jaxk3.cli generate` in a new process: loads the sharded MXFP4 K3 checkpoint on 4 CPU devices,
+    encodes the text prompt, shows progress, prints ids + text + tokens/s; ids equal load_model().generate."""
+    pytest.importorskip("tiktoken", reason="text prompts need tiktoken")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    r = subprocess.run([sys.executable, "-m", "jaxk3.cli", "generate", "--checkpoint", ckpt, "--prompt",
+                        "hello world", "--max-new-tokens", "4", "--tp", "4", "--dtype", "float32",
+                        "--gather", "lax", "--cpu-devices", "4"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split(": ", 1) for line in r.stdout.strip().splitlines())
+    assert out["prompt ids"] == "259,264"
+    new = [int(t) for t in out["new ids"].split(",")]
+    assert len(new) == 4 and "text" in out
+    assert "loading weights" in r.stderr and "generating" in r.stderr and "tokens/s" in r.stderr
+
+    import jaxk3
+    m = jaxk3.load_model(ckpt, tp=4, dtype="float32", gather="lax")
+    np.testing.assert_array_equal(m.generate([[259, 264]], 4).tokens[0], new)
+
+
+def test_generate_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for opt in ("--checkpoint", "--prompt", "--prompt-ids", "--max-new-tokens", "--tp", "--dtype", "--gather",
+                "--cpu-devices", "examples:"):
+        assert opt in text
+
+
+def test_generate_text_prompt_without_tokenizer(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(KimiK3Config.tiny_k3().to_hf_dict()))
+    assert cli.main(["generate", "--checkpoint", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "has no tiktoken.model" in err and "--prompt-ids" in err
+
+
+def test_generate_bad_checkpoint_is_a_named_error(tmp_path, capsys):
+    assert cli.main(["generate", "--checkpoint", str(tmp_path), "--prompt-ids", "1,2", "--no-progress"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--prompt-ids", "1", "--max-new-tokens", "0"], "positive integer"),
+    (["--prompt-ids", "1", "--gather", "nccl"], "invalid choice"),
+    ([], "one of the arguments --prompt --prompt-ids is required"),
+])
+def test_generate_bad_arguments(tmp_path, capsys, argv, msg):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--checkpoint", str(tmp_path)] + argv)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""Two local processes on jax.distributed (CPU, gloo, 4 fake devices each).
+
+DP 2 x TP 4 (TP inside a process: one-shot gathers) must give exactly the tokens of the same
+mesh in one process; a TP group of 8 spanning both processes falls back to lax (gloo) and must
+give the tokens of TP 8 in one process (float32, so the different reduction order of gloo
+cannot flip a token); a process that dies makes the other fail in bounded time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jaxk3
+
+WORKER = Path(__file__).with_name("mp_worker.py")
+PROMPTS = [[5, 9, 100, 7], [3, 1], [8, 8, 8], [42]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pair(mode: str, tmp_path: Path, timeout: float = 240):
+    coord = f"127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["JAXK3_GATHER_TIMEOUT_S"] = "20"
+    procs, outs = [], []
+    for pid in range(2):
+        out = tmp_path / f"{mode}{pid}.json"
+        outs.append(out)
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), coord, str(pid), mode, str(out)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    t0 = time.monotonic()
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=max(1, timeout - (time.monotonic() - t0)))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{mode}: a process hung for {timeout} s")
+    results = [json.loads(o.read_text()) if o.exists() else None for o in outs]
+    return procs, logs, results, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg = jaxk3.KimiK3Config.tiny_k3()
+    dp_mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("dp", "tp"))
+    dp = jaxk3.init_random_model(cfg, seed=0, mesh=dp_mesh, gather="auto").generate(PROMPTS, 5).tokens
+    tp8 = jaxk3.init_random_model(cfg, seed=0, tp=8, dtype="float32", gather="auto").generate(PROMPTS, 5).tokens
+    return {"dp": dp.tolist(), "tp8": tp8.tolist()}
+
+
+def test_dp2_tp4_matches_single_process(reference, tmp_path):
+    procs, logs, results, _ = run_pair("dp", tmp_path)
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    for r in results:
+        assert r["path"] == "ffi", r["plan"]  # TP inside a process: the one-shot path
+        assert r["tokens"] == reference["dp"]
+
+
+def test_tp8_spanning_processes_falls_back_and_matches(reference, tmp_path):
+    procs, logs, results, _ = run_pair("tp8", tmp_path)
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    for r in results:
+        assert r["path"] == "lax" and "spans processes" in r["plan"]
+        assert r["tokens"] == reference["tp8"]
+
+
+def test_dead_process_fails_the_other_in_bounded_time(tmp_path):
+    procs, logs, results, elapsed = run_pair("die", tmp_path, timeout=240)
+    assert procs[1].returncode == 17
+    assert procs[0].returncode != 0, logs[0][-3000:]
+    assert results[0] is None or "second_generate" not in results[0]
+    assert elapsed < 200
+    assert any(w in logs[0].lower() for w in ("heartbeat", "unavailable", "failed", "error")), logs[0][-3000:]

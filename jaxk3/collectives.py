@@ -439,20 +439,27 @@ def _gather_leaf(x, axis_name, axis: int, tiled: bool, impl: str, padded: bool):
         if impl == "ffi":
             raise GatherUnavailableError(f"impl='ffi' but the FFI gather does not apply: {p.reason}")
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
-    if hasattr(lax, "pvary"):
-        # Like lax.all_gather: the operand must vary over the gathered axes.
-        try:
-            x = lax.pvary(x, tuple(n for n in _axis_names(axis_name) if n not in _vma(x)))
-        except Exception:
-            pass
-    return _arrange(_ffi_gather(x, p), x.ndim, a, tiled)
+    y = _ffi_gather(x, p)
+    # Type it as lax.all_gather's result: varying over the gathered axes (and whatever x varied
+    # over); the custom call's output carries no such type by itself.
+    missing = tuple(n for n in (*_axis_names(axis_name), *sorted(_varying(x))) if n not in _varying(y))
+    if missing:
+        y = _make_varying(y, tuple(dict.fromkeys(missing)))
+    return _arrange(y, x.ndim, a, tiled)
 
 
-def _vma(x) -> frozenset:
-    try:
-        return frozenset(jax.typeof(x).vma)
-    except Exception:
-        return frozenset()
+def _varying(x) -> frozenset:
+    """The manual axes `x` varies over (jax >= 0.10: `typeof(x).manual_axis_type.varying`)."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(jax.typeof(x), "vma", ()))
+
+
+def _make_varying(x, names: tuple[str, ...]):
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, names, to="varying")
+    return lax.pvary(x, names)
 
 
 def _resolve(impl: str) -> str:

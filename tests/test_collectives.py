@@ -347,3 +347,23 @@ def test_stress_async_dispatch_random_sizes():
     mismatches = sum(not np.array_equal(bits(g), bits(r)) for g, r in zip(got, ref))
     assert mismatches == 0
     assert len(got) * 2 * 24 == 4800
+
+
+@pytest.mark.parametrize("in_spec", [P(), P("tp")])
+def test_result_type_varies_like_lax(in_spec):
+    """Under check_vma the FFI result has lax.all_gather's type (varying over the gathered axis),
+    whether the operand varied or not, and the same values."""
+    mesh = make_mesh(range(4))
+    x = jax.device_put(random_array(jax.random.key(2), (4, 8), jnp.float32), NamedSharding(mesh, in_spec))
+    types = {}
+
+    def run(impl):
+        def body(v):
+            g = C.all_gather(v, "tp", axis=0, tiled=True, impl=impl)
+            types[impl] = C._varying(g)
+            return g
+
+        return jax.jit(C.shard_map(body, mesh=mesh, in_specs=(in_spec,), out_specs=P("tp")))(x)
+
+    np.testing.assert_array_equal(bits(run("ffi")), bits(run("lax")))
+    assert types["ffi"] == types["lax"] == frozenset({"tp"})

@@ -72,6 +72,7 @@ def sharded_inputs(mesh, spec, n, seed):
 
 
 ORDERS = {
+    1: [(3,)],  # a group of one: the identity path
     2: [(0, 1), (1, 0)],
     4: [(0, 1, 2, 3), (3, 1, 0, 2)],
     8: [tuple(range(8)), (5, 2, 7, 0, 3, 6, 1, 4)],

@@ -12,11 +12,13 @@ A checkpoint directory holds `config.json` and one `*.safetensors` file, or seve
   and are dequantised to the compute dtype here.
 * Kimi-Linear: flat config, `model.layers.…`, bf16 experts, `A_log` [1, 1, H, 1].
 
-Memory: every weight is built with `jax.make_array_from_callback` over its `NamedSharding` from
-`jaxk3.sharding`; the callback for one device reads only that device's slice of each source tensor
-(`safe_open(file).get_slice(name)[rows, cols]`), converts it and hands it to that device.  Host
-memory therefore peaks near the largest single rank slice (a stacked expert weight's rank slice,
-or a replicated tensor, which is read once and shared by the devices), not the model.
+Memory: every weight is built device by device from its `NamedSharding` in `jaxk3.sharding`
+(`addressable_devices_indices_map` -> one read per device -> `jax.device_put` to that device ->
+`make_array_from_single_device_arrays`).  A device's read takes only its slice of each source
+tensor (`safe_open(file).get_slice(name)[rows, cols]`), and the slice is on the device before the
+next is read.  Host memory therefore peaks near the largest single rank slice (a stacked expert
+weight's rank slice, or a replicated tensor, read once and put on every device), not the model.
+(`jax.make_array_from_callback` would hold every device's slice of a weight at once.)
 
 Errors (all `CheckpointError`, a `ValueError`) are raised after reading only the JSON files and the
 safetensors headers, before any tensor data is read or anything compiled; nothing half-loaded is
@@ -467,17 +469,18 @@ def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, i
     def put(key: str, leaf: _Leaf):
         nonlocal done
         dt = target(key)
-        memo: dict = {}  # replicated / repeated blocks are read once and shared by the devices
-
-        def cb(idx):
+        sharding = NamedSharding(mesh, shd.spec(key, shard_latent))
+        last: list = [None, None]  # (block, host array): replicated blocks are read once for all devices
+        shards = []
+        for dev, idx in sharding.addressable_devices_indices_map(leaf.shape).items():
             blk = _norm_index(idx, leaf.shape)
-            if blk not in memo:
-                a = leaf.read(reader, blk)
-                memo[blk] = np.ascontiguousarray(a.astype(dt, copy=False))
-            return memo[blk]
-
-        arr = jax.make_array_from_callback(leaf.shape, NamedSharding(mesh, shd.spec(key, shard_latent)), cb)
-        memo.clear()
+            if last[0] != blk:
+                last[:] = [None, None]  # drop the previous rank's slice before reading the next
+                last[:] = [blk, np.ascontiguousarray(leaf.read(reader, blk).astype(dt, copy=False))]
+            # one rank's slice to its device; wait, so at most one slice is held on the host
+            shards.append(jax.device_put(last[1], dev).block_until_ready())
+        last[:] = [None, None]
+        arr = jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards)
         done += math.prod(leaf.shape) * dt.itemsize
         if progress is not None:
             progress(done, total)

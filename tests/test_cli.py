@@ -51,13 +51,13 @@ def test_tokenizer_encodes_with_merges_and_specials(ckpt):
 
 
 def test_generate_fresh_process_text_prompt(ckpt):
-    """`python -m jaxk3.cli generate` in a new process: loads the sharded MXFP4 K3 checkpoint on 4 CPU devices,
+    """`python -m jaxk3.cli generate` in a new process: loads the sharded MXFP4 K3 checkpoint on 2 CPU devices,
     encodes the text prompt, shows progress, prints ids + text + tokens/s; ids equal load_model().generate."""
     pytest.importorskip("tiktoken", reason="text prompts need tiktoken")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     r = subprocess.run([sys.executable, "-m", "jaxk3.cli", "generate", "--checkpoint", ckpt, "--prompt",
-                        "hello world", "--max-new-tokens", "4", "--tp", "4", "--dtype", "float32",
-                        "--gather", "lax", "--cpu-devices", "4"],
+                        "hello world", "--max-new-tokens", "4", "--tp", "2", "--dtype", "float32",
+                        "--gather", "lax", "--cpu-devices", "2"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     out = dict(line.split(": ", 1) for line in r.stdout.strip().splitlines())
@@ -67,7 +67,7 @@ def test_generate_fresh_process_text_prompt(ckpt):
     assert "loading weights" in r.stderr and "generating" in r.stderr and "tokens/s" in r.stderr
 
     import jaxk3
-    m = jaxk3.load_model(ckpt, tp=4, dtype="float32", gather="lax")
+    m = jaxk3.load_model(ckpt, tp=2, dtype="float32", gather="lax")
     np.testing.assert_array_equal(m.generate([[259, 264]], 4).tokens[0], new)
 
 

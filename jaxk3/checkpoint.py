@@ -243,9 +243,7 @@ def load_config(path: str) -> KimiK3Config:
     if mt not in (None, "kimi_linear", "kimi_k3"):
         raise _config_error(f"model_type = {mt!r} is not supported (the text model must be 'kimi_linear')")
     _check_quantization(text.get("quantization_config", raw.get("quantization_config")))
-    nextn = text.get("num_nextn_predict_layers") or 0
-    if nextn:  # MTP layers are extra weights the decode step never reads; loading ignores them
-        pass
+    # num_nextn_predict_layers (MTP) only adds tensors the decode step never reads: ignored.
     try:
         return KimiK3Config.from_pretrained(raw)
     except ValueError as e:
@@ -356,6 +354,10 @@ def build_plan(cfg: KimiK3Config, tensors: Mapping[str, TensorInfo], tp: int):
 
     def info(name: str) -> TensorInfo:
         if name not in names:
+            if name.endswith(".weight") and name[: -len("weight")] + "weight_packed" in names:
+                raise UnsupportedConfigError(
+                    f"checkpoint: {_ckpt_name(name)[: -len('.weight')]!r} is quantised (weight_packed); only the "
+                    "routed experts may be MXFP4 in this port")
             raise MissingTensorError(f"checkpoint: missing tensor {_ckpt_name(name)!r}")
         return names[name]
 

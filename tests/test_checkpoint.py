@@ -341,6 +341,23 @@ def test_error_missing_mxfp4_scale(k3_copy, monkeypatch):
         jaxk3.load_model(path, tp=2)
 
 
+def test_error_quantised_non_expert(k3_copy, monkeypatch):
+    """Only routed experts may be MXFP4: a packed shared-expert weight is an unsupported-config error."""
+    path, _ = k3_copy
+    name = "language_model.model.layers.1.block_sparse_moe.shared_experts.up_proj.weight"
+    with open(os.path.join(path, ck.INDEX_FILE)) as f:
+        idx = json.load(f)
+    fn = idx["weight_map"].pop(name)
+    idx["weight_map"][name + "_packed"] = fn
+    with open(os.path.join(path, ck.INDEX_FILE), "w") as f:
+        json.dump(idx, f)
+    _rewrite_header(os.path.join(path, fn), lambda h: h.update({name + "_packed": h.pop(name)}))
+    _no_reads(monkeypatch)
+    with pytest.raises(ck.UnsupportedConfigError, match=r"shared_experts\.up_proj' is quantised \(weight_packed\); "
+                                                        "only the routed experts"):
+        jaxk3.load_model(path, tp=2)
+
+
 def test_error_wrong_shape(k3_copy, monkeypatch):
     path, cfg = k3_copy
     name = "language_model.model.layers.3.self_attn.kv_b_proj.weight"  # MLA layer 3; [H*(n+v), R] = [256, 32]

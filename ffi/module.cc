@@ -79,6 +79,7 @@ NB_MODULE(_ffi, m) {
     nb::dict d;
     d["jaxk3_one_shot_all_gather"] = Capsule(jaxk3_cpu_one_shot_all_gather);
     d["jaxk3_padded_all_gather"] = Capsule(jaxk3_cpu_padded_all_gather);
+    d["jaxk3_local_tile"] = Capsule(jaxk3_cpu_local_tile);  // bench floor, no communication
     return d;
   });
   m.def("cuda_targets", []() {
@@ -86,6 +87,7 @@ NB_MODULE(_ffi, m) {
 #ifdef JAXK3_WITH_CUDA
     d["jaxk3_one_shot_all_gather"] = Capsule(jaxk3_cuda_one_shot_all_gather);
     d["jaxk3_padded_all_gather"] = Capsule(jaxk3_cuda_padded_all_gather);
+    d["jaxk3_local_tile"] = Capsule(jaxk3_cuda_local_tile);  // bench floor, no communication
 #endif
     return d;
   });

@@ -2,6 +2,8 @@
 
   jaxk3 info [--json]                  versions, FFI handlers built, devices, gather default
   jaxk3 bench gather [options]         FFI gather vs lax.all_gather, same run (table + JSON)
+  jaxk3 bench decode [options]         decode step of a layer slice: stock / sharded+lax /
+                                       sharded+one-shot, vs the weight-bandwidth floor
   jaxk3 demo [--cpu-devices N]         the embedded default: a tiny random K3 model on N CPU
                                        devices decoding through the one-shot gathers
   jaxk3 generate --checkpoint DIR ...  greedy decoding from a safetensors checkpoint (K3, Kimi-Linear)
@@ -46,6 +48,18 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _parse_ints(text: str) -> tuple[int, ...]:
+    out = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        mult = 1024 if p.endswith("k") else 1
+        num = p[:-1] if p.endswith("k") else p
+        if not num.isdigit() or int(num) < 1:
+            raise argparse.ArgumentTypeError(f"bad value {part!r}: use positive integers like 1,8 or 4k,32k")
+        out.append(int(num) * mult)
+    return tuple(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxk3",
@@ -61,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (same-run baselines, ratios printed)")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
-    g = bsub.add_parser("gather", help="per-gather latency: FFI path vs lax.all_gather vs a local-op floor")
+    g = bsub.add_parser("gather", help="per-gather latency: FFI path vs lax.all_gather vs two no-exchange floors (XLA tile, one FFI call)")
     g.add_argument("--sizes", type=_parse_sizes, default=None,
                    help="payload bytes per rank, comma separated (default 64,256,1k,4k,16k,64k,256k)")
     g.add_argument("--chain", type=int, default=100, help="dependent gathers per jitted program (default 100)")
@@ -70,6 +84,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"])
     g.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
     g.add_argument("--cpu-devices", type=int, help="use N fake CPU devices")
+
+    d = bsub.add_parser("decode", help="decode-step latency of a layer slice, three latent strategies, vs the "
+                        "bandwidth floor")
+    d.add_argument("--config", default="k3", help="k3 | tiny | PATH to a HF config.json / model dir (default k3)")
+    d.add_argument("--layers", default=None,
+                   help="0-based inclusive layer slice, e.g. 11-14 (K3 default: 11-14; 'all' for every layer)")
+    d.add_argument("--experts", type=int, default=None,
+                   help="routed experts kept per MoE layer (memory; per-token work unchanged; K3 default 32)")
+    d.add_argument("--tp", type=int, default=None, help="TP size (default: all devices)")
+    d.add_argument("--batch", type=_parse_ints, default=(1, 8), help="batch sizes, comma separated (default 1,8)")
+    d.add_argument("--context", type=_parse_ints, default=(4096, 32768),
+                   help="MLA context lengths, comma separated, k = 1024 (default 4k,32k)")
+    d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    d.add_argument("--steps", type=int, default=20, help="back-to-back steps per timing (default 20)")
+    d.add_argument("--repeats", type=int, default=5, help="timings per case; the median is reported (default 5)")
+    d.add_argument("--strategies", default=None, help="subset, comma separated: stock,sharded+lax,sharded+one-shot")
+    d.add_argument("--copy-mb", type=int, default=1024, help="per-device size of the bandwidth copy (default 1024)")
+    d.add_argument("--hlo-dir", default=None, help="write each compiled step's optimized HLO here")
+    d.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
+    d.add_argument("--plot", default=None, help="write a PNG of latency per strategy and batch (matplotlib)")
+    d.add_argument("--cpu-devices", type=int, help="use N fake CPU devices")
 
     demo = sub.add_parser("demo", help="the embedded default job (no files needed)")
     demo.add_argument("--cpu-devices", type=int, default=None, help="use N fake CPU devices (make demo uses 8)")
@@ -152,6 +187,47 @@ def cmd_bench_gather(args) -> int:
     return 0
 
 
+def cmd_bench_decode(args) -> int:
+    import jax
+
+    from jaxk3 import bench_decode as bd
+
+    def progress(msg):
+        print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+    k3 = args.config == "k3"
+    layers = args.layers if args.layers is not None else ("11-14" if k3 else None)
+    experts = args.experts if args.experts is not None else (32 if k3 else None)
+    strategies = bd.STRATEGIES
+    if args.strategies:
+        want = [s.strip() for s in args.strategies.split(",")]
+        unknown = [s for s in want if s not in {n for n, _, _ in bd.STRATEGIES}]
+        if unknown:
+            print(f"jaxk3: --strategies: unknown {unknown}", file=sys.stderr)
+            return 2
+        strategies = tuple(s for s in bd.STRATEGIES if s[0] in want)
+    try:
+        result = bd.bench_decode(config=args.config, layers=layers, experts=experts,
+                                 tp=args.tp or len(jax.devices()), batches=args.batch, contexts=args.context,
+                                 dtype=args.dtype, steps=args.steps, repeats=args.repeats,
+                                 copy_bytes=args.copy_mb << 20, strategies=strategies, hlo_dir=args.hlo_dir,
+                                 progress=progress)
+    except ValueError as e:
+        print(f"jaxk3: {e}", file=sys.stderr)
+        return 2
+    print(bd.decode_table(result))
+    if args.json_path:
+        bd.write_json(result, args.json_path)
+        print(f"wrote {args.json_path}")
+    if args.plot:
+        try:
+            bd.plot(result, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError as e:
+            print(f"jaxk3: --plot needs matplotlib ({e}); table and JSON are complete", file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args) -> int:
     import jax
 
@@ -191,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_info(args)
     if args.cmd == "bench" and args.bench_cmd == "gather":
         return cmd_bench_gather(args)
+    if args.cmd == "bench" and args.bench_cmd == "decode":
+        return cmd_bench_decode(args)
     if args.cmd == "demo":
         return cmd_demo(args)
     if args.cmd == "generate":

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On a machine with >= 2 NVIDIA GPUs: build the extension with its CUDA handlers against this
-# machine's own jax, print the machine, run the GPU tests, and benchmark the gathers (floor /
-# lax / ffi in the same run) with XLA command buffers on (default) and off.
+# machine's own jax, print the machine, run the GPU tests, benchmark the gathers (xla_floor /
+# ffi_floor / lax / ffi in the same run) with XLA command buffers on (default) and off, and
+# benchmark the decode step of K3 layers 11-14 at real dimensions (three latent strategies).
 #
-#   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench]   (no argument: all of them)
+#   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [bench_off]
+#   (no argument: all of them; `bench` is command buffers on, `bench_off` off)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
 # --no-deps, so scikit-build-core, nanobind, cmake, nvcc and jax must be installed already.
@@ -12,7 +14,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu}
 mkdir -p "$OUT"
 PY=${PY:-python3}
-STAGES=${*:-env build test thunks bench}
+STAGES=${*:-env build test thunks bench decode decode_cb bench_off}
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -77,7 +79,7 @@ fi
 
 bench() {  # $1 = label, XLA_FLAGS from the environment
   if [ -f jaxk3/cli.py ]; then
-    timeout 200 $PY -m jaxk3.cli bench gather --json "$OUT/bench_$1.json" 2>&1 | tee "$OUT/bench_$1.log"
+    timeout ${BENCH_TIMEOUT:-200} $PY -m jaxk3.cli bench gather ${BENCH_ARGS:-} --json "$OUT/bench_$1.json" 2>&1 | tee "$OUT/bench_$1.log"
   else
     timeout 200 $PY -c "from jaxk3 import bench; r=bench.bench_gather(); print(bench.gather_table(r)); bench.write_json(r, '$OUT/bench_$1.json')" 2>&1 | tee "$OUT/bench_$1.log"
   fi
@@ -87,6 +89,45 @@ bench() {  # $1 = label, XLA_FLAGS from the environment
 if has bench; then
   echo "== bench, command buffers on (XLA default) ($(date -u +%T))"
   bench cb_on
+fi
+
+if has decode; then
+  # K3 layers 11-14 (MLA, KDA, KDA, KDA, all MoE; AttnRes block starts at 12), 32 routed experts,
+  # TP over 2 GPUs, stock / sharded+lax / sharded+one-shot in one process.
+  echo "== decode step, K3 dims ($(date -u +%T))"
+  timeout ${DECODE_TIMEOUT:-300} $PY -m jaxk3.cli bench decode --config k3 --layers 11-14 --experts 32 --tp 2 \
+    --batch 1,8 --context 4k,32k --json "$OUT/decode.json" --plot "$OUT/decode.png" --hlo-dir /tmp/jaxk3_decode_hlo \
+    2>&1 | tee "$OUT/decode.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  tar -C /tmp -czf "$OUT/decode_hlo.tgz" jaxk3_decode_hlo 2>/dev/null || true
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv 2>&1 | tee -a "$OUT/decode.log"
+fi
+
+if has decode_cb; then
+  # Batch 1, 4K: the same step with command buffers off, then on with the thunk sequence dumped
+  # (how many kernels a step launches, and how many of them run inside CUDA graphs).
+  D="--config k3 --layers 11-14 --experts 32 --tp 2 --batch 1 --context 4k --copy-mb 512"
+  echo "== decode step B=1, command buffers off ($(date -u +%T))"
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout 200 $PY -m jaxk3.cli bench decode $D \
+    --json "$OUT/decode_cb_off.json" 2>&1 | tee "$OUT/decode_cb_off.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "== decode step B=1, thunk sequence ($(date -u +%T))"
+  rm -rf /tmp/jaxk3_ddump
+  XLA_FLAGS="--xla_dump_to=/tmp/jaxk3_ddump --xla_dump_hlo_module_re=.*step.*" timeout 200 $PY -m jaxk3.cli \
+    bench decode $D --strategies stock,sharded+one-shot --steps 5 --repeats 2 >"$OUT/decode_dump.log" 2>&1
+  $PY - <<'EOF' 2>&1 | tee "$OUT/decode_thunks.txt"
+import collections, glob, re
+files = sorted(glob.glob("/tmp/jaxk3_ddump/*thunk_sequence_after_thunk_passes*"))
+for path in files:
+    txt = open(path).read()
+    kinds = collections.Counter(re.findall(r"\bk[A-Z][A-Za-z0-9]+", txt))
+    print(path.split("/")[-1], "lines", txt.count("\n"), dict(kinds.most_common(16)))
+if files:
+    print(open(files[0]).read()[:4000])
+EOF
+fi
+
+if has bench_off; then
   echo "== bench, command buffers off ($(date -u +%T))"
   XLA_FLAGS="--xla_gpu_enable_command_buffer=" bench cb_off
 fi

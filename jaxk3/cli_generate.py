@@ -24,14 +24,18 @@ examples:
 """
 
 
-def _ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids: need comma-separated integers like 1,2,3, got {text!r}")
-    if not ids:
-        raise argparse.ArgumentTypeError("--prompt-ids: empty")
-    return ids
+def _ids(text: str) -> list[list[int]]:
+    """`1,2,3` is one prompt; `1,2,3;4,5` is a batch of two (split over dp in multi-process runs)."""
+    rows = []
+    for row in text.replace(" ", "").split(";"):
+        try:
+            ids = [int(t) for t in row.split(",") if t != ""]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--prompt-ids: need comma-separated integers like 1,2,3, got {text!r}")
+        if not ids:
+            raise argparse.ArgumentTypeError(f"--prompt-ids: empty prompt in {text!r}")
+        rows.append(ids)
+    return rows
 
 
 def _positive(text: str) -> int:
@@ -47,7 +51,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="directory with config.json and *.safetensors (K3 or Kimi-Linear naming)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the checkpoint's tiktoken.model)")
-    src.add_argument("--prompt-ids", type=_ids, metavar="IDS", help="prompt token ids, comma separated: 1,2,3")
+    src.add_argument("--prompt-ids", type=_ids, metavar="IDS",
+                     help="prompt token ids, comma separated: 1,2,3; several prompts (a batch): 1,2,3;4,5")
     g.add_argument("--max-new-tokens", type=_positive, default=16, metavar="N", help="tokens to generate (default 16)")
     g.add_argument("--tp", type=_positive, default=None, metavar="N",
                    help="tensor-parallel size: use the first N devices (default: all)")
@@ -57,6 +62,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="all-gather implementation: one-shot FFI, lax.all_gather, or auto (default)")
     g.add_argument("--cpu-devices", type=int, default=None, metavar="N", help="run on N fake CPU devices")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    mp = g.add_argument_group(
+        "multi-process (jax.distributed; docs/DISTRIBUTED.md)",
+        "Every process runs the same command with its own --process-id (or the variables "
+        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). The mesh is (dp, tp): TP over "
+        "each process's devices (--tp of them), the batch split over dp.")
+    mp.add_argument("--coordinator", metavar="HOST:PORT", default=None, help="address of process 0's coordinator")
+    mp.add_argument("--num-processes", type=_positive, default=None, metavar="N")
+    mp.add_argument("--process-id", type=int, default=None, metavar="I")
+    mp.add_argument("--heartbeat-timeout", type=_positive, default=100, metavar="S",
+                    help="seconds before a dead process is reported (default 100)")
     return g
 
 
@@ -98,17 +113,25 @@ def run(args) -> int:
     from jaxk3.checkpoint import CheckpointError, load_model
     from jaxk3.tokenizer import KimiTokenizer, TokenizerError, has_tokenizer
 
+    from jaxk3 import distributed
+
+    try:
+        multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                       heartbeat_timeout_s=args.heartbeat_timeout)
+    except ValueError as e:
+        print(f"jaxk3 generate: {e}", file=sys.stderr)
+        return 2
     show = not args.no_progress
     tok = None
     try:
         if args.prompt is not None:
             tok = KimiTokenizer.from_dir(args.checkpoint)
-            ids = tok.encode(args.prompt)
-            if not ids:
+            rows = [tok.encode(args.prompt)]
+            if not rows[0]:
                 print("jaxk3 generate: the prompt encodes to no tokens", file=sys.stderr)
                 return 2
         else:
-            ids = args.prompt_ids
+            rows = args.prompt_ids
             if has_tokenizer(args.checkpoint):
                 try:
                     tok = KimiTokenizer.from_dir(args.checkpoint)
@@ -133,7 +156,9 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        model = load_model(args.checkpoint, tp=args.tp, dtype=args.dtype, gather=args.gather, progress=on_load)
+        mesh = distributed.make_mesh(args.tp) if multi else None
+        model = load_model(args.checkpoint, mesh=mesh, tp=None if multi else args.tp, dtype=args.dtype,
+                           gather=args.gather, progress=on_load)
     except CheckpointError as e:
         print(f"jaxk3 generate: {e}", file=sys.stderr)
         return 2
@@ -144,7 +169,7 @@ def run(args) -> int:
         if bar is not None:
             bar.close()
     load_s = time.perf_counter() - t0
-    print(f"loaded in {load_s:.1f} s (tp={model.tp})", file=sys.stderr, flush=True)
+    print(f"loaded in {load_s:.1f} s (tp={model.tp}, dp={model.dp})", file=sys.stderr, flush=True)
 
     bars: dict[str, _Bar] = {}
 
@@ -157,23 +182,27 @@ def run(args) -> int:
         if done >= total:
             bars[phase].close()
 
-    print(f"prompt: {len(ids)} tokens (the first step compiles the model) ...", file=sys.stderr, flush=True)
+    n_prompt = max(len(r) for r in rows)
+    print(f"prompt: {len(rows)} x up to {n_prompt} tokens (the first step compiles the model) ...",
+          file=sys.stderr, flush=True)
 
     try:
-        out = model.generate([ids], args.max_new_tokens, progress=on_gen)
+        out = model.generate(rows, args.max_new_tokens, progress=on_gen)
     except ValueError as e:
         print(f"jaxk3 generate: {e}", file=sys.stderr)
         return 2
-    new = [int(t) for t in out.tokens[0]]
-    print("prompt ids: " + ",".join(map(str, ids)))
-    print("new ids: " + ",".join(map(str, new)))
-    if tok is not None:
-        print("text: " + tok.decode(new))
+    for ids, toks in zip(rows, out.tokens):
+        new = [int(t) for t in toks]
+        print("prompt ids: " + ",".join(map(str, ids)))
+        print("new ids: " + ",".join(map(str, new)))
+        if tok is not None:
+            print("text: " + tok.decode(new))
     steps = out.step_times_s
     decode_s = sum(steps)
     tps = len(steps) / decode_s if decode_s > 0 else float("nan")
     total_s = out.prompt_time_s + decode_s
-    print(f"{len(new)} new tokens; prompt {len(ids)} tokens in {out.prompt_time_s:.2f} s (includes compile); "
-          f"decode {tps:.1f} tokens/s ({len(steps)} steps after the first); "
-          f"overall {len(new) / total_s:.2f} tokens/s", file=sys.stderr)
+    n_new = out.tokens.size
+    print(f"{n_new} new tokens; prompt {n_prompt} steps in {out.prompt_time_s:.2f} s (includes compile); "
+          f"decode {tps * len(rows):.1f} tokens/s ({len(steps)} steps after the first, batch {len(rows)}); "
+          f"overall {n_new / total_s:.2f} tokens/s", file=sys.stderr)
     return 0

@@ -21,6 +21,8 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxk3
+from jaxk3.checkpoint import save_checkpoint
+from jaxk3.model import random_hf_weights
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 PROMPTS = [[5, 9, 100, 7], [3, 1], [8, 8, 8], [42]]
@@ -89,3 +91,33 @@ def test_dead_process_fails_the_other_in_bounded_time(tmp_path):
     assert results[0] is None or "second_generate" not in results[0]
     assert elapsed < 200
     assert any(w in logs[0].lower() for w in ("heartbeat", "unavailable", "failed", "error")), logs[0][-3000:]
+
+
+def test_generate_cli_two_processes_matches_one(tmp_path):
+    """`jaxk3 generate` with --coordinator/--num-processes/--process-id: a batch of 3 prompts split
+    over dp=2 (TP 4 inside each process) prints the tokens of the same checkpoint in one process."""
+    cfg = jaxk3.KimiK3Config.tiny_k3()
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(ckpt, cfg, random_hf_weights(cfg, seed=3), k3_layout=True, num_shards=2)
+    prompts = "5,9,100,7;3,1;42"
+    ref = jaxk3.load_model(str(ckpt), tp=4).generate([[5, 9, 100, 7], [3, 1], [42]], 4).tokens
+    coord = f"127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    cmd = [sys.executable, "-m", "jaxk3.cli", "generate", "--checkpoint", str(ckpt), "--prompt-ids", prompts,
+           "--max-new-tokens", "4", "--tp", "4", "--cpu-devices", "4", "--no-progress", "--coordinator", coord,
+           "--num-processes", "2", "--heartbeat-timeout", "10"]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("jaxk3 generate hung in a 2-process run")
+        assert p.returncode == 0, err[-3000:]
+        assert "dp=2" in err
+        outs.append([[int(t) for t in line.split(": ")[1].split(",")] for line in out.splitlines()
+                     if line.startswith("new ids: ")])
+    assert outs[0] == outs[1] == ref.tolist()

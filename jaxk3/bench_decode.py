@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
 import statistics
 import time
@@ -439,8 +440,6 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                 compile_s = time.perf_counter() - t0
                 census = hlo_census(compiled.as_text())
                 if hlo_dir:
-                    import os
-
                     os.makedirs(hlo_dir, exist_ok=True)
                     with open(os.path.join(hlo_dir, f"decode_{name.replace('+', '_')}_B{batch}_S{context}.hlo.txt"), "w") as fh:
                         fh.write(compiled.as_text())

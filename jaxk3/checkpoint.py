@@ -341,10 +341,7 @@ def _dense_part(info: TensorInfo) -> Callable[[_Reader, tuple], np.ndarray]:
 
 def build_plan(cfg: KimiK3Config, tensors: Mapping[str, TensorInfo], tp: int):
     """A `Weights` pytree of `_Leaf`s; checks every name, shape and dtype first (raises CheckpointError)."""
-    from jaxk3.layers.kda import KDAWeights
-    from jaxk3.layers.mla import MLAWeights
-    from jaxk3.layers.moe import MLPWeights, MoEWeights
-    from jaxk3.model import LayerWeights, Weights, _attn_fields, _hf_suffix, hf_tensor_shapes
+    from jaxk3.model import assemble_weights, hf_tensor_shapes
 
     names = _internal_names(tensors)
     want = hf_tensor_shapes(cfg)
@@ -409,44 +406,20 @@ def build_plan(cfg: KimiK3Config, tensors: Mapping[str, TensorInfo], tp: int):
         s = check(base + ".weight_scale", info(base + ".weight_scale"), (rows, cols // mxfp4.GROUP), ("U8",))
         return _mxfp4_part(p, s)
 
-    def block(cls, prefix: str, fields):
-        return cls(**{f: (a_log(prefix + f) if f == "A_log" else dense(prefix + _hf_suffix(f))) for f in fields})
+    def leaf(name: str) -> _Leaf:
+        if name.endswith(".A_log"):
+            return a_log(name)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return vocab(name)
+        return dense(name)
 
-    layers = []
-    for l in range(cfg.num_hidden_layers):
-        p = f"model.layers.{l}."
-        kind = cfg.layer_attn[l]
-        attn = block(KDAWeights if kind == "kda" else MLAWeights, p + "self_attn.", _attn_fields(cfg, kind))
-        if cfg.layer_ffn[l] == "mlp":
-            ffn = block(MLPWeights, p + "mlp.", ("gate_proj", "up_proj", "down_proj"))
-        else:
-            m = p + "block_sparse_moe."
-            E, I, L = cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_hidden
+    E, I, L = cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_hidden
 
-            def stack(i: int, shape):
-                return _stacked_leaf([expert(f"{m}experts.{e}.w{i}.weight", shape) for e in range(E)], (E,) + shape)
+    def experts(m: str, i: int) -> _Leaf:
+        shape = (L, I) if i == 2 else (I, L)
+        return _stacked_leaf([expert(f"{m}experts.{e}.w{i}.weight", shape) for e in range(E)], (E,) + shape)
 
-            latent = cfg.routed_expert_hidden_size is not None
-            ffn = MoEWeights(
-                gate=dense(m + "gate.weight"), e_score_correction_bias=dense(m + "gate.e_score_correction_bias"),
-                experts_w1=stack(1, (I, L)), experts_w2=stack(2, (L, I)), experts_w3=stack(3, (I, L)),
-                shared_experts=(block(MLPWeights, m + "shared_experts.", ("gate_proj", "up_proj", "down_proj"))
-                                if cfg.num_shared_experts else None),
-                **({f: dense(m + f + ".weight") for f in
-                    ("routed_expert_down_proj", "routed_expert_norm", "routed_expert_up_proj")} if latent else {}))
-        res = {}
-        if cfg.attn_res_block_size is not None:
-            res = {f: dense(p + f + ".weight") for f in
-                   ("self_attention_res_norm", "self_attention_res_proj", "mlp_res_norm", "mlp_res_proj")}
-        layers.append(LayerWeights(attn=attn, ffn=ffn, input_layernorm=dense(p + "input_layernorm.weight"),
-                                   post_attention_layernorm=dense(p + "post_attention_layernorm.weight"), **res))
-    emb = vocab("model.embed_tokens.weight")
-    head = emb if tied_head else vocab("lm_head.weight")
-    top = {}
-    if cfg.attn_res_block_size is not None:
-        top = dict(output_attn_res_norm=dense("model.output_attn_res_norm.weight"),
-                   output_attn_res_proj=dense("model.output_attn_res_proj.weight"))
-    return Weights(embed_tokens=emb, lm_head=head, norm=dense("model.norm.weight"), layers=tuple(layers), **top)
+    return assemble_weights(cfg, leaf, experts, tied_head=tied_head)
 
 
 # ------------------------------------------------------------------------------ placing

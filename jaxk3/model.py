@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -228,8 +228,21 @@ def weights_from_hf(cfg: KimiK3Config, flat: Mapping[str, Any]) -> Weights:
             raise ValueError(f"checkpoint: {name!r} has shape {tuple(a.shape)}, expected {want[name][0]}")
         return a.reshape(-1)[: cfg.kda_num_heads] if name.endswith("A_log") else a
 
+    def experts(m: str, i: int) -> np.ndarray:
+        return np.stack([get(f"{m}experts.{e}.w{i}.weight") for e in range(cfg.num_experts)])
+
+    tied = cfg.tie_word_embeddings and "lm_head.weight" not in flat
+    return assemble_weights(cfg, get, experts, tied_head=tied)
+
+
+def assemble_weights(cfg: KimiK3Config, leaf: Callable[[str], Any], experts: Callable[[str, int], Any],
+                     tied_head: bool) -> Weights:
+    """The `Weights` tree of `cfg`: every leaf is `leaf(hf_name)`, each stacked expert tensor
+    `experts(moe_prefix, i)` for w1, w2, w3 (i = 1, 2, 3).  The one walk over the checkpoint
+    names, shared by in-memory weights (`weights_from_hf`) and the safetensors loader."""
+
     def block(cls, prefix: str, fields: Sequence[str]):
-        return cls(**{f: get(prefix + _hf_suffix(f)) for f in fields})
+        return cls(**{f: leaf(prefix + _hf_suffix(f)) for f in fields})
 
     layers = []
     for l in range(cfg.num_hidden_layers):
@@ -240,28 +253,27 @@ def weights_from_hf(cfg: KimiK3Config, flat: Mapping[str, Any]) -> Weights:
             ffn = block(MLPWeights, p + "mlp.", ("gate_proj", "up_proj", "down_proj"))
         else:
             m = p + "block_sparse_moe."
-            stack = lambda i: np.stack([get(f"{m}experts.{e}.w{i}.weight") for e in range(cfg.num_experts)])
             latent = cfg.routed_expert_hidden_size is not None
             ffn = MoEWeights(
-                gate=get(m + "gate.weight"), e_score_correction_bias=get(m + "gate.e_score_correction_bias"),
-                experts_w1=stack(1), experts_w2=stack(2), experts_w3=stack(3),
+                gate=leaf(m + "gate.weight"), e_score_correction_bias=leaf(m + "gate.e_score_correction_bias"),
+                experts_w1=experts(m, 1), experts_w2=experts(m, 2), experts_w3=experts(m, 3),
                 shared_experts=(block(MLPWeights, m + "shared_experts.", ("gate_proj", "up_proj", "down_proj"))
                                 if cfg.num_shared_experts else None),
-                **({f: get(m + f + ".weight") for f in
+                **({f: leaf(m + f + ".weight") for f in
                     ("routed_expert_down_proj", "routed_expert_norm", "routed_expert_up_proj")} if latent else {}))
         res = {}
         if cfg.attn_res_block_size is not None:
-            res = {f: get(p + f + ".weight") for f in
+            res = {f: leaf(p + f + ".weight") for f in
                    ("self_attention_res_norm", "self_attention_res_proj", "mlp_res_norm", "mlp_res_proj")}
-        layers.append(LayerWeights(attn=attn, ffn=ffn, input_layernorm=get(p + "input_layernorm.weight"),
-                                   post_attention_layernorm=get(p + "post_attention_layernorm.weight"), **res))
-    emb = get("model.embed_tokens.weight")
-    head = emb if (cfg.tie_word_embeddings and "lm_head.weight" not in flat) else get("lm_head.weight")
+        layers.append(LayerWeights(attn=attn, ffn=ffn, input_layernorm=leaf(p + "input_layernorm.weight"),
+                                   post_attention_layernorm=leaf(p + "post_attention_layernorm.weight"), **res))
+    emb = leaf("model.embed_tokens.weight")
+    head = emb if tied_head else leaf("lm_head.weight")
     top = {}
     if cfg.attn_res_block_size is not None:
-        top = dict(output_attn_res_norm=get("model.output_attn_res_norm.weight"),
-                   output_attn_res_proj=get("model.output_attn_res_proj.weight"))
-    return Weights(embed_tokens=emb, lm_head=head, norm=get("model.norm.weight"), layers=tuple(layers), **top)
+        top = dict(output_attn_res_norm=leaf("model.output_attn_res_norm.weight"),
+                   output_attn_res_proj=leaf("model.output_attn_res_proj.weight"))
+    return Weights(embed_tokens=emb, lm_head=head, norm=leaf("model.norm.weight"), layers=tuple(layers), **top)
 
 
 # --------------------------------------------------------------------------- the step

@@ -56,7 +56,7 @@ from jaxk3.layers.kda import KDAWeights, kda_step
 from jaxk3.layers.mla import MLAWeights, mla_step
 from jaxk3.layers.moe import MLPWeights, MoEWeights, mlp, moe
 from jaxk3.layers.norm import rms_norm
-from jaxk3.model import Cache, LayerWeights, StepOptions, Weights, _attn_fields, forward_local
+from jaxk3.model import Cache, LayerWeights, StepOptions, Weights, _attn_fields, _to_host, forward_local
 
 # name, shard_latent, gather
 STRATEGIES = (("stock", False, "lax"), ("sharded+lax", True, "lax"), ("sharded+one-shot", True, "ffi"))
@@ -161,9 +161,10 @@ def make_step(cfg: KimiK3Config, offset: int, weights: Weights, mesh, gather: st
         fwd = functools.partial(forward_local, cfg, opt)
     else:
         fwd = functools.partial(forward_slice, cfg, opt, offset)
-    cspecs = Cache(**shd.CACHE_SPECS)
-    local = shard_map(fwd, mesh, in_specs=(shd.weight_specs(weights, shard_latent), cspecs, P(), P()),
-                      out_specs=(P(), cspecs))
+    dp = _dp_axis(mesh)
+    cspecs = Cache(**shd.cache_specs(dp))
+    local = shard_map(fwd, mesh, in_specs=(shd.weight_specs(weights, shard_latent), cspecs, P(dp), P(dp)),
+                      out_specs=(P(dp), cspecs))
 
     def step(weights, cache, tokens_B, valid_B):
         logits_BV, cache = local(weights, cache, tokens_B, valid_B)
@@ -266,6 +267,16 @@ def relayout_latent(weights: Weights, mesh, shard_latent: bool) -> Weights:
     return shd.map_weights(put, weights)
 
 
+def _dp_axis(mesh) -> str | None:
+    """The data-parallel axis of a multi-process (dp, tp) mesh, or None."""
+    return shd.DP if shd.DP in mesh.axis_names else None
+
+
+def _put_batch(a_B: np.ndarray, mesh) -> jax.Array:
+    """A host [B] array split over dp (every process passes the same values)."""
+    return jax.make_array_from_callback(a_B.shape, NamedSharding(mesh, P(_dp_axis(mesh))), lambda idx: a_B[idx])
+
+
 def random_cache(cfg: KimiK3Config, mesh, dtype, batch: int, context: int, seed: int = 1) -> Cache:
     """Caches filled with random data; every row has context-1 tokens, so the MLA step attends to all."""
     Lk, Lm = len(cfg.kda_layers), len(cfg.mla_layers)
@@ -276,9 +287,9 @@ def random_cache(cfg: KimiK3Config, mesh, dtype, batch: int, context: int, seed:
     out = {}
     for i, (name, (shape, dt, scale)) in enumerate(shapes.items()):
         f = jax.jit(lambda k, shape=shape, dt=dt, scale=scale: (jax.random.normal(k, shape, jnp.float32) * scale).astype(dt),
-                    out_shardings=NamedSharding(mesh, shd.CACHE_SPECS[name]))
+                    out_shardings=NamedSharding(mesh, shd.cache_specs(_dp_axis(mesh))[name]))
         out[name] = f(jax.random.fold_in(jax.random.key(seed), i))
-    out["length"] = jax.device_put(np.full((batch,), context - 1, np.int32), NamedSharding(mesh, shd.CACHE_SPECS["length"]))
+    out["length"] = _put_batch(np.full((batch,), context - 1, np.int32), mesh)
     return Cache(**out)
 
 
@@ -402,9 +413,18 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
     first, last = parse_layers(layers, full)
     cfg = slice_config(full, first, last, experts)
     devs = jax.devices()
-    if not 1 <= tp <= len(devs):
-        raise ValueError(f"--tp {tp}: only {len(devs)} devices present")
-    mesh = jax.sharding.Mesh(np.asarray(devs[:tp]), (shd.TP,))
+    if jax.process_count() > 1:
+        # jax.distributed: TP over each process's devices, the batch split over dp (processes).
+        from jaxk3 import distributed
+
+        mesh = distributed.make_mesh(tp)
+        bad = [b for b in batches if b % mesh.shape[shd.DP]]
+        if bad:
+            raise ValueError(f"--batch {bad}: must split evenly over dp={mesh.shape[shd.DP]}")
+    else:
+        if not 1 <= tp <= len(devs):
+            raise ValueError(f"--tp {tp}: only {len(devs)} devices present")
+        mesh = jax.sharding.Mesh(np.asarray(devs[:tp]), (shd.TP,))
     for _, latent, _ in strategies:
         cfg.validate_tp(tp, shard_latent=latent)
     say = progress or (lambda m: None)
@@ -432,9 +452,8 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                 weights = w_by_latent[latent]
                 step = make_step(cfg, first, weights, mesh, g, latent)
                 cache = random_cache(cfg, mesh, dtype, batch, context)
-                rep = NamedSharding(mesh, P())
-                ids = jax.device_put(np.arange(batch, dtype=np.int32) % cfg.vocab_size, rep)
-                valid = jax.device_put(np.ones((batch,), bool), rep)
+                ids = _put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
+                valid = _put_batch(np.ones((batch,), bool), mesh)
                 t0 = time.perf_counter()
                 compiled = step.lower(weights, cache, ids, valid).compile()
                 compile_s = time.perf_counter() - t0
@@ -447,9 +466,9 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                 tokens = []
                 for i in range(max(check_tokens, 2)):  # warm-up; the first greedy tokens, for the comparison
                     logits, ids, cache = compiled(weights, cache, ids, valid)
-                    tokens.append(np.asarray(ids).tolist())
+                    tokens.append(_to_host(ids).tolist())
                     if i == 0:
-                        lg = np.asarray(logits, np.float32)
+                        lg = _to_host(logits).astype(np.float32)
                         ref = first_logits.setdefault((batch, context), lg)
                         rel = float(np.max(np.abs(lg - ref)) / max(np.max(np.abs(ref)), 1e-30))
                 del logits

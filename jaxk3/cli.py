@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
     d.add_argument("--plot", default=None, help="write a PNG of latency per strategy and batch (matplotlib)")
     d.add_argument("--cpu-devices", type=int, help="use N fake CPU devices")
+    from jaxk3 import distributed
+
+    distributed.add_cli_args(d)
 
     demo = sub.add_parser("demo", help="the embedded default job (no files needed)")
     demo.add_argument("--cpu-devices", type=int, default=None, help="use N fake CPU devices (make demo uses 8)")
@@ -190,6 +193,13 @@ def cmd_bench_gather(args) -> int:
 def cmd_bench_decode(args) -> int:
     import jax
 
+    from jaxk3 import distributed
+
+    try:
+        distributed.initialize_from_args(args)
+    except ValueError as e:
+        print(f"jaxk3: {e}", file=sys.stderr)
+        return 2
     from jaxk3 import bench_decode as bd
 
     def progress(msg):
@@ -208,13 +218,15 @@ def cmd_bench_decode(args) -> int:
         strategies = tuple(s for s in bd.STRATEGIES if s[0] in want)
     try:
         result = bd.bench_decode(config=args.config, layers=layers, experts=experts,
-                                 tp=args.tp or len(jax.devices()), batches=args.batch, contexts=args.context,
+                                 tp=args.tp or jax.local_device_count(), batches=args.batch, contexts=args.context,
                                  dtype=args.dtype, steps=args.steps, repeats=args.repeats,
                                  copy_bytes=args.copy_mb << 20, strategies=strategies, hlo_dir=args.hlo_dir,
                                  progress=progress)
     except ValueError as e:
         print(f"jaxk3: {e}", file=sys.stderr)
         return 2
+    if jax.process_index() != 0:  # every process measured its own ranks; process 0 reports
+        return 0
     print(bd.decode_table(result))
     if args.json_path:
         bd.write_json(result, args.json_path)

@@ -62,16 +62,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="all-gather implementation: one-shot FFI, lax.all_gather, or auto (default)")
     g.add_argument("--cpu-devices", type=int, default=None, metavar="N", help="run on N fake CPU devices")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
-    mp = g.add_argument_group(
-        "multi-process (jax.distributed; docs/DISTRIBUTED.md)",
-        "Every process runs the same command with its own --process-id (or the variables "
-        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). The mesh is (dp, tp): TP over "
-        "each process's devices (--tp of them), the batch split over dp.")
-    mp.add_argument("--coordinator", metavar="HOST:PORT", default=None, help="address of process 0's coordinator")
-    mp.add_argument("--num-processes", type=_positive, default=None, metavar="N")
-    mp.add_argument("--process-id", type=int, default=None, metavar="I")
-    mp.add_argument("--heartbeat-timeout", type=_positive, default=100, metavar="S",
-                    help="seconds before a dead process is reported (default 100)")
+    from jaxk3 import distributed
+
+    distributed.add_cli_args(g)
     return g
 
 
@@ -116,8 +109,7 @@ def run(args) -> int:
     from jaxk3 import distributed
 
     try:
-        multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                                       heartbeat_timeout_s=args.heartbeat_timeout)
+        multi = distributed.initialize_from_args(args)
     except ValueError as e:
         print(f"jaxk3 generate: {e}", file=sys.stderr)
         return 2

@@ -50,6 +50,26 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     return True
 
 
+def add_cli_args(parser) -> None:
+    """The multi-process options shared by `jaxk3 generate` and `jaxk3 bench decode`."""
+    mp = parser.add_argument_group(
+        "multi-process (jax.distributed; docs/DISTRIBUTED.md)",
+        "Every process runs the same command with its own --process-id (or the variables "
+        f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}). The mesh is (dp, tp): TP over "
+        "each process's devices (--tp of them), the batch split over dp.")
+    mp.add_argument("--coordinator", metavar="HOST:PORT", default=None, help="address of process 0's coordinator")
+    mp.add_argument("--num-processes", type=int, default=None, metavar="N")
+    mp.add_argument("--process-id", type=int, default=None, metavar="I")
+    mp.add_argument("--heartbeat-timeout", type=int, default=100, metavar="S",
+                    help="seconds before a dead process is reported (default 100)")
+
+
+def initialize_from_args(args) -> bool:
+    """`initialize` with the options of `add_cli_args`."""
+    return initialize(args.coordinator, args.num_processes, args.process_id,
+                      heartbeat_timeout_s=args.heartbeat_timeout)
+
+
 def make_mesh(tp: int | None = None) -> Mesh:
     """A ("dp", "tp") mesh over every process's devices: each TP group inside one process
     (`tp` defaults to the local device count), the rest data-parallel."""

@@ -121,3 +121,29 @@ def test_generate_cli_two_processes_matches_one(tmp_path):
         outs.append([[int(t) for t in line.split(": ")[1].split(",")] for line in out.splitlines()
                      if line.startswith("new ids: ")])
     assert outs[0] == outs[1] == ref.tolist()
+
+
+def test_bench_decode_two_processes(tmp_path):
+    """`jaxk3 bench decode` on jax.distributed: mesh (dp=2, tp=4), batch split over dp; process 0
+    writes the JSON, and the three strategies choose the same greedy tokens."""
+    coord = f"127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, "-m", "jaxk3.cli", "bench", "decode", "--config", "tiny", "--layers", "2-5", "--tp", "4",
+           "--batch", "2", "--context", "64", "--steps", "2", "--repeats", "1", "--copy-mb", "1",
+           "--cpu-devices", "4", "--json", str(out), "--coordinator", coord, "--num-processes", "2",
+           "--heartbeat-timeout", "10"]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    for p in procs:
+        try:
+            log = p.communicate(timeout=300)[0]
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("jaxk3 bench decode hung in a 2-process run")
+        assert p.returncode == 0, log[-3000:]
+    res = json.loads(out.read_text())
+    assert {r["strategy"] for r in res["rows"]} == {"stock", "sharded+lax", "sharded+one-shot"}
+    toks = [r["tokens"] for r in res["rows"]]
+    assert all(t == toks[0] for t in toks) and len(toks[0][0]) == 2

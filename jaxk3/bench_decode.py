@@ -50,12 +50,9 @@ from jaxk3 import collectives
 from jaxk3 import sharding as shd
 from jaxk3._compat import shard_map
 from jaxk3.config import KimiK3Config
-from jaxk3.layers.attn_res import attn_res
-from jaxk3.layers.embed import embed, lm_head
-from jaxk3.layers.kda import KDAWeights, kda_step
-from jaxk3.layers.mla import MLAWeights, mla_step
-from jaxk3.layers.moe import MLPWeights, MoEWeights, mlp, moe
-from jaxk3.layers.norm import rms_norm
+from jaxk3.layers.kda import KDAWeights
+from jaxk3.layers.mla import MLAWeights
+from jaxk3.layers.moe import MLPWeights, MoEWeights
 from jaxk3.model import Cache, LayerWeights, StepOptions, Weights, _attn_fields, _to_host, forward_local
 
 # name, shard_latent, gather
@@ -104,63 +101,12 @@ def describe_slice(cfg: KimiK3Config, first: int, last: int) -> str:
 
 
 # -------------------------------------------------------------------- the step, offset
-def forward_slice(cfg: KimiK3Config, opt: StepOptions, offset: int, w: Weights, cache: Cache, tokens_B: jax.Array,
-                  valid_B: jax.Array) -> tuple[jax.Array, Cache]:
-    """model.forward_local's K3 loop for layers offset.. of the full model (cfg is the slice).
-
-    AttnRes uses the global layer index g = offset + l.  The ceil(offset/Bs) block snapshots
-    completed before the slice and the running partial sum are stood in for by the embedding.
-    """
-    dt = w.embed_tokens.dtype
-    eps = cfg.rms_norm_eps
-    conv, state, kv = cache.conv, cache.state, cache.kv
-    ik = im = 0
-    x_BD = embed(tokens_B, w.embed_tokens, opt.tp_axis)
-    Bs = cfg.attn_res_block_size
-    p, mlp_out = x_BD, None
-    blocks = [x_BD] * (-(-offset // Bs))
-    for l, lw in enumerate(w.layers):
-        g = offset + l
-        if l > 0:
-            p = (p + mlp_out).astype(dt)
-        starts_block = g % Bs == 0
-        if starts_block:
-            blocks.append(p)
-        nsrc = -(-g // Bs)
-        h = attn_res(blocks[:nsrc] + [p], lw.self_attention_res_norm, lw.self_attention_res_proj, eps)
-        xn = rms_norm(h, lw.input_layernorm, eps).astype(dt)
-        if cfg.layer_attn[l] == "kda":
-            a, c, s = kda_step(cfg, lw.attn, xn, conv[ik], state[ik], valid_B, opt.tp_axis)
-            conv, state = conv.at[ik].set(c), state.at[ik].set(s)
-            ik += 1
-        else:
-            a, k = mla_step(cfg, lw.attn, xn, kv[im], cache.length, valid_B, opt.tp_axis, opt.shard_latent, opt.gather)
-            kv = kv.at[im].set(k)
-            im += 1
-        p = a.astype(dt) if starts_block else (p + a).astype(dt)
-        nsrc += starts_block
-        h = attn_res(blocks[:nsrc] + [p], lw.mlp_res_norm, lw.mlp_res_proj, eps)
-        xn = rms_norm(h, lw.post_attention_layernorm, eps).astype(dt)
-        mlp_out = mlp(cfg, lw.ffn, xn, opt.tp_axis) if cfg.layer_ffn[l] == "mlp" else moe(cfg, lw.ffn, xn, opt.tp_axis)
-    p = (p + mlp_out).astype(dt)
-    final = attn_res(blocks + [p], w.output_attn_res_norm, w.output_attn_res_proj, eps)
-    logits = lm_head(rms_norm(final, w.norm, eps).astype(dt), w.lm_head, cfg.vocab_size, opt.tp_axis, opt.gather)
-    length = cache.length + valid_B.astype(cache.length.dtype)
-    return logits, Cache(conv=conv, state=state, kv=kv, length=length)
-
-
-def make_step(cfg: KimiK3Config, offset: int, weights: Weights, mesh, gather: str, shard_latent: bool,
-              slice_loop: bool | None = None):
+def make_step(cfg: KimiK3Config, offset: int, weights: Weights, mesh, gather: str, shard_latent: bool):
     """jit(step)(weights, cache, tokens_B, valid_B) -> (logits, ids, cache), cache donated (as Model).
 
-    slice_loop: None picks model.forward_local at offset 0 and forward_slice otherwise."""
-    opt = StepOptions(tp_axis=shd.TP, gather=gather, shard_latent=shard_latent)
-    if slice_loop is None:
-        slice_loop = offset != 0 and cfg.attn_res_block_size is not None
-    if not slice_loop:
-        fwd = functools.partial(forward_local, cfg, opt)
-    else:
-        fwd = functools.partial(forward_slice, cfg, opt, offset)
+    `offset`: the global index of the slice's first layer (model.StepOptions.layer_offset)."""
+    opt = StepOptions(tp_axis=shd.TP, gather=gather, shard_latent=shard_latent, layer_offset=offset)
+    fwd = functools.partial(forward_local, cfg, opt)
     dp = _dp_axis(mesh)
     cspecs = Cache(**shd.cache_specs(dp))
     local = shard_map(fwd, mesh, in_specs=(shd.weight_specs(weights, shard_latent), cspecs, P(dp), P(dp)),

@@ -282,6 +282,10 @@ class StepOptions:
     tp_axis: str | None = shd.TP
     gather: str = "auto"
     shard_latent: bool = True
+    # Global index of w.layers[0] when the weights are a slice of a deeper K3 model (bench
+    # decode): AttnRes then follows the global schedule, and the block snapshots completed
+    # before the slice are stood in for by the embedding (same shapes, same work).
+    layer_offset: int = 0
 
 
 def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache, tokens_B: jax.Array,
@@ -322,14 +326,16 @@ def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache,
             h = (h + ffn(l, lw, rms_norm(h, lw.post_attention_layernorm, eps).astype(dt))).astype(dt)
         final = h
     else:  # K3: block Attention Residuals (spec §3.1)
-        p, blocks, mlp_out = x_BD, [], None
+        off = opt.layer_offset
+        p, blocks, mlp_out = x_BD, [x_BD] * -(-off // Bs), None
         for l, lw in enumerate(w.layers):
+            g = off + l  # the layer's global index
             if l > 0:
                 p = (p + mlp_out).astype(dt)
-            starts_block = l % Bs == 0
+            starts_block = g % Bs == 0
             if starts_block:
                 blocks.append(p)
-            nsrc = -(-l // Bs)  # completed blocks visible before attention
+            nsrc = -(-g // Bs)  # completed blocks visible before attention
             h = attn_res(blocks[:nsrc] + [p], lw.self_attention_res_norm, lw.self_attention_res_proj, eps)
             a = attention(l, lw, rms_norm(h, lw.input_layernorm, eps).astype(dt))
             p = a.astype(dt) if starts_block else (p + a).astype(dt)
@@ -428,7 +434,7 @@ class Model:
 
     # -- decoding
     def init_cache(self, batch: int, max_len: int) -> Cache:
-        cfg, tp = self.cfg, self.tp
+        cfg = self.cfg
         Lk, Lm = len(cfg.kda_layers), len(cfg.mla_layers)
         shapes = dict(
             conv=((Lk, batch, 3, cfg.kda_dim, cfg.short_conv_kernel_size - 1), self.dtype),

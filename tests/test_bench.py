@@ -66,10 +66,12 @@ def test_bench_decode_strategies_agree(tmp_path):
     assert "sharded+one-shot" in bd.decode_table(back)
 
 
-def test_forward_slice_at_offset_zero_is_forward_local():
-    """The offset copy of the K3 loop is the model's loop: bitwise at offset 0 on the full tiny model."""
+def test_layer_offset_follows_the_global_attn_res_schedule():
+    """model.StepOptions.layer_offset (bench decode's layer slices): offset 0 is the plain model
+    step; an offset moves the AttnRes block starts, so the same weights give other logits."""
     from jaxk3 import bench_decode as bd
     from jaxk3.config import KimiK3Config
+    from jaxk3.model import Model
 
     cfg = KimiK3Config.tiny_k3()
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("tp",))
@@ -77,13 +79,15 @@ def test_forward_slice_at_offset_zero_is_forward_local():
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     ids = jax.device_put(np.array([5, 9], np.int32), rep)
     valid = jax.device_put(np.ones(2, bool), rep)
-    outs = []
-    for loop in (False, True):
-        step = bd.make_step(cfg, 0, w, mesh, "auto", True, slice_loop=loop)
-        logits, nxt, cache = step(w, bd.random_cache(cfg, mesh, "float32", 2, 64), ids, valid)
-        outs.append((np.asarray(logits), np.asarray(cache.kv), np.asarray(cache.state)))
-    for a, b in zip(*outs):
-        np.testing.assert_array_equal(a, b)
+    logits = {}
+    for off in (0, 1, 3):
+        step = bd.make_step(cfg, off, w, mesh, "auto", True)
+        logits[off] = np.asarray(step(w, bd.random_cache(cfg, mesh, "float32", 2, 64), ids, valid)[0])
+    model = Model(cfg, w, mesh, jnp.float32, "auto", True)
+    ref = np.asarray(model._step(w, bd.random_cache(cfg, mesh, "float32", 2, 64), ids, valid)[0])
+    np.testing.assert_array_equal(logits[0], ref)
+    assert all(np.isfinite(v).all() for v in logits.values())
+    assert not np.array_equal(logits[0], logits[1]) and not np.array_equal(logits[0], logits[3])
 
 
 def test_slice_config_keeps_kinds():

@@ -33,15 +33,13 @@ nb::capsule Capsule(T* fn) {
 // Drives the host rendezvous directly (no XLA), so tests can exercise missing peers and
 // disagreeing ranks from Python threads.
 nb::bytes HostGatherForTest(std::vector<int64_t> devices, int64_t site, int rank, nb::bytes payload,
-                            int32_t dtype, size_t align, int64_t timeout_ms) {
+                            int32_t dtype, size_t align) {
   HostComm* comm = GetHostComm(devices.data(), devices.size());
   std::string in(payload.c_str(), payload.size());
   std::string out(in.size() * devices.size(), '\0');
   std::optional<std::string> error;
   {
     nb::gil_scoped_release release;
-    const int64_t saved = GatherTimeoutMs();
-    if (timeout_ms > 0) SetGatherTimeoutMs(timeout_ms);
     GatherArgs a;
     a.site = site;
     a.rank = rank;
@@ -61,7 +59,6 @@ nb::bytes HostGatherForTest(std::vector<int64_t> devices, int64_t site, int rank
     });
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return done; });
-    if (timeout_ms > 0) SetGatherTimeoutMs(saved);
   }
   if (error) throw std::runtime_error(*error);
   return nb::bytes(out.data(), out.size());
@@ -147,6 +144,5 @@ NB_MODULE(_ffi, m) {
   m.def("_set_poison_outputs", &SetPoisonOutputs);
   m.def("num_host_comms", &NumHostComms);
   m.def("_host_gather_for_test", &HostGatherForTest, nb::arg("devices"), nb::arg("site"),
-        nb::arg("rank"), nb::arg("payload"), nb::arg("dtype"), nb::arg("align"),
-        nb::arg("timeout_ms"));
+        nb::arg("rank"), nb::arg("payload"), nb::arg("dtype"), nb::arg("align"));
 }

@@ -99,18 +99,31 @@ def _warn_once(key: str, msg: str) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
+def _timeout_from_env() -> float | None:
+    raw = os.environ.get(ENV_TIMEOUT, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_TIMEOUT}={raw!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be a positive number of seconds")
+    return seconds
+
+
 def extension():
     """The compiled ``jaxk3._ffi`` module, or None (with the reason in ``extension_error()``)."""
     global _ext, _ext_error
     with _lock:
         if _ext is None and _ext_error is None:
+            timeout = _timeout_from_env()  # a bad value is the user's error, not a failed import
             try:
                 from jaxk3 import _ffi  # type: ignore[attr-defined]
 
                 _ffi.set_process_index(int(jax.process_index()))
-                timeout = os.environ.get(ENV_TIMEOUT)
-                if timeout:
-                    _ffi.set_timeout_ms(int(float(timeout) * 1000))
+                if timeout is not None:
+                    _ffi.set_timeout_ms(int(timeout * 1000))
                 _ext = _ffi
             except Exception as e:  # ImportError, or an ABI problem
                 _ext_error = f"the jaxk3._ffi extension failed to import ({type(e).__name__}: {e})"
@@ -173,12 +186,22 @@ def reset() -> None:
 _mesh_stack = threading.local()
 
 
+def _trace_id() -> int | None:
+    """Identity of the trace being built now (a nested jit, loop body or cond branch has its own)."""
+    try:
+        from jax._src import core
+
+        return id(core.trace_ctx.trace)
+    except Exception:  # a jax without trace_ctx: treated as "not the body's trace"
+        return None
+
+
 @contextlib.contextmanager
-def _tracing_mesh(mesh):
+def _tracing_mesh(mesh, trace_id):
     stack = getattr(_mesh_stack, "meshes", None)
     if stack is None:
         stack = _mesh_stack.meshes = []
-    stack.append(mesh)
+    stack.append((mesh, trace_id))
     try:
         yield
     finally:
@@ -190,7 +213,7 @@ def shard_map(f, *, mesh, in_specs, out_specs, **kwargs):
 
     @functools.wraps(f)
     def traced(*args):
-        with _tracing_mesh(mesh):
+        with _tracing_mesh(mesh, _trace_id()):
             return f(*args)
 
     return _jax_shard_map(traced, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)
@@ -206,10 +229,17 @@ def _jax_shard_map(f, **kwargs):
     return legacy(f, **kwargs)
 
 
+def _in_body_trace() -> bool:
+    """True when the gather is traced directly in a jaxk3.shard_map body, not in a nested
+    jax.jit (whose cached trace may be inlined several times), a loop body or a cond branch."""
+    stack = getattr(_mesh_stack, "meshes", None)
+    return bool(stack) and stack[-1][1] is not None and stack[-1][1] == _trace_id()
+
+
 def _current_mesh():
     stack = getattr(_mesh_stack, "meshes", None)
     if stack:
-        return stack[-1]
+        return stack[-1][0]
     try:
         from jax._src import mesh as mesh_lib
 
@@ -357,6 +387,12 @@ def plan(shape: Sequence[int], dtype, axis_name, *, padded: bool = False, impl: 
     if nbytes > max_bytes(platform):
         return no(f"{nbytes} bytes per rank > {ENV_MAX_BYTES}={max_bytes(platform)} (the {platform} default"
                   " is where the FFI path stops beating lax)")
+    if platform == "cpu" and mesh is None and not _in_body_trace():
+        # The CPU transport matches calls by call site and per-device generation.  A nested
+        # jax.jit's trace is cached and inlined once per call (one site, several instances), and
+        # XLA's CPU runtime may run independent instances in a different order per device.
+        return no("on CPU the FFI gather must be traced directly in a jaxk3.shard_map body "
+                  "(not in a nested jax.jit, loop body or cond branch, whose call sites may repeat)")
     table, groups, spans = _group_tables(m, names)
     if spans:
         return no("the group spans processes (XLA's collectives handle that)")

@@ -255,31 +255,46 @@ def _threads(fns):
     return results
 
 
-def test_host_rendezvous_missing_peer_times_out():
+@pytest.fixture
+def timeout_ms():
+    """Sets the (process-wide) gather timeout for one test, before any thread starts."""
+    saved = ext.timeout_ms()
+
+    def set_(ms):
+        ext.set_timeout_ms(ms)
+
+    yield set_
+    ext.set_timeout_ms(saved)
+
+
+def test_host_rendezvous_missing_peer_times_out(timeout_ms):
     devices = [901, 902, 903]
+    timeout_ms(300)
     t0 = time.monotonic()
-    res = _threads([lambda r=r: ext._host_gather_for_test(devices, 1, r, b"abcd", 4, 1, 300) for r in (0, 1)])
+    res = _threads([lambda r=r: ext._host_gather_for_test(devices, 1, r, b"abcd", 4, 1) for r in (0, 1)])
     assert time.monotonic() - t0 < 10
     for r in res:
         assert isinstance(r, RuntimeError) and "timed out" in str(r) and "arrived 2 of 3" in str(r)
     # The communicator is now broken: later calls fail at once, until reset().
     with pytest.raises(RuntimeError, match="unusable"):
-        ext._host_gather_for_test(devices, 2, 0, b"abcd", 4, 1, 300)
+        ext._host_gather_for_test(devices, 2, 0, b"abcd", 4, 1)
     C.reset()
-    res = _threads([lambda r=r: ext._host_gather_for_test(devices, 3, r, bytes([r]) * 5, 4, 16, 5000) for r in range(3)])
+    timeout_ms(5000)
+    res = _threads([lambda r=r: ext._host_gather_for_test(devices, 3, r, bytes([r]) * 5, 4, 16) for r in range(3)])
     assert res == [b"\x00" * 5 + b"\x01" * 5 + b"\x02" * 5] * 3
 
 
-def test_host_rendezvous_disagreeing_ranks_fail_everywhere():
+def test_host_rendezvous_disagreeing_ranks_fail_everywhere(timeout_ms):
     devices = [911, 912]
+    timeout_ms(5000)
     res = _threads([
-        lambda: ext._host_gather_for_test(devices, 1, 0, b"x" * 16, 11, 1, 5000),
-        lambda: ext._host_gather_for_test(devices, 1, 1, b"y" * 32, 11, 1, 5000),
+        lambda: ext._host_gather_for_test(devices, 1, 0, b"x" * 16, 11, 1),
+        lambda: ext._host_gather_for_test(devices, 1, 1, b"y" * 32, 11, 1),
     ])
     assert all(isinstance(r, RuntimeError) and "disagree" in str(r) for r in res), res
     res = _threads([
-        lambda: ext._host_gather_for_test(devices, 2, 0, b"x" * 16, 11, 1, 5000),
-        lambda: ext._host_gather_for_test(devices, 2, 1, b"y" * 16, 4, 1, 5000),
+        lambda: ext._host_gather_for_test(devices, 2, 0, b"x" * 16, 11, 1),
+        lambda: ext._host_gather_for_test(devices, 2, 1, b"y" * 16, 4, 1),
     ])
     assert all(isinstance(r, RuntimeError) and "dtype" in str(r) for r in res), res
 
@@ -368,3 +383,47 @@ def test_result_type_varies_like_lax(in_spec):
 
     np.testing.assert_array_equal(bits(run("ffi")), bits(run("lax")))
     assert types["ffi"] == types["lax"] == frozenset({"tp"})
+
+
+def test_nested_jit_and_loop_bodies_fall_back_on_cpu():
+    """A nested jax.jit's trace is cached and inlined once per call, so its gather would be one
+    call site with several instances, which XLA's CPU runtime may order differently per device:
+    those (and loop bodies) take lax, and the results stay exact even with 32 instances."""
+    mesh = make_mesh(range(8))
+    inner = jax.jit(lambda v: C.all_gather(v, "tp", axis=0, tiled=True))
+    seen = {}
+
+    def body(w, *xs):
+        seen["direct"] = C.explain(xs[0], "tp", axis=0, tiled=True)
+        seen["loop"] = []
+        jax.lax.fori_loop(0, 1, lambda i, v: (seen["loop"].append(C.explain(v, "tp")), v)[1], xs[0])
+        outs = []
+        for i, x in enumerate(xs):
+            h = x
+            for _ in range(1 + i % 4):  # uneven work before each gather
+                h = jnp.tanh(h @ w)
+            outs.append(inner(x + 0 * h[:, :4].sum()))
+        return tuple(outs)
+
+    K = 32
+    f = jax.jit(C.shard_map(body, mesh=mesh, in_specs=(P(),) + (P("tp"),) * K, out_specs=(P(),) * K,
+                            check_vma=False))
+    w = jnp.eye(256, dtype=jnp.float32) * 0.5
+    xs = [jnp.concatenate([jnp.full((8, 4), i, jnp.float32) + jnp.arange(8.0)[:, None] * 100,
+                           jnp.zeros((8, 252))], 1) for i in range(K)]
+    text = f.lower(w, *xs).as_text()
+    assert "jaxk3_" not in text
+    assert seen["direct"].path == "ffi" and seen["loop"][0].path == "lax"
+    assert "directly in a jaxk3.shard_map body" in seen["loop"][0].reason
+    for _ in range(5):
+        for o, x in zip(f(w, *xs), xs):
+            np.testing.assert_array_equal(np.asarray(o), np.asarray(x))
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-3"])
+def test_bad_timeout_variable_is_a_clear_error(monkeypatch, raw):
+    monkeypatch.setattr(C, "_ext", None)
+    monkeypatch.setattr(C, "_ext_error", None)
+    monkeypatch.setenv(C.ENV_TIMEOUT, raw)
+    with pytest.raises(ValueError, match="JAXK3_GATHER_TIMEOUT_S"):
+        C.extension()

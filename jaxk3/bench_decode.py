@@ -53,7 +53,8 @@ from jaxk3.config import KimiK3Config
 from jaxk3.layers.kda import KDAWeights
 from jaxk3.layers.mla import MLAWeights
 from jaxk3.layers.moe import MLPWeights, MoEWeights
-from jaxk3.model import Cache, LayerWeights, StepOptions, Weights, _attn_fields, _to_host, forward_local
+from jaxk3.model import (Cache, LayerWeights, StepOptions, Weights, _attn_fields, _to_host, cache_shapes, dp_axis,
+                         forward_local, put_batch)
 
 # name, shard_latent, gather
 STRATEGIES = (("stock", False, "lax"), ("sharded+lax", True, "lax"), ("sharded+one-shot", True, "ffi"))
@@ -107,7 +108,7 @@ def make_step(cfg: KimiK3Config, offset: int, weights: Weights, mesh, gather: st
     `offset`: the global index of the slice's first layer (model.StepOptions.layer_offset)."""
     opt = StepOptions(tp_axis=shd.TP, gather=gather, shard_latent=shard_latent, layer_offset=offset)
     fwd = functools.partial(forward_local, cfg, opt)
-    dp = _dp_axis(mesh)
+    dp = dp_axis(mesh)
     cspecs = Cache(**shd.cache_specs(dp))
     local = shard_map(fwd, mesh, in_specs=(shd.weight_specs(weights, shard_latent), cspecs, P(dp), P(dp)),
                       out_specs=(P(dp), cspecs))
@@ -213,29 +214,17 @@ def relayout_latent(weights: Weights, mesh, shard_latent: bool) -> Weights:
     return shd.map_weights(put, weights)
 
 
-def _dp_axis(mesh) -> str | None:
-    """The data-parallel axis of a multi-process (dp, tp) mesh, or None."""
-    return shd.DP if shd.DP in mesh.axis_names else None
-
-
-def _put_batch(a_B: np.ndarray, mesh) -> jax.Array:
-    """A host [B] array split over dp (every process passes the same values)."""
-    return jax.make_array_from_callback(a_B.shape, NamedSharding(mesh, P(_dp_axis(mesh))), lambda idx: a_B[idx])
-
-
 def random_cache(cfg: KimiK3Config, mesh, dtype, batch: int, context: int, seed: int = 1) -> Cache:
     """Caches filled with random data; every row has context-1 tokens, so the MLA step attends to all."""
-    Lk, Lm = len(cfg.kda_layers), len(cfg.mla_layers)
-    shapes = dict(
-        conv=((Lk, batch, 3, cfg.kda_dim, cfg.short_conv_kernel_size - 1), jnp.dtype(dtype), 0.1),
-        state=((Lk, batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.dtype(jnp.float32), 0.01),
-        kv=((Lm, batch, context, cfg.latent_dim), jnp.dtype(dtype), 1.0))
+    shapes = cache_shapes(cfg, batch, context, dtype)
+    scales = {"conv": 0.1, "state": 0.01, "kv": 1.0}
     out = {}
-    for i, (name, (shape, dt, scale)) in enumerate(shapes.items()):
+    for i, (name, scale) in enumerate(scales.items()):
+        shape, dt = shapes[name]
         f = jax.jit(lambda k, shape=shape, dt=dt, scale=scale: (jax.random.normal(k, shape, jnp.float32) * scale).astype(dt),
-                    out_shardings=NamedSharding(mesh, shd.cache_specs(_dp_axis(mesh))[name]))
+                    out_shardings=NamedSharding(mesh, shd.cache_specs(dp_axis(mesh))[name]))
         out[name] = f(jax.random.fold_in(jax.random.key(seed), i))
-    out["length"] = _put_batch(np.full((batch,), context - 1, np.int32), mesh)
+    out["length"] = put_batch(np.full((batch,), context - 1, np.int32), mesh)
     return Cache(**out)
 
 
@@ -398,8 +387,8 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                 weights = w_by_latent[latent]
                 step = make_step(cfg, first, weights, mesh, g, latent)
                 cache = random_cache(cfg, mesh, dtype, batch, context)
-                ids = _put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
-                valid = _put_batch(np.ones((batch,), bool), mesh)
+                ids = put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
+                valid = put_batch(np.ones((batch,), bool), mesh)
                 t0 = time.perf_counter()
                 compiled = step.lower(weights, cache, ids, valid).compile()
                 compile_s = time.perf_counter() - t0

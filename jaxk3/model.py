@@ -402,10 +402,9 @@ class Model:
         self.tp = mesh.shape[shd.TP]
         # An optional "dp" mesh axis splits the batch (jaxk3.distributed.make_mesh: DP across
         # processes, TP inside each); weights are replicated over it.
-        self.dp_axis = shd.DP if shd.DP in mesh.axis_names else None
+        self.dp_axis = dp_axis(mesh)
         self.dp = mesh.shape[shd.DP] if self.dp_axis else 1
         batch = P(self.dp_axis)
-        self._batch_sharding = NamedSharding(mesh, batch)
         opt = StepOptions(tp_axis=shd.TP, gather=gather, shard_latent=shard_latent)
         wspecs = shd.weight_specs(weights, shard_latent)
         self._cache_specs = Cache(**shd.cache_specs(self.dp_axis))
@@ -434,23 +433,13 @@ class Model:
 
     # -- decoding
     def init_cache(self, batch: int, max_len: int) -> Cache:
-        cfg = self.cfg
-        Lk, Lm = len(cfg.kda_layers), len(cfg.mla_layers)
-        shapes = dict(
-            conv=((Lk, batch, 3, cfg.kda_dim, cfg.short_conv_kernel_size - 1), self.dtype),
-            state=((Lk, batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32),
-            kv=((Lm, batch, max_len, cfg.latent_dim), self.dtype),
-            length=((batch,), jnp.int32))
+        shapes = cache_shapes(self.cfg, batch, max_len, self.dtype)
         if batch % self.dp:
             raise ValueError(f"batch: {batch} rows do not split over dp={self.dp} (generate pads for you)")
         # Created in place on every device (also across processes), never on one host first.
         return Cache(**{k: jax.jit(functools.partial(jnp.zeros, s, d),
                                    out_shardings=NamedSharding(self.mesh, getattr(self._cache_specs, k)))()
                         for k, (s, d) in shapes.items()})
-
-    def _put_batch(self, a_B: np.ndarray) -> jax.Array:
-        """A host [B] array, split over the dp axis (every process passes the same values)."""
-        return jax.make_array_from_callback(a_B.shape, self._batch_sharding, lambda idx: a_B[idx])
 
     def step(self, cache: Cache, tokens_B: Any, valid_B: Any = None) -> tuple[jax.Array, jax.Array, Cache]:
         """One jitted decode step (cache donated): (logits [B, vocab] fp32, argmax [B], new cache)."""
@@ -459,7 +448,7 @@ class Model:
             raise ValueError(f"tokens_B: need a [B] array of ids in [0, {self.cfg.vocab_size}), got {tokens_B}")
         valid_B = np.ones(tokens_B.shape, bool) if valid_B is None else np.asarray(valid_B, bool)
         # the same input sharding as the fed-back argmax: one compile
-        return self._step(self.weights, cache, self._put_batch(tokens_B), self._put_batch(valid_B))
+        return self._step(self.weights, cache, put_batch(tokens_B, self.mesh), put_batch(valid_B, self.mesh))
 
     def _check_prompts(self, prompt_ids: Any) -> list[list[int]]:
         if isinstance(prompt_ids, np.ndarray) or hasattr(prompt_ids, "shape"):
@@ -503,7 +492,7 @@ class Model:
         if progress is not None:
             progress("prompt", T, T)
             progress("decode", 1, max_new_tokens)
-        ones = self._put_batch(np.arange(Bp) < B)
+        ones = put_batch(np.arange(Bp) < B, self.mesh)
         for _ in range(max_new_tokens - 1):
             t0 = time.perf_counter()
             logits, nxt, cache = self._step(self.weights, cache, nxt, ones)
@@ -517,6 +506,26 @@ class Model:
         logits_np = (np.stack([_to_host(x)[:B].astype(np.float32) for x in out_logits], axis=1)
                      if return_logits else None)
         return GenerateOutput(tokens=tokens, logits=logits_np, step_times_s=times, prompt_time_s=prompt_s)
+
+
+def dp_axis(mesh: Mesh) -> str | None:
+    """The mesh's data-parallel axis ("dp", splitting the batch), or None."""
+    return shd.DP if shd.DP in mesh.axis_names else None
+
+
+def put_batch(a_B: np.ndarray, mesh: Mesh) -> jax.Array:
+    """A host [B] array, split over the dp axis (every process passes the same values)."""
+    return jax.make_array_from_callback(a_B.shape, NamedSharding(mesh, P(dp_axis(mesh))), lambda idx: a_B[idx])
+
+
+def cache_shapes(cfg: KimiK3Config, batch: int, max_len: int, dtype: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Global shape and dtype of every Cache field (the KDA recurrent state is fp32)."""
+    Lk, Lm = len(cfg.kda_layers), len(cfg.mla_layers)
+    return dict(
+        conv=((Lk, batch, 3, cfg.kda_dim, cfg.short_conv_kernel_size - 1), jnp.dtype(dtype)),
+        state=((Lk, batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.dtype(jnp.float32)),
+        kv=((Lm, batch, max_len, cfg.latent_dim), jnp.dtype(dtype)),
+        length=((batch,), jnp.dtype(jnp.int32)))
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -80,6 +80,17 @@ __device__ __forceinline__ void Copy(char* dst, const char* src, size_t nbytes) 
   for (size_t i = done + threadIdx.x; i < nbytes; i += blockDim.x) dst[i] = src[i];
 }
 
+// Records the first failure of the group in the mapped host words ([0] code, [1] rank,
+// [2] epoch); later failures keep the first one.
+__device__ void RaiseError(volatile unsigned* err, unsigned code, int rank, unsigned epoch) {
+  if (err[0] != 0) return;
+  err[1] = static_cast<unsigned>(rank);
+  err[2] = epoch;
+  __threadfence_system();
+  err[0] = code;
+  __threadfence_system();
+}
+
 __global__ void __launch_bounds__(kCudaThreads) OneShotGatherKernel(GatherParams p) {
   __shared__ unsigned s_epoch;
   const int tid = threadIdx.x;
@@ -110,14 +121,7 @@ __global__ void __launch_bounds__(kCudaThreads) OneShotGatherKernel(GatherParams
     Copy(dst, p.in + lo, len);
   }
   if (tid == 0 && active_before >= static_cast<unsigned>(nb)) {
-    volatile unsigned* err = p.err;
-    if (err[0] == 0) {
-      err[1] = static_cast<unsigned>(p.rank);
-      err[2] = e;
-      __threadfence_system();
-      err[0] = 2;
-      __threadfence_system();
-    }
+    RaiseError(p.err, 2, p.rank, e);
   }
   __syncthreads();
   // 2. Publish: one thread per peer orders the block's stores (bar.sync + fence.sys) before
@@ -139,13 +143,7 @@ __global__ void __launch_bounds__(kCudaThreads) OneShotGatherKernel(GatherParams
         if (start == 0) start = now;
         volatile unsigned* err = p.err;
         if (err[0] != 0 || now - start > p.timeout_ns) {
-          if (err[0] == 0) {
-            err[1] = static_cast<unsigned>(p.rank);
-            err[2] = e;
-            __threadfence_system();
-            err[0] = 1;
-            __threadfence_system();
-          }
+          RaiseError(p.err, 1, p.rank, e);
           break;
         }
       }

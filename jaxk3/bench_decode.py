@@ -15,12 +15,11 @@ only for the min(E, B*k) experts a step can touch, the embedding only for its B 
 separately), the device's measured copy bandwidth (a large device-to-device copy: read +
 write bytes / time), the floor bytes / bandwidth, and the ratio to it.
 
-Layer slice.  `--layers 11-14` keeps those (0-based, spec §1.2) layers of the config with their
-kinds (K3: 11 MLA, 12-14 KDA, all MoE).  The step runs them with their global layer index for
-the AttnRes schedule (a block starts where global l % 12 == 0, so 12 starts one), through a
-copy of model.forward_local's K3 loop in this file with a layer offset; the completed-block
-snapshots before the slice, and the running partial sum, are stood in for by the embedding
-(same shapes, so the same work).  With offset 0 the model's own forward_local runs.
+Layer slice.  `--layers 11-14` keeps those (0-based, docs/SPEC.md §1.2) layers of the config with
+their kinds (K3: 11 MLA, 12-14 KDA, all MoE).  The step is the model's own (`model.build_step`)
+with `StepOptions.layer_offset`: the layers run with their global index for the AttnRes schedule
+(a block starts where global l % 12 == 0, so 12 starts one); the completed-block snapshots before
+the slice are stood in for by the embedding (same shapes, so the same work).
 The embedding and lm_head (vocab-parallel, full vocab) are part of the step.
 
 `--experts N` keeps N routed experts per MoE layer (memory): a decode step reads only the top-k
@@ -30,9 +29,7 @@ count uses min(N, B*k) experts.  Weights are random, generated on the devices, a
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import math
 import os
 import re
 import statistics
@@ -46,19 +43,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxk3 import collectives
-from jaxk3 import sharding as shd
-from jaxk3._compat import shard_map
+from jaxk3 import collectives, params
 from jaxk3.config import KimiK3Config
-from jaxk3.layers.kda import KDAWeights
-from jaxk3.layers.mla import MLAWeights
-from jaxk3.layers.moe import MLPWeights, MoEWeights
-from jaxk3.model import (Cache, LayerWeights, StepOptions, Weights, _attn_fields, _to_host, cache_shapes, dp_axis,
-                         forward_local, put_batch)
+from jaxk3.layers.kda import KDACache
+from jaxk3.model import (Cache, StepOptions, Weights, _to_host, abstract_weights, build_step, cache_abstract, dp_axis,
+                         put_batch)
+from jaxk3.sharding import DP, TP
 
 # name, shard_latent, gather
 STRATEGIES = (("stock", False, "lax"), ("sharded+lax", True, "lax"), ("sharded+one-shot", True, "ffi"))
-EXPERT_KEYS = ("moe.experts_w1", "moe.experts_w2", "moe.experts_w3")
 
 
 # ------------------------------------------------------------------------------ config
@@ -101,175 +94,59 @@ def describe_slice(cfg: KimiK3Config, first: int, last: int) -> str:
     return f"layers {first}-{last} [{kinds}]" + (f"; AttnRes block starts at {starts} (block {Bs})" if Bs else "")
 
 
-# -------------------------------------------------------------------- the step, offset
-def make_step(cfg: KimiK3Config, offset: int, weights: Weights, mesh, gather: str, shard_latent: bool):
-    """jit(step)(weights, cache, tokens_B, valid_B) -> (logits, ids, cache), cache donated (as Model).
-
-    `offset`: the global index of the slice's first layer (model.StepOptions.layer_offset)."""
-    opt = StepOptions(tp_axis=shd.TP, gather=gather, shard_latent=shard_latent, layer_offset=offset)
-    fwd = functools.partial(forward_local, cfg, opt)
-    dp = dp_axis(mesh)
-    cspecs = Cache(**shd.cache_specs(dp))
-    local = shard_map(fwd, mesh, in_specs=(shd.weight_specs(weights, shard_latent), cspecs, P(dp), P(dp)),
-                      out_specs=(P(dp), cspecs))
-
-    def step(weights, cache, tokens_B, valid_B):
-        logits_BV, cache = local(weights, cache, tokens_B, valid_B)
-        return logits_BV, jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), cache
-
-    return jax.jit(step, donate_argnames=("cache",))
-
-
 # ----------------------------------------------------------------- random device arrays
-class _Leaf:
-    """A weight's global shape, before it exists (sharding.map_weights treats it as a leaf)."""
-
-    def __init__(self, *shape: int):
-        self.shape = tuple(shape)
-
-
-def weight_skeleton(cfg: KimiK3Config, tp: int) -> Weights:
-    """The Weights pytree of `cfg` with _Leaf shapes (vocab tables padded for tp), as weights_from_hf builds it."""
-    D, V = cfg.hidden_size, cfg.padded_vocab(tp)
-    S = _Leaf
-    layers = []
-    for l in range(cfg.num_hidden_layers):
-        kind = cfg.layer_attn[l]
-        fields = {f: (S(cfg.kda_num_heads) if f == "A_log" else S(*shape))
-                  for f, (shape, _) in _attn_fields(cfg, kind).items()}
-        attn = (KDAWeights if kind == "kda" else MLAWeights)(**fields)
-        if cfg.layer_ffn[l] == "mlp":
-            I = cfg.intermediate_size
-            ffn = MLPWeights(gate_proj=S(I, D), up_proj=S(I, D), down_proj=S(D, I))
-        else:
-            E, I, L = cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_hidden
-            Is = cfg.shared_intermediate_size
-            latent = cfg.routed_expert_hidden_size is not None
-            ffn = MoEWeights(
-                gate=S(E, D), e_score_correction_bias=S(E), experts_w1=S(E, I, L), experts_w2=S(E, L, I),
-                experts_w3=S(E, I, L),
-                shared_experts=MLPWeights(S(Is, D), S(Is, D), S(D, Is)) if cfg.num_shared_experts else None,
-                routed_expert_down_proj=S(L, D) if latent else None, routed_expert_norm=S(L) if latent else None,
-                routed_expert_up_proj=S(D, L) if latent else None)
-        res = {}
-        if cfg.attn_res_block_size is not None:
-            res = dict(self_attention_res_norm=S(D), self_attention_res_proj=S(1, D), mlp_res_norm=S(D),
-                       mlp_res_proj=S(1, D))
-        layers.append(LayerWeights(attn=attn, ffn=ffn, input_layernorm=S(D), post_attention_layernorm=S(D), **res))
-    top = {}
-    if cfg.attn_res_block_size is not None:
-        top = dict(output_attn_res_norm=S(D), output_attn_res_proj=S(1, D))
-    return Weights(embed_tokens=S(V, D), lm_head=S(V, D), norm=S(D), layers=tuple(layers), **top)
-
-
-def _init_kind(key: str) -> str:
-    field = key.split(".", 1)[1]
-    if field.endswith("norm"):
-        return "norm"
-    if field in ("A_log", "dt_bias", "e_score_correction_bias", "embed_tokens", "lm_head"):
-        return field
-    if field.endswith("conv1d"):
-        return "conv"
-    if field.endswith("res_proj"):
-        return "res"
-    return "w"
-
-
-@functools.lru_cache(maxsize=None)
-def _generator(shape: tuple[int, ...], dtype: str, kind: str, sharding, D: int):
-    def gen(k):
-        if kind == "A_log":
-            return jnp.log(jax.random.uniform(k, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
-        z = jax.random.normal(k, shape, jnp.float32)
-        scale, shift = {"norm": (0.1, 1.0), "dt_bias": (1.0, 0.0), "e_score_correction_bias": (0.1, 0.0),
-                        "conv": (0.3, 0.0), "embed_tokens": (1.0, 0.0), "lm_head": (D ** -0.5, 0.0),
-                        "res": (0.1, 0.0)}.get(kind, (0.02, 0.0))
-        return (z * scale + shift).astype(dtype)
-
-    return jax.jit(gen, out_shardings=sharding)
-
-
 def random_weights(cfg: KimiK3Config, mesh, dtype, shard_latent: bool, seed: int = 0) -> Weights:
-    """Random weights (spec §7.1-like scales) generated on the devices in their final sharding."""
-    tp = mesh.shape[shd.TP]
-    counter = iter(range(1 << 30))
-    root = jax.random.key(seed)
-
-    def make(key: str, leaf: _Leaf):
-        dt = "float32" if key in shd.FP32_WEIGHTS else jnp.dtype(dtype).name
-        sharding = NamedSharding(mesh, shd.spec(key, shard_latent))
-        return _generator(leaf.shape, dt, _init_kind(key), sharding, cfg.hidden_size)(
-            jax.random.fold_in(root, next(counter)))
-
-    return shd.map_weights(make, weight_skeleton(cfg, tp))
+    """Random weights (each weight's declared init) generated on the devices in their final sharding."""
+    return params.random_on_devices(abstract_weights(cfg, mesh.shape[TP]), mesh, dtype, cfg.hidden_size,
+                                    shard_latent=shard_latent, seed=seed)
 
 
-def relayout_latent(weights: Weights, mesh, shard_latent: bool) -> Weights:
+def relayout_latent(cfg: KimiK3Config, weights: Weights, mesh, shard_latent: bool) -> Weights:
     """The same weights with the MLA latent projections placed for `shard_latent` (the rest shared)."""
-    def put(key, a):
-        if shd.WEIGHT_SPECS[key] == shd.LATENT:
-            return jax.device_put(a, NamedSharding(mesh, shd.spec(key, shard_latent)))
+    def put(p: params.Param, a):
+        if p.spec == params.LATENT:
+            return jax.device_put(a, NamedSharding(mesh, p.pspec(shard_latent)))
         return a
 
-    return shd.map_weights(put, weights)
+    return jax.tree.map(put, abstract_weights(cfg, mesh.shape[TP]), weights, is_leaf=params.is_param)
 
 
 def random_cache(cfg: KimiK3Config, mesh, dtype, batch: int, context: int, seed: int = 1) -> Cache:
     """Caches filled with random data; every row has context-1 tokens, so the MLA step attends to all."""
-    shapes = cache_shapes(cfg, batch, context, dtype)
-    scales = {"conv": 0.1, "state": 0.01, "kv": 1.0}
-    out = {}
-    for i, (name, scale) in enumerate(scales.items()):
-        shape, dt = shapes[name]
-        f = jax.jit(lambda k, shape=shape, dt=dt, scale=scale: (jax.random.normal(k, shape, jnp.float32) * scale).astype(dt),
-                    out_shardings=NamedSharding(mesh, shd.cache_specs(dp_axis(mesh))[name]))
-        out[name] = f(jax.random.fold_in(jax.random.key(seed), i))
-    out["length"] = put_batch(np.full((batch,), context - 1, np.int32), mesh)
-    return Cache(**out)
+    abstract = cache_abstract(cfg, batch, context)
+    specs = params.buffer_specs(abstract, dp_axis(mesh))
+    counter = iter(range(1 << 30))
+
+    def fill(b: params.Buffer, spec):
+        scale = {"fp32": 0.01}.get(b.dtype, 0.1 if len(b.shape) == 4 else 1.0)  # KDA state / conv / MLA latents
+        dt = b.np_dtype(dtype)
+        f = jax.jit(lambda k: (jax.random.normal(k, b.shape, jnp.float32) * scale).astype(dt),
+                    out_shardings=NamedSharding(mesh, spec))
+        return f(jax.random.fold_in(jax.random.key(seed), next(counter)))
+
+    layers = jax.tree.map(fill, abstract.layers, specs.layers, is_leaf=params.is_buffer)
+    return Cache(layers=layers, length=put_batch(np.full((batch,), context - 1, np.int32), mesh))
 
 
 # --------------------------------------------------------------------------- accounting
-def _shard_bytes(a: jax.Array) -> int:
-    return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-
-
 def weight_bytes_per_rank(cfg: KimiK3Config, weights: Weights, batch: int) -> dict[str, int]:
-    """Bytes one rank's step must read, by part (largest shard; replicated arrays count in full)."""
-    touched = min(cfg.num_experts, batch * cfg.num_experts_per_token)
-    parts: Counter = Counter()
-
-    def count(key: str, a):
-        b = _shard_bytes(a)
-        block = key.split(".")[0]
-        if key in EXPERT_KEYS:
-            b = b * touched // cfg.num_experts
-            part = "moe_experts"
-        elif key == "model.embed_tokens":
-            b = min(batch, a.shape[0]) * a.sharding.shard_shape(a.shape)[1] * a.dtype.itemsize
-            part = "embed"
-        elif key == "model.lm_head":
-            part = "lm_head"
-        elif key in ("mla.q_a_proj", "mla.kv_a_proj_with_mqa"):
-            part = "mla_latent"
-        else:
-            part = {"kda": "kda", "mla": "mla_other", "moe": "moe_other", "mlp": "mlp_and_shared_experts"}.get(block, "other")
-        parts[part] += b
-        return a
-
-    shd.map_weights(count, weights)
-    return dict(parts)
+    """Bytes one rank's step must read, by the declared weight groups (params.bytes_per_rank)."""
+    tp = weights.embed_tokens.sharding.mesh.shape[TP]
+    return params.bytes_per_rank(abstract_weights(cfg, tp), weights,
+                                 experts_touched=batch * cfg.num_experts_per_token, rows=batch)
 
 
 def cache_bytes_per_rank(cfg: KimiK3Config, cache: Cache) -> int:
-    """MLA latent cache read once (replicated: every rank reads all of it), KDA state read + written."""
-    return _shard_bytes(cache.kv) + 2 * _shard_bytes(cache.state) + 2 * _shard_bytes(cache.conv)
+    """MLA latent cache read once (replicated: every rank reads all of it), KDA state and conv read + written."""
+    return sum(sum(params.shard_bytes(a) for a in jax.tree.leaves(c)) * (2 if isinstance(c, KDACache) else 1)
+               for c in cache.layers)
 
 
 def copy_bandwidth(mesh, nbytes: int = 1 << 30, repeats: int = 7, calls: int = 10) -> float:
     """Bytes/s per device of `a + 1` over an nbytes (per device) f32 array: (read + write) / time."""
-    tp = mesh.shape[shd.TP]
+    tp = mesh.shape[TP]
     cols = max(1, nbytes // 4)
-    x = jax.jit(lambda: jnp.zeros((tp, cols), jnp.float32), out_shardings=NamedSharding(mesh, P(shd.TP)))()
+    x = jax.jit(lambda: jnp.zeros((tp, cols), jnp.float32), out_shardings=NamedSharding(mesh, P(TP)))()
     f = jax.jit(lambda a: a + 1.0)
     y = f(x)
     jax.block_until_ready(y)
@@ -329,14 +206,14 @@ class DecodeRow:
 
 
 def _gather_paths(cfg, mesh, batch, gather, shard_latent) -> dict[str, str]:
-    tp = mesh.shape[shd.TP]
+    tp = mesh.shape[TP]
     out = {}
     if shard_latent and cfg.mla_layers:
         w = ((cfg.q_lora_rank or 0) + cfg.latent_dim) // tp
-        out["latent"] = str(collectives.explain(jax.ShapeDtypeStruct((batch, w), jnp.bfloat16), shd.TP, axis=-1,
+        out["latent"] = str(collectives.explain(jax.ShapeDtypeStruct((batch, w), jnp.bfloat16), TP, axis=-1,
                                                 tiled=True, impl=gather, padded=True, mesh=mesh))
     out["logits"] = str(collectives.explain(jax.ShapeDtypeStruct((batch, cfg.padded_vocab(tp) // tp), jnp.float32),
-                                            shd.TP, axis=-1, tiled=True, impl=gather, padded=True, mesh=mesh))
+                                            TP, axis=-1, tiled=True, impl=gather, padded=True, mesh=mesh))
     return out
 
 
@@ -353,13 +230,13 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
         from jaxk3 import distributed
 
         mesh = distributed.make_mesh(tp)
-        bad = [b for b in batches if b % mesh.shape[shd.DP]]
+        bad = [b for b in batches if b % mesh.shape[DP]]
         if bad:
-            raise ValueError(f"--batch {bad}: must split evenly over dp={mesh.shape[shd.DP]}")
+            raise ValueError(f"--batch {bad}: must split evenly over dp={mesh.shape[DP]}")
     else:
         if not 1 <= tp <= len(devs):
             raise ValueError(f"--tp {tp}: only {len(devs)} devices present")
-        mesh = jax.sharding.Mesh(np.asarray(devs[:tp]), (shd.TP,))
+        mesh = jax.sharding.Mesh(np.asarray(devs[:tp]), (TP,))
     for _, latent, _ in strategies:
         cfg.validate_tp(tp, shard_latent=latent)
     say = progress or (lambda m: None)
@@ -368,7 +245,7 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
     say("random weights on the devices")
     t0 = time.perf_counter()
     w_sharded = random_weights(cfg, mesh, dtype, shard_latent=True)
-    w_by_latent = {True: w_sharded, False: relayout_latent(w_sharded, mesh, False)}
+    w_by_latent = {True: w_sharded, False: relayout_latent(cfg, w_sharded, mesh, False)}
     jax.block_until_ready(w_by_latent)
     init_s = time.perf_counter() - t0
     rows: list[DecodeRow] = []
@@ -385,7 +262,8 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                 paths = _gather_paths(cfg, mesh, batch, g, latent)
                 say(f"B={batch} S={context} {name} (gather={g})")
                 weights = w_by_latent[latent]
-                step = make_step(cfg, first, weights, mesh, g, latent)
+                opt = StepOptions(gather=g, shard_latent=latent, layer_offset=first)
+                step = build_step(cfg, opt, mesh, abstract_weights(cfg, tp))
                 cache = random_cache(cfg, mesh, dtype, batch, context)
                 ids = put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
                 valid = put_batch(np.ones((batch,), bool), mesh)

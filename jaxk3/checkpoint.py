@@ -12,7 +12,7 @@ A checkpoint directory holds `config.json` and one `*.safetensors` file, or seve
   and are dequantised to the compute dtype here.
 * Kimi-Linear: flat config, `model.layers.…`, bf16 experts, `A_log` [1, 1, H, 1].
 
-Memory: every weight is built device by device from its `NamedSharding` in `jaxk3.sharding`
+Memory: every weight is built device by device from the `NamedSharding` its block declares
 (`addressable_devices_indices_map` -> one read per device -> `jax.device_put` to that device ->
 `make_array_from_single_device_arrays`).  A device's read takes only its slice of each source
 tensor (`safe_open(file).get_slice(name)[rows, cols]`), and the slice is on the device before the
@@ -43,9 +43,12 @@ try:
 except ImportError:  # optional dependency: pip install "jaxk3[checkpoint]"
     safe_open = None
 
-from jaxk3 import mxfp4
-from jaxk3 import sharding as shd
+import jax
+
+from jaxk3 import mxfp4, params
 from jaxk3.config import KimiK3Config
+from jaxk3.params import Param
+from jaxk3.sharding import TP
 
 INDEX_FILE = "model.safetensors.index.json"
 MXFP4_FORMAT = "mxfp4-pack-quantized"
@@ -260,13 +263,23 @@ def _norm_index(idx: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ..
     return tuple(out)
 
 
-class _Reader:
-    """Open safetensors handles (one per file) and every slice read; `reads` logs (name, bytes)."""
+def _sl(blk) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in blk)
 
-    def __init__(self):
+
+class SafetensorsSource:
+    """The tensors of a checkpoint directory (model-side names); reads slices through safe_open,
+    one open handle per file."""
+
+    def __init__(self, tensors: Mapping[str, TensorInfo]):
+        self.prefixed = any(k.startswith("language_model.") for k in tensors)
+        self.tensors = _internal_names(tensors)
         self._handles: dict[str, Any] = {}
 
-    def get(self, info: TensorInfo, idx: tuple) -> np.ndarray:
+    def info(self, name: str) -> TensorInfo | None:
+        return self.tensors.get(name)
+
+    def read(self, info: TensorInfo, idx: tuple) -> np.ndarray:
         h = self._handles.get(info.file)
         if h is None:
             try:
@@ -275,183 +288,182 @@ class _Reader:
                 raise CorruptCheckpointError(f"{os.path.basename(info.file)}: cannot open ({e})") from None
         return np.asarray(h.get_slice(info.name)[idx])
 
+    def display(self, name: str) -> str:
+        return ("language_model." + name) if self.prefixed else name
+
     def close(self) -> None:
         self._handles.clear()
 
 
+_NP_TAGS = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64", np.dtype(np.float16): "F16",
+            np.dtype(np.uint8): "U8", np.dtype(np.int8): "I8", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64"}
+
+
+class ArraySource(SafetensorsSource):
+    """Host arrays keyed by checkpoint name (the same names and checks as a checkpoint directory)."""
+
+    def __init__(self, flat: Mapping[str, Any]):
+        arrays = {k: np.asarray(v) for k, v in flat.items()}
+        infos = {}
+        for k, a in arrays.items():
+            tag = "BF16" if a.dtype.name == "bfloat16" else _NP_TAGS.get(a.dtype, a.dtype.name.upper())
+            infos[k] = TensorInfo(k, "<memory>", tag, tuple(a.shape))
+        super().__init__(infos)
+        self._arrays = arrays  # by the names given (TensorInfo.name)
+
+    def read(self, info: TensorInfo, idx: tuple) -> np.ndarray:
+        return self._arrays[info.name][idx]
+
+
 class _Leaf:
-    """One placed weight: its global (padded / stacked) shape and how to read any block of it."""
+    """One placed weight: its `Param` and how to read any block of its model-layout array."""
 
-    def __init__(self, shape: tuple[int, ...], read: Callable[["_Reader", tuple[tuple[int, int], ...]], np.ndarray]):
-        self.shape, self._read = tuple(shape), read
-
-    def read(self, reader: _Reader, blk: tuple[tuple[int, int], ...]) -> np.ndarray:
-        return self._read(reader, blk)
+    def __init__(self, param: Param, read: Callable[[tuple[tuple[int, int], ...]], np.ndarray]):
+        self.param, self.shape, self.read = param, param.shape, read
 
 
-def _sl(blk) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in blk)
+def _dense(src, info: TensorInfo, param: Param) -> _Leaf:
+    if param.source == "plain":
+        return _Leaf(param, lambda blk: src.read(info, _sl(blk)))
+    n = info.shape[0]  # pad_rows: zero rows past the checkpoint's
 
-
-def _dense_leaf(info: TensorInfo, shape: tuple[int, ...], pad_rows: bool = False) -> _Leaf:
-    def read(r: _Reader, blk):
-        if not pad_rows:
-            return r.get(info, _sl(blk))
+    def read(blk):
         (a, b), rest = blk[0], blk[1:]
-        n = info.shape[0]
         cols = tuple(e - s for s, e in rest)
-        got = r.get(info, _sl(((a, min(b, n)),) + rest)) if a < n else np.zeros((0,) + cols, np.float32)
-        if b <= n:
-            return got
-        return np.concatenate([got, np.zeros((b - max(a, n),) + cols, got.dtype)])
-    return _Leaf(shape, read)
+        got = src.read(info, _sl(((a, min(b, n)),) + rest)) if a < n else np.zeros((0,) + cols, np.float32)
+        return got if b <= n else np.concatenate([got, np.zeros((b - max(a, n),) + cols, got.dtype)])
+    return _Leaf(param, read)
 
 
-def _a_log_leaf(info: TensorInfo, H: int) -> _Leaf:
-    def read(r: _Reader, blk):
+def _a_log(src, info: TensorInfo, param: Param) -> _Leaf:
+    def read(blk):
         (a, b), = blk
         if len(info.shape) == 1:
-            return r.get(info, (slice(a, b),))
-        return r.get(info, (slice(0, 1), slice(0, 1), slice(a, b), slice(0, 1))).reshape(-1)
-    return _Leaf((H,), read)
+            return src.read(info, (slice(a, b),))
+        return src.read(info, (slice(0, 1), slice(0, 1), slice(a, b), slice(0, 1))).reshape(-1)
+    return _Leaf(param, read)
 
 
-def _mxfp4_part(packed: TensorInfo, scale: TensorInfo) -> Callable[[_Reader, tuple], np.ndarray]:
-    def read(r: _Reader, blk):
+def _mxfp4_part(src, packed: TensorInfo, scale: TensorInfo) -> Callable[[tuple], np.ndarray]:
+    def read(blk):
         (r0, r1), (c0, c1) = blk
         p0, p1 = c0 // 2, -(-c1 // 2)
         g0, g1 = c0 // mxfp4.GROUP, -(-c1 // mxfp4.GROUP)
-        w = mxfp4.dequantize(r.get(packed, (slice(r0, r1), slice(p0, p1))),
-                             r.get(scale, (slice(r0, r1), slice(g0, g1))),
+        w = mxfp4.dequantize(src.read(packed, (slice(r0, r1), slice(p0, p1))),
+                             src.read(scale, (slice(r0, r1), slice(g0, g1))),
                              np.float32, col_offset=2 * p0 - mxfp4.GROUP * g0)
         return w[:, c0 - 2 * p0: c1 - 2 * p0]
     return read
 
 
-def _stacked_leaf(parts: list[Callable], shape: tuple[int, ...]) -> _Leaf:
-    def read(r: _Reader, blk):
-        (e0, e1), rest = blk[0], blk[1:]
-        return np.stack([parts[e](r, rest) for e in range(e0, e1)])
-    return _Leaf(shape, read)
+def build_plan(cfg: KimiK3Config, source, tp: int):
+    """A `Weights` pytree of `_Leaf`s for `source` (a SafetensorsSource or ArraySource): finds every
+    declared weight by its checkpoint names and checks its name, shape and dtype first (raises
+    CheckpointError subclasses before any tensor data is read)."""
+    from jaxk3.model import abstract_weights
 
+    def find(p: Param, name: str | None = None) -> TensorInfo:
+        for n in ((name,) if name else p.names):
+            t = source.info(n)
+            if t is not None:
+                return t
+        want = name or p.name
+        if want.endswith(".weight") and source.info(want[: -len("weight")] + "weight_packed") is not None:
+            raise UnsupportedConfigError(
+                f"checkpoint: {source.display(want[: -len('.weight')])!r} is quantised (weight_packed); only the "
+                "routed experts may be MXFP4 in this port")
+        also = f" (nor {', '.join(repr(source.display(n)) for n in p.names[1:])})" if len(p.names) > 1 and not name else ""
+        raise MissingTensorError(f"checkpoint: missing tensor {source.display(want)!r}{also}")
 
-def _dense_part(info: TensorInfo) -> Callable[[_Reader, tuple], np.ndarray]:
-    return lambda r, blk: r.get(info, _sl(blk))
-
-
-def build_plan(cfg: KimiK3Config, tensors: Mapping[str, TensorInfo], tp: int):
-    """A `Weights` pytree of `_Leaf`s; checks every name, shape and dtype first (raises CheckpointError)."""
-    from jaxk3.model import assemble_weights, hf_tensor_shapes
-
-    names = _internal_names(tensors)
-    want = hf_tensor_shapes(cfg)
-    tied_head = cfg.tie_word_embeddings and "lm_head.weight" not in names
-    if cfg.tie_word_embeddings and not tied_head:
-        want["lm_head.weight"] = want["model.embed_tokens.weight"]
-
-    def info(name: str) -> TensorInfo:
-        if name not in names:
-            if name.endswith(".weight") and name[: -len("weight")] + "weight_packed" in names:
-                raise UnsupportedConfigError(
-                    f"checkpoint: {_ckpt_name(name)[: -len('.weight')]!r} is quantised (weight_packed); only the "
-                    "routed experts may be MXFP4 in this port")
-            raise MissingTensorError(f"checkpoint: missing tensor {_ckpt_name(name)!r}")
-        return names[name]
-
-    def _ckpt_name(name: str) -> str:
-        return name if not any(k.startswith("language_model.") for k in tensors) else (
-            "language_model." + name)
-
-    def check(name: str, t: TensorInfo, shape: tuple[int, ...], dtypes=DENSE_DTYPES) -> TensorInfo:
+    def check(t: TensorInfo, shape, dtypes=DENSE_DTYPES) -> TensorInfo:
         if t.dtype not in dtypes:
             raise TensorDtypeError(f"checkpoint: tensor {t.name!r} has dtype {t.dtype}; this weight must be one "
                                    f"of {', '.join(dtypes)}")
-        if tuple(t.shape) != tuple(shape):
+        if shape is not None and tuple(t.shape) != tuple(shape):
             raise TensorShapeError(f"checkpoint: tensor {t.name!r} has shape {list(t.shape)}, expected "
                                    f"{list(shape)}")
         return t
 
-    def dense(name: str) -> _Leaf:
-        shape = want[name][0]
-        return _dense_leaf(check(name, info(name), shape), shape)
-
-    def a_log(name: str) -> _Leaf:
-        H = cfg.kda_num_heads
-        t = info(name)
-        check(name, t, t.shape)  # dtype only
-        # K3 headers list [128] (vLLM uses the first num_heads entries, spec §2); Kimi-Linear [1, 1, H, 1]
-        ok = (len(t.shape) == 1 and t.shape[0] >= H) or tuple(t.shape) == (1, 1, H, 1)
-        if not ok:
-            raise TensorShapeError(f"checkpoint: tensor {t.name!r} has shape {list(t.shape)}, expected [{H}] "
-                                   f"(or [N >= {H}], of which the first {H} are used, or [1, 1, {H}, 1])")
-        return _a_log_leaf(t, H)
-
-    def vocab(name: str) -> _Leaf:
-        V, D = want[name][0]
-        t = check(name, info(name), (V, D))
-        return _dense_leaf(t, (cfg.padded_vocab(tp), D), pad_rows=True)
-
-    def expert(name: str, shape: tuple[int, int]) -> Callable:
+    def expert(p: Param, name: str) -> Callable[[tuple], np.ndarray]:
+        shape = p.checkpoint_shape
+        t = source.info(name)
+        if t is not None:
+            t = check(t, shape)
+            return lambda blk: source.read(t, _sl(blk))
         base = name[: -len(".weight")]
-        if name in names:
-            return _dense_part(check(name, names[name], shape))
-        if base + ".weight_packed" not in names:
-            raise MissingTensorError(f"checkpoint: missing tensor {_ckpt_name(name)!r} "
-                                     f"(nor MXFP4 {_ckpt_name(base + '.weight_packed')!r})")
+        if source.info(base + ".weight_packed") is None:
+            raise MissingTensorError(f"checkpoint: missing tensor {source.display(name)!r} "
+                                     f"(nor MXFP4 {source.display(base + '.weight_packed')!r})")
         rows, cols = shape
         if cols % mxfp4.GROUP:
             raise UnsupportedConfigError(f"checkpoint: {base} has {cols} input columns, not a multiple of the "
                                          f"MXFP4 group {mxfp4.GROUP}")
-        p = check(base + ".weight_packed", names[base + ".weight_packed"], (rows, cols // 2), ("U8",))
-        s = check(base + ".weight_scale", info(base + ".weight_scale"), (rows, cols // mxfp4.GROUP), ("U8",))
-        return _mxfp4_part(p, s)
+        packed = check(source.info(base + ".weight_packed"), (rows, cols // 2), ("U8",))
+        scale = check(find(p, base + ".weight_scale"), (rows, cols // mxfp4.GROUP), ("U8",))
+        return _mxfp4_part(source, packed, scale)
 
-    def leaf(name: str) -> _Leaf:
-        if name.endswith(".A_log"):
-            return a_log(name)
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return vocab(name)
-        return dense(name)
+    def leaf(p: Param) -> _Leaf:
+        if p.source == "experts":
+            parts = [expert(p, n) for n in params.expert_names(p, p.shape[0])]
+            return _Leaf(p, lambda blk: np.stack([parts[e](blk[1:]) for e in range(*blk[0])]))
+        t = find(p)
+        if p.source == "a_log":
+            check(t, None)  # dtype only
+            H = p.shape[0]
+            if not ((len(t.shape) == 1 and t.shape[0] >= H) or tuple(t.shape) == (1, 1, H, 1)):
+                raise TensorShapeError(f"checkpoint: tensor {t.name!r} has shape {list(t.shape)}, expected [{H}] "
+                                       f"(or [N >= {H}], of which the first {H} are used, or [1, 1, {H}, 1])")
+            return _a_log(source, t, p)
+        return _dense(source, check(t, p.checkpoint_shape), p)
 
-    E, I, L = cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_hidden
+    return jax.tree.map(leaf, abstract_weights(cfg, tp), is_leaf=params.is_param)
 
-    def experts(m: str, i: int) -> _Leaf:
-        shape = (L, I) if i == 2 else (I, L)
-        return _stacked_leaf([expert(f"{m}experts.{e}.w{i}.weight", shape) for e in range(E)], (E,) + shape)
 
-    return assemble_weights(cfg, leaf, experts, tied_head=tied_head)
+def plan_from_arrays(abstract, host) -> Any:
+    """A plan over a host `Weights` tree already in model layout (vocab tables re-padded if their
+    row count differs: rows past the vocabulary are zero)."""
+    def leaf(p: Param, a) -> _Leaf:
+        a = np.asarray(a)
+        if a.shape != p.shape and not (p.source == "pad_rows" and a.shape[1:] == p.shape[1:]
+                                       and a.shape[0] >= p.checkpoint_shape[0]):
+            raise TensorShapeError(f"weights: {p.name!r} has shape {list(a.shape)}, expected {list(p.shape)}")
+        if a.shape != p.shape:
+            V = p.checkpoint_shape[0]
+            a = np.concatenate([a[:V], np.zeros((p.shape[0] - V,) + a.shape[1:], a.dtype)])
+        return _Leaf(p, lambda blk: a[_sl(blk)])
+
+    return jax.tree.map(leaf, abstract, host, is_leaf=params.is_param)
+
+
+def _leaves(plan) -> list[_Leaf]:
+    return jax.tree.leaves(plan, is_leaf=lambda x: isinstance(x, _Leaf))
+
+
+def read_all(plan) -> Any:
+    """The plan's arrays, whole, on the host (checkpoint dtypes; MXFP4 experts dequantised to fp32)."""
+    return jax.tree.map(lambda leaf: leaf.read(tuple((0, n) for n in leaf.shape)), plan,
+                        is_leaf=lambda x: isinstance(x, _Leaf))
 
 
 # ------------------------------------------------------------------------------ placing
-def _leaves(plan) -> list:
-    out = []
-    shd.map_weights(lambda k, leaf: out.append((k, leaf)), plan)
-    return out
-
-
 def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, int], None] | None = None):
-    """Every `_Leaf` -> a jax.Array sharded by the table, each device's block read from disk on its own."""
-    import jax
+    """Every `_Leaf` -> a jax.Array sharded as its Param says, each device's block read on its own."""
     from jax.sharding import NamedSharding
 
-    def target(key: str):
-        return np.dtype(np.float32) if key in shd.FP32_WEIGHTS else np.dtype(dtype)
-
-    total = sum(math.prod(leaf.shape) * target(k).itemsize for k, leaf in _leaves(plan))
+    total = sum(math.prod(leaf.shape) * leaf.param.np_dtype(dtype).itemsize for leaf in _leaves(plan))
     done = 0
-    reader = _Reader()
 
-    def put(key: str, leaf: _Leaf):
+    def put(leaf: _Leaf):
         nonlocal done
-        dt = target(key)
-        sharding = NamedSharding(mesh, shd.spec(key, shard_latent))
+        dt = leaf.param.np_dtype(dtype)
+        sharding = NamedSharding(mesh, leaf.param.pspec(shard_latent))
         last: list = [None, None]  # (block, host array): replicated blocks are read once for all devices
         shards = []
         for dev, idx in sharding.addressable_devices_indices_map(leaf.shape).items():
             blk = _norm_index(idx, leaf.shape)
             if last[0] != blk:
                 last[:] = [None, None]  # drop the previous rank's slice before reading the next
-                last[:] = [blk, np.ascontiguousarray(leaf.read(reader, blk).astype(dt, copy=False))]
+                last[:] = [blk, np.ascontiguousarray(np.asarray(leaf.read(blk)).astype(dt, copy=False))]
             # one rank's slice to its device; wait, so at most one slice is held on the host
             shards.append(jax.device_put(last[1], dev).block_until_ready())
         last[:] = [None, None]
@@ -461,36 +473,35 @@ def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, i
             progress(done, total)
         return arr
 
-    try:
-        return shd.map_weights(put, plan)
-    finally:
-        reader.close()
+    return jax.tree.map(put, plan, is_leaf=lambda x: isinstance(x, _Leaf))
 
 
 def load_model(path: str | os.PathLike, mesh=None, tp: int | None = None, dtype: Any = "bfloat16",
                gather: str = "auto", shard_latent: bool = True,
-               progress: Callable[[int, int], None] | None = None):
+               progress: Callable[[int, int], None] | None = None, psum: str = "lax"):
     """A sharded `Model` from a K3 / Kimi-Linear safetensors directory (see the module docstring).
 
     `progress(done_bytes, total_bytes)` is called after each weight is placed.  Raises
     `CheckpointError` (subclasses named after the problem) before reading any tensor data.
     """
-    from jaxk3.model import GATHER_IMPLS, Model, _resolve_dtype, make_mesh
+    from jaxk3.model import Model, check_impl, make_mesh, resolve_dtype
 
     path = os.fspath(path)
     if safe_open is None:
         raise CheckpointError("checkpoint: loading needs the `safetensors` package (pip install safetensors)")
-    if gather not in GATHER_IMPLS:
-        raise ValueError(f"gather: must be one of {GATHER_IMPLS}, got {gather!r}")
-    dt = _resolve_dtype(dtype)
+    check_impl("gather", gather), check_impl("psum", psum)
+    dt = resolve_dtype(dtype)
     cfg = load_config(path)
     mesh = make_mesh(mesh, tp)
-    tp_size = mesh.shape[shd.TP]
+    tp_size = mesh.shape[TP]
     cfg.validate_tp(tp_size, shard_latent=shard_latent)
-    tensors = scan_checkpoint(path)
-    plan = build_plan(cfg, tensors, tp_size)
-    weights = place_plan(plan, mesh, dt, shard_latent, progress)
-    return Model(cfg, weights, mesh, dt, gather, shard_latent)
+    source = SafetensorsSource(scan_checkpoint(path))
+    plan = build_plan(cfg, source, tp_size)
+    try:
+        weights = place_plan(plan, mesh, dt, shard_latent, progress)
+    finally:
+        source.close()
+    return Model(cfg, weights, mesh, dt, gather, shard_latent, psum)
 
 
 # ------------------------------------------------------------------------------ writing

@@ -7,6 +7,7 @@ same shardings, and generate the same tokens.  MXFP4 is checked against compress
 decompressor.  Slice reads are instrumented to prove each rank reads only its slice.
 """
 import json
+import re
 import os
 import struct
 
@@ -19,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 import jaxk3
 from jaxk3 import checkpoint as ck
 from jaxk3 import mxfp4
-from jaxk3 import sharding as shd
 from jaxk3.config import KimiK3Config
 from jaxk3.model import Model, random_hf_weights
 
@@ -44,7 +44,7 @@ def write_k3(path, cfg=None, shards=3, seed=0, a_log_extra=True):
     flat = random_hf_weights(cfg, seed)
     packed = _quantize_experts(cfg, flat)
     disk = dict(flat)
-    if a_log_extra:  # K3 headers list A_log as [128] for 96 heads: only the first H are used (spec §2)
+    if a_log_extra:  # K3 headers list A_log as [128] for 96 heads: only the first H are used (docs/SPEC.md §2)
         rng = np.random.default_rng(seed + 7)
         for k in [k for k in flat if k.endswith("A_log")]:
             disk[k] = np.concatenate([flat[k], rng.uniform(50, 60, flat[k].shape).astype(np.float32)])
@@ -156,7 +156,7 @@ def test_k3_sharded_mxfp4_loads_and_generates_like_in_memory(k3_dir):
 
 
 def test_k3_a_log_uses_first_num_heads(k3_dir):
-    """Spec §2: the header says A_log [128] for 96 heads; vLLM uses the first 96.  Here [2H] on disk, H used."""
+    """docs/SPEC.md §2: the header says A_log [128] for 96 heads; vLLM uses the first 96.  Here [2H] on disk, H used."""
     path, cfg, flat = k3_dir
     hdr = ck.scan_checkpoint(path)
     l = cfg.kda_layers[0]
@@ -183,25 +183,16 @@ def test_kimi_linear_single_file_bf16(tmp_path):
 
 
 # ------------------------------------------------------------------------------ memory
-def _table_key(cfg, name: str) -> str:
+def _declared(cfg, name: str):
+    """The Param a checkpoint tensor is declared by (experts by their `{e}` pattern)."""
+    from jaxk3 import params
+    from jaxk3.model import abstract_weights
+
     n = name[len("language_model."):] if name.startswith("language_model.") else name
-    if n == "lm_head.weight":
-        return "model.lm_head"
-    parts = n.split(".")
-    if parts[1] != "layers":
-        return "model." + parts[1]
-    l, rest = int(parts[2]), parts[3:]
-    if rest[0] == "self_attn":
-        return f"{cfg.layer_attn[l]}.{rest[1]}"
-    if rest[0] == "mlp":
-        return f"mlp.{rest[1]}"
-    if rest[0] == "block_sparse_moe":
-        if rest[1] == "experts":
-            return f"moe.experts_{rest[3]}"
-        if rest[1] == "shared_experts":
-            return f"mlp.{rest[2]}"
-        return "moe." + (rest[2] if rest[1] == "gate" and rest[2] != "weight" else rest[1])
-    return "layer." + rest[0]
+    n = "model." + n if n.startswith("layers.") else n
+    n = re.sub(r"experts\.\d+\.", "experts.{e}.", n)
+    n = re.sub(r"\.weight_(packed|scale)$", ".weight", n)  # MXFP4 experts
+    return {q: p for p in params.params(abstract_weights(cfg)) for q in p.names}[n]
 
 
 def test_loading_reads_only_each_ranks_slice(tmp_path, monkeypatch):
@@ -263,12 +254,13 @@ def test_loading_reads_only_each_ranks_slice(tmp_path, monkeypatch):
             continue
         got = by_name.get(name)
         assert got, f"{name} never read"
-        key = _table_key(cfg, name)
-        sharded = shd.spec(key, True) != P()
+        param = _declared(cfg, name)
+        key = param.name
+        sharded = param.pspec(True) != P()
         full = info.nbytes
-        if key == "kda.A_log":  # [2H] on disk: each rank reads its H/tp entries of the first H
+        if param.source == "a_log":  # [2H] on disk: each rank reads its H/tp entries of the first H
             assert got == [cfg.kda_num_heads // tp * 4] * tp, (name, got)
-        elif key in ("model.embed_tokens", "model.lm_head"):  # vocab 1000 padded to 1024: 7 x 128 rows + 104
+        elif param.source == "pad_rows":  # vocab 1000 padded to 1024: 7 x 128 rows + 104
             assert sorted(got) == sorted([full // cfg.vocab_size * 128] * 7 + [full // cfg.vocab_size * 104])
         elif sharded:
             n_sharded += 1

@@ -18,7 +18,9 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxk3 import sharding as shd
+from jaxk3 import params
+from jaxk3.model import abstract_layer
+from jaxk3.sharding import COL
 from jaxk3._compat import shard_map
 from jaxk3.config import KimiK3Config
 from jaxk3.layers.attn_res import attn_res
@@ -141,7 +143,7 @@ def test_mla_sharded_latent_under_shard_map(tp):
     n, valid = jnp.zeros(B, jnp.int32), jnp.ones(B, bool)
     ref_out, ref_kv = mla_step(cfg, w, x, kv, n, valid, None)
     for shard_latent in (True, False):
-        specs = shd.weight_specs(w, shard_latent)
+        specs = params.partition_specs(abstract_layer(cfg, l).attn, shard_latent)
         f = shard_map(lambda w, x, kv: mla_step(cfg, w, x, kv, n, valid, "tp", shard_latent, "lax"), mesh(tp),
                       in_specs=(specs, P(), P()), out_specs=(P(), P()))
         out, kv2 = jax.jit(f)(w, x, kv)
@@ -180,7 +182,7 @@ def test_moe_and_mlp_under_shard_map(tp):
     x = np.random.default_rng(7).standard_normal((3, cfg.hidden_size)).astype(np.float32)
     for l, fn in ((0, mlp), (1, moe)):
         w = f32(host.layers[l].ffn)
-        f = shard_map(lambda w, x: fn(cfg, w, x, "tp"), mesh(tp), in_specs=(shd.weight_specs(w, True), P()),
+        f = shard_map(lambda w, x: fn(cfg, w, x, "tp"), mesh(tp), in_specs=(params.partition_specs(abstract_layer(cfg, l).ffn), P()),
                       out_specs=P())
         close(jax.jit(f)(w, x), fn(cfg, w, jnp.asarray(x), None), 1e-5)
 
@@ -202,8 +204,7 @@ def test_vocab_parallel_embed_and_head(tp):
     def local(tok, tab, hd, h):
         return embed(tok, tab, "tp"), lm_head(h, hd, cfg.vocab_size, "tp", "lax")
 
-    f = shard_map(local, mesh(tp), in_specs=(P(), shd.spec("model.embed_tokens", True),
-                                             shd.spec("model.lm_head", True), P()), out_specs=(P(), P()))
+    f = shard_map(local, mesh(tp), in_specs=(P(), COL, COL, P()), out_specs=(P(), P()))
     x, logits = jax.jit(f)(tokens, table, head, h)
     np.testing.assert_array_equal(np.asarray(x), table[tokens])
     assert logits.shape == (6, cfg.vocab_size)
@@ -211,7 +212,7 @@ def test_vocab_parallel_embed_and_head(tp):
 
 
 def test_realistic_tiles_kda_and_mla():
-    """Spec §7.1 "realistic-tile" shapes: K3's per-rank TP8 tiles (KDA 12 heads × 128, MLA latent 512+64)."""
+    """docs/SPEC.md §7.1 "realistic-tile" shapes: K3's per-rank TP8 tiles (KDA 12 heads × 128, MLA latent 512+64)."""
     lac = dict(full_attn_layers=[4, 7, 8], kda_layers=[1, 2, 3, 5, 6], num_heads=12, head_dim=128,
                short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True)
     cfg = KimiK3Config.tiny_k3(linear_attn_config=lac, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,

@@ -17,6 +17,8 @@ Tolerances (all float32 on both sides; max|Δ| relative to max|reference|):
 """
 from __future__ import annotations
 
+import dataclasses
+
 
 import jax
 import jax.numpy as jnp
@@ -155,7 +157,9 @@ def _hf_state_to_checkpoint(sd: dict, cfg: KimiK3Config) -> dict[str, np.ndarray
     return out
 
 
-def test_kimi_linear_vs_transformers():
+@pytest.fixture(scope="module")
+def transformers_run():
+    """A random tiny KimiLinearForCausalLM (fp32) and its greedy run: (cfg, model, prompt, tokens, logits)."""
     tf = pytest.importorskip("transformers", reason="transformers==5.23.0 is not installed")
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
 
@@ -174,7 +178,8 @@ def test_kimi_linear_vs_transformers():
         layer_types=["full_attention" if a == "mla" else "linear_attention" for a in cfg.layer_attn],
         mlp_layer_types=["sparse" if f == "moe" else "dense" for f in cfg.layer_ffn])
     hcfg._attn_implementation = "eager"
-    assert KimiK3Config.from_pretrained(hcfg.to_dict()) == cfg  # the transformers spelling parses to the same
+    parsed = KimiK3Config.from_pretrained(hcfg.to_dict())  # the transformers spelling parses to the same
+    assert dataclasses.replace(parsed, max_position_embeddings=cfg.max_position_embeddings) == cfg
     torch.manual_seed(0)
     hf = KimiLinearForCausalLM(hcfg).float().eval()
     gen = torch.Generator().manual_seed(1)
@@ -191,8 +196,6 @@ def test_kimi_linear_vs_transformers():
         for mod in hf.modules():  # vLLM's kv_a_layernorm uses rms_norm_eps; transformers' defaults to 1e-6
             if type(mod).__name__ == "KimiLinearAttention":
                 mod.kv_a_layernorm.variance_epsilon = cfg.rms_norm_eps
-    ckpt = _hf_state_to_checkpoint(hf.state_dict(), cfg)
-
     prompt, new = [3, 14, 15, 92, 65, 35, 89, 79], 6
     with torch.no_grad():
         out = hf(input_ids=torch.tensor([prompt]), use_cache=True)
@@ -203,8 +206,13 @@ def test_kimi_linear_vs_transformers():
             past = out.past_key_values
             logits.append(out.logits[0, -1])
             toks.append(int(logits[-1].argmax()))
-    ref_logits = torch.stack(logits).numpy()
+    return cfg, hf, prompt, toks, torch.stack(logits).numpy()
 
+
+def test_kimi_linear_vs_transformers(transformers_run):
+    cfg, hf, prompt, toks, ref_logits = transformers_run
+    new = len(toks)
+    ckpt = _hf_state_to_checkpoint(hf.state_dict(), cfg)
     model = jaxk3.Model.from_weights(cfg, ckpt, tp=1, dtype="float32")
     res = model.generate([prompt], new, return_logits=True)
     np.testing.assert_array_equal(res.tokens[0], toks)
@@ -214,3 +222,19 @@ def test_kimi_linear_vs_transformers():
                                                                                              return_logits=True)
     np.testing.assert_array_equal(res4.tokens[0], toks)
     assert rel_err(res4.logits[0], ref_logits) <= 1e-4
+
+
+def test_transformers_save_pretrained_loads(transformers_run, tmp_path):
+    """A checkpoint written by transformers' own `save_pretrained` (5.23 writes layer 0's dense MLP as
+    `block_sparse_moe.{gate,up,down}_proj`, and its own config.json spelling) loads with
+    `jaxk3.load_model` and decodes to the same tokens and logits as transformers (tolerance as above)."""
+    cfg, hf, prompt, toks, ref_logits = transformers_run
+    hf.save_pretrained(str(tmp_path))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
+        assert "model.layers.0.block_sparse_moe.gate_proj.weight" in set(f.keys())  # the spelling under test
+    model = jaxk3.load_model(str(tmp_path), tp=2, dtype="float32", gather="lax")
+    res = model.generate([prompt], len(toks), return_logits=True)
+    np.testing.assert_array_equal(res.tokens[0], toks)
+    assert rel_err(res.logits[0], ref_logits) <= 1e-4

@@ -10,6 +10,8 @@ Shape glossary (dimension-suffix names such as `x_BD`, `q_BHK`):
     N  AttnRes sources (depth)             E  experts   k  experts per token
     I  FFN intermediate (local)            L  routed-expert (latent) width
 
-Every block takes `tp_axis`: the mesh axis name when called inside `jax.shard_map` (row-parallel
-outputs are then `psum`-ed over it), or None on one device (no collectives).
+Every block takes `tp` (`layers.common.TP`, or a bare axis name): the mesh axis when called inside
+`jax.shard_map` (row-parallel outputs are then summed over it, through the collectives it names),
+or None on one device (no collectives).  Every block file also declares its weights once
+(`abstract(cfg, prefix)`, `jaxk3.params`) and, for attention, its per-row cache (`cache_abstract`).
 """

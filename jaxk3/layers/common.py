@@ -1,5 +1,7 @@
-"""Helpers shared by the blocks: the GEMV, the psum, the GLU activations."""
+"""Helpers shared by the blocks: the tensor-parallel context, the GEMV, the psum, the GLU activations."""
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -8,18 +10,39 @@ from jax import lax
 F32 = jnp.float32
 
 
+@dataclasses.dataclass(frozen=True)
+class TP:
+    """The tensor-parallel mesh axis a block runs over, and which collective implementations it uses
+    (`"auto" | "ffi" | "lax"`, see jaxk3.collectives).  Blocks take `tp: TP | str | None`: a bare
+    axis name means the defaults below; None means one device (no collectives)."""
+    axis: str
+    gather: str = "auto"
+    psum: str = "lax"
+
+
+def as_tp(tp: TP | str | None) -> TP | None:
+    return TP(tp) if isinstance(tp, str) else tp
+
+
 def linear(x_BD: jax.Array, w_FD: jax.Array) -> jax.Array:
     """`x @ w.T` for a checkpoint weight `w [out, in]`, inputs in w's dtype, fp32 accumulate/out."""
     return jnp.einsum("bd,fd->bf", x_BD.astype(w_FD.dtype), w_FD, preferred_element_type=F32)
 
 
-def psum(x: jax.Array, tp_axis: str | None) -> jax.Array:
+def psum(x: jax.Array, tp: TP | str | None) -> jax.Array:
     """Sum the row-parallel partials over the TP axis (identity without one)."""
-    return x if tp_axis is None else lax.psum(x, tp_axis)
+    tp = as_tp(tp)
+    if tp is None:
+        return x
+    if tp.psum == "lax":
+        return lax.psum(x, tp.axis)
+    from jaxk3 import collectives
+
+    return collectives.psum(x, tp.axis, impl=tp.psum)
 
 
 def glu(a: jax.Array, b: jax.Array, act: str, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:
-    """Gated activation in fp32: SiLU-GLU `silu(a)*b`, or SiTU-GLU (spec §3.5):
+    """Gated activation in fp32: SiLU-GLU `silu(a)*b`, or SiTU-GLU (docs/SPEC.md §3.5):
     `β1·tanh(a/β1)·sigmoid(a) · β2·tanh(b/β2)`."""
     a, b = a.astype(F32), b.astype(F32)
     if act == "silu":

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA), one decode token (spec §3.2).
+"""Kimi Delta Attention (KDA), one decode token (docs/SPEC.md §3.2).
 
 Per head h (d = head_dim), for the normed input x:
 
@@ -25,9 +25,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from jaxk3.config import KimiK3Config
-from jaxk3.layers.common import F32, linear, psum
+from jaxk3.layers.common import F32, TP, linear, psum
 from jaxk3.layers.norm import gated_rms_norm
+from jaxk3.params import COL, REP, ROW, Buffer, Param, weight
 
 
 @jax.tree_util.register_dataclass
@@ -52,6 +55,42 @@ class KDAWeights:
     g_b_proj: jax.Array | None = None  # [C, d]
 
 
+def abstract(cfg: KimiK3Config, prefix: str) -> KDAWeights:
+    """The weights of one KDA layer (`prefix` = `model.layers.{l}.self_attn.`), declared once."""
+    D, C, H, d, K = cfg.hidden_size, cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
+
+    def w(field, shape, spec, **kw):
+        return weight(shape, prefix, field, spec=spec, group="kda", **kw)
+
+    conv = dict(spec=P("tp", None, None), dtype="fp32", init="conv")
+    gates = (dict(g_proj=w("g_proj", (C, D), COL)) if cfg.use_full_rank_gate else
+             dict(g_a_proj=w("g_a_proj", (d, D), REP), g_b_proj=w("g_b_proj", (C, d), COL)))
+    return KDAWeights(
+        q_proj=w("q_proj", (C, D), COL), k_proj=w("k_proj", (C, D), COL), v_proj=w("v_proj", (C, D), COL),
+        q_conv1d=w("q_conv1d", (C, 1, K), **conv), k_conv1d=w("k_conv1d", (C, 1, K), **conv),
+        v_conv1d=w("v_conv1d", (C, 1, K), **conv),
+        f_a_proj=w("f_a_proj", (d, D), REP), f_b_proj=w("f_b_proj", (C, d), COL), b_proj=w("b_proj", (H, D), COL),
+        # K3 checkpoints list A_log as [128] (the first H used), Kimi-Linear as [1, 1, H, 1] (docs/SPEC.md §2)
+        A_log=Param((H,), (prefix + "A_log",), P("tp"), dtype="fp32", init="a_log", group="kda", source="a_log",
+                    ckpt_shape=(H,) if cfg.gate_lower_bound is not None else (1, 1, H, 1)),
+        dt_bias=w("dt_bias", (C,), P("tp"), dtype="fp32", init="dt"),
+        o_norm=w("o_norm", (d,), REP, dtype="fp32", init="norm"), o_proj=w("o_proj", (D, C), ROW), **gates)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KDACache:
+    """Decode state of one KDA layer for B rows (TP splits C / H)."""
+    conv: jax.Array  # [B, 3, C, W]  the last W = K-1 raw q|k|v projections, oldest first, activation dtype
+    state: jax.Array  # [B, H, K, Vd] recurrent state, fp32, fla layout (vLLM stores [H, Vd, K])
+
+
+def cache_abstract(cfg: KimiK3Config, batch: int) -> KDACache:
+    d = cfg.kda_head_dim
+    return KDACache(conv=Buffer((batch, 3, cfg.kda_dim, cfg.short_conv_kernel_size - 1), "compute", tp_dim=2),
+                    state=Buffer((batch, cfg.kda_num_heads, d, d), "fp32", tp_dim=1))
+
+
 def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
@@ -67,7 +106,7 @@ def kda_gate(f_BHK: jax.Array, A_log_H: jax.Array, gate_lower_bound: float | Non
 
 
 def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array, conv_B3CW: jax.Array, state_BHKV: jax.Array,
-             valid_B: jax.Array, tp_axis: str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+             valid_B: jax.Array, tp: TP | str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KDA decode step.  Returns (out_BD fp32 summed over TP, new conv_B3CW, new state_BHKV)."""
     B = x_BD.shape[0]
     Kd = cfg.kda_head_dim
@@ -96,7 +135,7 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array, conv_B3CW: jax.A
     else:
         z_BC = linear(linear(x_BD, w.g_a_proj).astype(dt), w.g_b_proj)
     o_BHV = gated_rms_norm(o_BHV, w.o_norm, z_BC.reshape(o_BHV.shape), cfg.rms_norm_eps)
-    out_BD = psum(linear(o_BHV.reshape(B, -1).astype(dt), w.o_proj), tp_axis)
+    out_BD = psum(linear(o_BHV.reshape(B, -1).astype(dt), w.o_proj), tp)
     # -- cache update (pad rows keep their caches)
     keep = valid_B.astype(bool)
     new_conv = jnp.where(keep[:, None, None, None], win_B3CK[..., 1:], conv_B3CW)

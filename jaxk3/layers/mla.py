@@ -1,4 +1,4 @@
-"""Gated NoPE MLA over a latent cache, absorbed decode (spec §3.4).
+"""Gated NoPE MLA over a latent cache, absorbed decode (docs/SPEC.md §3.4).
 
     c_q          = RMSNorm(W_qa x; q_a_layernorm)              (K3 q-LoRA)
     q            = (W_qb c_q | W_q x).view(H, nope+rope) = [q_nope | q_pe]   (no RoPE anywhere)
@@ -26,8 +26,9 @@ import jax.numpy as jnp
 
 from jaxk3 import collectives
 from jaxk3.config import KimiK3Config
-from jaxk3.layers.common import F32, linear, psum
+from jaxk3.layers.common import F32, TP, as_tp, linear, psum
 from jaxk3.layers.norm import rms_norm
+from jaxk3.params import COL, LATENT, REP, ROW, Buffer, weight
 
 
 @jax.tree_util.register_dataclass
@@ -45,19 +46,54 @@ class MLAWeights:
     g_proj: jax.Array | None = None  # [H*v, D]   K3 output gate, column-parallel
 
 
-def latent_projection(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp_axis: str | None,
-                      shard_latent: bool, gather: str) -> tuple[jax.Array | None, jax.Array]:
+def abstract(cfg: KimiK3Config, prefix: str) -> MLAWeights:
+    """The weights of one MLA layer (`prefix` = `model.layers.{l}.self_attn.`), declared once."""
+    D, H, n, r, v, R = (cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                        cfg.v_head_dim, cfg.kv_lora_rank)
+
+    def w(field, shape, spec, group="mla_other", **kw):
+        return weight(shape, prefix, field, spec=spec, group=group, **kw)
+
+    out = dict(kv_a_proj_with_mqa=w("kv_a_proj_with_mqa", (R + r, D), LATENT, group="mla_latent"),
+               kv_a_layernorm=w("kv_a_layernorm", (R,), REP, init="norm"),
+               kv_b_proj=w("kv_b_proj", (H * (n + v), R), COL), o_proj=w("o_proj", (D, H * v), ROW))
+    if cfg.q_lora_rank is not None:
+        Q = cfg.q_lora_rank
+        out.update(q_a_proj=w("q_a_proj", (Q, D), LATENT, group="mla_latent"),
+                   q_a_layernorm=w("q_a_layernorm", (Q,), REP, init="norm"),
+                   q_b_proj=w("q_b_proj", (H * (n + r), Q), COL))
+    else:
+        out["q_proj"] = w("q_proj", (H * (n + r), D), COL)
+    if cfg.mla_use_output_gate:
+        out["g_proj"] = w("g_proj", (H * v, D), COL)
+    return MLAWeights(**out)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MLACache:
+    """Decode state of one MLA layer for B rows: the latent cache, replicated over TP (MQA)."""
+    kv: jax.Array  # [B, S, R]  [c_kv | k_pe] per cached position, activation dtype
+
+
+def cache_abstract(cfg: KimiK3Config, batch: int, max_len: int) -> MLACache:
+    return MLACache(kv=Buffer((batch, max_len, cfg.latent_dim), "compute"))
+
+
+def latent_projection(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp: TP | str | None,
+                      shard_latent: bool, gather: str | None = None) -> tuple[jax.Array | None, jax.Array]:
     """Returns (c_q_BQ or None, ckv_BR = [c_kv | k_pe]) as full vectors, in the activation dtype."""
     dt = x_BD.dtype
     parts = [w.q_a_proj] if w.q_a_proj is not None else []
     parts.append(w.kv_a_proj_with_mqa)
     local = [linear(x_BD, p).astype(dt) for p in parts]
-    if not (shard_latent and tp_axis is not None):
+    tp = as_tp(tp)
+    if not (shard_latent and tp is not None):
         return (local[0] if len(local) == 2 else None), local[-1]
     # each rank holds rows [r·n/tp, (r+1)·n/tp) of each weight: one gather of the concatenation
     widths = [p.shape[0] for p in parts]
-    full_BTX = collectives.padded_all_gather(jnp.concatenate(local, -1), tp_axis, axis=-1, tiled=True,
-                                             impl=gather)
+    full_BTX = collectives.padded_all_gather(jnp.concatenate(local, -1), tp.axis, axis=-1, tiled=True,
+                                             impl=gather or tp.gather)
     B = x_BD.shape[0]
     full_BTX = full_BTX.reshape(B, -1, sum(widths))  # [B, tp, local widths]
     tp = full_BTX.shape[1]
@@ -69,7 +105,7 @@ def latent_projection(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp_axis
 
 
 def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,
-             valid_B: jax.Array, tp_axis: str | None, shard_latent: bool = True, gather: str = "auto",
+             valid_B: jax.Array, tp: TP | str | None, shard_latent: bool = True, gather: str | None = None,
              ) -> tuple[jax.Array, jax.Array]:
     """One MLA decode step.  `length_B` = tokens already cached per row (this token's slot).
 
@@ -78,7 +114,7 @@ def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Arra
     B, S = x_BD.shape[0], kv_BSR.shape[1]
     dt = x_BD.dtype
     n, r, v, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    cq_BQ, ckv_BR = latent_projection(cfg, w, x_BD, tp_axis, shard_latent, gather)
+    cq_BQ, ckv_BR = latent_projection(cfg, w, x_BD, tp, shard_latent, gather)
     if cq_BQ is not None:
         q_BF = linear(rms_norm(cq_BQ, w.q_a_layernorm, cfg.rms_norm_eps).astype(dt), w.q_b_proj)
     else:
@@ -106,4 +142,4 @@ def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Arra
     o_BF = o_BHV.reshape(B, -1)
     if cfg.mla_use_output_gate:
         o_BF = o_BF * jax.nn.sigmoid(linear(x_BD, w.g_proj))
-    return psum(linear(o_BF.astype(dt), w.o_proj), tp_axis), kv_BSR
+    return psum(linear(o_BF.astype(dt), w.o_proj), tp), kv_BSR

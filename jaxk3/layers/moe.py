@@ -1,4 +1,4 @@
-"""Dense GLU MLP (layer 0, shared experts) and the MoE block (spec §3.5, §3.6).
+"""Dense GLU MLP (layer 0, shared experts) and the MoE block (docs/SPEC.md §3.5, §3.6).
 
     MLP(x)  = W_down · act(W_gate x, W_up x)            act: SiTU-GLU (K3) or SiLU-GLU
     logits  = W_router x  (fp32);  s = sigmoid(logits)
@@ -9,7 +9,7 @@
     Kimi-Linear:   y_rout = Σ_I w_e W2_e act(W1_e x, W3_e x)
     MoE(x)  = y_rout + MLP_shared(x)                      shared experts see the full x
 
-TP (spec §4): gate/up and W1/W3 are column-parallel over the intermediate, down/W2 row-parallel;
+TP (docs/SPEC.md §4): gate/up and W1/W3 are column-parallel over the intermediate, down/W2 row-parallel;
 the router and latent down/up/norm are replicated.  K3 psums the latent partial (before its
 RMSNorm) and the shared partial separately, as vLLM does; Kimi-Linear sums both partials first and
 psums once.  Only the selected experts run; their weights are read in place (see experts_partial).
@@ -22,9 +22,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax.sharding import PartitionSpec as P
+
 from jaxk3.config import KimiK3Config
-from jaxk3.layers.common import F32, glu, linear, psum
+from jaxk3.layers.common import F32, TP, glu, linear, psum
 from jaxk3.layers.norm import rms_norm
+from jaxk3.params import COL, REP, ROW, Param, weight
 
 
 @jax.tree_util.register_dataclass
@@ -34,6 +37,16 @@ class MLPWeights:
     gate_proj: jax.Array  # [I, D]  column-parallel
     up_proj: jax.Array  # [I, D]  column-parallel
     down_proj: jax.Array  # [D, I]  row-parallel
+
+
+def mlp_abstract(prefixes: str | tuple[str, ...], hidden: int, intermediate: int,
+                 group: str = "mlp_and_shared_experts") -> MLPWeights:
+    """A GLU MLP's weights under `prefixes` (the first is the hub spelling; transformers'
+    `save_pretrained` writes layer 0's dense MLP as `block_sparse_moe.*`, so that is an alternate)."""
+    D, I = hidden, intermediate
+    return MLPWeights(gate_proj=weight((I, D), prefixes, "gate_proj", spec=COL, group=group),
+                      up_proj=weight((I, D), prefixes, "up_proj", spec=COL, group=group),
+                      down_proj=weight((D, I), prefixes, "down_proj", spec=ROW, group=group))
 
 
 @jax.tree_util.register_dataclass
@@ -51,6 +64,28 @@ class MoEWeights:
     routed_expert_up_proj: jax.Array | None = None  # [D, L]  replicated
 
 
+def moe_abstract(cfg: KimiK3Config, prefix: str) -> MoEWeights:
+    """The MoE block's weights (`prefix` = `model.layers.{l}.block_sparse_moe.`), declared once."""
+    D, E, I, L = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_hidden
+
+    def experts(i: int, shape: tuple[int, int], spec) -> Param:
+        return Param((E, *shape), (f"{prefix}experts.{{e}}.w{i}.weight",), spec, group="moe_experts",
+                     source="experts", ckpt_shape=shape)
+
+    out = dict(gate=weight((E, D), prefix, "gate", spec=REP, group="moe_other"),
+               e_score_correction_bias=weight((E,), prefix, "gate.e_score_correction_bias", spec=REP,
+                                              dtype="fp32", init="bias", group="moe_other"),
+               experts_w1=experts(1, (I, L), P(None, "tp", None)), experts_w2=experts(2, (L, I), P(None, None, "tp")),
+               experts_w3=experts(3, (I, L), P(None, "tp", None)))
+    if cfg.num_shared_experts:
+        out["shared_experts"] = mlp_abstract(prefix + "shared_experts.", D, cfg.shared_intermediate_size)
+    if cfg.routed_expert_hidden_size is not None:
+        out.update(routed_expert_down_proj=weight((L, D), prefix, "routed_expert_down_proj", spec=REP, group="moe_other"),
+                   routed_expert_norm=weight((L,), prefix, "routed_expert_norm", spec=REP, init="norm", group="moe_other"),
+                   routed_expert_up_proj=weight((D, L), prefix, "routed_expert_up_proj", spec=REP, group="moe_other"))
+    return MoEWeights(**out)
+
+
 def _act(cfg: KimiK3Config, a: jax.Array, b: jax.Array) -> jax.Array:
     return glu(a, b, cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
@@ -61,9 +96,9 @@ def mlp_partial(cfg: KimiK3Config, w: MLPWeights, x_BD: jax.Array) -> jax.Array:
     return linear(h_BI.astype(x_BD.dtype), w.down_proj)
 
 
-def mlp(cfg: KimiK3Config, w: MLPWeights, x_BD: jax.Array, tp_axis: str | None) -> jax.Array:
+def mlp(cfg: KimiK3Config, w: MLPWeights, x_BD: jax.Array, tp: TP | str | None) -> jax.Array:
     """Dense MLP, fp32 out, summed over TP."""
-    return psum(mlp_partial(cfg, w, x_BD), tp_axis)
+    return psum(mlp_partial(cfg, w, x_BD), tp)
 
 
 def route(cfg: KimiK3Config, gate_ED: jax.Array, bias_E: jax.Array, x_BD: jax.Array
@@ -107,16 +142,16 @@ def experts_partial(cfg: KimiK3Config, w: MoEWeights, z_BL: jax.Array, w_Bk: jax
     return jnp.einsum("bkl,bk->bl", y_BkL, w_Bk)
 
 
-def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp_axis: str | None) -> jax.Array:
+def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None) -> jax.Array:
     """The MoE block: fp32 [B, D], summed over TP."""
     dt = x_BD.dtype
     w_Bk, ids_Bk = route(cfg, w.gate, w.e_score_correction_bias, x_BD)
     shared_BD = mlp_partial(cfg, w.shared_experts, x_BD) if w.shared_experts is not None else 0.0
     if w.routed_expert_down_proj is None:  # Kimi-Linear: experts on x, one psum for both partials
-        return psum(experts_partial(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp_axis)
+        return psum(experts_partial(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp)
     z_BL = linear(x_BD, w.routed_expert_down_proj).astype(dt)
-    y_BL = psum(experts_partial(cfg, w, z_BL, w_Bk, ids_Bk), tp_axis)
+    y_BL = psum(experts_partial(cfg, w, z_BL, w_Bk, ids_Bk), tp)
     if cfg.latent_moe_use_norm:
         y_BL = rms_norm(y_BL, w.routed_expert_norm, cfg.rms_norm_eps)
     rout_BD = linear(y_BL.astype(dt), w.routed_expert_up_proj)
-    return rout_BD + psum(shared_BD, tp_axis)
+    return rout_BD + psum(shared_BD, tp)

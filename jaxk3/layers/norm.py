@@ -1,4 +1,4 @@
-"""RMSNorm and gated RMSNorm (spec §3.0, §3.2 output norm), computed in fp32.
+"""RMSNorm and gated RMSNorm (docs/SPEC.md §3.0, §3.2 output norm), computed in fp32.
 
 `RMSNorm(x; w, eps) = w ⊙ x / sqrt(mean(x²) + eps)`: the weight multiplies directly (no 1+w).
 Both return fp32; callers cast to the activation dtype where a value is stored.

@@ -1,0 +1,230 @@
+"""Weights declared once: a `Param` per weight, and everything else derived from it.
+
+Each block file declares its weights in one function, `abstract(cfg, ...)`, which returns the
+block's weights dataclass with a `Param` in every field (docs/ARCHITECTURE.md, "How to add a
+weight").  A `Param` is a pytree leaf, so the abstract tree has the structure of the real one, and
+these functions derive from it:
+
+    partition_specs   the PartitionSpec of every weight (the sharding table)
+    checkpoint_shapes every checkpoint tensor the model reads: name -> shape
+    random_checkpoint random host weights keyed by checkpoint name (tests, small models)
+    random_on_devices random weights generated on the devices in their final sharding (benches)
+    bytes_per_rank    bytes each rank reads per decode step, by group
+    (checkpoint.py)   the load plan: which tensor, which slice, which transform
+
+`Param.source` says how the model's array relates to its checkpoint tensor:
+
+    plain     the same array
+    pad_rows  the vocab tables: checkpoint [V, D], model [V_pad, D] with zero rows past V
+    a_log     checkpoint [H], [N >= H] (first H used) or [1, 1, H, 1]; model [H]
+    experts   model [E, *ckpt_shape] stacked from one tensor per expert (`{e}` in the name);
+              a tensor may be stored MXFP4 (weight_packed + weight_scale), dequantised at load
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxk3.sharding import COL, LATENT, REP, ROW, TP  # noqa: F401  (re-exported for the block files)
+SOURCES = ("plain", "pad_rows", "a_log", "experts")
+INITS = ("w", "norm", "a_log", "dt", "bias", "conv", "embed", "head", "res")
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One weight: its shape in the model, its checkpoint names, sharding, dtype class and init.
+
+    names: checkpoint tensor names, the hub spelling first, then accepted alternates (e.g. what
+    transformers' `save_pretrained` writes); experts carry `{e}`.  spec: a PartitionSpec over the
+    mesh axes, or LATENT.  dtype: "compute" (the model's dtype) or "fp32".  group: the part of the
+    step it belongs to, for byte accounting (kda, mla, mla_latent, moe, moe_experts, mlp, embed,
+    lm_head, norm).
+    """
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    spec: Any = REP
+    dtype: str = "compute"
+    init: str = "w"
+    group: str = "other"
+    source: str = "plain"
+    ckpt_shape: tuple[int, ...] | None = None  # when it differs from `shape` (see the module docstring)
+
+    def __post_init__(self):
+        if self.source not in SOURCES or self.init not in INITS or self.dtype not in ("compute", "fp32"):
+            raise ValueError(f"Param {self.names[0]}: bad source/init/dtype {self.source}/{self.init}/{self.dtype}")
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        return self.ckpt_shape if self.ckpt_shape is not None else self.shape
+
+    def pspec(self, shard_latent: bool = True) -> P:
+        if self.spec == LATENT:
+            return COL if shard_latent else REP
+        return self.spec
+
+    def np_dtype(self, compute) -> np.dtype:
+        return np.dtype(np.float32) if self.dtype == "fp32" else np.dtype(compute)
+
+
+def weight(shape, prefixes: str | tuple[str, ...], field: str, **kw) -> Param:
+    """A Param named `<prefix><field>.weight` for each prefix (the first is the hub spelling)."""
+    prefixes = (prefixes,) if isinstance(prefixes, str) else tuple(prefixes)
+    suffix = field if field in ("A_log", "dt_bias") or field.endswith("e_score_correction_bias") else f"{field}.weight"
+    return Param(tuple(int(s) for s in shape), tuple(p + suffix for p in prefixes), **kw)
+
+
+def is_param(x) -> bool:
+    return isinstance(x, Param)
+
+
+def params(tree) -> list[Param]:
+    return jax.tree.leaves(tree, is_leaf=is_param)
+
+
+def partition_specs(tree, shard_latent: bool = True):
+    """The PartitionSpec tree of an abstract (Param) tree."""
+    return jax.tree.map(lambda p: p.pspec(shard_latent), tree, is_leaf=is_param)
+
+
+def expert_names(p: Param, num: int) -> list[str]:
+    return [p.name.format(e=e) for e in range(num)]
+
+
+def checkpoint_shapes(tree) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor the abstract tree reads (hub spelling): name -> shape."""
+    out: dict[str, tuple[int, ...]] = {}
+    for p in params(tree):
+        if p.source == "experts":
+            for n in expert_names(p, p.shape[0]):
+                out[n] = p.checkpoint_shape
+        elif p.name not in out:  # a tied lm_head names the embedding as its source
+            out[p.name] = p.checkpoint_shape
+    return out
+
+
+def _init_kinds(tree) -> dict[str, tuple[str, int]]:
+    out = {}
+    for p in params(tree):
+        for n in (expert_names(p, p.shape[0]) if p.source == "experts" else [p.name]):
+            out.setdefault(n, (p.init, p.shape[-1]))
+    return out
+
+
+_SCALES = {"norm": (0.1, 1.0), "dt": (1.0, 0.0), "bias": (0.1, 0.0), "conv": (0.3, 0.0), "embed": (1.0, 0.0),
+           "res": (0.1, 0.0), "w": (0.02, 0.0)}
+
+
+def _scale(kind: str, hidden: int) -> tuple[float, float]:
+    return (hidden ** -0.5, 0.0) if kind == "head" else _SCALES[kind]
+
+
+def random_checkpoint(tree, hidden: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 weights keyed by checkpoint name, one generator per name (seed, crc32(name)),
+    so a tensor's values do not depend on which other tensors exist."""
+    shapes = checkpoint_shapes(tree)
+    kinds = _init_kinds(tree)
+    out = {}
+    for name, shape in shapes.items():
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        kind = kinds[name][0]
+        if kind == "a_log":
+            a = np.log(rng.uniform(1.0, 16.0, shape))
+        else:
+            s, b = _scale(kind, hidden)
+            a = rng.standard_normal(shape) * s + b
+        out[name] = a.astype(np.float32)
+    return out
+
+
+def random_on_devices(tree, mesh, dtype, hidden: int, shard_latent: bool = True, seed: int = 0):
+    """Random weights generated on the devices in their final sharding (no host copy: real sizes)."""
+    from jax.sharding import NamedSharding
+
+    root = jax.random.key(seed)
+
+    def make(p: Param):
+        dt = p.np_dtype(dtype)
+        sharding = NamedSharding(mesh, p.pspec(shard_latent))
+        return _device_generator(p.shape, dt.name, p.init, sharding, hidden)(
+            jax.random.fold_in(root, zlib.crc32(p.name.encode()) & 0x7FFFFFFF))
+
+    return jax.tree.map(make, tree, is_leaf=is_param)
+
+
+_generators: dict = {}
+
+
+def _device_generator(shape, dtype: str, kind: str, sharding, hidden: int):
+    key = (shape, dtype, kind, sharding, hidden)
+    if key not in _generators:
+        def gen(k):
+            if kind == "a_log":
+                return jnp.log(jax.random.uniform(k, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+            s, b = _scale(kind, hidden)
+            return (jax.random.normal(k, shape, jnp.float32) * s + b).astype(dtype)
+
+        _generators[key] = jax.jit(gen, out_shardings=sharding)
+    return _generators[key]
+
+
+def shard_bytes(a: jax.Array) -> int:
+    return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+
+
+def bytes_per_rank(tree, weights, *, experts_touched: int, rows: int) -> dict[str, int]:
+    """Bytes one rank reads per decode step, by Param.group: the largest shard of every weight
+    (replicated ones in full); stacked experts only for the `experts_touched` a step can select;
+    the embedding only for its `rows` looked-up rows."""
+    out: dict[str, int] = {}
+
+    def count(p: Param, a: jax.Array):
+        b = shard_bytes(a)
+        if p.source == "experts":
+            b = b * min(experts_touched, p.shape[0]) // p.shape[0]
+        elif p.group == "embed":
+            b = min(rows, a.shape[0]) * a.sharding.shard_shape(a.shape)[1] * a.dtype.itemsize
+        out[p.group] = out.get(p.group, 0) + b
+        return p
+
+    jax.tree.map(count, tree, weights, is_leaf=is_param)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One per-row decode-state array (a cache), declared by its block: global shape with the batch
+    first, dtype class ("compute" | "fp32" | "int32"), and which dimension TP splits (None: replicated)."""
+    shape: tuple[int, ...]
+    dtype: str = "compute"
+    tp_dim: int | None = None
+
+    def pspec(self, dp_axis: str | None) -> P:
+        dims: list = [None] * len(self.shape)
+        dims[0] = dp_axis
+        if self.tp_dim is not None:
+            dims[self.tp_dim] = TP
+        while dims and dims[-1] is None:
+            dims.pop()
+        return P(*dims)
+
+    def np_dtype(self, compute) -> np.dtype:
+        return np.dtype({"fp32": np.float32, "int32": np.int32}.get(self.dtype, compute))
+
+
+def is_buffer(x) -> bool:
+    return isinstance(x, Buffer)
+
+
+def buffer_specs(tree, dp_axis: str | None):
+    return jax.tree.map(lambda b: b.pspec(dp_axis), tree, is_leaf=is_buffer)

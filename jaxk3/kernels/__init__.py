@@ -1,0 +1,87 @@
+"""Device kernels: one registry, and a jnp reference path beside every kernel.
+
+A kernel is registered once (`register`), as a `Kernel`: its name, its jnp `reference` (the path
+every platform can run: the CPU path and the kernel's test oracle), its device implementation
+(`device`, written in Pallas where Pallas reaches the target; C++/CUDA goes in ffi/), the
+platforms the device implementation runs on, and `fits(*args)`, which says why a call's shapes do
+not suit the kernel (None when they do).  Callers go through `call(name, *args, mode=...)`:
+
+    mode "auto"  the device kernel where the platform has it and the shapes fit, else the reference
+    mode "off"   always the reference
+    mode "on"    the device kernel or a KernelUnavailableError naming the reason
+
+`explain(name, *args, mode=, platform=)` says which path a call takes and why; `active(platform)`
+lists what `auto` selects per kernel.  Adding a kernel: one file here that defines both paths
+and calls `register`, plus its import line below (docs/ARCHITECTURE.md, "How to add a kernel").
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+MODES = ("auto", "off", "on")
+
+
+class KernelUnavailableError(RuntimeError):
+    """mode="on" was asked for but the device kernel does not apply; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    name: str
+    reference: Callable[..., Any]  # jnp: the CPU path and the test oracle
+    device: Callable[..., Any]  # the device kernel; device(*args, interpret=True) runs it on the CPU (tests)
+    platforms: tuple[str, ...]  # jax platform names the device kernel compiles for ("gpu", ...)
+    fits: Callable[..., str | None] = lambda *a, **k: None
+
+
+REGISTRY: dict[str, Kernel] = {}
+
+
+def register(kernel: Kernel) -> Kernel:
+    if kernel.name in REGISTRY:
+        raise ValueError(f"kernel {kernel.name!r} is registered twice")
+    REGISTRY[kernel.name] = kernel
+    return kernel
+
+
+def _platform() -> str:
+    return jax.devices()[0].platform
+
+
+def explain(name: str, *args, mode: str = "auto", platform: str | None = None, **kwargs) -> str:
+    """'device: ...' or 'reference: <reason>' for a call of kernel `name` with these arguments."""
+    if mode not in MODES:
+        raise ValueError(f"kernels: mode must be one of {MODES}, got {mode!r}")
+    k = REGISTRY[name]
+    platform = platform or _platform()
+    if mode == "off":
+        return "reference: kernels='off'"
+    if platform not in k.platforms:
+        return f"reference: no {name} kernel for platform {platform!r} (has {k.platforms})"
+    why = k.fits(*args, **kwargs)
+    if why:
+        return f"reference: {why}"
+    return f"device: {name} on {platform}"
+
+
+def call(name: str, *args, mode: str = "auto", **kwargs):
+    """Run kernel `name` through the path `explain` chooses (statically, at trace time)."""
+    how = explain(name, *args, mode=mode, **kwargs)
+    k = REGISTRY[name]
+    if how.startswith("device"):
+        return k.device(*args, **kwargs)
+    if mode == "on":
+        raise KernelUnavailableError(f"kernels='on' but {name} does not apply: {how[len('reference: '):]}")
+    return k.reference(*args, **kwargs)
+
+
+def active(platform: str | None = None) -> dict[str, bool]:
+    """Per registered kernel: whether `auto` can select its device path on `platform`."""
+    platform = platform or _platform()
+    return {n: platform in k.platforms for n, k in sorted(REGISTRY.items())}
+
+
+from jaxk3.kernels import rms_norm  # noqa: E402,F401  (registers its kernel)

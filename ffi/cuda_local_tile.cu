@@ -6,8 +6,7 @@
 
 #include <string>
 
-#include "handlers.h"
-#include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
 
@@ -32,11 +31,7 @@ __global__ void LocalTileKernel(const char* in, char* out, unsigned long long by
 
 ffi::Error CudaLocalTile(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
   const size_t bytes = x.size_bytes();
-  if (bytes == 0 || y->size_bytes() % bytes != 0) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jaxk3_local_tile: output of " + std::to_string(y->size_bytes()) +
-                          " bytes is not a whole number of " + std::to_string(bytes) + "-byte operands");
-  }
+  if (ffi::Error err = CheckWholeCopies("jaxk3_local_tile", y->size_bytes(), bytes); err.failure()) return err;
   const unsigned long long copies = y->size_bytes() / bytes;
   const unsigned long long units = (bytes % 16 == 0 ? bytes / 16 : bytes) * copies;
   const int threads = 256;
@@ -47,7 +42,7 @@ ffi::Error CudaLocalTile(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi:
                                                   static_cast<char*>(y->untyped_data()), bytes, copies);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
-    return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxk3_local_tile: launch: ") + cudaGetErrorString(e));
+    return Internal(std::string("jaxk3_local_tile: launch: ") + cudaGetErrorString(e));
   }
   return ffi::Error::Success();
 }

@@ -1,28 +1,24 @@
-// Host-memory one-shot rendezvous for the devices of one process (the CPU backend).
+// Host-memory rendezvous for the devices of one process (the CPU transport).
 //
 // One HostComm per *ordered* device group: the registry key is the list of global device ids
 // in rank order, so two axis names that resolve to the same ordered devices share one, and a
 // different order is a different communicator.
 //
-// Matching: every custom-call site carries a unique id baked into the HLO at trace time.
-// Rank r's k-th execution of site s is generation k of (s, r) -- a per-device generation --
-// and generation k of every rank meets in round (s, k).  Overlapping launches under async
-// dispatch therefore never mix, and neither do independent gathers that XLA runs in a
-// different order on different devices.
+// Matching: every call carries a `call` id.  Rank r's k-th execution of call c is generation
+// k of (c, r), and generation k of every rank meets in round (c, k).  Overlapping launches
+// under async dispatch therefore never mix, and neither do independent collectives that XLA
+// runs in a different order on different devices.
 //
 // No thread blocks for long: each rank registers its operand, its output and a promise, polls
 // (yielding the core) for up to 200 us, and then returns its ffi::Future.  The last rank to
-// arrive copies every operand into every output (rank-major; through 16-byte slots for the
-// padded variant) and releases the ranks still polling, which finish on their own threads;
-// the futures of ranks that already returned are completed by worker threads (a device's
-// continuation may block in one of XLA's own collectives, so no device's continuation may run
-// behind another's on one thread).
-// Blocking would deadlock: XLA's CPU runtime may run independent custom calls of one device
-// on a small shared thread pool, in any order.
+// arrive runs the round's Combine (every operand into every output) and releases the ranks
+// still polling, which finish on their own threads; the futures of ranks that already returned
+// are completed by worker threads (completer.h).  Blocking would deadlock: XLA's CPU runtime
+// may run independent custom calls of one device on a small shared thread pool, in any order.
 //
 // Waits are bounded: a watchdog fails any round older than the timeout (a peer that never
 // arrives), and the communicator is then marked broken (every later call fails at once until
-// reset()).  Ranks that disagree on bytes or dtype all get an error.
+// reset()).  Ranks that disagree on bytes, dtype or operation all get an error.
 #pragma once
 
 #include <chrono>
@@ -41,16 +37,28 @@
 
 namespace jaxk3 {
 
-// What one rank brings to a gather.
-struct GatherArgs {
-  int64_t site = 0;        // call-site id from the HLO attribute
+// Every rank's buffers of one complete round.
+struct RoundBuffers {
+  int n = 0;
+  const void* const* in = nullptr;  // n operands, `bytes` each
+  void* const* out = nullptr;       // n outputs
+  size_t bytes = 0;
+  int32_t dtype = 0;                // XLA element type
+};
+
+// Writes every rank's output of a complete round; runs once, on the last rank's thread.
+using Combine = xla::ffi::Error (*)(const RoundBuffers& round);
+
+// What one rank brings to a round.
+struct RankArgs {
+  int64_t call = 0;        // which call: its rounds meet by per-rank generation
   int rank = 0;            // this device's rank in the group
   const void* in = nullptr;
-  size_t bytes = 0;        // payload bytes of this rank
+  size_t bytes = 0;        // operand bytes of this rank
   int32_t dtype = 0;       // XLA element type, checked across ranks
-  size_t align = 1;        // > 1: stage through slots padded to this (the padded variant)
+  Combine combine = nullptr;
   int64_t run_id = 0;      // XLA run id, for diagnostics
-  void* out = nullptr;     // n * bytes, rank-major
+  void* out = nullptr;
 };
 
 class HostComm {
@@ -64,7 +72,7 @@ class HostComm {
   std::string Describe() const;
 
   // Registers this rank's part; the future completes when every rank's output is written.
-  xla::ffi::Future Gather(const GatherArgs& args);
+  xla::ffi::Future Run(const RankArgs& args);
 
   // Fails every round older than `timeout`; returns how many it failed.
   int ExpireOlderThan(std::chrono::milliseconds timeout);
@@ -73,30 +81,26 @@ class HostComm {
 
  private:
   struct Round;
+  std::shared_ptr<Round> Join(const RankArgs& a, const xla::ffi::Promise& promise, bool* last,
+                              std::optional<xla::ffi::Error>* refused);
   void Complete(Round& round, int last_rank);
   void Release(Round& round, std::optional<xla::ffi::Error> error, int skip);
   void MarkBroken(const std::string& why);  // requires mu_
 
   const std::vector<int64_t> devices_;
   std::mutex mu_;
-  std::unordered_map<int64_t, std::vector<uint64_t>> next_gen_;  // site -> per-rank generation
-  std::map<std::pair<int64_t, uint64_t>, std::shared_ptr<Round>> pending_;  // (site, gen)
+  std::unordered_map<int64_t, std::vector<uint64_t>> next_gen_;  // call -> per-rank generation
+  std::map<std::pair<int64_t, uint64_t>, std::shared_ptr<Round>> pending_;  // (call, gen)
   bool broken_ = false;
   std::string broken_reason_;
 };
 
-// Process-wide registry, keyed by the ordered device list.
+// Process-wide registry, keyed by the ordered device list (host_registry.cc).
 HostComm* GetHostComm(const int64_t* devices, size_t n);
 // Drops every communicator, failing whatever is still pending in them.
 void ResetHostComms();
 size_t NumHostComms();
-
-int64_t GatherTimeoutMs();
-void SetGatherTimeoutMs(int64_t ms);
-
-// Test hook: when on, handlers fill their output with 0xA5 before gathering, so a byte the
-// gather fails to write shows up in a bitwise comparison.
-bool PoisonOutputs();
-void SetPoisonOutputs(bool on);
+// Starts the thread that expires rounds older than TimeoutMs() (once).
+void StartWatchdog();
 
 }  // namespace jaxk3

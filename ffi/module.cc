@@ -1,10 +1,10 @@
-// nanobind module jaxk3._ffi: handler capsules, build facts and the communicator controls.
+// nanobind module jaxk3._ffi: the targets to register, build facts, the settings Python owns,
+// the communicator controls and the test hooks.  No logic of its own.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/string.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <optional>
@@ -12,9 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "group.h"
-#include "handlers.h"
 #include "host_comm.h"
+#include "settings.h"
+#include "targets.h"
+#include "transport.h"
 #ifdef JAXK3_WITH_CUDA
 #include "cuda_comm.h"
 #endif
@@ -23,15 +24,15 @@ namespace nb = nanobind;
 
 namespace jaxk3 {
 namespace {
-std::atomic<int64_t> g_process_index{0};
 
-template <typename T>
-nb::capsule Capsule(T* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
+nb::dict TargetDict(const std::vector<Target>& targets) {
+  nb::dict d;
+  for (const Target& t : targets) d[t.name] = nb::capsule(t.execute);
+  return d;
 }
 
 // Drives the host rendezvous directly (no XLA), so tests can exercise missing peers and
-// disagreeing ranks from Python threads.
+// disagreeing ranks from Python threads.  `align` > 1 is the padded gather.
 nb::bytes HostGatherForTest(std::vector<int64_t> devices, int64_t site, int rank, nb::bytes payload,
                             int32_t dtype, size_t align) {
   HostComm* comm = GetHostComm(devices.data(), devices.size());
@@ -40,18 +41,18 @@ nb::bytes HostGatherForTest(std::vector<int64_t> devices, int64_t site, int rank
   std::optional<std::string> error;
   {
     nb::gil_scoped_release release;
-    GatherArgs a;
-    a.site = site;
+    RankArgs a;
+    a.call = site;
     a.rank = rank;
     a.in = in.data();
     a.bytes = in.size();
     a.dtype = dtype;
-    a.align = align;
+    a.combine = HostGatherCombine(align);
     a.out = out.data();
     std::mutex mu;
     std::condition_variable cv;
     bool done = false;
-    comm->Gather(a).OnReady([&](const std::optional<xla::ffi::Error>& e) {
+    comm->Run(a).OnReady([&](const std::optional<xla::ffi::Error>& e) {
       std::lock_guard<std::mutex> lock(mu);
       if (e) error = e->message();
       done = true;
@@ -63,86 +64,78 @@ nb::bytes HostGatherForTest(std::vector<int64_t> devices, int64_t site, int rank
   if (error) throw std::runtime_error(*error);
   return nb::bytes(out.data(), out.size());
 }
+
+nb::dict BuildInfo() {
+  nb::dict d;
+  d["ffi_cpu"] = true;
+#ifdef JAXK3_WITH_CUDA
+  d["ffi_cuda"] = true;
+  d["cuda_archs"] = std::string(JAXK3_CUDA_ARCHS_STR);
+#else
+  d["ffi_cuda"] = false;
+  d["cuda_archs"] = std::string();
+#endif
+  d["built_with_jax"] = std::string(JAXK3_BUILT_WITH_JAX);
+  d["transport_align"] = kTransportAlign;
+  return d;
+}
+
+#ifdef JAXK3_WITH_CUDA
+// (ok, reason) for a GPU group in rank order; creates its communicator (receive buffers, peer
+// access, kernel loaded on every GPU) so that no execute does setup.  Device ids are taken as
+// CUDA ordinals unless `ordinals` is given (true for one process).
+nb::tuple CudaGroupOk(std::vector<int64_t> devices, std::optional<std::vector<int>> ordinals) {
+  std::vector<int> ords;
+  if (ordinals) {
+    ords = *ordinals;
+  } else {
+    for (int64_t d : devices) ords.push_back(static_cast<int>(d));
+  }
+  std::string why;
+  {
+    nb::gil_scoped_release release;
+    why = CudaGroupSetup(devices, ords);
+  }
+  return nb::make_tuple(why.empty(), why);
+}
+
+nb::tuple CudaLonelyGather(std::vector<int> ordinals, int64_t timeout_ms, bool two_streams) {
+  double ms = 0;
+  std::string msg;
+  {
+    nb::gil_scoped_release release;
+    msg = CudaLonelyGatherForTest(ordinals, timeout_ms, two_streams, &ms);
+  }
+  return nb::make_tuple(msg, ms);
+}
+#endif
+
 }  // namespace
-
-int64_t ProcessIndex() { return g_process_index.load(std::memory_order_relaxed); }
-void SetProcessIndex(int64_t p) { g_process_index.store(p, std::memory_order_relaxed); }
-
 }  // namespace jaxk3
 
 NB_MODULE(_ffi, m) {
   using namespace jaxk3;
-  m.def("cpu_targets", []() {
-    nb::dict d;
-    d["jaxk3_one_shot_all_gather"] = Capsule(jaxk3_cpu_one_shot_all_gather);
-    d["jaxk3_padded_all_gather"] = Capsule(jaxk3_cpu_padded_all_gather);
-    d["jaxk3_local_tile"] = Capsule(jaxk3_cpu_local_tile);  // bench floor, no communication
-    return d;
-  });
-  m.def("cuda_targets", []() {
-    nb::dict d;
-#ifdef JAXK3_WITH_CUDA
-    d["jaxk3_one_shot_all_gather"] = Capsule(jaxk3_cuda_one_shot_all_gather);
-    d["jaxk3_padded_all_gather"] = Capsule(jaxk3_cuda_padded_all_gather);
-    d["jaxk3_local_tile"] = Capsule(jaxk3_cuda_local_tile);  // bench floor, no communication
-#endif
-    return d;
-  });
-#ifdef JAXK3_WITH_CUDA
-  // (ok, reason) for a GPU group in rank order; creates its communicator (receive buffers,
-  // peer access, kernel loaded on every GPU) so that no execute does setup.  Device ids are
-  // taken as CUDA ordinals unless `ordinals` is given (true for one process).
-  m.def(
-      "cuda_group_ok",
-      [](std::vector<int64_t> devices, std::optional<std::vector<int>> ordinals) {
-        std::vector<int> ords;
-        if (ordinals) {
-          ords = *ordinals;
-        } else {
-          for (int64_t d : devices) ords.push_back(static_cast<int>(d));
-        }
-        std::string why;
-        {
-          nb::gil_scoped_release release;
-          why = CudaGroupSetup(devices, ords);
-        }
-        return nb::make_tuple(why.empty(), why);
-      },
-      nb::arg("devices"), nb::arg("ordinals") = nb::none());
-  m.def("cuda_device_count", &CudaDeviceCount);
-  m.def(
-      "_cuda_lonely_gather_for_test",
-      [](std::vector<int> ordinals, int64_t timeout_ms, bool two_streams) {
-        double ms = 0;
-        std::string msg;
-        {
-          nb::gil_scoped_release release;
-          msg = CudaLonelyGatherForTest(ordinals, timeout_ms, two_streams, &ms);
-        }
-        return nb::make_tuple(msg, ms);
-      },
-      nb::arg("ordinals"), nb::arg("timeout_ms"), nb::arg("two_streams") = false);
-#endif
-  m.def("build_info", []() {
-    nb::dict d;
-    d["ffi_cpu"] = true;
-#ifdef JAXK3_WITH_CUDA
-    d["ffi_cuda"] = true;
-    d["cuda_archs"] = std::string(JAXK3_CUDA_ARCHS_STR);
-#else
-    d["ffi_cuda"] = false;
-    d["cuda_archs"] = std::string();
-#endif
-    d["built_with_jax"] = std::string(JAXK3_BUILT_WITH_JAX);
-    d["transport_align"] = kTransportAlign;
-    return d;
-  });
+  m.def("cpu_targets", [] { return TargetDict(CpuTargets()); });
+  m.def("cuda_targets", [] { return TargetDict(CudaTargets()); });
+  m.def("build_info", &BuildInfo);
+  // Settings (jaxk3/collectives/settings.py sets them all when it loads the extension).
   m.def("set_process_index", &SetProcessIndex);
-  m.def("set_timeout_ms", &SetGatherTimeoutMs);
-  m.def("timeout_ms", &GatherTimeoutMs);
+  m.def("set_timeout_ms", &SetTimeoutMs);
+  m.def("timeout_ms", &TimeoutMs);
+  m.def("set_cuda_capacity_bytes", &SetCudaCapacityBytes);
+  m.def("cuda_capacity_bytes", &CudaCapacityBytes);
+  m.def("set_verbose", &SetVerbose);
+  // Communicators.
   m.def("reset", &ResetHostComms);
-  m.def("_set_poison_outputs", &SetPoisonOutputs);
   m.def("num_host_comms", &NumHostComms);
-  m.def("_host_gather_for_test", &HostGatherForTest, nb::arg("devices"), nb::arg("site"),
-        nb::arg("rank"), nb::arg("payload"), nb::arg("dtype"), nb::arg("align"));
+#ifdef JAXK3_WITH_CUDA
+  m.def("cuda_group_ok", &CudaGroupOk, nb::arg("devices"), nb::arg("ordinals") = nb::none());
+  m.def("cuda_device_count", &CudaDeviceCount);
+  m.def("_cuda_lonely_gather_for_test", &CudaLonelyGather, nb::arg("ordinals"), nb::arg("timeout_ms"),
+        nb::arg("two_streams") = false);
+#endif
+  // Test hooks.
+  m.def("_set_poison_outputs", &SetPoisonOutputs);
+  m.def("_host_gather_for_test", &HostGatherForTest, nb::arg("devices"), nb::arg("site"), nb::arg("rank"),
+        nb::arg("payload"), nb::arg("dtype"), nb::arg("align"));
 }

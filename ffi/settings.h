@@ -1,0 +1,31 @@
+// Process-wide settings of the handlers.  Python owns them (jaxk3/collectives/settings.py reads
+// the environment once and sets them here); nothing in C++ reads the environment.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace jaxk3 {
+
+// jax.process_index(): identical ordinals in two processes are different devices.
+int64_t ProcessIndex();
+void SetProcessIndex(int64_t p);
+
+// How long a rank waits for its peers before the collective fails.
+int64_t TimeoutMs();
+void SetTimeoutMs(int64_t ms);
+
+// Receive-slot bytes per rank of a CUDA communicator made from now on (a multiple of 16).
+size_t CudaCapacityBytes();
+void SetCudaCapacityBytes(size_t bytes);
+
+// Prints each timeout to stderr as it is detected.
+bool Verbose();
+void SetVerbose(bool on);
+
+// Test hook: handlers fill their output with 0xA5 first, so a byte a collective fails to write
+// shows up in a bitwise comparison.
+bool PoisonOutputs();
+void SetPoisonOutputs(bool on);
+
+}  // namespace jaxk3

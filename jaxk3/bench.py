@@ -1,6 +1,6 @@
 """`jaxk3 bench gather`: per-gather latency of the FFI path against lax.all_gather, same run.
 
-Method (../shared/docs/collectives.md §4.7): a chain of K dependent gathers unrolled in one
+Method (docs/COLLECTIVES.md, the gather benchmark): a chain of K dependent gathers unrolled in one
 jit (each gather's output feeds the next gather's input), wall time of the whole program
 divided by K, median over repeats.  Two floors run the same chain without communication:
 
@@ -62,17 +62,10 @@ def _chain_fn(mesh, n: int, cols: int, chain: int, impl: str, dtype):
     return jax.jit(f)
 
 
-LOCAL_TILE_TARGET = "jaxk3_local_tile"
-
-
 def _local_tile(x, n: int):
     """`jnp.tile(x, (1, n))` for a [rows, cols] x through one FFI call: the gather's output shape
     [n, rows, cols] from n local copies, then the gather's own re-layout (tiled along axis 1)."""
-    platform = {"cpu": "cpu"}.get(jax.devices()[0].platform, "CUDA")
-    if not collectives._register(platform) or LOCAL_TILE_TARGET not in collectives._targets_for(platform):
-        raise RuntimeError(f"{LOCAL_TILE_TARGET} is not built for {platform}: rebuild the jaxk3 extension")
-    stacked = jax.ffi.ffi_call(LOCAL_TILE_TARGET, jax.ShapeDtypeStruct((n, *x.shape), x.dtype))(x)
-    return collectives._arrange(stacked, x.ndim, 1, True)
+    return collectives.local_tile(x, n, axis=1, tiled=True)
 
 
 def _time(fn, x, repeats: int) -> list[float]:

@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxk3 import _compat
 from jaxk3 import collectives as C
+from jaxk3.collectives import groups, registry
 
 ext = C.extension()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"jaxk3._ffi not built: {C.extension_error()}")
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32, jnp.int8, jnp.bool_]
 # Per-rank shapes: one row and several, 16-byte aligned and not (131 and 264 bf16 columns
-# are the TP-sharded projection widths of the spec), and a rank-3 array.
+# are TP-sharded projection widths of K3), and a rank-3 array.
 SHAPES = [(1, 1), (1, 131), (1, 264), (1, 1024), (3, 40), (2, 3, 5)]
 
 
@@ -174,15 +176,15 @@ def test_fallback_reasons(monkeypatch):
 
 
 def test_fallback_no_handler_and_no_extension(monkeypatch):
-    monkeypatch.setattr(C, "_registered", set())
-    monkeypatch.setattr(C, "_targets_for", lambda platform: {})
-    monkeypatch.setattr(C, "_warned", set())
+    monkeypatch.setattr(registry, "_state", registry._State())
+    monkeypatch.setattr(registry, "targets", lambda platform: {})
     with pytest.warns(RuntimeWarning, match="without cpu handlers"):
         p = explain_in_mesh((1, 8), jnp.float32)
     assert p.path == "lax" and "no cpu handler" in p.reason
 
-    monkeypatch.setattr(C, "_ext", None)
-    monkeypatch.setattr(C, "_ext_error", "the jaxk3._ffi extension failed to import (ImportError: test)")
+    failed = registry._State()
+    failed.loaded, failed.error = True, "the jaxk3._ffi extension failed to import (ImportError: test)"
+    monkeypatch.setattr(registry, "_state", failed)
     with pytest.warns(RuntimeWarning, match="failed to import"):
         p = explain_in_mesh((1, 8), jnp.float32)
     assert p.path == "lax" and "failed to import" in p.reason
@@ -198,8 +200,8 @@ def test_group_spanning_processes_is_detected():
         axis_names = ("dp", "tp")
         devices = np.array([[FakeDevice(i, i // 4) for i in range(4)], [FakeDevice(i, i // 4) for i in range(4, 8)]])
 
-    _, _, spans_tp = C._group_tables(FakeMesh, ("tp",))
-    _, _, spans_dp = C._group_tables(FakeMesh, ("dp",))
+    spans_tp = groups.resolve(FakeMesh, ("tp",)).spans_processes
+    spans_dp = groups.resolve(FakeMesh, ("dp",)).spans_processes
     assert not spans_tp and spans_dp
     p = C.plan((1, 8), jnp.float32, "dp", mesh=FakeMesh)
     assert p.path == "lax" and "spans processes" in p.reason
@@ -303,7 +305,7 @@ def test_xla_missing_peer_errors_in_bounded_time():
     """A program on one device whose gather names a 2-device group: the peer never comes."""
     d0, d1 = jax.devices()[:2]
     C.extension()
-    C._register("cpu")
+    registry.register("cpu")
     call = jax.ffi.ffi_call(C.ONE_SHOT_TARGET, jax.ShapeDtypeStruct((2, 4), jnp.float32))
     table = np.array([d0.process_index, d0.id, 0, 0, d1.process_index, d1.id, 0, 1], np.int64)
     f = jax.jit(lambda v: call(v, site=np.int64(10**12), group_size=np.int64(2), table=table,
@@ -376,7 +378,7 @@ def test_result_type_varies_like_lax(in_spec):
     def run(impl):
         def body(v):
             g = C.all_gather(v, "tp", axis=0, tiled=True, impl=impl)
-            types[impl] = C._varying(g)
+            types[impl] = _compat.varying_axes(g)
             return g
 
         return jax.jit(C.shard_map(body, mesh=mesh, in_specs=(in_spec,), out_specs=P("tp")))(x)
@@ -420,10 +422,17 @@ def test_nested_jit_and_loop_bodies_fall_back_on_cpu():
             np.testing.assert_array_equal(np.asarray(o), np.asarray(x))
 
 
-@pytest.mark.parametrize("raw", ["abc", "0", "-3"])
+@pytest.mark.parametrize("raw", ["abc", "0", "-3", "-1", "inf", "-inf", "nan", "1e300"])
 def test_bad_timeout_variable_is_a_clear_error(monkeypatch, raw):
-    monkeypatch.setattr(C, "_ext", None)
-    monkeypatch.setattr(C, "_ext_error", None)
+    monkeypatch.setattr(registry, "_state", registry._State())
     monkeypatch.setenv(C.ENV_TIMEOUT, raw)
     with pytest.raises(ValueError, match="JAXK3_GATHER_TIMEOUT_S"):
         C.extension()
+
+
+@pytest.mark.parametrize("name,raw", [(C.ENV_MAX_ROWS, "x"), (C.ENV_MAX_ROWS, "-1"), (C.ENV_MAX_BYTES, "1.5"),
+                                      (C.ENV_MAX_BYTES, "-8"), (C.ENV_IMPL, "fast")])
+def test_bad_size_and_impl_variables_are_clear_errors(monkeypatch, name, raw):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=name):
+        explain_in_mesh((1, 8), jnp.float32)

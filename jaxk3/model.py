@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxk3 import params
+from jaxk3 import generation, params
 from jaxk3._compat import shard_map
 from jaxk3.config import KimiK3Config
 from jaxk3.layers import attn_res as res
@@ -37,14 +37,15 @@ from jaxk3.layers import kda as kda_lib
 from jaxk3.layers import mla as mla_lib
 from jaxk3.layers import moe as moe_lib
 from jaxk3.layers.common import TP
-from jaxk3.layers.kda import KDACache, KDAWeights, kda_step
-from jaxk3.layers.mla import MLACache, MLAWeights, mla_step
+from jaxk3.layers.kda import KDACache, KDAWeights, kda_prefill, kda_step
+from jaxk3.layers.mla import MLACache, MLAWeights, mla_prefill, mla_step
 from jaxk3.layers.moe import MLPWeights, MoEWeights, mlp, moe
 from jaxk3.layers.norm import rms_norm
 from jaxk3.params import REP, Buffer, weight
 from jaxk3.sharding import DP, TP as TP_AXIS
 
 IMPLS = ("auto", "ffi", "lax")  # collective implementations (jaxk3.collectives.IMPLS)
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per row per prefill dispatch
 
 
 # ----------------------------------------------------------------------------- pytrees
@@ -159,48 +160,64 @@ class StepOptions:
         return None if self.tp_axis is None else TP(self.tp_axis, gather=self.gather, psum=self.psum)
 
 
-def attention_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: KDAWeights | MLAWeights, xn_BD: jax.Array,
-                    cache: KDACache | MLACache, length_B: jax.Array, valid_B: jax.Array
+def attention_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: KDAWeights | MLAWeights, xn: jax.Array,
+                    cache: KDACache | MLACache, length_B: jax.Array, valid: jax.Array
                     ) -> tuple[jax.Array, KDACache | MLACache]:
-    """Layer `l`'s attention on the normed input: (out_BD fp32 summed over TP, the layer's new cache)."""
+    """Layer `l`'s attention on the normed input: (out fp32 summed over TP, the layer's new cache).
+    One token per row (`xn` [B, D], `valid` [B]: decode) or T (`xn` [B, T, D], `valid` [B, T]: prefill)."""
+    prefill = xn.ndim == 3
     if cfg.layer_attn[l] == "kda":
-        out, conv, state = kda_step(cfg, w, xn_BD, cache.conv, cache.state, valid_B, opt.tp)
+        fn = kda_prefill if prefill else kda_step
+        out, conv, state = fn(cfg, w, xn, cache.conv, cache.state, valid, opt.tp)
         return out, KDACache(conv=conv, state=state)
-    out, kv = mla_step(cfg, w, xn_BD, cache.kv, length_B, valid_B, opt.tp, opt.shard_latent)
+    fn = mla_prefill if prefill else mla_step
+    out, kv = fn(cfg, w, xn, cache.kv, length_B, valid, opt.tp, opt.shard_latent)
     return out, MLACache(kv=kv)
 
 
-def ffn_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: MLPWeights | MoEWeights, xn_BD: jax.Array) -> jax.Array:
-    """Layer `l`'s dense MLP or MoE on the normed input: out_BD fp32 summed over TP."""
-    return (mlp if cfg.layer_ffn[l] == "mlp" else moe)(cfg, w, xn_BD, opt.tp)
+def ffn_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: MLPWeights | MoEWeights, xn_ND: jax.Array,
+              many: bool = False) -> jax.Array:
+    """Layer `l`'s dense MLP or MoE on N normed tokens: out_ND fp32 summed over TP (`many`: the MoE's
+    grouped-GEMM form, for prefill)."""
+    if cfg.layer_ffn[l] == "mlp":
+        return mlp(cfg, w, xn_ND, opt.tp)
+    return moe(cfg, w, xn_ND, opt.tp, grouped=many)
 
 
-def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache, tokens_B: jax.Array,
-                  valid_B: jax.Array) -> tuple[jax.Array, Cache]:
-    """One decode step on one rank (inside shard_map, or on one device with tp_axis=None).
+def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache, tokens: jax.Array,
+                  valid: jax.Array, all_logits: bool = True) -> tuple[jax.Array, Cache]:
+    """One forward pass on one rank (inside shard_map, or on one device with tp_axis=None).
 
-    Returns (logits_BV fp32 [B, vocab], new cache).  Rows with valid_B False leave the cache alone.
+    Decode: `tokens`/`valid` [B], one token per row; returns (logits [B, vocab] fp32, new cache).
+    Prefill: `tokens`/`valid` [B, T] (a row's invalid tokens first: left padding); returns logits
+    [B, T, vocab] (`all_logits`) or those of the last position [B, vocab], and the new cache.
+    Invalid tokens leave the caches alone.
     """
+    prefill = tokens.ndim == 2
+    B, T = tokens.shape[0], (tokens.shape[1] if prefill else 1)
     dt, eps, Bs = w.embed_tokens.dtype, cfg.rms_norm_eps, cfg.attn_res_block_size
+    shape = (B, T, -1) if prefill else (B, -1)
     with jax.named_scope("embed"):
-        st = res.stream_start(embed_lib.embed(tokens_B, w.embed_tokens, opt.tp), Bs, opt.layer_offset)
+        st = res.stream_start(embed_lib.embed(tokens.reshape(-1), w.embed_tokens, opt.tp), Bs, opt.layer_offset)
     new_caches = []
     for l, lw in enumerate(w.layers):
         g = opt.layer_offset + l  # the layer's global index (AttnRes schedule)
         with jax.named_scope(f"layer{g}_{cfg.layer_attn[l]}"):
             h, st = res.attention_input(st, g, Bs, lw.self_attention_res_norm, lw.self_attention_res_proj, eps)
-            a, c = attention_block(cfg, opt, l, lw.attn, rms_norm(h, lw.input_layernorm, eps).astype(dt),
-                                   cache.layers[l], cache.length, valid_B)
+            xn = rms_norm(h, lw.input_layernorm, eps).astype(dt).reshape(shape)
+            a, c = attention_block(cfg, opt, l, lw.attn, xn, cache.layers[l], cache.length, valid)
             new_caches.append(c)
         with jax.named_scope(f"layer{g}_{cfg.layer_ffn[l]}"):
-            h, st = res.ffn_input(st, a, g, Bs, lw.mlp_res_norm, lw.mlp_res_proj, eps)
-            st = res.ffn_done(st, ffn_block(cfg, opt, l, lw.ffn, rms_norm(h, lw.post_attention_layernorm, eps)
-                                            .astype(dt)), Bs)
+            h, st = res.ffn_input(st, a.reshape(B * T, -1), g, Bs, lw.mlp_res_norm, lw.mlp_res_proj, eps)
+            f = ffn_block(cfg, opt, l, lw.ffn, rms_norm(h, lw.post_attention_layernorm, eps).astype(dt), prefill)
+            st = res.ffn_done(st, f, Bs)
     with jax.named_scope("head"):
         final = res.stream_final(st, Bs, w.output_attn_res_norm, w.output_attn_res_proj, eps)
+        if prefill and not all_logits:
+            final, shape = final.reshape(B, T, -1)[:, -1], (B, -1)
         logits = embed_lib.lm_head(rms_norm(final, w.norm, eps).astype(dt), w.lm_head, cfg.vocab_size, opt.tp)
-    length = cache.length + valid_B.astype(cache.length.dtype)
-    return logits, Cache(layers=tuple(new_caches), length=length)
+    length = cache.length + valid.reshape(B, T).sum(-1).astype(cache.length.dtype)
+    return logits.reshape(shape), Cache(layers=tuple(new_caches), length=length)
 
 
 def build_step(cfg: KimiK3Config, opt: StepOptions, mesh: Mesh, abstract: Weights):
@@ -222,10 +239,13 @@ def build_step(cfg: KimiK3Config, opt: StepOptions, mesh: Mesh, abstract: Weight
 # --------------------------------------------------------------------------- the model
 @dataclasses.dataclass
 class GenerateOutput:
-    tokens: np.ndarray  # [B, N] int32, the new tokens only
+    tokens: np.ndarray  # [B, N] int32, the new tokens only (after a row's stop id: pad_id)
     logits: np.ndarray | None  # [B, N, vocab] float32: the logits each new token was chosen from
-    step_times_s: list[float] = dataclasses.field(default_factory=list)  # wall time of each decode step after
-    prompt_time_s: float = 0.0  # the prompt (token by token, synchronised at its end; includes any compile)
+    step_times_s: list[float] = dataclasses.field(default_factory=list)  # step_by_step: wall time of each decode step
+    prompt_time_s: float = 0.0  # time to first token: the prompt, synchronised at its end (includes any compile)
+    decode_time_s: float = 0.0  # from the first new token to the last, on the host
+    lengths: np.ndarray | None = None  # [B] new tokens per row up to and including its stop id
+    prompt_tokens: int = 0  # tokens per row the prefill processed (the longest prompt, padded)
 
 
 def check_impl(name: str, value: Any) -> str:
@@ -278,6 +298,7 @@ class Model:
         self.abstract = abstract_weights(cfg, self.tp)
         opt = StepOptions(tp_axis=TP_AXIS, gather=gather, psum=psum, shard_latent=shard_latent)
         self._step = build_step(cfg, opt, mesh, self.abstract)
+        self._fns: dict = {}
 
     # -- constructors
     @classmethod
@@ -340,14 +361,146 @@ class Model:
                 raise ValueError(f"prompt_ids: row {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
         return rows
 
-    def generate(self, prompt_ids: Any, max_new_tokens: int, return_logits: bool = False,
-                 progress: Any = None) -> GenerateOutput:
-        """Greedy decoding.  Ragged prompts are left-padded; pad steps do not touch a row's caches,
-        so each row gets the tokens of running it alone.  `progress(phase, done, total)`, if given, is
-        called after the prompt ("prompt") and after each new token ("decode")."""
+    # -- generation
+    def _fn(self, key: tuple, build):
+        if key not in self._fns:
+            self._fns[key] = build()
+        return self._fns[key]
+
+    def _layout(self, rows: list[list[int]], chunk: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Left-padded [Bp, T_total] tokens and valid mask: T_total a multiple of the prefill chunk
+        (or of 64, for prompts shorter than a chunk; or T itself up to 64: the KDA chunk)."""
+        B, T = len(rows), max(len(r) for r in rows)
+        if T > chunk:
+            Tt = -(-T // chunk) * chunk
+        else:
+            Tt = T if T <= 64 else -(-T // 64) * 64
+        Bp = -(-B // self.dp) * self.dp  # rows added to split over dp are all padding
+        toks = np.zeros((Bp, Tt), np.int32)
+        valid = np.zeros((Bp, Tt), bool)
+        for i, r in enumerate(rows):
+            toks[i, Tt - len(r):], valid[i, Tt - len(r):] = r, True
+        return toks, valid, min(chunk, Tt)
+
+    def _prefill(self, cache: Cache, toks: np.ndarray, valid: np.ndarray, chunk: int, all_logits: bool,
+                 sampling: generation.Sampling | None, progress=None):
+        opt = StepOptions(tp_axis=TP_AXIS, gather=self.gather, psum=self.psum, shard_latent=self.shard_latent)
+        fn = self._fn(("prefill", all_logits, sampling),
+                      lambda: generation.build_prefill(self.cfg, opt, self.mesh, self.abstract, all_logits, sampling))
+        outs, first = [], None
+        for c0 in range(0, toks.shape[1], chunk):
+            logits, first, cache = fn(self.weights, cache, put_rows(toks[:, c0:c0 + chunk], self.mesh),
+                                      put_rows(valid[:, c0:c0 + chunk], self.mesh), np.int32(0))
+            outs.append(logits)
+            if progress is not None:
+                progress("prompt", min(c0 + chunk, toks.shape[1]), toks.shape[1])
+        return outs, first, cache
+
+    def score(self, token_ids: Any, prefill_chunk: int | None = None) -> np.ndarray:
+        """float32 logits at every position, [B, T, vocab], through the prefill path (what a
+        transformers forward pass returns).  Ragged rows: row i's logits are out[i, :len_i], the rest NaN."""
+        rows = self._check_prompts(token_ids)
+        chunk = _check_chunk(prefill_chunk)
+        toks, valid, chunk = self._layout(rows, chunk)
+        cache = self.init_cache(toks.shape[0], -(-toks.shape[1] // 64) * 64)
+        outs, _, _ = self._prefill(cache, toks, valid, chunk, True, None)
+        full = np.concatenate([_to_host(o) for o in outs], axis=1)
+        T = max(len(r) for r in rows)
+        out = np.full((len(rows), T, self.cfg.vocab_size), np.nan, np.float32)
+        for i, r in enumerate(rows):
+            out[i, :len(r)] = full[i, toks.shape[1] - len(r):]
+        return out
+
+    def generate(self, prompt_ids: Any, max_new_tokens: int, return_logits: bool = False, progress: Any = None, *,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 stop_ids: Any = None, on_tokens: Any = None, prefill_chunk: int | None = None,
+                 decode_chunk: int = 32, step_by_step: bool = False) -> GenerateOutput:
+        """Generate `max_new_tokens` per prompt: the prompt through the chunked prefill, then the
+        decode loop on the device, `decode_chunk` tokens per dispatch.
+
+        Ragged prompts are left-padded; pad tokens do not touch a row's caches, so each row gets the
+        tokens of running it alone.  Sampling: greedy by default; `temperature`, `top_k`, `top_p`,
+        `seed` (see jaxk3.generation.Sampling).  A row stops after producing one of `stop_ids`
+        (default: the config's eos_token_id, if any); its later tokens are the config's pad id (else
+        -1) and `lengths` counts its tokens.  `on_tokens(tokens [B, n])` streams each chunk of new
+        tokens as it arrives; `progress(phase, done, total)` reports "prompt" tokens and "decode"
+        tokens.  `step_by_step=True` runs the prompt and the decode one token per dispatch (the
+        original path, greedy only; kept for tests)."""
         rows = self._check_prompts(prompt_ids)
-        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be an int >= 1, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
+        sampling = generation.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if not isinstance(decode_chunk, (int, np.integer)) or decode_chunk < 1:
+            raise ValueError(f"decode_chunk: must be an int >= 1, got {decode_chunk!r}")
+        stops = _check_stop_ids(stop_ids, self.cfg)
+        if step_by_step:
+            if not sampling.greedy:
+                raise ValueError("step_by_step=True decodes greedily: leave temperature at 0")
+            return self._generate_step_by_step(rows, max_new_tokens, return_logits, progress)
+        chunk = _check_chunk(prefill_chunk)
+        pad_id = self.cfg.pad_token_id if self.cfg.pad_token_id is not None else -1
+        B = len(rows)
+        toks, valid, chunk = self._layout(rows, chunk)
+        Bp, Tt = toks.shape
+        cache = self.init_cache(Bp, -(-(Tt + max_new_tokens) // 64) * 64)
+        t0 = time.perf_counter()
+        outs, first, cache = self._prefill(cache, toks, valid, chunk, False, sampling, progress)
+        first_np = _to_host(first)
+        ttft = time.perf_counter() - t0
+        done_np = np.isin(first_np, stops) | (np.arange(Bp) >= B)
+        out_t = [first_np[:, None]]
+        out_l = [_to_host(outs[-1])[:, None].astype(np.float32)] if return_logits else []
+        if on_tokens is not None:
+            on_tokens(first_np[:B, None])
+        if progress is not None:
+            progress("decode", 1, max_new_tokens)
+        t1 = time.perf_counter()
+        left = 0 if np.all(done_np) else max_new_tokens - 1
+        K = int(min(decode_chunk, max(left, 1)))
+        opt = StepOptions(tp_axis=TP_AXIS, gather=self.gather, psum=self.psum, shard_latent=self.shard_latent)
+        loop = self._fn(("loop", K, sampling, stops, pad_id, return_logits),
+                        lambda: generation.build_decode_loop(self.cfg, opt, self.mesh, self.abstract, K, sampling,
+                                                             stops, pad_id, return_logits))
+        tok, done = first, put_batch(done_np, self.mesh)
+        pending, produced, position = None, 1, 1
+        while left > 0 or pending is not None:
+            launched = None
+            if left > 0:  # the next chunk is queued before the previous one is read
+                n = min(K, left)
+                t_B, l_B, cache, tok, done = loop(self.weights, cache, tok, done, np.int32(position))
+                launched, position, left = (t_B, l_B, done, n), position + K, left - n
+            if pending is not None:
+                t_B, l_B, d_B, n = pending
+                got = _to_host(t_B)[:, :n]
+                out_t.append(got)
+                if l_B is not None:
+                    out_l.append(_to_host(l_B)[:, :n])
+                produced += n
+                if on_tokens is not None:
+                    on_tokens(got[:B])
+                if progress is not None:
+                    progress("decode", produced, max_new_tokens)
+                if np.all(_to_host(d_B)):  # every row stopped: the chunk in flight holds only pads
+                    launched, left = None, 0
+            pending = launched
+        decode_s = time.perf_counter() - t1
+        tokens = np.concatenate(out_t, axis=1)[:B]
+        tokens = np.concatenate([tokens, np.full((B, max_new_tokens - tokens.shape[1]), pad_id, np.int32)], 1)
+        logits_np = None
+        if return_logits:
+            logits_np = np.concatenate(out_l, axis=1)[:B]
+            missing = max_new_tokens - logits_np.shape[1]
+            logits_np = np.concatenate([logits_np, np.zeros((B, missing, self.cfg.vocab_size), np.float32)], 1)
+        hit = np.isin(tokens, stops)
+        lengths = np.where(hit.any(1), hit.argmax(1) + 1, max_new_tokens).astype(np.int32)
+        return GenerateOutput(tokens=tokens.astype(np.int32), logits=logits_np, prompt_time_s=ttft,
+                              decode_time_s=decode_s, lengths=lengths, prompt_tokens=Tt)
+
+    def _generate_step_by_step(self, rows: list[list[int]], max_new_tokens: int, return_logits: bool,
+                               progress: Any) -> GenerateOutput:
+        """Greedy, one token per dispatch: the prompt token by token through the decode step, then
+        each new token waited for (the path before the prefill and the device loop)."""
         B, T = len(rows), max(len(r) for r in rows)
         Bp = -(-B // self.dp) * self.dp  # rows added to split over dp never touch a cache
         toks = np.zeros((Bp, T), np.int32)
@@ -377,7 +530,34 @@ class Model:
         tokens = np.stack([_to_host(t)[:B] for t in out_tok], axis=1)
         logits_np = (np.stack([_to_host(x)[:B].astype(np.float32) for x in out_logits], axis=1)
                      if return_logits else None)
-        return GenerateOutput(tokens=tokens, logits=logits_np, step_times_s=times, prompt_time_s=prompt_s)
+        return GenerateOutput(tokens=tokens, logits=logits_np, step_times_s=times, prompt_time_s=prompt_s,
+                              decode_time_s=sum(times), prompt_tokens=T)
+
+
+def _check_chunk(chunk: Any) -> int:
+    if chunk is None:
+        return DEFAULT_PREFILL_CHUNK
+    if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 64 or chunk % 64:
+        raise ValueError(f"prefill_chunk: must be a positive multiple of 64, got {chunk!r}")
+    return int(chunk)
+
+
+def _check_stop_ids(stop_ids: Any, cfg: KimiK3Config) -> tuple[int, ...]:
+    if stop_ids is None:
+        return () if cfg.eos_token_id is None else (int(cfg.eos_token_id),)
+    try:
+        ids = tuple(int(i) for i in stop_ids)
+    except (TypeError, ValueError):
+        raise TypeError(f"stop_ids: need an iterable of token ids, got {stop_ids!r}") from None
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"stop_ids: ids outside [0, {cfg.vocab_size}): {bad}")
+    return ids
+
+
+def put_rows(a_BT: np.ndarray, mesh: Mesh) -> jax.Array:
+    """A host [B, T] array, rows split over the dp axis."""
+    return jax.make_array_from_callback(a_BT.shape, NamedSharding(mesh, P(dp_axis(mesh))), lambda idx: a_BT[idx])
 
 
 def dp_axis(mesh: Mesh) -> str | None:

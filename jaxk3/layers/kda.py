@@ -141,3 +141,88 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array, conv_B3CW: jax.A
     new_conv = jnp.where(keep[:, None, None, None], win_B3CK[..., 1:], conv_B3CW)
     new_state = jnp.where(keep[:, None, None, None], S, state_BHKV)
     return out_BD, new_conv, new_state
+
+
+def chunk_delta_rule(q_BHTK: jax.Array, k_BHTK: jax.Array, v_BHTV: jax.Array, g_BHTK: jax.Array,
+                     beta_BHT: jax.Array, state_BHKV: jax.Array, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule over T tokens in chunks (the WY / UT-transform form), fp32.
+
+    Equal to T recurrent steps `S ← diag(e^g) S; u = β(v − Sᵀk); S ← S + k uᵀ; o = Sᵀq` (q already
+    scaled).  Within a chunk, with Γ_t = Σ_{s≤t} g_s (per key channel) and S_0 the incoming state:
+
+        A[t,s] = β_t Σ_c k_t[c] k_s[c] e^{Γ_t[c]−Γ_s[c]}     s < t   (strictly lower)
+        (I + A) u = β ⊙ (v − (e^Γ ⊙ k) S_0)                      (unit lower-triangular solve)
+        o_t    = (e^{Γ_t} ⊙ q_t) S_0 + Σ_{s≤t} (Σ_c q_t[c] k_s[c] e^{Γ_t[c]−Γ_s[c]}) u_s
+        S_C    = diag(e^{Γ_C}) S_0 + Σ_s diag(e^{Γ_C−Γ_s}) k_s u_sᵀ
+
+    Γ_t − Γ_s ≤ 0 for s ≤ t (g ≤ 0), so every exponential is ≤ 1.  T must be a multiple of `chunk`.
+    Returns (o_BHTV, final state_BHKV).
+    """
+    B, H, T, K = q_BHTK.shape
+    C = min(chunk, T)
+    if T % C:
+        raise ValueError(f"chunk_delta_rule: T={T} is not a multiple of the chunk {C}")
+    n = T // C
+
+    def split(a):  # [B, H, T, ...] -> [n, B, H, C, ...]
+        return jnp.moveaxis(a.reshape(B, H, n, C, *a.shape[3:]), 2, 0)
+
+    causal = jnp.tril(jnp.ones((C, C), bool))
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+
+    def one_chunk(S, xs):
+        q, k, v, g, beta = xs  # [B,H,C,K], [B,H,C,K], [B,H,C,V], [B,H,C,K], [B,H,C]
+        G = jnp.cumsum(g, axis=2)
+        diff = G[:, :, :, None, :] - G[:, :, None, :, :]  # [B,H,t,s,K] = Γ_t − Γ_s
+        decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
+        A = jnp.einsum("bhtc,bhsc,bhtsc->bhts", k, k, decay) * beta[..., None]
+        A = jnp.where(strict, A, 0.0)
+        rhs = beta[..., None] * (v - jnp.einsum("bhtk,bhkv->bhtv", jnp.exp(G) * k, S))
+        u = jax.scipy.linalg.solve_triangular(jnp.eye(C, dtype=A.dtype) + A, rhs, lower=True, unit_diagonal=True)
+        M = jnp.einsum("bhtc,bhsc,bhtsc->bhts", q, k, decay)
+        o = jnp.einsum("bhtk,bhkv->bhtv", jnp.exp(G) * q, S) + jnp.einsum("bhts,bhsv->bhtv", M, u)
+        last = G[:, :, -1:, :]  # Γ_C
+        S = jnp.exp(last[:, :, 0, :])[..., None] * S + jnp.einsum("bhsk,bhsv->bhkv", jnp.exp(last - G) * k, u)
+        return S, o
+
+    S, o = jax.lax.scan(one_chunk, state_BHKV.astype(F32),
+                        tuple(split(a.astype(F32)) for a in (q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT)))
+    return jnp.moveaxis(o, 0, 2).reshape(B, H, T, -1), S
+
+
+def kda_prefill(cfg: KimiK3Config, w: KDAWeights, x_BTD: jax.Array, conv_B3CW: jax.Array, state_BHKV: jax.Array,
+                valid_BT: jax.Array, tp: TP | str | None, chunk: int = 64
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """KDA over T tokens per row (prefill): the same function as T `kda_step`s.
+
+    `valid_BT` marks real tokens; the invalid ones of a row must come first (left padding): they
+    leave the conv window and the state as they were (their projections are zeroed, their β and g
+    are 0), exactly as a pad step of `kda_step` does on a fresh cache.  T must be a multiple of
+    min(chunk, T).  Returns (out_BTD fp32 summed over TP, new conv_B3CW, new state_BHKV).
+    """
+    B, T, D = x_BTD.shape
+    Kd, W = cfg.kda_head_dim, conv_B3CW.shape[-1]
+    dt = x_BTD.dtype
+    x = x_BTD.reshape(B * T, D)
+    keep = valid_BT.astype(bool)
+    # -- projections; the short causal conv over [conv state | chunk] (pads zeroed: a fresh state's zeros)
+    u = jnp.stack([linear(x, w.q_proj), linear(x, w.k_proj), linear(x, w.v_proj)], 1).astype(dt)
+    u_BT3C = jnp.where(keep[..., None, None], u.reshape(B, T, 3, -1), jnp.zeros((), dt))
+    X = jnp.concatenate([jnp.moveaxis(conv_B3CW, -1, 1), u_BT3C], axis=1).astype(F32)  # [B, W+T, 3, C]
+    w_3CK = jnp.stack([w.q_conv1d[:, 0], w.k_conv1d[:, 0], w.v_conv1d[:, 0]], 0).astype(F32)
+    y = jax.nn.silu(sum(X[:, i:i + T] * w_3CK[None, None, :, :, i] for i in range(W + 1)))  # [B, T, 3, C]
+    new_conv = jnp.moveaxis(X[:, T:], 1, -1).astype(conv_B3CW.dtype)
+    q, k, v = (y[:, :, j].reshape(B, T, -1, Kd) for j in range(3))
+    q = _l2norm(q) * Kd ** -0.5
+    k = _l2norm(k)
+    # -- gates (0 decay and β = 0 on pads: the state passes through)
+    f = (linear(linear(x, w.f_a_proj).astype(dt), w.f_b_proj) + w.dt_bias.astype(F32)).reshape(B, T, -1, Kd)
+    g = jnp.where(keep[..., None, None], kda_gate(f, w.A_log, cfg.gate_lower_bound), 0.0)
+    beta = jnp.where(keep[..., None], jax.nn.sigmoid(linear(x, w.b_proj)).reshape(B, T, -1), 0.0)
+    o, S = chunk_delta_rule(*(jnp.moveaxis(a, 1, 2) for a in (q, k, v, g, beta)), state_BHKV, chunk)
+    o_BTHV = jnp.moveaxis(o, 2, 1)
+    # -- output gate, per-head norm, row-parallel o_proj
+    z = linear(x, w.g_proj) if cfg.use_full_rank_gate else linear(linear(x, w.g_a_proj).astype(dt), w.g_b_proj)
+    o_BTHV = gated_rms_norm(o_BTHV, w.o_norm, z.reshape(o_BTHV.shape), cfg.rms_norm_eps)
+    out = psum(linear(o_BTHV.reshape(B * T, -1).astype(dt), w.o_proj), tp)
+    return out.reshape(B, T, -1), new_conv, S

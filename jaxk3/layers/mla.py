@@ -143,3 +143,42 @@ def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Arra
     if cfg.mla_use_output_gate:
         o_BF = o_BF * jax.nn.sigmoid(linear(x_BD, w.g_proj))
     return psum(linear(o_BF.astype(dt), w.o_proj), tp), kv_BSR
+
+
+def mla_prefill(cfg: KimiK3Config, w: MLAWeights, x_BTD: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,
+                valid_BT: jax.Array, tp: TP | str | None, shard_latent: bool = True, gather: str | None = None,
+                ) -> tuple[jax.Array, jax.Array]:
+    """MLA over T tokens per row (prefill): causal attention over the cached prefix and the chunk.
+
+    A row's valid tokens are written to the latent cache at slots length_B, length_B + 1, …, in order
+    (invalid ones are not written); token t attends to every cache slot up to its own, as T
+    `mla_step`s would.  Returns (out_BTD fp32 summed over TP, new kv_BSR)."""
+    B, T, D = x_BTD.shape
+    S = kv_BSR.shape[1]
+    dt = x_BTD.dtype
+    n, r, v, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    x = x_BTD.reshape(B * T, D)
+    cq, ckv = latent_projection(cfg, w, x, tp, shard_latent, gather)  # T rows per row: the prefill gather
+    q = linear(rms_norm(cq, w.q_a_layernorm, cfg.rms_norm_eps).astype(dt), w.q_b_proj) if cq is not None \
+        else linear(x, w.q_proj)
+    q_BTHX = q.astype(dt).astype(F32).reshape(B, T, -1, n + r)
+    entry = jnp.concatenate([rms_norm(ckv[:, :R], w.kv_a_layernorm, cfg.rms_norm_eps).astype(dt), ckv[:, R:]], -1)
+    # -- write the valid tokens' latents at their slots (invalid ones: dropped, out of range)
+    keep = valid_BT.astype(bool)
+    slot_BT = length_B[:, None] + jnp.cumsum(keep, axis=1, dtype=length_B.dtype) - 1
+    write_BT = jnp.where(keep, slot_BT, S)
+    kv_BSR = kv_BSR.at[jnp.arange(B)[:, None], write_BT].set(entry.reshape(B, T, -1).astype(kv_BSR.dtype),
+                                                             mode="drop")
+    # -- absorbed causal attention: token t sees slots <= its own (a pad token sees slot 0: finite, unused)
+    wkvb_HXR = w.kv_b_proj.reshape(-1, n + v, R).astype(F32)
+    ql = jnp.einsum("bthn,hnr->bthr", q_BTHX[..., :n], wkvb_HXR[:, :n])
+    c = kv_BSR.astype(F32)
+    score = (jnp.einsum("bthr,bsr->bths", ql, c[..., :R])
+             + jnp.einsum("bthp,bsp->bths", q_BTHX[..., n:], c[..., R:])) * (n + r) ** -0.5
+    mask = jnp.arange(S)[None, None, :] <= jnp.maximum(slot_BT, 0)[..., None]
+    p = jax.nn.softmax(jnp.where(mask[:, :, None, :], score, -jnp.inf), axis=-1)
+    o = jnp.einsum("bthr,hvr->bthv", jnp.einsum("bths,bsr->bthr", p, c[..., :R]), wkvb_HXR[:, n:])
+    o_NF = o.reshape(B * T, -1)
+    if cfg.mla_use_output_gate:
+        o_NF = o_NF * jax.nn.sigmoid(linear(x, w.g_proj))
+    return psum(linear(o_NF.astype(dt), w.o_proj), tp).reshape(B, T, -1), kv_BSR

@@ -142,15 +142,42 @@ def experts_partial(cfg: KimiK3Config, w: MoEWeights, z_BL: jax.Array, w_Bk: jax
     return jnp.einsum("bkl,bk->bl", y_BkL, w_Bk)
 
 
-def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None) -> jax.Array:
-    """The MoE block: fp32 [B, D], summed over TP."""
+_RAGGED = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+                                       rhs_group_dimensions=[0])
+
+
+def experts_grouped(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.Array
+                    ) -> jax.Array:
+    """`experts_partial` for many tokens (prefill): the N·k (token, expert) pairs sorted by expert and
+    run as grouped GEMMs (`lax.ragged_dot_general`), so each expert's weights are read once per call
+    whatever the number of tokens.  fp32 [N, L] partial over the local intermediate shard."""
+    N, k = ids_Nk.shape
+    E, dt = w.experts_w1.shape[0], w.experts_w1.dtype
+    flat = ids_Nk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    xs = z_NL.astype(dt)[token]  # [N·k, L], grouped by expert
+
+    def gemm(x, w_EOI):
+        return lax.ragged_dot_general(x, w_EOI, sizes, _RAGGED, preferred_element_type=F32)
+
+    a = _act(cfg, gemm(xs, w.experts_w1), gemm(xs, w.experts_w3)).astype(dt)
+    y = gemm(a, w.experts_w2) * w_Nk.reshape(-1)[order][:, None]
+    return jax.ops.segment_sum(y, token, num_segments=N)
+
+
+def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, grouped: bool = False) -> jax.Array:
+    """The MoE block on B tokens: fp32 [B, D], summed over TP.  `grouped`: the experts as grouped
+    GEMMs (many tokens) instead of per-token GEMVs (decode)."""
     dt = x_BD.dtype
+    experts = experts_grouped if grouped else experts_partial
     w_Bk, ids_Bk = route(cfg, w.gate, w.e_score_correction_bias, x_BD)
     shared_BD = mlp_partial(cfg, w.shared_experts, x_BD) if w.shared_experts is not None else 0.0
     if w.routed_expert_down_proj is None:  # Kimi-Linear: experts on x, one psum for both partials
-        return psum(experts_partial(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp)
+        return psum(experts(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp)
     z_BL = linear(x_BD, w.routed_expert_down_proj).astype(dt)
-    y_BL = psum(experts_partial(cfg, w, z_BL, w_Bk, ids_Bk), tp)
+    y_BL = psum(experts(cfg, w, z_BL, w_Bk, ids_Bk), tp)
     if cfg.latent_moe_use_norm:
         y_BL = rms_norm(y_BL, w.routed_expert_norm, cfg.rms_norm_eps)
     rout_BD = linear(y_BL.astype(dt), w.routed_expert_up_proj)

@@ -1,0 +1,127 @@
+"""Generation on the device: chunked prefill, sampling, and a decode loop that never waits on the host.
+
+    prefill   the prompt in chunks of T tokens per row, one dispatch each (KDA in chunked form,
+              causal MLA over the cached prefix, MoE as grouped GEMMs); the last chunk also picks
+              the first new token
+    decode    N new tokens per dispatch: the decode step inside `lax.fori_loop`, the sampled token
+              fed back on the device, rows that met a stop id frozen (their caches untouched, their
+              remaining tokens `pad_id`)
+
+Sampling (`Sampling`): greedy when temperature is 0; else logits / temperature, then top-k and
+top-p (nucleus) filtering, then a categorical draw keyed by (seed, the token's position in the
+output), so a run is reproducible from its seed whatever the chunking.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxk3 import params
+from jaxk3._compat import shard_map
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen.  temperature 0: greedy (argmax); top_k 0: no top-k limit;
+    top_p 1.0: no nucleus limit."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and jnp.isfinite(self.temperature)):
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k: must be an int >= 0 (0: off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed: must be an int, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sample(logits_BV: jax.Array, position: jax.Array, s: Sampling) -> jax.Array:
+    """The next token of each row, int32 [B]; `position` (a scalar) keys the draw."""
+    if s.greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    lg = logits_BV.astype(F32) / s.temperature
+    if s.top_k:
+        kth = lax.top_k(lg, min(s.top_k, lg.shape[-1]))[0][:, -1:]
+        lg = jnp.where(lg < kth, -jnp.inf, lg)
+    if s.top_p < 1.0:
+        srt = jnp.sort(lg, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(srt, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
+        keep = before < s.top_p  # always keeps the first
+        threshold = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+        lg = jnp.where(lg < threshold, -jnp.inf, lg)
+    key = jax.random.fold_in(jax.random.key(s.seed), position)
+    return jax.random.categorical(key, lg, axis=-1).astype(jnp.int32)
+
+
+def _local(cfg, opt, mesh: Mesh, abstract, all_logits: bool = True):
+    from jaxk3.model import cache_specs, dp_axis, forward_local
+
+    batch = P(dp_axis(mesh))
+    cspecs = cache_specs(cfg, dp_axis(mesh))
+    return shard_map(functools.partial(forward_local, cfg, opt, all_logits=all_logits), mesh,
+                     in_specs=(params.partition_specs(abstract, opt.shard_latent), cspecs, batch, batch),
+                     out_specs=(batch, cspecs))
+
+
+def build_prefill(cfg, opt, mesh: Mesh, abstract, all_logits: bool, sampling: Sampling | None = None):
+    """jit(fn)(weights, cache, tokens_BT, valid_BT, position) -> (logits, first_B or None, cache), the
+    cache donated.  logits: [B, T, vocab] (`all_logits`) or the last position's [B, vocab]; with a
+    `sampling`, first_B is the token sampled from the last position (keyed by `position`)."""
+    local = _local(cfg, opt, mesh, abstract, all_logits)
+
+    def run(weights, cache, tokens_BT, valid_BT, position):
+        logits, cache = local(weights, cache, tokens_BT, valid_BT)
+        first = None
+        if sampling is not None:
+            first = sample(logits[:, -1] if all_logits else logits, position, sampling)
+        return logits, first, cache
+
+    return jax.jit(run, donate_argnames=("cache",))
+
+
+def build_decode_loop(cfg, opt, mesh: Mesh, abstract, steps: int, sampling: Sampling, stop_ids: tuple[int, ...],
+                      pad_id: int, return_logits: bool):
+    """jit(fn)(weights, cache, tok_B, done_B, position) -> (tokens [B, steps], logits [B, steps, V] or
+    None, cache, tok_B, done_B), the cache donated.  Each step feeds `tok_B` (the last token of every
+    row), samples the next one (keyed by position + i), and freezes rows that produced a stop id:
+    their caches stay as they were and their later tokens are `pad_id`."""
+    local = _local(cfg, opt, mesh, abstract)
+    stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
+
+    def run(weights, cache, tok, done, position):
+        B = tok.shape[0]
+        out_t = jnp.full((B, steps), pad_id, jnp.int32)
+        out_l = jnp.zeros((B, steps, cfg.vocab_size), F32) if return_logits else None
+
+        def body(i, carry):
+            cache, tok, done, out_t, out_l = carry
+            logits, cache = local(weights, cache, tok, ~done)
+            nxt = jnp.where(done, pad_id, sample(logits, position + i, sampling))
+            out_t = out_t.at[:, i].set(nxt)
+            if out_l is not None:
+                out_l = out_l.at[:, i].set(logits)
+            done = done | jnp.isin(nxt, stops)
+            return cache, jnp.where(done, tok, nxt), done, out_t, out_l
+
+        cache, tok, done, out_t, out_l = lax.fori_loop(0, steps, body, (cache, tok, done, out_t, out_l))
+        return out_t, out_l, cache, tok, done
+
+    return jax.jit(run, donate_argnames=("cache",))

@@ -1,0 +1,136 @@
+"""Prefill and the decode loop on the device (jaxk3.generation) against the token-by-token path.
+
+Tolerances (float32 models): prefill + loop vs token-by-token logits within 1e-4 · max|logit|.
+The two compute the same functions in a different order (KDA in chunked form with a triangular
+solve instead of T rank-1 updates, MLA over T queries at once, MoE as grouped GEMMs instead of
+per-token GEMVs); observed differences are ~1e-6 relative; a wrong mask, slot or state hand-over
+moves logits by >= 1e-2.  Tokens must be equal (greedy gaps of the tiny models are >= 1e-2).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxk3
+from jaxk3 import collectives, generation
+from jaxk3.config import KimiK3Config
+
+# ragged, one longer than the 64-token prefill chunk (two chunks, the first all pads for row 1)
+PROMPTS = [list(np.random.default_rng(0).integers(0, 1000, 70)), [2, 71, 82, 5, 9]]
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.max(np.abs(a - b)) / np.max(np.abs(b))
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {}
+
+
+def _model(models, mode, tp):
+    if (mode, tp) not in models:
+        cfg = KimiK3Config.tiny_k3() if mode == "k3" else KimiK3Config.tiny_kimi_linear()
+        models[(mode, tp)] = jaxk3.init_random_model(cfg, seed=0, tp=tp, dtype="float32")
+    return models[(mode, tp)]
+
+
+@pytest.mark.parametrize("mode, tp", [("k3", 1), ("k3", 8), ("kl", 2), ("kl", 4)])
+def test_prefill_and_loop_equal_token_by_token(models, mode, tp):
+    m = _model(models, mode, tp)
+    ref = m.generate(PROMPTS, 7, return_logits=True, step_by_step=True)
+    got = m.generate(PROMPTS, 7, return_logits=True, prefill_chunk=64, decode_chunk=3)
+    np.testing.assert_array_equal(got.tokens, ref.tokens)
+    assert rel_err(got.logits, ref.logits) <= 1e-4
+    assert got.prompt_tokens == 128 and list(got.lengths) == [7, 7]
+
+
+def test_score_equals_decode_logits(models):
+    """Model.score: logits at every position equal the logits of feeding the prompt token by token."""
+    m = _model(models, "k3", 1)
+    rows = [PROMPTS[1] + [11, 12], PROMPTS[1][:3]]
+    sc = m.score(rows)
+    assert sc.shape == (2, 7, 1000) and np.isnan(sc[1, 3:]).all()
+    for i, r in enumerate(rows):
+        cache = m.init_cache(1, 64)
+        for t, tok in enumerate(r):
+            logits, _, cache = m.step(cache, [tok])
+            assert rel_err(sc[i, t], np.asarray(logits)[0]) <= 1e-4
+
+
+def test_streaming_and_stop_ids(models):
+    m = _model(models, "k3", 1)
+    base = m.generate(PROMPTS, 9, decode_chunk=4)
+    stop = int(base.tokens[0, 3])  # row 0 meets it at its 4th token
+    chunks = []
+    got = m.generate(PROMPTS, 9, decode_chunk=4, stop_ids=[stop], on_tokens=lambda t: chunks.append(t.copy()))
+    first_hit = [int(np.argmax(base.tokens[i] == stop)) if (base.tokens[i] == stop).any() else None for i in range(2)]
+    for i in range(2):
+        if first_hit[i] is None:
+            np.testing.assert_array_equal(got.tokens[i], base.tokens[i])  # a running row is unaffected
+            assert got.lengths[i] == 9
+        else:
+            n = first_hit[i] + 1
+            np.testing.assert_array_equal(got.tokens[i, :n], base.tokens[i, :n])
+            assert (got.tokens[i, n:] == -1).all() and got.lengths[i] == n  # frozen: pad id (-1: none in cfg)
+    streamed = np.concatenate(chunks, axis=1)
+    np.testing.assert_array_equal(streamed, got.tokens[:, :streamed.shape[1]])
+    assert chunks[0].shape == (2, 1)
+
+
+def test_sampling_reproducible_and_within_top_k(models):
+    m = _model(models, "kl", 2)
+    kw = dict(temperature=1.0, top_k=3, seed=7, decode_chunk=4)
+    a, b = m.generate(PROMPTS, 8, return_logits=True, **kw), m.generate(PROMPTS, 8, **kw)
+    np.testing.assert_array_equal(a.tokens, b.tokens)  # same seed, same tokens
+    c = m.generate(PROMPTS, 8, **dict(kw, seed=8))
+    assert not np.array_equal(a.tokens, c.tokens)
+    top3 = np.argsort(a.logits, axis=-1)[..., -3:]
+    assert all(a.tokens[i, t] in top3[i, t] for i in range(2) for t in range(8))  # never outside the k
+
+
+def test_sample_distribution():
+    """Temperature 1, no limits: draw frequencies follow softmax(logits) (4000 draws, 6 sigma);
+    top_p keeps the smallest prefix of the sorted distribution whose mass reaches p."""
+    logits = jnp.asarray([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    p = np.asarray(jax.nn.softmax(logits[0]))
+    s = generation.Sampling(temperature=1.0)
+    draws = np.asarray(jax.vmap(lambda i: generation.sample(logits, i, s))(jnp.arange(4000)))[:, 0]
+    freq = np.bincount(draws, minlength=5) / 4000
+    assert np.all(np.abs(freq - p) <= 6 * np.sqrt(p * (1 - p) / 4000) + 1e-3), (freq, p)
+    s = generation.Sampling(temperature=1.0, top_p=0.8)  # p ≈ [.61, .22, .14, ...]: keeps {0, 1}
+    draws = np.asarray(jax.vmap(lambda i: generation.sample(logits, i, s))(jnp.arange(2000)))[:, 0]
+    assert set(draws.tolist()) == {0, 1}
+    assert np.asarray(generation.sample(logits, 0, generation.Sampling())).tolist() == [0]  # greedy
+
+
+def test_bad_sampling_arguments(models):
+    m = _model(models, "k3", 1)
+    for kw, match in ((dict(temperature=-1.0), "temperature"), (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"),
+                      (dict(prefill_chunk=100), "prefill_chunk"), (dict(decode_chunk=0), "decode_chunk"),
+                      (dict(stop_ids=[5000]), "stop_ids"), (dict(temperature=0.5, step_by_step=True), "greedily")):
+        with pytest.raises(ValueError, match=match):
+            m.generate([[1, 2]], 2, **kw)
+
+
+def test_prefill_gathers_take_the_fallback():
+    """Prefill-sized gathers (more rows than JAXK3_GATHER_MAX_ROWS) fall back to lax, by plan."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]), ("tp",))
+    cfg = KimiK3Config.tiny_k3()
+    w = (cfg.q_lora_rank + cfg.latent_dim) // 4
+    p = collectives.explain(jax.ShapeDtypeStruct((2 * 64, w), jnp.float32), "tp", axis=-1, tiled=True,
+                            padded=True, mesh=mesh)
+    assert p.path == "lax" and "rows" in p.reason
+    m = jaxk3.init_random_model(cfg, seed=0, tp=4, dtype="float32")
+    from jaxk3.model import StepOptions, put_rows
+
+    fn = generation.build_prefill(cfg, StepOptions(), m.mesh, m.abstract, all_logits=False)
+    toks = np.ones((2, 64), np.int32)
+    hlo = fn.lower(m.weights, m.init_cache(2, 64), put_rows(toks, m.mesh), put_rows(toks > 0, m.mesh),
+                   np.int32(0)).as_text()
+    # the MLA latent gathers of 2 x 64 rows fall back; the last position's logits (2 rows) stay one-shot
+    assert hlo.count('"stablehlo.all_gather"') == len(cfg.mla_layers)
+    assert hlo.count("jaxk3_padded_all_gather") + hlo.count("jaxk3_one_shot_all_gather") >= 1

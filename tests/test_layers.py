@@ -232,3 +232,44 @@ def test_realistic_tiles_kda_and_mla():
         out, kv = mla_step(cfg, wm, xs[t], kv, n + t, valid, None)
         close(out[0], np_ref.mla_step(rcfg, W, f"model.layers.{lm}.self_attn.", xs[t, 0], cache))
     close(state[0], st.S)
+
+
+# --------------------------------------------------------------------------- prefill forms
+@pytest.mark.parametrize("mode", ["k3", "kl"])
+def test_prefill_blocks_equal_their_decode_steps(mode):
+    """KDA (chunked form), MLA (causal over prefix + chunk) and MoE (grouped GEMMs) over T tokens per row
+    equal T decode steps; ragged rows (left padding), two chunks. Tolerance 1e-5 · max (fp32 reassociation)."""
+    from jaxk3.layers.kda import kda_prefill
+    from jaxk3.layers.mla import mla_prefill
+
+    cfg, W, host, rcfg = model_weights(mode)
+    wk, wm = f32(host.layers[cfg.kda_layers[0]].attn), f32(host.layers[cfg.mla_layers[0]].attn)
+    B, T, S = 3, 8, 32
+    x = jnp.asarray(np.random.default_rng(11).standard_normal((B, 2 * T, cfg.hidden_size)), jnp.float32)
+    valid = np.ones((B, 2 * T), bool)
+    valid[1, :5], valid[2, :11] = False, False
+    conv, state = jnp.zeros((B, 3, cfg.kda_dim, cfg.short_conv_kernel_size - 1)), jnp.zeros(
+        (B, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim))
+    kv, length = jnp.zeros((B, S, cfg.latent_dim)), jnp.zeros(B, jnp.int32)
+    c, s, k1, L, ok, om = conv, state, kv, length, [], []
+    for t in range(2 * T):
+        o, c, s = kda_step(cfg, wk, x[:, t], c, s, jnp.asarray(valid[:, t]), None)
+        ok.append(o)
+        o, k1 = mla_step(cfg, wm, x[:, t], k1, L, jnp.asarray(valid[:, t]), None)
+        om.append(o)
+        L = L + valid[:, t]
+    c2, s2, k2, L2, pk, pm = conv, state, kv, length, [], []
+    for h in (slice(0, T), slice(T, 2 * T)):
+        o, c2, s2 = kda_prefill(cfg, wk, x[:, h], c2, s2, jnp.asarray(valid[:, h]), None, chunk=4)
+        pk.append(o)
+        o, k2 = mla_prefill(cfg, wm, x[:, h], k2, L2, jnp.asarray(valid[:, h]), None)
+        pm.append(o)
+        L2 = L2 + valid[:, h].sum(1)
+    for a, b in ((np.concatenate(pk, 1), np.stack(ok, 1)), (np.concatenate(pm, 1), np.stack(om, 1))):
+        close(a[valid], b[valid], 1e-5)
+    close(s2, s, 1e-5)
+    np.testing.assert_array_equal(np.asarray(c2), np.asarray(c))
+    np.testing.assert_array_equal(np.asarray(k2), np.asarray(k1))
+    wf = f32(host.layers[2].ffn)
+    xs = jnp.asarray(np.random.default_rng(12).standard_normal((37, cfg.hidden_size)), jnp.float32)
+    close(moe(cfg, wf, xs, None, grouped=True), moe(cfg, wf, xs, None), 1e-5)

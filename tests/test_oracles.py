@@ -28,7 +28,7 @@ import pytest
 import jaxk3
 from jaxk3.config import KimiK3Config
 from jaxk3.layers.attn_res import attn_res
-from jaxk3.layers.kda import kda_step
+from jaxk3.layers.kda import kda_prefill, kda_step
 from jaxk3.layers.norm import rms_norm
 from jaxk3.model import random_hf_weights, weights_from_hf
 
@@ -107,9 +107,14 @@ def test_kda_vs_fla_naive(mode, fla):
             o = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + cfg.rms_norm_eps) * tw("o_norm.weight")
             outs.append(((o * torch.sigmoid(z)).reshape(T, C) @ tw("o_proj.weight").T).numpy())
     assert rel_err(S_rec[0].numpy(), S_chk[0].numpy()) <= 1e-5  # the two fla forms agree
+    # jaxk3's prefill: the same 64 tokens at once (chunked form, chunks of 16)
+    pre, _, S_pre = jax.jit(lambda w, x: kda_prefill(cfg, w, x, jnp.zeros((1, 3, C, K - 1)), jnp.zeros((1, H, d, d)),
+                                                     jnp.ones((1, T), bool), None, chunk=16))(w, xs[None])
     for ref, S in zip(outs, (S_rec, S_chk)):
         assert rel_err(np.stack(ours), ref) <= 1e-5
         assert rel_err(np.asarray(state[0]), S[0].numpy()) <= 1e-5
+        assert rel_err(np.asarray(pre[0]), ref) <= 1e-5
+        assert rel_err(np.asarray(S_pre[0]), S[0].numpy()) <= 1e-5
 
 
 # --------------------------------------------------------------------------- fla AttnRes
@@ -238,3 +243,15 @@ def test_transformers_save_pretrained_loads(transformers_run, tmp_path):
     res = model.generate([prompt], len(toks), return_logits=True)
     np.testing.assert_array_equal(res.tokens[0], toks)
     assert rel_err(res.logits[0], ref_logits) <= 1e-4
+
+
+def test_transformers_full_sequence_logits_vs_score(transformers_run):
+    """transformers' forward over a whole prompt (logits at every position) vs Model.score (prefill)."""
+    cfg, hf, prompt, toks, _ = transformers_run
+    seq = prompt + toks[:-1]
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([seq]), use_cache=False).logits[0].numpy()
+    model = jaxk3.Model.from_weights(cfg, _hf_state_to_checkpoint(hf.state_dict(), cfg), tp=2, dtype="float32")
+    got = model.score([seq])[0]
+    assert got.shape == ref.shape
+    assert rel_err(got, ref) <= 1e-4

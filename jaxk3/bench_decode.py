@@ -55,9 +55,27 @@ STRATEGIES = (("stock", False, "lax"), ("sharded+lax", True, "lax"), ("sharded+o
 
 
 # ------------------------------------------------------------------------------ config
+# Kimi-Linear-48B-A3B's text config (hub values, docs/SPEC.md §1.1)
+KIMI_LINEAR_48B = dict(
+    model_type="kimi_linear", vocab_size=163840, hidden_size=2304, num_hidden_layers=27, rms_norm_eps=1e-5,
+    num_attention_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, mla_use_nope=True,
+    linear_attn_config=dict(full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
+                            kda_layers=[i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+                            num_heads=32, head_dim=128, short_conv_kernel_size=4),
+    first_k_dense_replace=1, moe_layer_freq=1, intermediate_size=9216, num_experts=256, num_experts_per_token=8,
+    num_shared_experts=1, moe_intermediate_size=1024, moe_router_activation_func="sigmoid", use_grouped_topk=True,
+    num_expert_group=1, topk_group=1, moe_renormalize=True, routed_scaling_factor=2.446, hidden_act="silu",
+    tie_word_embeddings=False, bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
+    max_position_embeddings=1048576)
+
+
 def load_config(name: str) -> KimiK3Config:
+    """A bench preset (k3, kimi-linear-48b, tiny) or a HF config.json / model directory."""
     if name == "k3":
         return KimiK3Config.k3()
+    if name == "kimi-linear-48b":
+        return KimiK3Config.from_pretrained(KIMI_LINEAR_48B)
     if name == "tiny":
         return KimiK3Config.tiny_k3()
     return KimiK3Config.from_pretrained(name)

@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxk3 import bench_decode as bd
 from jaxk3 import params
-from jaxk3.model import Model, StepOptions, abstract_weights, build_step, put_batch
+from jaxk3.model import Model, StepOptions, build_step, put_batch
 from jaxk3.sharding import TP
 
 
@@ -55,13 +55,14 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
     for B in batches:
         rng = np.random.default_rng(B)
         prompts = rng.integers(0, cfg.vocab_size, (B, prompt)).tolist()
-        say(f"B={B}: warm-up (compiles prefill and the decode loop)")
+        say(f"B={B}: warm-up: the same call once (compiles the prefill and the decode loop)")
         t0 = time.perf_counter()
-        model.generate(prompts, decode_chunk + 1, prefill_chunk=prefill_chunk, decode_chunk=decode_chunk)
+        model.generate(prompts, new, prefill_chunk=prefill_chunk, decode_chunk=decode_chunk)
         compile_s = time.perf_counter() - t0
         say(f"B={B}: prompt {prompt} + {new} new tokens")
         out = model.generate(prompts, new, prefill_chunk=prefill_chunk, decode_chunk=decode_chunk)
         ttft, dec = out.prompt_time_s, out.decode_time_s
+        compiled = {k[0]: f._cache_size() for k, f in model._fns.items()}
         # the device's own step rate: the decode step back to back, greedy token fed back on the device
         step = build_step(cfg, StepOptions(gather=gather, psum=psum), mesh, model.abstract)
         cache = bd.random_cache(cfg, mesh, dtype, B, -(-(prompt + new) // 64) * 64)
@@ -89,7 +90,7 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
                    step_us_b2b=b2b, loop_vs_b2b=b2b / per_tok, token_by_token_s=prompt * b2b / 1e6,
                    prefill_speedup=prompt * b2b / 1e6 / ttft, floor_us=floor, b2b_vs_floor=b2b / floor,
                    weight_bytes=wbytes, cache_bytes=cbytes, compile_s=compile_s,
-                   stopped_rows=int((out.lengths < new).sum()))
+                   stopped_rows=int((out.lengths < new).sum()), compiled_variants=compiled)
         rows.append(row)
         say(f"   -> TTFT {ttft:.3f} s ({row['prefill_tok_s']:.0f} tok/s, {row['prefill_speedup']:.1f}x token by token), "
             f"decode {row['decode_tok_s']:.1f} tok/s ({per_tok:.0f} us/token vs {b2b:.0f} us back to back: "

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxk3 import params
@@ -72,20 +72,31 @@ def sample(logits_BV: jax.Array, position: jax.Array, s: Sampling) -> jax.Array:
 
 
 def _local(cfg, opt, mesh: Mesh, abstract, all_logits: bool = True):
+    """(the shard_mapped forward, and the NamedShardings of weights, cache and a batch array).
+
+    The jitted functions below fix their input and output shardings to these, so that what one
+    call returns (the cache, the last token, the done flags) is what the next call was compiled
+    for: without that, the outputs' shardings differ from the host-made first inputs' and the
+    second chunk recompiles (seen: the decode loop compiled twice per generate)."""
     from jaxk3.model import cache_specs, dp_axis, forward_local
 
     batch = P(dp_axis(mesh))
     cspecs = cache_specs(cfg, dp_axis(mesh))
-    return shard_map(functools.partial(forward_local, cfg, opt, all_logits=all_logits), mesh,
-                     in_specs=(params.partition_specs(abstract, opt.shard_latent), cspecs, batch, batch),
-                     out_specs=(batch, cspecs))
+    wspecs = params.partition_specs(abstract, opt.shard_latent)
+    local = shard_map(functools.partial(forward_local, cfg, opt, all_logits=all_logits), mesh,
+                      in_specs=(wspecs, cspecs, batch, batch), out_specs=(batch, cspecs))
+
+    def named(tree):
+        return jax.tree.map(lambda p: NamedSharding(mesh, p), tree, is_leaf=lambda x: isinstance(x, P))
+
+    return local, named(wspecs), named(cspecs), NamedSharding(mesh, batch)
 
 
 def build_prefill(cfg, opt, mesh: Mesh, abstract, all_logits: bool, sampling: Sampling | None = None):
     """jit(fn)(weights, cache, tokens_BT, valid_BT, position) -> (logits, first_B or None, cache), the
     cache donated.  logits: [B, T, vocab] (`all_logits`) or the last position's [B, vocab]; with a
     `sampling`, first_B is the token sampled from the last position (keyed by `position`)."""
-    local = _local(cfg, opt, mesh, abstract, all_logits)
+    local, w_sh, c_sh, b_sh = _local(cfg, opt, mesh, abstract, all_logits)
 
     def run(weights, cache, tokens_BT, valid_BT, position):
         logits, cache = local(weights, cache, tokens_BT, valid_BT)
@@ -94,7 +105,8 @@ def build_prefill(cfg, opt, mesh: Mesh, abstract, all_logits: bool, sampling: Sa
             first = sample(logits[:, -1] if all_logits else logits, position, sampling)
         return logits, first, cache
 
-    return jax.jit(run, donate_argnames=("cache",))
+    return jax.jit(run, donate_argnames=("cache",), in_shardings=(w_sh, c_sh, b_sh, b_sh, None),
+                   out_shardings=(b_sh, b_sh if sampling is not None else None, c_sh))
 
 
 def build_decode_loop(cfg, opt, mesh: Mesh, abstract, steps: int, sampling: Sampling, stop_ids: tuple[int, ...],
@@ -103,7 +115,7 @@ def build_decode_loop(cfg, opt, mesh: Mesh, abstract, steps: int, sampling: Samp
     None, cache, tok_B, done_B), the cache donated.  Each step feeds `tok_B` (the last token of every
     row), samples the next one (keyed by position + i), and freezes rows that produced a stop id:
     their caches stay as they were and their later tokens are `pad_id`."""
-    local = _local(cfg, opt, mesh, abstract)
+    local, w_sh, c_sh, b_sh = _local(cfg, opt, mesh, abstract)
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
 
     def run(weights, cache, tok, done, position):
@@ -124,4 +136,5 @@ def build_decode_loop(cfg, opt, mesh: Mesh, abstract, steps: int, sampling: Samp
         cache, tok, done, out_t, out_l = lax.fori_loop(0, steps, body, (cache, tok, done, out_t, out_l))
         return out_t, out_l, cache, tok, done
 
-    return jax.jit(run, donate_argnames=("cache",))
+    return jax.jit(run, donate_argnames=("cache",), in_shardings=(w_sh, c_sh, b_sh, b_sh, None),
+                   out_shardings=(b_sh, b_sh if return_logits else None, c_sh, b_sh, b_sh))

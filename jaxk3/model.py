@@ -46,6 +46,9 @@ from jaxk3.sharding import DP, TP as TP_AXIS
 
 IMPLS = ("auto", "ffi", "lax")  # collective implementations (jaxk3.collectives.IMPLS)
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per row per prefill dispatch
+# generate/score round the latent cache's length up to this: one compiled prefill and decode loop
+# serve every prompt + max_new_tokens within a bucket (each new cache shape is a new compile)
+CACHE_BUCKET = 512
 
 
 # ----------------------------------------------------------------------------- pytrees
@@ -402,7 +405,7 @@ class Model:
         rows = self._check_prompts(token_ids)
         chunk = _check_chunk(prefill_chunk)
         toks, valid, chunk = self._layout(rows, chunk)
-        cache = self.init_cache(toks.shape[0], -(-toks.shape[1] // 64) * 64)
+        cache = self.init_cache(toks.shape[0], -(-toks.shape[1] // CACHE_BUCKET) * CACHE_BUCKET)
         outs, _, _ = self._prefill(cache, toks, valid, chunk, True, None)
         full = np.concatenate([_to_host(o) for o in outs], axis=1)
         T = max(len(r) for r in rows)
@@ -443,7 +446,7 @@ class Model:
         B = len(rows)
         toks, valid, chunk = self._layout(rows, chunk)
         Bp, Tt = toks.shape
-        cache = self.init_cache(Bp, -(-(Tt + max_new_tokens) // 64) * 64)
+        cache = self.init_cache(Bp, -(-(Tt + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET)
         t0 = time.perf_counter()
         outs, first, cache = self._prefill(cache, toks, valid, chunk, False, sampling, progress)
         first_np = _to_host(first)

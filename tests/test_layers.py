@@ -272,4 +272,11 @@ def test_prefill_blocks_equal_their_decode_steps(mode):
     np.testing.assert_array_equal(np.asarray(k2), np.asarray(k1))
     wf = f32(host.layers[2].ffn)
     xs = jnp.asarray(np.random.default_rng(12).standard_normal((37, cfg.hidden_size)), jnp.float32)
-    close(moe(cfg, wf, xs, None, grouped=True), moe(cfg, wf, xs, None), 1e-5)
+    close(moe(cfg, wf, xs, None, grouped=True), moe(cfg, wf, xs, None), 1e-5)  # the dense form
+    from jaxk3.layers import moe as moe_lib
+
+    w_Nk, ids_Nk = moe_lib.route(cfg, wf.gate, wf.e_score_correction_bias, xs)
+    z = xs if wf.routed_expert_down_proj is None else xs @ wf.routed_expert_down_proj.T
+    ref = moe_lib.experts_partial(cfg, wf, z, w_Nk, ids_Nk)
+    for form in (moe_lib.experts_grouped, moe_lib.experts_dense):
+        close(form(cfg, wf, z, w_Nk, ids_Nk), ref, 1e-5)

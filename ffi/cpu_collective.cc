@@ -10,7 +10,7 @@ namespace ffi = xla::ffi;
 namespace jaxk3 {
 
 ffi::Future RunCpuCollective(const char* op, Combine combine, OutputSize out_size, int32_t ordinal,
-                             ffi::RunId run_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                             ffi::RunId run_id, const CallInstance* instance, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                              const GroupAttrs& attrs) {
   GroupRef group;
   if (ffi::Error err = FindGroup(attrs, ordinal, &group); err.failure()) return FailedFuture(std::move(err));
@@ -21,7 +21,8 @@ ffi::Future RunCpuCollective(const char* op, Combine combine, OutputSize out_siz
   }
   if (PoisonOutputs()) std::memset(y->untyped_data(), 0xA5, y->size_bytes());
   RankArgs args;
-  args.call = attrs.site;
+  args.call = MatchBySite() ? -attrs.site : instance->call;
+  args.site = attrs.site;
   args.rank = group.rank;
   args.in = x.untyped_data();
   args.bytes = bytes;

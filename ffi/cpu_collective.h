@@ -4,17 +4,20 @@
 
 #include <cstddef>
 
+#include "call_instance.h"
 #include "common.h"
 #include "host_comm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxk3 {
 
-// What a CPU collective handler binds (in this order).
+// What a CPU collective handler binds (in this order).  The CallInstance comes from the
+// instantiate stage every CPU collective registers (targets.h).
 inline auto CpuCollectiveBinding() {
   return xla::ffi::Ffi::Bind()
       .Ctx<xla::ffi::DeviceOrdinal>()
       .Ctx<xla::ffi::RunId>()
+      .Ctx<xla::ffi::State<CallInstance>>()
       .Arg<xla::ffi::AnyBuffer>()
       .Ret<xla::ffi::AnyBuffer>()
       .Attrs<GroupAttrs>();
@@ -28,7 +31,7 @@ enum class OutputSize {
 
 // Runs `combine` over this device's group; `op` names the handler in errors.
 xla::ffi::Future RunCpuCollective(const char* op, Combine combine, OutputSize out_size, int32_t ordinal,
-                                  xla::ffi::RunId run_id, xla::ffi::AnyBuffer x,
+                                  xla::ffi::RunId run_id, const CallInstance* instance, xla::ffi::AnyBuffer x,
                                   xla::ffi::Result<xla::ffi::AnyBuffer> y, const GroupAttrs& attrs);
 
 }  // namespace jaxk3

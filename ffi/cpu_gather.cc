@@ -33,14 +33,16 @@ ffi::Error PaddedCombine(const RoundBuffers& r) {
   return ffi::Error::Success();
 }
 
-ffi::Future CpuOneShot(int32_t ordinal, ffi::RunId run_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                       GroupAttrs attrs) {
-  return RunCpuCollective("jaxk3 gather", GatherCombine, OutputSize::kGathered, ordinal, run_id, x, y, attrs);
+ffi::Future CpuOneShot(int32_t ordinal, ffi::RunId run_id, CallInstance* instance, ffi::AnyBuffer x,
+                       ffi::Result<ffi::AnyBuffer> y, GroupAttrs attrs) {
+  return RunCpuCollective("jaxk3 gather", GatherCombine, OutputSize::kGathered, ordinal, run_id, instance, x, y,
+                          attrs);
 }
 
-ffi::Future CpuPadded(int32_t ordinal, ffi::RunId run_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                      GroupAttrs attrs) {
-  return RunCpuCollective("jaxk3 gather", PaddedCombine, OutputSize::kGathered, ordinal, run_id, x, y, attrs);
+ffi::Future CpuPadded(int32_t ordinal, ffi::RunId run_id, CallInstance* instance, ffi::AnyBuffer x,
+                      ffi::Result<ffi::AnyBuffer> y, GroupAttrs attrs) {
+  return RunCpuCollective("jaxk3 gather", PaddedCombine, OutputSize::kGathered, ordinal, run_id, instance, x, y,
+                          attrs);
 }
 
 }  // namespace

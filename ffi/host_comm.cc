@@ -37,6 +37,7 @@ struct HostComm::Round {
     ffi::Promise promise;
   };
   int64_t call = 0;
+  int64_t site = 0;
   uint64_t gen = 0;
   int arrived = 0;
   Clock::time_point start;
@@ -79,6 +80,7 @@ std::shared_ptr<HostComm::Round> HostComm::Join(const RankArgs& a, const ffi::Pr
   if (!slot) {
     slot = std::make_shared<Round>();
     slot->call = a.call;
+    slot->site = a.site;
     slot->gen = gen;
     slot->start = Clock::now();
     slot->entries.resize(n);
@@ -153,7 +155,8 @@ void HostComm::Complete(Round& round, int last_rank) {
     out[r] = e.out;
     if (!error && (e.bytes != first.bytes || e.dtype != first.dtype || e.combine != first.combine)) {
       std::ostringstream os;
-      os << "jaxk3 collective: ranks of " << Describe() << " disagree at site " << round.call << " generation "
+      os << "jaxk3 collective: ranks of " << Describe() << " disagree at site " << round.site << " (call "
+         << round.call << ") generation "
          << round.gen << ": rank 0 has " << first.bytes << " bytes of dtype " << first.dtype << ", rank " << r
          << " has " << e.bytes << " bytes of dtype " << e.dtype
          << (e.combine != first.combine ? " (and a different operation)" : "");
@@ -181,8 +184,8 @@ int HostComm::ExpireOlderThan(std::chrono::milliseconds timeout) {
       }
       Round& r = *it->second;
       std::ostringstream os;
-      os << "jaxk3 collective timed out after " << timeout.count() << " ms: " << Describe() << " at site " << r.call
-         << " generation " << r.gen << ": arrived " << r.arrived << " of " << size() << ", missing ranks [";
+      os << "jaxk3 collective timed out after " << timeout.count() << " ms: " << Describe() << " at site " << r.site
+         << " (call " << r.call << ") generation " << r.gen << ": arrived " << r.arrived << " of " << size() << ", missing ranks [";
       bool first = true;
       for (int k = 0; k < size(); ++k) {
         if (!r.entries[k].present) {

@@ -4,10 +4,12 @@
 // in rank order, so two axis names that resolve to the same ordered devices share one, and a
 // different order is a different communicator.
 //
-// Matching: every call carries a `call` id.  Rank r's k-th execution of call c is generation
-// k of (c, r), and generation k of every rank meets in round (c, k).  Overlapping launches
-// under async dispatch therefore never mix, and neither do independent collectives that XLA
-// runs in a different order on different devices.
+// Matching: every call carries a `call` id, the same on every device for one custom-call
+// instance of a compiled program and different for any two (call_instance.h).  Rank r's k-th
+// execution of call c is generation k of (c, r), and generation k of every rank meets in round
+// (c, k).  Overlapping launches under async dispatch therefore never mix, and neither do
+// independent collectives (or two inlined copies of one call site) that XLA runs in a
+// different order on different devices.
 //
 // No thread blocks for long: each rank registers its operand, its output and a promise, polls
 // (yielding the core) for up to 200 us, and then returns its ffi::Future.  The last rank to
@@ -51,7 +53,8 @@ using Combine = xla::ffi::Error (*)(const RoundBuffers& round);
 
 // What one rank brings to a round.
 struct RankArgs {
-  int64_t call = 0;        // which call: its rounds meet by per-rank generation
+  int64_t call = 0;        // which call instance: its rounds meet by per-rank generation
+  int64_t site = 0;        // the call site in the program (diagnostics)
   int rank = 0;            // this device's rank in the group
   const void* in = nullptr;
   size_t bytes = 0;        // operand bytes of this rank

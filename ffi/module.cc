@@ -25,9 +25,31 @@ namespace nb = nanobind;
 namespace jaxk3 {
 namespace {
 
+// name -> the handler capsule, or {"instantiate": ..., "execute": ...} for a stateful one.
 nb::dict TargetDict(const std::vector<Target>& targets) {
   nb::dict d;
-  for (const Target& t : targets) d[t.name] = nb::capsule(t.execute);
+  for (const Target& t : targets) {
+    if (t.instantiate == nullptr) {
+      d[t.name] = nb::capsule(t.execute);
+    } else {
+      nb::dict stages;
+      stages["instantiate"] = nb::capsule(t.instantiate);
+      stages["execute"] = nb::capsule(t.execute);
+      d[t.name] = stages;
+    }
+  }
+  return d;
+}
+
+// name -> {"type_id": ..., "type_info": ...}, for jax.ffi.register_ffi_type.
+nb::dict TypeDict(const std::vector<FfiType>& types) {
+  nb::dict d;
+  for (const FfiType& t : types) {
+    nb::dict reg;
+    reg["type_id"] = nb::capsule(t.type_id);
+    reg["type_info"] = nb::capsule(t.type_info);
+    d[t.name] = reg;
+  }
   return d;
 }
 
@@ -43,6 +65,7 @@ nb::bytes HostGatherForTest(std::vector<int64_t> devices, int64_t site, int rank
     nb::gil_scoped_release release;
     RankArgs a;
     a.call = site;
+    a.site = site;
     a.rank = rank;
     a.in = in.data();
     a.bytes = in.size();
@@ -116,6 +139,7 @@ nb::tuple CudaLonelyGather(std::vector<int> ordinals, int64_t timeout_ms, bool t
 NB_MODULE(_ffi, m) {
   using namespace jaxk3;
   m.def("cpu_targets", [] { return TargetDict(CpuTargets()); });
+  m.def("cpu_types", [] { return TypeDict(CpuTypes()); });
   m.def("cuda_targets", [] { return TargetDict(CudaTargets()); });
   m.def("build_info", &BuildInfo);
   // Settings (jaxk3/collectives/settings.py sets them all when it loads the extension).
@@ -136,6 +160,7 @@ NB_MODULE(_ffi, m) {
 #endif
   // Test hooks.
   m.def("_set_poison_outputs", &SetPoisonOutputs);
+  m.def("_set_match_by_site", &SetMatchBySite);
   m.def("_host_gather_for_test", &HostGatherForTest, nb::arg("devices"), nb::arg("site"), nb::arg("rank"),
         nb::arg("payload"), nb::arg("dtype"), nb::arg("align"));
 }

@@ -12,6 +12,7 @@ std::atomic<int64_t> g_timeout_ms{60000};
 std::atomic<size_t> g_cuda_capacity{size_t{1} << 20};
 std::atomic<bool> g_verbose{false};
 std::atomic<bool> g_poison{false};
+std::atomic<bool> g_match_by_site{false};
 
 }  // namespace
 
@@ -28,6 +29,9 @@ void SetCudaCapacityBytes(size_t bytes) {
 
 bool Verbose() { return g_verbose.load(std::memory_order_relaxed); }
 void SetVerbose(bool on) { g_verbose.store(on, std::memory_order_relaxed); }
+
+bool MatchBySite() { return g_match_by_site.load(std::memory_order_relaxed); }
+void SetMatchBySite(bool on) { g_match_by_site.store(on, std::memory_order_relaxed); }
 
 bool PoisonOutputs() { return g_poison.load(std::memory_order_relaxed); }
 void SetPoisonOutputs(bool on) { g_poison.store(on, std::memory_order_relaxed); }

@@ -23,6 +23,11 @@ void SetCudaCapacityBytes(size_t bytes);
 bool Verbose();
 void SetVerbose(bool on);
 
+// Test hook: CPU collectives match ranks by call site instead of by custom-call instance (the
+// protocol that two inlined copies of one site, run in different orders per device, break).
+bool MatchBySite();
+void SetMatchBySite(bool on);
+
 // Test hook: handlers fill their output with 0xA5 first, so a byte a collective fails to write
 // shows up in a bitwise comparison.
 bool PoisonOutputs();

@@ -5,11 +5,14 @@
 
 #include <vector>
 
-// X(target name, handler symbol)
-#define JAXK3_CPU_TARGETS(X)                                     \
+// X(target name, handler symbol).  The CPU collectives also get the instantiate stage that
+// gives each custom-call instance its CallInstance (call_instance.h).
+#define JAXK3_CPU_COLLECTIVES(X)                                 \
   X("jaxk3_one_shot_all_gather", jaxk3_cpu_one_shot_all_gather) \
   X("jaxk3_padded_all_gather", jaxk3_cpu_padded_all_gather)     \
-  X("jaxk3_local_tile", jaxk3_cpu_local_tile) /* bench floor, no communication */
+  X("jaxk3_all_reduce", jaxk3_cpu_all_reduce)
+
+#define JAXK3_CPU_TARGETS(X) X("jaxk3_local_tile", jaxk3_cpu_local_tile) /* bench floor, no communication */
 
 #define JAXK3_CUDA_TARGETS(X)                                     \
   X("jaxk3_one_shot_all_gather", jaxk3_cuda_one_shot_all_gather) \
@@ -20,10 +23,19 @@ namespace jaxk3 {
 
 struct Target {
   const char* name;
-  void* execute;  // the handler symbol's address
+  void* execute;                  // the handler symbol's address
+  void* instantiate = nullptr;    // the instantiate stage's, if any
+};
+
+// A type XLA must know (the FFI state types), for jax.ffi.register_ffi_type.
+struct FfiType {
+  const char* name;
+  void* type_id;    // XLA_FFI_TypeId*
+  void* type_info;  // const XLA_FFI_TypeInfo*
 };
 
 std::vector<Target> CpuTargets();
+std::vector<FfiType> CpuTypes();
 std::vector<Target> CudaTargets();  // empty when built without CUDA
 
 }  // namespace jaxk3

@@ -1,21 +1,26 @@
-"""One-shot collectives as XLA FFI custom calls, bitwise-equal to ``jax.lax``'s.
+"""One-shot collectives as XLA FFI custom calls: drop-ins for ``jax.lax.all_gather`` (bitwise)
+and ``jax.lax.psum`` (bit-identical on every rank, float32 accumulation).
 
-Call these inside ``jax.shard_map`` (axis names bound).  Each call decides *statically*, at
-trace time and identically on every device, whether it takes the FFI fast path or falls back
-to ``lax``; :func:`explain` reports that decision and its reason, :func:`plan` makes it.
+Call them wherever lax's would go: inside a plain ``jax.shard_map`` (in ``jax.jit``, loop bodies,
+nested jits; the devices are resolved when the program is lowered), or anywhere else, where a
+form the fast path does not serve goes to lax with every argument.  Each call decides
+*statically* and identically on every device whether it takes the FFI path; :func:`explain`
+reports that decision and its reason, :func:`plan` makes it.
 
 The package, by concern:
 
 - ``settings``: every environment variable (``JAXK3_GATHER``, ``JAXK3_GATHER_MAX_ROWS``,
   ``JAXK3_GATHER_MAX_BYTES``, ``JAXK3_GATHER_TIMEOUT_S``, ``JAXK3_DEBUG``), read and checked there
   and handed to C++;
-- ``registry``: the compiled extension and its targets, registered with XLA once;
-- ``context``: where a collective is traced (the bound axes, the concrete mesh) and the
-  ``shard_map`` wrapper that records the mesh;
+- ``registry``: the compiled extension, its targets and types, registered with XLA once;
+- ``context``: where a collective is traced or lowered (axes, mesh, platform); ``shard_map``;
 - ``groups``: device groups and their tables, the communicators (``reset``, ``set_timeout``);
-- ``rules``: the group-level and op-level fallback rules; ``plan``: the decision, ``explain``;
+- ``interface``: the forms of lax's collectives that lax serves (decided when traced);
+- ``rules``: the group-level and op-level rules; ``planning``: ``plan`` and ``explain``;
+- ``lowering``: the lowering rule the primitives share (the final decision, with devices);
 - one module per op: ``gather`` (``all_gather``), ``padded`` (``padded_all_gather``),
-  ``logits`` (``gather_logits``); ``floor`` (``local_tile``, the benchmark floor).
+  ``logits`` (``gather_logits``), ``allreduce`` (``psum``); ``floor`` (``local_tile``, the
+  benchmark floor).
 """
 from __future__ import annotations
 
@@ -26,10 +31,11 @@ from jaxk3.collectives.gather import all_gather
 from jaxk3.collectives.groups import reset, set_timeout
 from jaxk3.collectives.logits import gather_logits
 from jaxk3.collectives.padded import padded_all_gather
-from jaxk3.collectives.plan import explain, plan
+from jaxk3.collectives.planning import explain, plan
+from jaxk3.collectives.allreduce import psum
 from jaxk3.collectives.registry import extension, extension_error
 from jaxk3.collectives.rules import GATHER_DTYPES as SUPPORTED_DTYPES
-from jaxk3.collectives.rules import ONE_SHOT_TARGET, PADDED_TARGET, TRANSPORT_ALIGN
+from jaxk3.collectives.rules import ALL_REDUCE_TARGET, ONE_SHOT_TARGET, PADDED_TARGET, TRANSPORT_ALIGN
 from jaxk3.collectives.settings import (
     ENV_DEBUG,
     ENV_IMPL,
@@ -44,9 +50,9 @@ from jaxk3.collectives.settings import (
 
 __all__ = [
     "ENV_DEBUG", "ENV_IMPL", "ENV_MAX_BYTES", "ENV_MAX_ROWS", "ENV_TIMEOUT", "IMPLS",
-    "LOCAL_TILE_TARGET", "ONE_SHOT_TARGET", "PADDED_TARGET", "SUPPORTED_DTYPES", "TRANSPORT_ALIGN",
+    "ALL_REDUCE_TARGET", "LOCAL_TILE_TARGET", "ONE_SHOT_TARGET", "PADDED_TARGET", "SUPPORTED_DTYPES", "TRANSPORT_ALIGN",
     "GatherUnavailableError", "Plan",
     "all_gather", "default_impl", "explain", "extension", "extension_error", "gather_logits",
-    "local_tile", "max_bytes", "max_rows", "padded_all_gather", "plan", "reset", "set_timeout",
+    "local_tile", "max_bytes", "max_rows", "padded_all_gather", "plan", "psum", "reset", "set_timeout",
     "shard_map",
 ]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxk3.collectives import registry
 from jaxk3.collectives.layout import arrange
-from jaxk3.collectives.plan import canonical_axis
+from jaxk3.collectives.planning import canonical_axis
 
 LOCAL_TILE_TARGET = "jaxk3_local_tile"
 

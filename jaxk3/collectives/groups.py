@@ -59,11 +59,6 @@ def resolve(mesh, names: tuple) -> GroupTable:
     return GroupTable(n, tuple(table), tuple(groups), spans)
 
 
-def platform_of(mesh) -> str:
-    """The jax platform name of the mesh's devices."""
-    return np.asarray(mesh.devices).flat[0].platform
-
-
 def communicators_ok(platform: str, group: GroupTable) -> tuple[bool, str]:
     """Whether every group can have a communicator on `platform` (CUDA: made now, outside any
     execute: receive buffers, peer access, the kernel loaded on every GPU)."""

@@ -73,14 +73,25 @@ def targets(platform: str) -> dict[str, Any]:
     return {}
 
 
+def types(platform: str) -> dict[str, Any]:
+    """Type name -> {"type_id", "type_info"} capsules: the FFI state types of `platform`."""
+    ext = extension()
+    if ext is None or platform != "cpu":
+        return {}
+    return dict(ext.cpu_types())
+
+
 def register(platform: str) -> bool:
-    """Registers every target of `platform` once; False when this build has no handler for it."""
+    """Registers every type and target of `platform` once; False when this build has no handler
+    for it."""
     with _lock:
         if platform in _state.registered:
             return True
         found = targets(platform)
         if not found:
             return False
+        for name, registration in types(platform).items():
+            jax.ffi.register_ffi_type(name, registration, platform=platform)
         for name, capsule in found.items():
             jax.ffi.register_ffi_target(name, capsule, platform=platform)
         _state.registered.add(platform)

@@ -223,17 +223,23 @@ def test_impl_ffi_raises_with_reason_and_env_switch(monkeypatch):
         f().lower(small)
 
 
-def test_plain_shard_map_without_mesh_falls_back():
-    mesh = make_mesh(range(2))
+def test_plain_shard_map_takes_the_fast_path():
+    """Under a plain jax.shard_map in jax.jit (no wrapper, no jax.set_mesh) the devices are
+    resolved when the program is lowered: the FFI path, and explain says so."""
+    mesh = make_mesh((1, 0))
     x = jax.device_put(random_array(jax.random.key(0), (2, 8), jnp.float32), NamedSharding(mesh, P("tp")))
     seen = []
 
     def body(v):
         seen.append(C.explain(v, "tp"))
-        return C.all_gather(v, "tp")
+        return C.all_gather(v, "tp", axis=0, tiled=True)
 
-    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),), out_specs=P("tp")))(x)
-    assert seen[0].path == "lax" and "mesh is unknown" in seen[0].reason
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),), out_specs=P("tp")))
+    assert "jaxk3_one_shot_all_gather" in f.lower(x).as_text()
+    assert seen[0].path == "ffi" and "resolved when the program is lowered" in seen[0].reason
+    ref = jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, "tp", axis=0, tiled=True), mesh=mesh,
+                                in_specs=(P("tp"),), out_specs=P("tp")))(x)
+    np.testing.assert_array_equal(bits(f(x)), bits(ref))
 
 
 # ---------------------------------------------------------------------------------------
@@ -301,15 +307,19 @@ def test_host_rendezvous_disagreeing_ranks_fail_everywhere(timeout_ms):
     assert all(isinstance(r, RuntimeError) and "dtype" in str(r) for r in res), res
 
 
-def test_xla_missing_peer_errors_in_bounded_time():
-    """A program on one device whose gather names a 2-device group: the peer never comes."""
+@pytest.mark.parametrize("target,out_shape,key", [(C.ONE_SHOT_TARGET, (2, 4), 7000),
+                                                  (C.ALL_REDUCE_TARGET, (4,), 9000)])
+def test_xla_missing_peer_errors_in_bounded_time(target, out_shape, key):
+    """A program on one device whose gather (or all-reduce) names a 2-device group: the peer never
+    comes."""
     d0, d1 = jax.devices()[:2]
     C.extension()
     registry.register("cpu")
-    call = jax.ffi.ffi_call(C.ONE_SHOT_TARGET, jax.ShapeDtypeStruct((2, 4), jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32))
     table = np.array([d0.process_index, d0.id, 0, 0, d1.process_index, d1.id, 0, 1], np.int64)
     f = jax.jit(lambda v: call(v, site=np.int64(10**12), group_size=np.int64(2), table=table,
-                               groups=np.array([d0.id + 7000, d1.id + 7000], np.int64)))
+                               groups=np.array([d0.id + key, d1.id + key], np.int64)))
+    saved = ext.timeout_ms()
     ext.set_timeout_ms(500)
     try:
         t0 = time.monotonic()
@@ -317,7 +327,7 @@ def test_xla_missing_peer_errors_in_bounded_time():
             jax.block_until_ready(f(jax.device_put(jnp.ones(4, jnp.float32), d0)))
         assert time.monotonic() - t0 < 30
     finally:
-        ext.set_timeout_ms(20000)
+        ext.set_timeout_ms(saved)
         C.reset()
 
 
@@ -387,18 +397,14 @@ def test_result_type_varies_like_lax(in_spec):
     assert types["ffi"] == types["lax"] == frozenset({"tp"})
 
 
-def test_nested_jit_and_loop_bodies_fall_back_on_cpu():
-    """A nested jax.jit's trace is cached and inlined once per call, so its gather would be one
-    call site with several instances, which XLA's CPU runtime may order differently per device:
-    those (and loop bodies) take lax, and the results stay exact even with 32 instances."""
+def _nested_jit_program(K=32):
+    """K calls of one nested jax.jit whose gather is lowered once and inlined K times (one call
+    site, K instances), each behind uneven work, so that XLA's CPU runtime reaches them in a
+    different order on different devices."""
     mesh = make_mesh(range(8))
     inner = jax.jit(lambda v: C.all_gather(v, "tp", axis=0, tiled=True))
-    seen = {}
 
     def body(w, *xs):
-        seen["direct"] = C.explain(xs[0], "tp", axis=0, tiled=True)
-        seen["loop"] = []
-        jax.lax.fori_loop(0, 1, lambda i, v: (seen["loop"].append(C.explain(v, "tp")), v)[1], xs[0])
         outs = []
         for i, x in enumerate(xs):
             h = x
@@ -407,19 +413,68 @@ def test_nested_jit_and_loop_bodies_fall_back_on_cpu():
             outs.append(inner(x + 0 * h[:, :4].sum()))
         return tuple(outs)
 
-    K = 32
     f = jax.jit(C.shard_map(body, mesh=mesh, in_specs=(P(),) + (P("tp"),) * K, out_specs=(P(),) * K,
                             check_vma=False))
     w = jnp.eye(256, dtype=jnp.float32) * 0.5
     xs = [jnp.concatenate([jnp.full((8, 4), i, jnp.float32) + jnp.arange(8.0)[:, None] * 100,
                            jnp.zeros((8, 252))], 1) for i in range(K)]
+    return f, w, xs
+
+
+def _mismatches(f, w, xs, runs):
+    return sum(not np.array_equal(np.asarray(o), np.asarray(x)) for _ in range(runs) for o, x in zip(f(w, *xs), xs))
+
+
+def test_nested_jit_and_loop_bodies_take_the_fast_path_on_cpu():
+    """The trap that made the CPU path refuse nested jits (formerly
+    test_nested_jit_and_loop_bodies_fall_back_on_cpu): one call site, 32 instances, reached in a
+    different order per device.  The CPU handlers match ranks by custom-call instance (one per
+    inlined copy, the same on every device), so the form is safe: FFI path, exact results."""
+    f, w, xs = _nested_jit_program()
     text = f.lower(w, *xs).as_text()
-    assert "jaxk3_" not in text
-    assert seen["direct"].path == "ffi" and seen["loop"][0].path == "lax"
-    assert "directly in a jaxk3.shard_map body" in seen["loop"][0].reason
-    for _ in range(5):
-        for o, x in zip(f(w, *xs), xs):
-            np.testing.assert_array_equal(np.asarray(o), np.asarray(x))
+    assert text.count("jaxk3_one_shot_all_gather") == 1  # one call site (XLA inlines it 32 times)
+    assert _mismatches(f, w, xs, runs=5) == 0
+
+
+def test_nested_jit_trap_reproduces_when_matching_by_site():
+    """The reproduction itself: with the old matching (by call site and per-device generation,
+    a test switch now) the same program exchanges the wrong instances' data."""
+    f, w, xs = _nested_jit_program()
+    ext._set_match_by_site(True)
+    try:
+        bad = _mismatches(f, w, xs, runs=10)
+    finally:
+        ext._set_match_by_site(False)
+        C.reset()
+    if bad == 0:
+        pytest.skip("XLA's CPU runtime ran the 32 instances in the same order on every device this time")
+    assert bad > 0
+
+
+def test_loop_bodies_and_cond_branches_take_the_fast_path():
+    """fori_loop, scan and while_loop bodies and cond branches under a plain jax.shard_map: the
+    FFI path (the lowered HLO names the targets), bitwise equal to lax."""
+    mesh = make_mesh((3, 1, 0, 2))
+    x = jax.device_put(random_array(jax.random.key(4), (4, 24), jnp.float32), NamedSharding(mesh, P("tp")))
+
+    def body(v, impl):
+        def step(i, c):
+            g = C.all_gather(c, "tp", axis=0, tiled=True, impl=impl)
+            return jnp.tanh(jax.lax.dynamic_slice_in_dim(g, i % 4, 1) * 1.5 + C.psum(c, "tp", impl=impl) * 0.1)
+
+        v = jax.lax.fori_loop(0, 7, step, v)
+        v, _ = jax.lax.scan(lambda c, i: (step(i, c), None), v, jnp.arange(5))
+        v = jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (step(c[1], c[0]), c[1] + 1), (v, 0))[0]
+        return jax.lax.cond(v.sum() > 0, lambda u: step(1, u), lambda u: step(2, u), v)
+
+    def run(impl):
+        return jax.jit(jax.shard_map(lambda v: body(v, impl), mesh=mesh, in_specs=(P("tp"),), out_specs=P("tp")))
+
+    text = run("ffi").lower(x).as_text()
+    assert "jaxk3_one_shot_all_gather" in text and "jaxk3_all_reduce" in text
+    assert "all_gather(" not in text.replace("jaxk3_one_shot_all_gather(", "")
+    got, ref = run("ffi")(x), run("lax")(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("raw", ["abc", "0", "-3", "-1", "inf", "-inf", "nan", "1e300"])

@@ -84,6 +84,10 @@ class UnsupportedConfigError(CheckpointError):
     pass
 
 
+class NonFiniteTensorError(CheckpointError):
+    """A tensor holds NaN or Inf (raised while it is read, before the model is built)."""
+
+
 # ------------------------------------------------------------------------ headers and index
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
@@ -349,8 +353,12 @@ def _mxfp4_part(src, packed: TensorInfo, scale: TensorInfo) -> Callable[[tuple],
         (r0, r1), (c0, c1) = blk
         p0, p1 = c0 // 2, -(-c1 // 2)
         g0, g1 = c0 // mxfp4.GROUP, -(-c1 // mxfp4.GROUP)
-        w = mxfp4.dequantize(src.read(packed, (slice(r0, r1), slice(p0, p1))),
-                             src.read(scale, (slice(r0, r1), slice(g0, g1))),
+        sc = src.read(scale, (slice(r0, r1), slice(g0, g1)))
+        if np.any(sc == mxfp4.SCALE_NAN):
+            r, c = np.argwhere(sc == mxfp4.SCALE_NAN)[0]
+            raise NonFiniteTensorError(f"checkpoint: tensor {scale.name!r} holds the E8M0 scale byte "
+                                       f"{mxfp4.SCALE_NAN} (NaN in the MX format) at [{r0 + r}, {g0 + c}]")
+        w = mxfp4.dequantize(src.read(packed, (slice(r0, r1), slice(p0, p1))), sc,
                              np.float32, col_offset=2 * p0 - mxfp4.GROUP * g0)
         return w[:, c0 - 2 * p0: c1 - 2 * p0]
     return read
@@ -446,8 +454,10 @@ def read_all(plan) -> Any:
 
 
 # ------------------------------------------------------------------------------ placing
-def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, int], None] | None = None):
-    """Every `_Leaf` -> a jax.Array sharded as its Param says, each device's block read on its own."""
+def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, int], None] | None = None,
+               check_finite: bool = True):
+    """Every `_Leaf` -> a jax.Array sharded as its Param says, each device's block read on its own.
+    `check_finite`: every block read is checked for NaN/Inf (NonFiniteTensorError names the tensor)."""
     from jax.sharding import NamedSharding
 
     total = sum(math.prod(leaf.shape) * leaf.param.np_dtype(dtype).itemsize for leaf in _leaves(plan))
@@ -463,7 +473,13 @@ def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, i
             blk = _norm_index(idx, leaf.shape)
             if last[0] != blk:
                 last[:] = [None, None]  # drop the previous rank's slice before reading the next
-                last[:] = [blk, np.ascontiguousarray(np.asarray(leaf.read(blk)).astype(dt, copy=False))]
+                block = np.asarray(leaf.read(blk))
+                if check_finite and block.dtype.kind == "f" and not np.isfinite(block).all():
+                    bad = np.argwhere(~np.isfinite(block))[0]
+                    at = [int(b) + a for b, (a, _) in zip(bad, blk)]
+                    raise NonFiniteTensorError(f"checkpoint: tensor {leaf.param.name!r} holds "
+                                               f"{block[tuple(bad)]} at model index {at} (NaN/Inf)")
+                last[:] = [blk, np.ascontiguousarray(block.astype(dt, copy=False))]
             # one rank's slice to its device; wait, so at most one slice is held on the host
             shards.append(jax.device_put(last[1], dev).block_until_ready())
         last[:] = [None, None]
@@ -478,11 +494,13 @@ def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, i
 
 def load_model(path: str | os.PathLike, mesh=None, tp: int | None = None, dtype: Any = "bfloat16",
                gather: str = "auto", shard_latent: bool = True,
-               progress: Callable[[int, int], None] | None = None, psum: str = "lax"):
+               progress: Callable[[int, int], None] | None = None, psum: str = "lax", check_finite: bool = True):
     """A sharded `Model` from a K3 / Kimi-Linear safetensors directory (see the module docstring).
 
     `progress(done_bytes, total_bytes)` is called after each weight is placed.  Raises
-    `CheckpointError` (subclasses named after the problem) before reading any tensor data.
+    `CheckpointError` (subclasses named after the problem) before reading any tensor data, except
+    `NonFiniteTensorError` (a NaN/Inf, or an MXFP4 scale byte of 255), raised as the tensor is read
+    (`check_finite=False` skips that check; docs/CHECKPOINTS.md has its cost).
     """
     from jaxk3.model import Model, check_impl, make_mesh, resolve_dtype
 
@@ -498,7 +516,7 @@ def load_model(path: str | os.PathLike, mesh=None, tp: int | None = None, dtype:
     source = SafetensorsSource(scan_checkpoint(path))
     plan = build_plan(cfg, source, tp_size)
     try:
-        weights = place_plan(plan, mesh, dt, shard_latent, progress)
+        weights = place_plan(plan, mesh, dt, shard_latent, progress, check_finite)
     finally:
         source.close()
     return Model(cfg, weights, mesh, dt, gather, shard_latent, psum)

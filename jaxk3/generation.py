@@ -93,28 +93,29 @@ def _local(cfg, opt, mesh: Mesh, abstract, all_logits: bool = True):
 
 
 def build_prefill(cfg, opt, mesh: Mesh, abstract, all_logits: bool, sampling: Sampling | None = None):
-    """jit(fn)(weights, cache, tokens_BT, valid_BT, position) -> (logits, first_B or None, cache), the
-    cache donated.  logits: [B, T, vocab] (`all_logits`) or the last position's [B, vocab]; with a
-    `sampling`, first_B is the token sampled from the last position (keyed by `position`)."""
+    """jit(fn)(weights, cache, tokens_BT, valid_BT, position) -> (logits, first_B or None, finite_B, cache),
+    the cache donated.  logits: [B, T, vocab] (`all_logits`) or the last position's [B, vocab]; with a
+    `sampling`, first_B is the token sampled from the last position (keyed by `position`); finite_B:
+    whether the last position's logits are all finite."""
     local, w_sh, c_sh, b_sh = _local(cfg, opt, mesh, abstract, all_logits)
 
     def run(weights, cache, tokens_BT, valid_BT, position):
         logits, cache = local(weights, cache, tokens_BT, valid_BT)
-        first = None
-        if sampling is not None:
-            first = sample(logits[:, -1] if all_logits else logits, position, sampling)
-        return logits, first, cache
+        last = logits[:, -1] if all_logits else logits
+        first = None if sampling is None else sample(last, position, sampling)
+        return logits, first, jnp.all(jnp.isfinite(last), axis=-1), cache
 
     return jax.jit(run, donate_argnames=("cache",), in_shardings=(w_sh, c_sh, b_sh, b_sh, None),
-                   out_shardings=(b_sh, b_sh if sampling is not None else None, c_sh))
+                   out_shardings=(b_sh, b_sh if sampling is not None else None, b_sh, c_sh))
 
 
 def build_decode_loop(cfg, opt, mesh: Mesh, abstract, steps: int, sampling: Sampling, stop_ids: tuple[int, ...],
                       pad_id: int, return_logits: bool):
     """jit(fn)(weights, cache, tok_B, done_B, position) -> (tokens [B, steps], logits [B, steps, V] or
-    None, cache, tok_B, done_B), the cache donated.  Each step feeds `tok_B` (the last token of every
-    row), samples the next one (keyed by position + i), and freezes rows that produced a stop id:
-    their caches stay as they were and their later tokens are `pad_id`."""
+    None, cache, tok_B, done_B, bad_B), the cache donated.  Each step feeds `tok_B` (the last token
+    of every row), samples the next one (keyed by position + i), and freezes rows that produced a
+    stop id: their caches stay as they were and their later tokens are `pad_id`.  bad_B: a running
+    row met logits that were not all finite (checked on the device, read once per call)."""
     local, w_sh, c_sh, b_sh = _local(cfg, opt, mesh, abstract)
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
 
@@ -124,17 +125,19 @@ def build_decode_loop(cfg, opt, mesh: Mesh, abstract, steps: int, sampling: Samp
         out_l = jnp.zeros((B, steps, cfg.vocab_size), F32) if return_logits else None
 
         def body(i, carry):
-            cache, tok, done, out_t, out_l = carry
+            cache, tok, done, bad, out_t, out_l = carry
             logits, cache = local(weights, cache, tok, ~done)
+            bad = bad | (~done & ~jnp.all(jnp.isfinite(logits), axis=-1))
             nxt = jnp.where(done, pad_id, sample(logits, position + i, sampling))
             out_t = out_t.at[:, i].set(nxt)
             if out_l is not None:
                 out_l = out_l.at[:, i].set(logits)
             done = done | jnp.isin(nxt, stops)
-            return cache, jnp.where(done, tok, nxt), done, out_t, out_l
+            return cache, jnp.where(done, tok, nxt), done, bad, out_t, out_l
 
-        cache, tok, done, out_t, out_l = lax.fori_loop(0, steps, body, (cache, tok, done, out_t, out_l))
-        return out_t, out_l, cache, tok, done
+        cache, tok, done, bad, out_t, out_l = lax.fori_loop(
+            0, steps, body, (cache, tok, done, jnp.zeros_like(done), out_t, out_l))
+        return out_t, out_l, cache, tok, done, bad
 
     return jax.jit(run, donate_argnames=("cache",), in_shardings=(w_sh, c_sh, b_sh, b_sh, None),
-                   out_shardings=(b_sh, b_sh if return_logits else None, c_sh, b_sh, b_sh))
+                   out_shardings=(b_sh, b_sh if return_logits else None, c_sh, b_sh, b_sh, b_sh))

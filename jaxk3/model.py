@@ -307,8 +307,9 @@ class Model:
     @classmethod
     def from_weights(cls, cfg: KimiK3Config, weights: Mapping[str, Any] | Weights, mesh: Mesh | None = None,
                      tp: int | None = None, dtype: Any = "bfloat16", gather: str = "auto",
-                     shard_latent: bool = True, psum: str = "lax") -> "Model":
-        """From host arrays keyed by HF checkpoint names (or a host `Weights` pytree)."""
+                     shard_latent: bool = True, psum: str = "lax", check_finite: bool = True) -> "Model":
+        """From host arrays keyed by HF checkpoint names (or a host `Weights` pytree); every array is
+        checked for NaN/Inf unless `check_finite=False` (checkpoint.NonFiniteTensorError names it)."""
         from jaxk3 import checkpoint
 
         check_impl("gather", gather), check_impl("psum", psum)
@@ -320,7 +321,7 @@ class Model:
             plan = checkpoint.plan_from_arrays(abstract_weights(cfg, tp_size), weights)
         else:
             plan = checkpoint.build_plan(cfg, checkpoint.ArraySource(weights), tp_size)
-        placed = checkpoint.place_plan(plan, mesh, dt, shard_latent)
+        placed = checkpoint.place_plan(plan, mesh, dt, shard_latent, check_finite=check_finite)
         return cls(cfg, placed, mesh, dt, gather, shard_latent, psum)
 
     # -- decoding
@@ -338,22 +339,62 @@ class Model:
         return jax.tree.map(zeros, abstract, specs, is_leaf=params.is_buffer)
 
     def step(self, cache: Cache, tokens_B: Any, valid_B: Any = None) -> tuple[jax.Array, jax.Array, Cache]:
-        """One jitted decode step (cache donated): (logits [B, vocab] fp32, argmax [B], new cache)."""
-        tokens_B = np.asarray(tokens_B, np.int32)
-        if tokens_B.ndim != 1 or np.any((tokens_B < 0) | (tokens_B >= self.cfg.vocab_size)):
-            raise ValueError(f"tokens_B: need a [B] array of ids in [0, {self.cfg.vocab_size}), got {tokens_B}")
+        """One jitted decode step (cache donated): (logits [B, vocab] fp32, argmax [B], new cache).
+
+        Checks first (ValueError): the cache was not donated to an earlier step, it matches this
+        batch, and no row would write past its capacity.  The capacity check reads the cache's
+        lengths, so each call waits for the step before it (`generate` is the fast path)."""
+        tokens_B = np.asarray(tokens_B)
+        if tokens_B.ndim != 1 or tokens_B.dtype.kind not in "iu" or np.any(
+                (tokens_B < 0) | (tokens_B >= self.cfg.vocab_size)):
+            raise ValueError(f"tokens_B: need a [B] array of integer ids in [0, {self.cfg.vocab_size}), got {tokens_B}")
+        tokens_B = tokens_B.astype(np.int32)
         valid_B = np.ones(tokens_B.shape, bool) if valid_B is None else np.asarray(valid_B, bool)
+        if valid_B.shape != tokens_B.shape:
+            raise ValueError(f"valid_B: shape {valid_B.shape} differs from tokens_B's {tokens_B.shape}")
+        self._check_cache(cache, tokens_B.shape[0], valid_B)
         # the same input sharding as the fed-back argmax: one compile
         return self._step(self.weights, cache, put_batch(tokens_B, self.mesh), put_batch(valid_B, self.mesh))
 
+    def _check_cache(self, cache: Cache, batch: int, valid_B: np.ndarray) -> None:
+        if not isinstance(cache, Cache):
+            raise TypeError(f"cache: need the Cache from init_cache or the step before, got {type(cache).__name__}")
+        if any(a.is_deleted() for a in jax.tree.leaves(cache)):
+            raise ValueError("cache: it was donated to an earlier step and no longer exists; pass the cache that "
+                             "step returned")
+        if cache.length.shape != (batch,):
+            raise ValueError(f"cache: made for {cache.length.shape[0]} rows, the step has {batch}")
+        slots = min((c.kv.shape[1] for c in cache.layers if isinstance(c, MLACache)), default=None)
+        if slots is not None:
+            need = int(np.max(_to_host(cache.length) + valid_B))
+            if need > slots:
+                raise ValueError(f"cache: full: a row would hold {need} tokens in a cache of {slots} slots "
+                                 f"(make it with init_cache(batch, max_len >= {need}))")
+
     def _check_prompts(self, prompt_ids: Any) -> list[list[int]]:
+        """Rows of int token ids: a list of sequences, or a [B, T] integer array (TypeError/ValueError)."""
+        if isinstance(prompt_ids, (str, bytes)):
+            raise TypeError("prompt_ids: need token ids (a list of rows of ints), got a string: tokenize it first")
         if isinstance(prompt_ids, np.ndarray) or hasattr(prompt_ids, "shape"):
             arr = np.asarray(prompt_ids)
-            if arr.ndim != 2:
-                raise ValueError(f"prompt_ids: an int array must be [B, T], got shape {arr.shape}")
+            if arr.ndim != 2 or arr.dtype.kind not in "iu":
+                raise ValueError(f"prompt_ids: an array must be [B, T] of integers, got {arr.dtype} of shape {arr.shape}")
             rows = [list(map(int, r)) for r in arr]
         else:
-            rows = [list(map(int, r)) for r in prompt_ids]
+            try:
+                raw = list(prompt_ids)
+            except TypeError:
+                raise TypeError(f"prompt_ids: need a list of rows of token ids, got {type(prompt_ids).__name__}") from None
+            rows = []
+            for i, r in enumerate(raw):
+                if isinstance(r, (str, bytes)) or not hasattr(r, "__iter__"):
+                    raise TypeError(f"prompt_ids: row {i} is {r!r}, not a sequence of token ids (a batch of one "
+                                    f"prompt is [[1, 2, 3]])")
+                row = list(r)
+                for t in row:
+                    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                        raise TypeError(f"prompt_ids: row {i} has {t!r} ({type(t).__name__}); token ids are ints")
+                rows.append([int(t) for t in row])
         if not rows:
             raise ValueError("prompt_ids: empty batch")
         for i, r in enumerate(rows):
@@ -390,14 +431,14 @@ class Model:
         opt = StepOptions(tp_axis=TP_AXIS, gather=self.gather, psum=self.psum, shard_latent=self.shard_latent)
         fn = self._fn(("prefill", all_logits, sampling),
                       lambda: generation.build_prefill(self.cfg, opt, self.mesh, self.abstract, all_logits, sampling))
-        outs, first = [], None
+        outs, first, finite = [], None, None
         for c0 in range(0, toks.shape[1], chunk):
-            logits, first, cache = fn(self.weights, cache, put_rows(toks[:, c0:c0 + chunk], self.mesh),
-                                      put_rows(valid[:, c0:c0 + chunk], self.mesh), np.int32(0))
+            logits, first, finite, cache = fn(self.weights, cache, put_rows(toks[:, c0:c0 + chunk], self.mesh),
+                                              put_rows(valid[:, c0:c0 + chunk], self.mesh), np.int32(0))
             outs.append(logits)
             if progress is not None:
                 progress("prompt", min(c0 + chunk, toks.shape[1]), toks.shape[1])
-        return outs, first, cache
+        return outs, first, finite, cache
 
     def score(self, token_ids: Any, prefill_chunk: int | None = None) -> np.ndarray:
         """float32 logits at every position, [B, T, vocab], through the prefill path (what a
@@ -406,7 +447,7 @@ class Model:
         chunk = _check_chunk(prefill_chunk)
         toks, valid, chunk = self._layout(rows, chunk)
         cache = self.init_cache(toks.shape[0], -(-toks.shape[1] // CACHE_BUCKET) * CACHE_BUCKET)
-        outs, _, _ = self._prefill(cache, toks, valid, chunk, True, None)
+        outs, _, _, _ = self._prefill(cache, toks, valid, chunk, True, None)
         full = np.concatenate([_to_host(o) for o in outs], axis=1)
         T = max(len(r) for r in rows)
         out = np.full((len(rows), T, self.cfg.vocab_size), np.nan, np.float32)
@@ -438,9 +479,11 @@ class Model:
             raise ValueError(f"decode_chunk: must be an int >= 1, got {decode_chunk!r}")
         stops = _check_stop_ids(stop_ids, self.cfg)
         if step_by_step:
+            self._check_length(rows, max_new_tokens)
             if not sampling.greedy:
                 raise ValueError("step_by_step=True decodes greedily: leave temperature at 0")
             return self._generate_step_by_step(rows, max_new_tokens, return_logits, progress)
+        self._check_length(rows, max_new_tokens)
         chunk = _check_chunk(prefill_chunk)
         pad_id = self.cfg.pad_token_id if self.cfg.pad_token_id is not None else -1
         B = len(rows)
@@ -448,9 +491,10 @@ class Model:
         Bp, Tt = toks.shape
         cache = self.init_cache(Bp, -(-(Tt + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET)
         t0 = time.perf_counter()
-        outs, first, cache = self._prefill(cache, toks, valid, chunk, False, sampling, progress)
+        outs, first, finite, cache = self._prefill(cache, toks, valid, chunk, False, sampling, progress)
         first_np = _to_host(first)
         ttft = time.perf_counter() - t0
+        _raise_if_not_finite(~_to_host(finite)[:B], "the first new token (the prompt's last position)")
         done_np = np.isin(first_np, stops) | (np.arange(Bp) >= B)
         out_t = [first_np[:, None]]
         out_l = [_to_host(outs[-1])[:, None].astype(np.float32)] if return_logits else []
@@ -471,10 +515,11 @@ class Model:
             launched = None
             if left > 0:  # the next chunk is queued before the previous one is read
                 n = min(K, left)
-                t_B, l_B, cache, tok, done = loop(self.weights, cache, tok, done, np.int32(position))
-                launched, position, left = (t_B, l_B, done, n), position + K, left - n
+                t_B, l_B, cache, tok, done, bad = loop(self.weights, cache, tok, done, np.int32(position))
+                launched, position, left = (t_B, l_B, done, bad, n), position + K, left - n
             if pending is not None:
-                t_B, l_B, d_B, n = pending
+                t_B, l_B, d_B, bad_B, n = pending
+                _raise_if_not_finite(_to_host(bad_B)[:B], f"new tokens {produced + 1}..{produced + n}")
                 got = _to_host(t_B)[:, :n]
                 out_t.append(got)
                 if l_B is not None:
@@ -500,6 +545,27 @@ class Model:
         return GenerateOutput(tokens=tokens.astype(np.int32), logits=logits_np, prompt_time_s=ttft,
                               decode_time_s=decode_s, lengths=lengths, prompt_tokens=Tt)
 
+    def _check_length(self, rows: list[list[int]], max_new_tokens: int) -> None:
+        """The longest prompt + max_new_tokens against max_position_embeddings and against the cache
+        memory one rank can hold (ValueError with the figures), before anything is allocated."""
+        total = max(len(r) for r in rows) + max_new_tokens
+        mpe = getattr(self.cfg, "max_position_embeddings", None)
+        if mpe is not None and total > mpe:
+            raise ValueError(f"max_new_tokens: prompt + new tokens = {total} > max_position_embeddings {mpe}")
+        slots = -(-total // CACHE_BUCKET) * CACHE_BUCKET
+        per_row = len(self.cfg.mla_layers) * slots * self.cfg.latent_dim * self.dtype.itemsize
+        need = per_row * -(-len(rows) // self.dp)
+        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if limit is None:
+            import os
+
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        free = limit - stats.get("bytes_in_use", 0)
+        if need > free:
+            raise ValueError(f"max_new_tokens: the latent cache for {len(rows)} rows x {slots} positions needs "
+                             f"{need / 2**30:.1f} GiB per device, more than the {free / 2**30:.1f} GiB free")
+
     def _generate_step_by_step(self, rows: list[list[int]], max_new_tokens: int, return_logits: bool,
                                progress: Any) -> GenerateOutput:
         """Greedy, one token per dispatch: the prompt token by token through the decode step, then
@@ -512,7 +578,7 @@ class Model:
             toks[i, T - len(r):], valid[i, T - len(r):] = r, True
         cache = self.init_cache(Bp, -(-(T + max_new_tokens) // 64) * 64)
         t0 = time.perf_counter()
-        for t in range(T):
+        for t in range(T):  # Model.step reads the lengths: at most one step is queued
             logits, nxt, cache = self.step(cache, toks[:, t], valid[:, t])
         nxt.block_until_ready()
         prompt_s, times = time.perf_counter() - t0, []
@@ -535,6 +601,17 @@ class Model:
                      if return_logits else None)
         return GenerateOutput(tokens=tokens, logits=logits_np, step_times_s=times, prompt_time_s=prompt_s,
                               decode_time_s=sum(times), prompt_tokens=T)
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """generate met logits that are not finite (NaN or Inf): garbage in the weights or the inputs."""
+
+
+def _raise_if_not_finite(bad_B: np.ndarray, where: str) -> None:
+    if np.any(bad_B):
+        raise NonFiniteLogitsError(
+            f"generate: the logits of row(s) {np.flatnonzero(bad_B).tolist()} at {where} are not finite (NaN/Inf); "
+            "the weights or inputs hold NaN/Inf (jaxk3.load_model(..., check_finite=True) names a bad tensor)")
 
 
 def _check_chunk(chunk: Any) -> int:

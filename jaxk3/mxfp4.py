@@ -19,6 +19,7 @@ import numpy as np
 
 GROUP = 32
 SCALE_BIAS = 127
+SCALE_NAN = 255  # the E8M0 code for NaN (the OCP MX spec; E8M0 has no infinity)
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 #: all 16 codes, sign bit 3 included
 E2M1_VALUES = np.concatenate([E2M1_MAGNITUDES, -E2M1_MAGNITUDES]).astype(np.float32)

@@ -1,4 +1,4 @@
-"""`KimiK3Config`: the static, hashable model configuration (spec §1.1, §7.1).
+"""`KimiK3Config`: the static, hashable model configuration (docs/SPEC.md §1.1, §7.1).
 
 One class serves Kimi-K3 (HF `config.json` with a nested `text_config`, `model_type`
 "kimi_linear" inside) and flat Kimi-Linear configs, like vLLM's `KimiLinearForCausalLM`.  The K3
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 import os
 from typing import Any, Mapping
 
@@ -66,6 +67,9 @@ class KimiK3Config:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    # -- context length: prompt + generated tokens a model supports (HF `max_position_embeddings`;
+    # K3 and Kimi-Linear-48B: 1048576, docs/SPEC.md §1.1).  None: unknown (not checked).
+    max_position_embeddings: int | None = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -139,11 +143,18 @@ class KimiK3Config:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "short_conv_kernel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_position_embeddings is not None:  # numpy integers are stored as int (hash, equality, JSON)
+            try:
+                mpe = _positive_int("max_position_embeddings", self.max_position_embeddings)
+            except ValueError:
+                raise ValueError(f"max_position_embeddings: must be a positive int or null, "
+                                 f"got {self.max_position_embeddings!r}") from None
+            object.__setattr__(self, "max_position_embeddings", mpe)
 
     def validate_tp(self, tp: int, *, shard_latent: bool = True) -> None:
-        """Raise ValueError naming the field when a sharded dimension does not divide by `tp`."""
-        if not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tp: must be a positive int, got {tp!r}")
+        """Raise ValueError naming the field when a sharded dimension does not divide by `tp`
+        (any integer type: Python or numpy)."""
+        tp = _positive_int("tp", tp)
         checks = []
         if self.kda_layers:
             checks.append(("kda num_heads", self.kda_num_heads))
@@ -163,6 +174,29 @@ class KimiK3Config:
             if value % tp:
                 raise ValueError(f"{name} = {value} is not divisible by the TP size {tp}")
 
+    def cache_bytes_per_rank(self, batch: int, max_len: int, tp: int, dtype_bytes: int) -> int:
+        """Bytes of the decode cache one TP rank holds for `batch` rows (the rows of this rank's
+        data-parallel shard) of up to `max_len` positions, activations of `dtype_bytes` bytes:
+
+          MLA latent cache  num_mla_layers x batch x max_len x (kv_lora_rank + qk_rope_head_dim)
+                            x dtype_bytes, replicated on every TP rank
+          KDA state         num_kda_layers x batch x (kda_num_heads / tp) x kda_head_dim^2 x 4 (fp32)
+          KDA conv window   num_kda_layers x batch x 3 x (kda_dim / tp) x (short_conv_kernel_size - 1)
+                            x dtype_bytes
+          lengths           batch x 4
+
+        The arrays `jaxk3.model.cache_abstract` declares; Python ints, so no overflow at any size."""
+        batch = _positive_int("batch", batch)
+        max_len = _positive_int("max_len", max_len)
+        tp = _positive_int("tp", tp)
+        dtype_bytes = _positive_int("dtype_bytes", dtype_bytes)
+        n_kda, n_mla = len(self.kda_layers), len(self.mla_layers)
+        heads = -(-self.kda_num_heads // tp)
+        mla = n_mla * batch * max_len * self.latent_dim * dtype_bytes
+        state = n_kda * batch * heads * self.kda_head_dim ** 2 * 4
+        conv = n_kda * batch * 3 * heads * self.kda_head_dim * (self.short_conv_kernel_size - 1) * dtype_bytes
+        return mla + state + conv + batch * 4
+
     # -------------------------------------------------------------- constructors
     @classmethod
     def from_pretrained(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> "KimiK3Config":
@@ -175,9 +209,14 @@ class KimiK3Config:
                 p = os.path.join(p, "config.json")
             with open(p) as f:
                 raw = json.load(f)
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"config: must be a JSON object, got {type(raw).__name__}")
         if isinstance(raw.get("text_config"), Mapping):
             raw = dict(raw["text_config"])
-        return cls._from_flat(raw)
+        try:
+            return cls._from_flat(raw)
+        except (TypeError, AttributeError) as e:  # a field of the wrong JSON type: still a config error
+            raise ValueError(f"config: a field has the wrong type ({e})") from None
 
     @classmethod
     def _from_flat(cls, c: Mapping[str, Any]) -> "KimiK3Config":
@@ -276,19 +315,21 @@ class KimiK3Config:
             bos_token_id=c.get("bos_token_id"),
             eos_token_id=eos,
             pad_token_id=c.get("pad_token_id"),
+            # transformers' KimiLinearConfig stores it as `model_max_length` (its attribute_map)
+            max_position_embeddings=_optional_int(get("max_position_embeddings", "model_max_length")),
         )
 
     # ------------------------------------------------------------------ presets
     @classmethod
     def tiny_k3(cls, **overrides: Any) -> "KimiK3Config":
-        """Spec §7.1 tiny K3-mode config (every sharded dim divides by 1, 2, 4, 8)."""
+        """docs/SPEC.md §7.1 tiny K3-mode config (every sharded dim divides by 1, 2, 4, 8)."""
         d = dict(_TINY_K3)
         d.update(overrides)
         return cls.from_pretrained(d)
 
     @classmethod
     def tiny_kimi_linear(cls, **overrides: Any) -> "KimiK3Config":
-        """Spec §7.1 "Kimi-Linear mode": q_proj, no MLA gate, g_a/g_b, softplus gate, plain residual, SiLU."""
+        """docs/SPEC.md §7.1 "Kimi-Linear mode": q_proj, no MLA gate, g_a/g_b, softplus gate, plain residual, SiLU."""
         d = dict(_TINY_K3)
         lac = dict(d["linear_attn_config"])
         del lac["gate_lower_bound"], lac["use_full_rank_gate"]
@@ -300,7 +341,7 @@ class KimiK3Config:
 
     @classmethod
     def k3(cls) -> "KimiK3Config":
-        """Real-size Kimi-K3 text config (spec §1.1)."""
+        """Real-size Kimi-K3 text config (docs/SPEC.md §1.1)."""
         full = [i for i in range(4, 93, 4)] + [93]
         return cls.from_pretrained({"text_config": dict(
             model_type="kimi_linear", vocab_size=163840, hidden_size=7168, num_hidden_layers=93,
@@ -317,7 +358,7 @@ class KimiK3Config:
             use_grouped_topk=True, num_expert_group=1, topk_group=1, moe_renormalize=True,
             routed_scaling_factor=1.0, hidden_act="situ", activation_situ_beta=4.0,
             activation_situ_linear_beta=25.0, tie_word_embeddings=False,
-            bos_token_id=163584, eos_token_id=163586, pad_token_id=163839)})
+            bos_token_id=163584, eos_token_id=163586, pad_token_id=163839, max_position_embeddings=1048576)})
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A flat HF-style dict (Kimi-Linear key names) that `from_pretrained` reads back to this config."""
@@ -330,9 +371,33 @@ class KimiK3Config:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if f.name not in ("layer_attn", "layer_ffn", "kda_num_heads", "kda_head_dim",
                                "short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate")}
+        if d["max_position_embeddings"] is None:  # unknown: leave the key out, as configs without it do
+            del d["max_position_embeddings"]
         d.update(model_type="kimi_linear", linear_attn_config=lac,
                  mlp_layer_types=["sparse" if f == "moe" else "dense" for f in self.layer_ffn])
         return d
+
+
+def _positive_int(name: str, value: Any) -> int:
+    """`value` as an int >= 1; any integer type (int, numpy integers), never bool or float."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: must be a positive int, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}: must be a positive int, got {value!r}") from None
+    if v < 1:
+        raise ValueError(f"{name}: must be a positive int, got {value!r}")
+    return v
+
+
+def _optional_int(value: Any) -> int | None:
+    """A config's integer field: None stays None; 1048576 and 1048576.0 are 1048576."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value  # anything else is reported by __post_init__, naming the field
 
 
 _TINY_K3: dict[str, Any] = dict(

@@ -1,6 +1,8 @@
 """KimiK3Config: parsing of K3 (nested text_config) and flat Kimi-Linear configs, presets, validation."""
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from jaxk3.config import KimiK3Config
@@ -8,7 +10,7 @@ from jaxk3.config import KimiK3Config
 
 def test_k3_real_size_schedule_and_dims():
     cfg = KimiK3Config.k3()
-    # spec §1.2: MLA at 0-based {3,7,…,91} ∪ {92}; KDA elsewhere; dense layer 0 then MoE
+    # docs/SPEC.md §1.2: MLA at 0-based {3,7,…,91} ∪ {92}; KDA elsewhere; dense layer 0 then MoE
     assert cfg.mla_layers == tuple(i for i in range(92) if i % 4 == 3) + (92,)
     assert len(cfg.kda_layers) == 69 and len(cfg.mla_layers) == 24
     assert cfg.layer_ffn[0] == "mlp" and set(cfg.layer_ffn[1:]) == {"moe"}
@@ -91,3 +93,96 @@ def test_validate_tp_names_the_field():
     odd.validate_tp(8, shard_latent=False)  # replicated latent: no constraint
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         KimiK3Config.tiny_k3(moe_intermediate_size=60).validate_tp(8)
+
+
+# ------------------------------------------------------- max_position_embeddings, cache bytes, numpy ints
+def test_max_position_embeddings_read_and_round_tripped(tmp_path):
+    """docs/SPEC.md §1.1: K3 and Kimi-Linear-48B use 1048576; unknown (None) when a config lacks it."""
+    k3 = KimiK3Config.k3()
+    assert k3.max_position_embeddings == 1048576
+    assert KimiK3Config.from_pretrained(k3.to_hf_dict()) == k3
+    nested = {"model_type": "kimi_k3", "text_config": k3.to_hf_dict()}
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    assert KimiK3Config.from_pretrained(tmp_path) == k3
+    hash(k3)
+
+    tiny = KimiK3Config.tiny_k3()
+    assert tiny.max_position_embeddings is None and "max_position_embeddings" not in tiny.to_hf_dict()
+    assert KimiK3Config.from_pretrained(tiny.to_hf_dict()) == tiny
+    small = KimiK3Config.tiny_k3(max_position_embeddings=4096)
+    assert small.max_position_embeddings == 4096 and small != tiny and hash(small) != hash(tiny)
+    assert KimiK3Config.from_pretrained(small.to_hf_dict()) == small
+    # transformers' KimiLinearConfig.to_dict() spells it model_max_length (its attribute_map)
+    d = tiny.to_hf_dict()
+    d["model_max_length"] = 8192
+    assert KimiK3Config.from_pretrained(d).max_position_embeddings == 8192
+    assert KimiK3Config.tiny_k3(max_position_embeddings=4096.0).max_position_embeddings == 4096
+    np_mpe = dataclasses.replace(tiny, max_position_embeddings=np.int64(4096))
+    assert type(np_mpe.max_position_embeddings) is int and np_mpe == small and hash(np_mpe) == hash(small)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "1M", True, 1.5, [4096]])
+def test_bad_max_position_embeddings_is_named(bad):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        KimiK3Config.tiny_k3(max_position_embeddings=bad)
+
+
+def test_wrong_json_types_are_value_errors():
+    """A field of the wrong JSON type is a ValueError (a config error), not a TypeError traceback."""
+    with pytest.raises(ValueError):
+        KimiK3Config.tiny_k3(attn_res_block_size="3")
+    with pytest.raises(ValueError):
+        KimiK3Config.tiny_k3(linear_attn_config=[1, 2])
+
+
+
+def test_config_json_that_is_not_an_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must be a JSON object, got list"):
+        KimiK3Config.from_pretrained(tmp_path)
+
+
+def test_validate_tp_accepts_numpy_integers():
+    """Was: load_model(tp=np.int64(4)) said "must be an int ..., got np.int64(4)" (the config part)."""
+    cfg = KimiK3Config.tiny_k3()
+    for tp in (np.int64(4), np.int32(2), np.uint8(8)):
+        cfg.validate_tp(tp)
+    with pytest.raises(ValueError, match="kda num_heads = 8 is not divisible by the TP size 3"):
+        cfg.validate_tp(np.int64(3))
+    for bad in (4.0, True, "4", None, np.float32(4)):
+        with pytest.raises(ValueError, match="tp: must be a positive int"):
+            cfg.validate_tp(bad)
+
+
+def test_cache_bytes_per_rank_k3():
+    """K3: the replicated latent cache is 24 MLA layers x 576 x 2 B = 27648 B per token per row
+    (docs/SPEC.md §7.2); the KDA state 69 x 96/tp heads x 128^2 x 4 B; the conv window 69 x 3 x 12288/tp x 3."""
+    cfg = KimiK3Config.k3()
+    kda8 = 69 * 12 * 128 * 128 * 4 + 69 * 3 * (12288 // 8) * 3 * 2 + 4
+    assert cfg.cache_bytes_per_rank(1, 1, 8, 2) == 27648 + kda8
+    assert cfg.cache_bytes_per_rank(1, 1025, 8, 2) - cfg.cache_bytes_per_rank(1, 1, 8, 2) == 27648 * 1024
+    assert cfg.cache_bytes_per_rank(np.int64(2), np.int64(64), np.int64(8), np.int64(2)) == \
+        2 * cfg.cache_bytes_per_rank(1, 64, 8, 2)
+    # a million positions x 8 rows: no overflow (Python ints), ~217 GiB of latent cache per rank
+    assert cfg.cache_bytes_per_rank(8, 1 << 20, 8, 2) > 27648 * 8 * (1 << 20)
+    with pytest.raises(ValueError, match="batch"):
+        cfg.cache_bytes_per_rank(0, 64, 8, 2)
+
+
+def test_cache_bytes_per_rank_matches_the_model_cache():
+    """The same arrays as the model's cache declaration (jaxk3.model.cache_abstract: shape, dtype
+    class, TP dimension), counted per rank."""
+    import jax
+
+    from jaxk3.model import cache_abstract
+
+    for cfg in (KimiK3Config.tiny_k3(), KimiK3Config.tiny_kimi_linear()):
+        for dtype in (np.float32, np.float16):
+            for tp in (1, 2, 8):
+                total = 0
+                for b in jax.tree.leaves(cache_abstract(cfg, 3, 128), is_leaf=lambda x: hasattr(x, "tp_dim")):
+                    shape = list(b.shape)
+                    if b.tp_dim is not None:
+                        shape[b.tp_dim] //= tp
+                    total += int(np.prod(shape)) * b.np_dtype(dtype).itemsize
+                assert cfg.cache_bytes_per_rank(3, 128, tp, np.dtype(dtype).itemsize) == total, (cfg, dtype, tp)

@@ -4,8 +4,9 @@
 # ffi_floor / lax / ffi in the same run) with XLA command buffers on (default) and off, and
 # benchmark the decode step of K3 layers 11-14 at real dimensions (three latent strategies).
 #
-#   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [bench_off]
-#   (no argument: all of them; `bench` is command buffers on, `bench_off` off)
+#   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [bench_off] [generate]
+#   (no argument: all but generate; `bench` is command buffers on, `bench_off` off; `generate` is the
+#   prefill + decode loop at Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
 # --no-deps, so scikit-build-core, nanobind, cmake, nvcc and jax must be installed already.
@@ -47,7 +48,7 @@ fi
 
 if has test; then
   echo "== tests ($(date -u +%T))"
-  timeout 300 $PY -m pytest tests/test_gpu_gathers.py -m gpu -v -rs -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed|error" | tail -60
+  timeout 300 $PY -m pytest tests/test_gpu_gathers.py tests/test_kernels.py -m gpu -v -rs -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed|error" | tail -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
@@ -125,6 +126,15 @@ for path in files:
 if files:
     print(open(files[0]).read()[:4000])
 EOF
+fi
+
+if has generate; then
+  # What a user feels: chunked prefill of a 4096-token prompt and 256 new tokens from the decode
+  # loop on the device, beside the back-to-back step rate and the bandwidth floor (one GPU).
+  echo "== generate, Kimi-Linear-48B dims ($(date -u +%T))"
+  timeout ${GEN_TIMEOUT:-400} $PY -m jaxk3.cli bench generate --config kimi-linear-48b --tp 1 --batch 1,8 \
+    --prompt 4096 --new 256 ${GEN_ARGS:-} --json "$OUT/generate.json" --plot "$OUT/generate.png" 2>&1 | tee "$OUT/generate.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if has bench_off; then

@@ -44,3 +44,18 @@ def test_selection_and_switch():
     with pytest.raises(ValueError, match="registered twice"):
         kernels.register(kernels.REGISTRY["rms_norm"])
     assert jax.devices()[0].platform == "cpu"
+
+
+@pytest.mark.gpu
+def test_rms_norm_kernel_on_gpu():
+    """The compiled Pallas kernel (Triton) on a GPU against the reference, at a K3-like width."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"] if jax.default_backend() != "cpu" else []
+    if not gpus:
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 4096)), jnp.bfloat16)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(4096), jnp.bfloat16)
+    assert kernels.explain("rms_norm", x, w, 1e-5).startswith("device")
+    got = np.asarray(jax.jit(lambda x, w: kernels.call("rms_norm", x, w, 1e-5, mode="on"))(x, w))
+    ref = np.asarray(kernels.REGISTRY["rms_norm"].reference(x, w, 1e-5))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.max(np.abs(ref)))

@@ -10,29 +10,95 @@
 
 `--cpu-devices N` (any command) runs on N fake CPU devices; it must be handled before JAX
 starts, so it is read here, first thing.
+
+Misuse is a named error, never a traceback: exit status 2 and one line on stderr
+(`jaxk3 <command>: error: ...`), from the parser (`_Parser`, the type functions below), from
+`check_args` (what needs more than one option), or from the command itself before it reads any
+weight where it can (`jaxk3 generate`: context length, cache memory, gather path).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 
 
-def _early_cpu_devices(argv: list[str]) -> None:
-    """Applies --cpu-devices before jax is imported (XLA reads its flags once)."""
+MAX_CPU_DEVICES = 1024  # fake CPU devices: XLA makes each one up front
+_DIGITS = re.compile(r"[0-9]+")  # ASCII digits only: int() would also take "٣", "1_0", "+1", " 1"
+
+
+def one_line(message: object) -> str:
+    """`message` as one printable line: newlines and other control characters escaped."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(message))
+
+
+def fail(prog: str, message: object) -> int:
+    """Prints `prog: error: message` (one line) on stderr; returns the exit status 2."""
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr, flush=True)
+    return 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`jaxk3 bench gather: error: ...`, exit 2): no usage block, which
+    `--help` prints.  Subparsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def int_in(lo: int, hi: int, what: str = "an integer"):
+    """An argparse type: an integer in lo..hi, decimal ASCII digits only."""
+
+    def parse(text: str) -> int:
+        t = text.strip()
+        neg = t.startswith("-")
+        if not _DIGITS.fullmatch(t[1:] if neg else t) or not lo <= (v := int(t)) <= hi:
+            raise argparse.ArgumentTypeError(f"need {what} in {lo}..{hi}, got {text!r}")
+        return v
+
+    parse.__name__ = f"integer {lo}..{hi}"
+    return parse
+
+
+positive = int_in(1, 2**31 - 1, "a positive integer")
+
+
+def _cpu_devices_from_argv(argv: list[str]) -> int | None:
+    """The value of the last --cpu-devices (or an unambiguous prefix of it: --cp, --cpu-dev, ...) in
+    `argv`, without jax; ValueError when it is not an integer in 1..MAX_CPU_DEVICES."""
+    n = None
     for i, a in enumerate(argv):
-        n = None
-        if a == "--cpu-devices" and i + 1 < len(argv):
+        if a == "--":
+            break
+        name, eq, value = a.partition("=")
+        if len(name) < 4 or not "--cpu-devices".startswith(name):
+            continue
+        if eq:
+            n = value
+        elif i + 1 < len(argv):
             n = argv[i + 1]
-        elif a.startswith("--cpu-devices="):
-            n = a.split("=", 1)[1]
-        if n is not None:
-            if not n.isdigit() or int(n) < 1:
-                sys.exit(f"jaxk3: --cpu-devices needs a positive integer, got {n!r}")
-            flags = os.environ.get("XLA_FLAGS", "")
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-            os.environ["JAX_PLATFORMS"] = "cpu"
+        else:
+            raise ValueError("argument --cpu-devices: expected one argument")
+    if n is None:
+        return None
+    try:
+        return int_in(1, MAX_CPU_DEVICES)(n)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"argument --cpu-devices: {e}") from None
+
+
+def _early_cpu_devices(argv: list[str]) -> None:
+    """Applies --cpu-devices before jax starts a backend (XLA reads its flags once)."""
+    n = _cpu_devices_from_argv(argv)
+    if n is not None:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+MAX_GATHER_BYTES = 1 << 30  # per rank; --sizes
 
 
 def _parse_sizes(text: str) -> tuple[int, ...]:
@@ -42,8 +108,9 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
         p = part.strip().lower()
         num = p.rstrip("kmb")
         unit = p[len(num):] or "b"
-        if not num.isdigit() or unit not in units:
-            raise argparse.ArgumentTypeError(f"bad size {part!r}: use bytes like 64,1k,256k")
+        if not _DIGITS.fullmatch(num) or unit not in units or not 1 <= int(num) * units[unit] <= MAX_GATHER_BYTES:
+            raise argparse.ArgumentTypeError(
+                f"bad size {part!r}: use positive byte counts up to 1024m, like 64,1k,256k")
         out.append(int(num) * units[unit])
     return tuple(out)
 
@@ -54,14 +121,19 @@ def _parse_ints(text: str) -> tuple[int, ...]:
         p = part.strip().lower()
         mult = 1024 if p.endswith("k") else 1
         num = p[:-1] if p.endswith("k") else p
-        if not num.isdigit() or int(num) < 1:
+        if not _DIGITS.fullmatch(num) or not 1 <= int(num) * mult <= 2**31 - 1:
             raise argparse.ArgumentTypeError(f"bad value {part!r}: use positive integers like 1,8 or 4k,32k")
         out.append(int(num) * mult)
     return tuple(out)
 
 
+def _cpu_devices_arg(parser: argparse.ArgumentParser, **kw) -> None:
+    parser.add_argument("--cpu-devices", type=int_in(1, MAX_CPU_DEVICES), metavar="N",
+                        help=f"use N fake CPU devices (1..{MAX_CPU_DEVICES})", **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="jaxk3",
         description="Kimi-K3 / Kimi-Linear decode layers in JAX with one-shot FFI all-gathers.",
         epilog="Environment: JAXK3_GATHER=auto|ffi|lax picks the default gather path; "
@@ -71,51 +143,116 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="versions, FFI handlers built, devices, gather default")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
-    info.add_argument("--cpu-devices", type=int, help="use N fake CPU devices")
+    _cpu_devices_arg(info)
 
     bench = sub.add_parser("bench", help="benchmarks (same-run baselines, ratios printed)")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
     g = bsub.add_parser("gather", help="per-gather latency: FFI path vs lax.all_gather vs two no-exchange floors (XLA tile, one FFI call)")
     g.add_argument("--sizes", type=_parse_sizes, default=None,
                    help="payload bytes per rank, comma separated (default 64,256,1k,4k,16k,64k,256k)")
-    g.add_argument("--chain", type=int, default=100, help="dependent gathers per jitted program (default 100)")
-    g.add_argument("--repeats", type=int, default=15, help="timed runs per size; the median is reported (default 15)")
-    g.add_argument("--devices", type=int, default=None, help="use the first N devices (default: all)")
+    g.add_argument("--chain", type=int_in(1, 10_000), default=100,
+                   help="dependent gathers per jitted program, 1..10000 (default 100)")
+    g.add_argument("--repeats", type=int_in(1, 10_000), default=15,
+                   help="timed runs per size; the median is reported (default 15)")
+    g.add_argument("--devices", type=positive, default=None, help="use the first N devices (default: all)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"])
     g.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
-    g.add_argument("--cpu-devices", type=int, help="use N fake CPU devices")
+    _cpu_devices_arg(g)
 
     d = bsub.add_parser("decode", help="decode-step latency of a layer slice, three latent strategies, vs the "
                         "bandwidth floor")
     d.add_argument("--config", default="k3", help="k3 | tiny | PATH to a HF config.json / model dir (default k3)")
     d.add_argument("--layers", default=None,
                    help="0-based inclusive layer slice, e.g. 11-14 (K3 default: 11-14; 'all' for every layer)")
-    d.add_argument("--experts", type=int, default=None,
+    d.add_argument("--experts", type=positive, default=None,
                    help="routed experts kept per MoE layer (memory; per-token work unchanged; K3 default 32)")
-    d.add_argument("--tp", type=int, default=None, help="TP size (default: all devices)")
+    d.add_argument("--tp", type=positive, default=None, help="TP size (default: all devices)")
     d.add_argument("--batch", type=_parse_ints, default=(1, 8), help="batch sizes, comma separated (default 1,8)")
     d.add_argument("--context", type=_parse_ints, default=(4096, 32768),
                    help="MLA context lengths, comma separated, k = 1024 (default 4k,32k)")
     d.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    d.add_argument("--steps", type=int, default=20, help="back-to-back steps per timing (default 20)")
-    d.add_argument("--repeats", type=int, default=5, help="timings per case; the median is reported (default 5)")
+    d.add_argument("--steps", type=int_in(1, 100_000), default=20,
+                   help="back-to-back steps per timing, 1..100000 (default 20)")
+    d.add_argument("--repeats", type=int_in(1, 10_000), default=5,
+                   help="timings per case; the median is reported (default 5)")
     d.add_argument("--strategies", default=None, help="subset, comma separated: stock,sharded+lax,sharded+one-shot")
-    d.add_argument("--copy-mb", type=int, default=1024, help="per-device size of the bandwidth copy (default 1024)")
+    d.add_argument("--copy-mb", type=int_in(1, 1 << 20), default=1024,
+                   help="per-device size of the bandwidth copy in MiB (default 1024)")
     d.add_argument("--hlo-dir", default=None, help="write each compiled step's optimized HLO here")
     d.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
     d.add_argument("--plot", default=None, help="write a PNG of latency per strategy and batch (matplotlib)")
-    d.add_argument("--cpu-devices", type=int, help="use N fake CPU devices")
+    _cpu_devices_arg(d)
     from jaxk3 import distributed
 
     distributed.add_cli_args(d)
 
     demo = sub.add_parser("demo", help="the embedded default job (no files needed)")
-    demo.add_argument("--cpu-devices", type=int, default=None, help="use N fake CPU devices (make demo uses 8)")
+    _cpu_devices_arg(demo, default=None)
     demo.add_argument("--gather-only", action="store_true", help="only the gather benchmark verdict")
 
     from jaxk3 import cli_generate
     cli_generate.add_parser(sub)
     return p
+
+
+def _command(args) -> str:
+    """`jaxk3 bench gather`, `jaxk3 generate`, ...: the prefix of this command's error lines."""
+    return " ".join(["jaxk3", args.cmd] + ([args.bench_cmd] if getattr(args, "bench_cmd", None) else []))
+
+
+def _writable_file(path: str, option: str) -> str | None:
+    """A problem with writing `path` later (after minutes of work), or None."""
+    if not path.strip():
+        return f"{option}: needs a file name, got {path!r}"
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{option} {path}: is a directory"
+    if not os.path.isdir(parent):
+        return f"{option} {path}: the directory {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"{option} {path}: the directory {parent} is not writable"
+    return None
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """What argparse's per-option types cannot see: the problem, one line, or None."""
+    for name, lo in (("num_processes", 1), ("process_id", 0), ("heartbeat_timeout", 1)):
+        v = getattr(args, name, None)
+        if v is not None and v < lo:
+            return f"--{name.replace('_', '-')}: must be >= {lo}, got {v}"
+    for name, option in (("json_path", "--json"), ("plot", "--plot")):
+        path = getattr(args, name, None)
+        if path is not None and (problem := _writable_file(path, option)):
+            return problem
+    if getattr(args, "bench_cmd", None) == "decode":
+        c = args.config
+        if c not in ("k3", "tiny") and not (os.path.isfile(c) or os.path.isfile(os.path.join(c, "config.json"))):
+            return f"--config {c!r}: not k3, tiny, a config.json file or a directory holding one"
+        if args.hlo_dir is not None and os.path.exists(args.hlo_dir) and not os.path.isdir(args.hlo_dir):
+            return f"--hlo-dir {args.hlo_dir}: exists and is not a directory"
+    if getattr(args, "cmd", None) == "generate":
+        from jaxk3 import cli_generate
+
+        return cli_generate.check_args(args)
+    return None
+
+
+def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parsed and checked arguments; SystemExit(2) with one line on stderr for any misuse."""
+    args = (parser or build_parser()).parse_args(argv)
+    problem = check_args(args)
+    if problem is not None:
+        raise SystemExit(fail(_command(args), problem))
+    return args
+
+
+def _write_json(write, result: dict, path: str, cmd: str) -> int:
+    try:
+        write(result, path)
+    except OSError as e:
+        return fail(cmd, f"--json {path}: cannot write ({e.strerror or e})")
+    print(f"wrote {path}")
+    return 0
 
 
 def cmd_info(args) -> int:
@@ -173,8 +310,7 @@ def cmd_bench_gather(args) -> int:
     devices = jax.devices()
     if args.devices is not None:
         if not 1 <= args.devices <= len(devices):
-            print(f"jaxk3: --devices {args.devices}: only {len(devices)} devices present", file=sys.stderr)
-            return 2
+            return fail("jaxk3 bench gather", f"--devices {args.devices}: only {len(devices)} devices present")
         devices = devices[: args.devices]
     sizes = args.sizes or bench.DEFAULT_SIZES
 
@@ -185,8 +321,7 @@ def cmd_bench_gather(args) -> int:
                                 dtype=jnp.dtype(args.dtype), progress=progress)
     print(bench.gather_table(result))
     if args.json_path:
-        bench.write_json(result, args.json_path)
-        print(f"wrote {args.json_path}")
+        return _write_json(bench.write_json, result, args.json_path, "jaxk3 bench gather")
     return 0
 
 
@@ -195,11 +330,11 @@ def cmd_bench_decode(args) -> int:
 
     from jaxk3 import distributed
 
+    cmd = "jaxk3 bench decode"
     try:
         distributed.initialize_from_args(args)
     except ValueError as e:
-        print(f"jaxk3: {e}", file=sys.stderr)
-        return 2
+        return fail(cmd, e)
     from jaxk3 import bench_decode as bd
 
     def progress(msg):
@@ -213,8 +348,7 @@ def cmd_bench_decode(args) -> int:
         want = [s.strip() for s in args.strategies.split(",")]
         unknown = [s for s in want if s not in {n for n, _, _ in bd.STRATEGIES}]
         if unknown:
-            print(f"jaxk3: --strategies: unknown {unknown}", file=sys.stderr)
-            return 2
+            return fail(cmd, f"--strategies: unknown {unknown}")
         strategies = tuple(s for s in bd.STRATEGIES if s[0] in want)
     try:
         result = bd.bench_decode(config=args.config, layers=layers, experts=experts,
@@ -222,21 +356,21 @@ def cmd_bench_decode(args) -> int:
                                  dtype=args.dtype, steps=args.steps, repeats=args.repeats,
                                  copy_bytes=args.copy_mb << 20, strategies=strategies, hlo_dir=args.hlo_dir,
                                  progress=progress)
-    except ValueError as e:
-        print(f"jaxk3: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as e:  # --config / --layers / --tp / --batch, an unreadable --config
+        return fail(cmd, e)
     if jax.process_index() != 0:  # every process measured its own ranks; process 0 reports
         return 0
     print(bd.decode_table(result))
-    if args.json_path:
-        bd.write_json(result, args.json_path)
-        print(f"wrote {args.json_path}")
+    if args.json_path and _write_json(bd.write_json, result, args.json_path, cmd):
+        return 2
     if args.plot:
         try:
             bd.plot(result, args.plot)
             print(f"wrote {args.plot}")
         except ImportError as e:
-            print(f"jaxk3: --plot needs matplotlib ({e}); table and JSON are complete", file=sys.stderr)
+            print(f"jaxk3: --plot needs matplotlib ({one_line(e)}); table and JSON are complete", file=sys.stderr)
+        except OSError as e:
+            return fail(cmd, f"--plot {args.plot}: cannot write ({e.strerror or e})")
     return 0
 
 
@@ -273,8 +407,11 @@ def cmd_demo(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _early_cpu_devices(argv)
-    args = build_parser().parse_args(argv)
+    try:
+        _early_cpu_devices(argv)
+    except ValueError as e:
+        return fail("jaxk3", e)
+    args = parse_args(argv)
     if args.cmd == "info":
         return cmd_info(args)
     if args.cmd == "bench" and args.bench_cmd == "gather":

@@ -2,8 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 import time
+
+import numpy as np
+
+from jaxk3.cli import _cpu_devices_arg, fail, positive
+
+CMD = "jaxk3 generate"
+_ID = re.compile(r"[0-9]+")
 
 DESCRIPTION = """\
 Load a Kimi-K3 or Kimi-Linear checkpoint (a directory with config.json and *.safetensors files,
@@ -11,9 +20,16 @@ optionally sharded with model.safetensors.index.json) onto the local devices, te
 and decode greedily.
 
 Prompt: --prompt TEXT is encoded with the checkpoint's own tokenizer (tiktoken.model +
-tokenizer_config.json, needs `pip install tiktoken`); --prompt-ids 1,2,3 gives token ids directly.
+tokenizer_config.json, needs `pip install tiktoken`) as plain text: "[BOS]" typed in it is five
+characters, not the special token, unless --allow-special-tokens is given. --prompt-ids 1,2,3 gives
+token ids directly.
 
-Output: the new token ids on stdout (and their text when the checkpoint has a tokenizer);
+Checked before any weight is read (exit 2, one line on stderr): prompt length + --max-new-tokens
+against the checkpoint's max_position_embeddings, the decode cache against the device memory,
+token ids against the vocabulary, and --gather ffi against the rules of the FFI gather.
+
+Output: the new token ids on stdout, up to and including a stop id (and their text when the
+checkpoint has a tokenizer);
 progress bars and the tokens-per-second summary on stderr.
 """
 
@@ -25,23 +41,24 @@ examples:
 
 
 def _ids(text: str) -> list[list[int]]:
-    """`1,2,3` is one prompt; `1,2,3;4,5` is a batch of two (split over dp in multi-process runs)."""
+    """`1,2,3` is one prompt; `1,2,3;4,5` is a batch of two (split over dp in multi-process runs).
+    Spaces around ids are allowed; an empty item (`1,,2`, `1,2,`), an empty prompt (`1;;2`) or
+    anything but decimal digits (`-1`, `1.5`, `0x10`) is an error, never dropped."""
     rows = []
-    for row in text.replace(" ", "").split(";"):
-        try:
-            ids = [int(t) for t in row.split(",") if t != ""]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--prompt-ids: need comma-separated integers like 1,2,3, got {text!r}")
-        if not ids:
-            raise argparse.ArgumentTypeError(f"--prompt-ids: empty prompt in {text!r}")
-        rows.append(ids)
+    for r, row in enumerate(text.split(";")):
+        items = [t.strip() for t in row.split(",")]
+        if items == [""]:
+            raise argparse.ArgumentTypeError(f"prompt {r + 1} is empty in {text!r}")
+        for t in items:
+            if t == "":
+                raise argparse.ArgumentTypeError(f"empty item in prompt {r + 1} of {text!r} (two commas, or one at "
+                                                 "an end): need comma-separated token ids like 1,2,3")
+            if t.startswith("-") and _ID.fullmatch(t[1:]):
+                raise argparse.ArgumentTypeError(f"negative token id {t} in {text!r}")
+            if not _ID.fullmatch(t):
+                raise argparse.ArgumentTypeError(f"need comma-separated integers like 1,2,3, got {t!r} in {text!r}")
+        rows.append([int(t) for t in items])
     return rows
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"need a positive integer, got {text!r}")
-    return int(text)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -50,17 +67,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="directory with config.json and *.safetensors (K3 or Kimi-Linear naming)")
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the checkpoint's tiktoken.model)")
+    src.add_argument("--prompt", metavar="TEXT",
+                     help="prompt text, tokenised as plain text (needs the checkpoint's tiktoken.model)")
     src.add_argument("--prompt-ids", type=_ids, metavar="IDS",
                      help="prompt token ids, comma separated: 1,2,3; several prompts (a batch): 1,2,3;4,5")
-    g.add_argument("--max-new-tokens", type=_positive, default=16, metavar="N", help="tokens to generate (default 16)")
-    g.add_argument("--tp", type=_positive, default=None, metavar="N",
+    g.add_argument("--allow-special-tokens", action="store_true",
+                   help="in --prompt text, the text of a special token (e.g. [BOS]) becomes its id")
+    g.add_argument("--max-new-tokens", type=positive, default=16, metavar="N",
+                   help="tokens to generate (default 16); prompt + N must fit the checkpoint's "
+                        "max_position_embeddings and the cache the device memory")
+    g.add_argument("--tp", type=positive, default=None, metavar="N",
                    help="tensor-parallel size: use the first N devices (default: all)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="compute dtype; MXFP4 experts are dequantised to it (default bfloat16)")
     g.add_argument("--gather", default="auto", choices=["auto", "ffi", "lax"],
                    help="all-gather implementation: one-shot FFI, lax.all_gather, or auto (default)")
-    g.add_argument("--cpu-devices", type=int, default=None, metavar="N", help="run on N fake CPU devices")
+    _cpu_devices_arg(g, default=None)
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     from jaxk3 import distributed
 
@@ -102,8 +124,93 @@ class _Bar:
             sys.stderr.write("\n")
 
 
+def check_args(args) -> str | None:
+    """Problems `jaxk3 generate` can see in its arguments alone (cli.check_args calls this)."""
+    if args.allow_special_tokens and args.prompt is None:
+        return "--allow-special-tokens applies to --prompt text, not to --prompt-ids"
+    return None
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def device_memory(device) -> tuple[int | None, str]:
+    """(bytes, what) the decode cache of one rank must fit in: the accelerator's
+    `memory_stats()["bytes_limit"]`, else (CPU) the host's physical memory; (None, ...) if unknown."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a backend without memory statistics
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.platform} device memory"
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown memory"
+
+
+def cache_len(prompt_len: int, max_new_tokens: int) -> int:
+    """Positions `Model.generate` allocates: prompt + new tokens, rounded up to the model's cache
+    bucket (at least; the prefill may pad the prompt further)."""
+    from jaxk3 import model
+
+    bucket = getattr(model, "CACHE_BUCKET", 64)
+    return -(-(prompt_len + max_new_tokens) // bucket) * bucket
+
+
+def check_run(cfg, rows: list[list[int]], max_new_tokens: int, *, tp: int, dp: int, dtype_bytes: int, dtype: str,
+              devices: list, mesh=None, gather: str = "auto") -> str | None:
+    """What is wrong with decoding `rows` (+ max_new_tokens) with `cfg` on `devices` (this process's
+    ranks), before a weight is read: the problem, one line, or None."""
+    try:
+        cfg.validate_tp(tp)
+    except ValueError as e:
+        return f"--tp {tp}: {e}"
+    for i, r in enumerate(rows):
+        bad = [t for t in r if t >= cfg.vocab_size]
+        if bad:
+            return f"prompt {i + 1}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
+    T = max(len(r) for r in rows)
+    total = T + max_new_tokens
+    mpe = cfg.max_position_embeddings
+    if mpe is not None and total > mpe:
+        if T >= mpe:
+            return f"the prompt of {T} tokens fills the model's max_position_embeddings = {mpe}: no room for new tokens"
+        return (f"--max-new-tokens {max_new_tokens}: prompt {T} + {max_new_tokens} new = {total} tokens exceeds the "
+                f"model's max_position_embeddings = {mpe} (at most {mpe - T} new tokens)")
+    batch = -(-len(rows) // dp)  # rows of one data-parallel shard (generate pads the batch to dp)
+    length = cache_len(T, max_new_tokens)
+    per_rank = cfg.cache_bytes_per_rank(batch, length, tp, dtype_bytes)
+    limit, where = device_memory(devices[0])
+    if limit is not None:
+        # Fake CPU devices share the host's memory: every rank of this process counts.
+        ranks = len(devices) if devices[0].platform == "cpu" else 1
+        need = per_rank * ranks
+        if need > limit:
+            times = f" x {ranks} CPU ranks = {_bytes(need)}" if ranks > 1 else ""
+            return (f"the decode cache needs {_bytes(per_rank)} per rank (batch {batch} x {length} positions, "
+                    f"{dtype}){times}, more than the {_bytes(limit)} of {where}: use fewer prompts or a smaller "
+                    f"--max-new-tokens than {max_new_tokens}")
+    if gather == "ffi" and mesh is not None:
+        from jaxk3 import collectives
+        from jaxk3.sharding import TP
+
+        # Every gather of a decode step has one row per prompt of this rank's shard (logits, MLA
+        # latent); if a one-column probe of that many rows cannot take the FFI path, none can.
+        p = collectives.plan((batch, 1), "float32", TP, padded=True, impl="ffi", mesh=mesh)
+        if p.path == "lax":
+            return f"--gather ffi: the FFI gather cannot serve {batch} prompts per rank: {p.reason} " \
+                   "(use --gather auto or lax)"
+    return None
+
+
 def run(args) -> int:
-    from jaxk3.checkpoint import CheckpointError, load_model
+    from jaxk3.checkpoint import CheckpointError, load_config, load_model
+    from jaxk3.collectives import GatherUnavailableError
     from jaxk3.tokenizer import KimiTokenizer, TokenizerError, has_tokenizer
 
     from jaxk3 import distributed
@@ -111,17 +218,15 @@ def run(args) -> int:
     try:
         multi = distributed.initialize_from_args(args)
     except ValueError as e:
-        print(f"jaxk3 generate: {e}", file=sys.stderr)
-        return 2
+        return fail(CMD, e)
     show = not args.no_progress
     tok = None
     try:
         if args.prompt is not None:
             tok = KimiTokenizer.from_dir(args.checkpoint)
-            rows = [tok.encode(args.prompt)]
+            rows = [tok.encode(args.prompt, allow_special=args.allow_special_tokens)]
             if not rows[0]:
-                print("jaxk3 generate: the prompt encodes to no tokens", file=sys.stderr)
-                return 2
+                return fail(CMD, "the prompt encodes to no tokens")
         else:
             rows = args.prompt_ids
             if has_tokenizer(args.checkpoint):
@@ -130,13 +235,37 @@ def run(args) -> int:
                 except TokenizerError:
                     tok = None
     except TokenizerError as e:
-        print(f"jaxk3 generate: {e}", file=sys.stderr)
-        return 2
+        return fail(CMD, e)
+    try:
+        cfg = load_config(args.checkpoint)
+    except CheckpointError as e:
+        return fail(CMD, e)
 
     import jax
+    from jax.sharding import Mesh
+
+    from jaxk3.sharding import DP, TP
 
     ndev = len(jax.devices())
-    print(f"loading {args.checkpoint} on {args.tp or ndev} of {ndev} x {jax.devices()[0].device_kind}, "
+    try:
+        if multi:
+            mesh = distributed.make_mesh(args.tp)
+            tp, dp = mesh.shape[TP], mesh.shape[DP]
+        else:
+            local = jax.local_devices()
+            tp, dp = args.tp or len(local), 1
+            if tp > len(local):
+                return fail(CMD, f"--tp {tp}: only {len(local)} devices present")
+            mesh = Mesh(np.array(local[:tp]), (TP,))
+    except ValueError as e:
+        return fail(CMD, e)
+    local_ranks = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    problem = check_run(cfg, rows, args.max_new_tokens, tp=tp, dp=dp, dtype_bytes=jax.numpy.dtype(args.dtype).itemsize,
+                        dtype=args.dtype, devices=local_ranks, mesh=mesh, gather=args.gather)
+    if problem is not None:
+        return fail(CMD, problem)
+
+    print(f"loading {args.checkpoint} on {tp} of {ndev} x {jax.devices()[0].device_kind}, "
           f"dtype {args.dtype}", file=sys.stderr, flush=True)
     bar = None
 
@@ -148,15 +277,12 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        mesh = distributed.make_mesh(args.tp) if multi else None
-        model = load_model(args.checkpoint, mesh=mesh, tp=None if multi else args.tp, dtype=args.dtype,
-                           gather=args.gather, progress=on_load)
-    except CheckpointError as e:
-        print(f"jaxk3 generate: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # tp / dtype / gather
-        print(f"jaxk3 generate: {e}", file=sys.stderr)
-        return 2
+        model = load_model(args.checkpoint, mesh=mesh if multi else None, tp=None if multi else args.tp,
+                           dtype=args.dtype, gather=args.gather, progress=on_load)
+    except (ValueError, GatherUnavailableError) as e:  # CheckpointError (a ValueError); tp / dtype / gather
+        return fail(CMD, e)
+    except (MemoryError, jax.errors.JaxRuntimeError) as e:
+        return _runtime_failure(e)
     finally:
         if bar is not None:
             bar.close()
@@ -180,21 +306,38 @@ def run(args) -> int:
 
     try:
         out = model.generate(rows, args.max_new_tokens, progress=on_gen)
-    except ValueError as e:
-        print(f"jaxk3 generate: {e}", file=sys.stderr)
-        return 2
-    for ids, toks in zip(rows, out.tokens):
-        new = [int(t) for t in toks]
+    except (ValueError, GatherUnavailableError, FloatingPointError) as e:  # FloatingPointError: NaN/Inf logits
+        return fail(CMD, e)
+    except (MemoryError, jax.errors.JaxRuntimeError) as e:
+        return _runtime_failure(e)
+    lengths = getattr(out, "lengths", None)  # a row that produced a stop id ends there (then pad ids)
+    for i, (ids, toks) in enumerate(zip(rows, out.tokens)):
+        new = [int(t) for t in toks[:None if lengths is None else int(lengths[i])]]
         print("prompt ids: " + ",".join(map(str, ids)))
         print("new ids: " + ",".join(map(str, new)))
         if tok is not None:
             print("text: " + tok.decode(new))
-    steps = out.step_times_s
-    decode_s = sum(steps)
-    tps = len(steps) / decode_s if decode_s > 0 else float("nan")
-    total_s = out.prompt_time_s + decode_s
-    n_new = out.tokens.size
-    print(f"{n_new} new tokens; prompt {n_prompt} steps in {out.prompt_time_s:.2f} s (includes compile); "
-          f"decode {tps * len(rows):.1f} tokens/s ({len(steps)} steps after the first, batch {len(rows)}); "
-          f"overall {n_new / total_s:.2f} tokens/s", file=sys.stderr)
+    print(_summary(out, n_prompt, len(rows), args.max_new_tokens), file=sys.stderr)
     return 0
+
+
+def _summary(out, n_prompt: int, batch: int, max_new_tokens: int) -> str:
+    """The tokens-per-second line: the decode rate over the tokens after the first of each row."""
+    decode_s = getattr(out, "decode_time_s", 0.0) or sum(getattr(out, "step_times_s", None) or [])
+    lengths = getattr(out, "lengths", None)
+    n_new = int(np.sum(lengths)) if lengths is not None else int(out.tokens.size)
+    after_first = max(n_new - batch, 0)
+    rate = f"{after_first / decode_s:.1f} tokens/s" if decode_s > 0 and after_first else "n/a"
+    total_s = out.prompt_time_s + decode_s
+    overall = f"{n_new / total_s:.2f} tokens/s" if total_s > 0 else "n/a"
+    return (f"{n_new} new tokens; prompt {n_prompt} tokens in {out.prompt_time_s:.2f} s (includes compile); "
+            f"decode {rate} ({after_first} tokens after the first of each row, batch {batch}, "
+            f"up to {max_new_tokens} each); overall {overall}")
+
+
+def _runtime_failure(e: BaseException) -> int:
+    """Out of memory (host or device) or another XLA runtime error: one line, not a traceback."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        return fail(CMD, f"out of memory: {text}")
+    raise e

@@ -4,7 +4,9 @@ Kimi checkpoints ship `tiktoken.model` (the BPE ranks: one `base64(token bytes) 
 `tokenizer_config.json` (`added_tokens_decoder`: id -> {"content": "[BOS]", ...}, the special
 tokens).  The pre-tokenisation regex is the one of Kimi's `tokenization_kimi.py` (Han runs kept
 together, cased-letter words with English contractions, up to 3 digits, punctuation, whitespace).
-Text is encoded as is: no BOS is added (Kimi's tokenizer adds none by default).
+Text is encoded as is: no BOS is added (Kimi's tokenizer adds none by default), and text that
+spells a special token ("[BOS]") is plain text unless the caller asks for specials
+(`encode(text, allow_special=True)`, the CLI's `--allow-special-tokens`).
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ class TokenizerError(ValueError):
 
 
 class KimiTokenizer:
-    """encode(text) -> ids; decode(ids) -> text (ids the tokenizer does not know print as <id>)."""
+    """encode(text) -> ids; decode(ids) -> text (ids the tokenizer does not know print as <id>).
+
+    `special`: the special tokens' text -> id (from tokenizer_config.json)."""
 
     def __init__(self, encoding, special: dict[str, int]):
         self.encoding, self.special = encoding, special
@@ -65,8 +69,16 @@ class KimiTokenizer:
                                 mergeable_ranks=ranks, special_tokens=special)
         return cls(enc, special)
 
-    def encode(self, text: str) -> list[int]:
-        return self.encoding.encode(text, allowed_special="all")
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """The ids of `text`.  allow_special=False (the default): text is plain text, and "[BOS]"
+        typed in it is the ids of those five characters; True: the text of a special token becomes
+        its id.  Raises TokenizerError for text that is not valid Unicode (e.g. lone surrogates)."""
+        try:
+            if allow_special:
+                return self.encoding.encode(text, allowed_special="all")
+            return self.encoding.encode(text, allowed_special=set(), disallowed_special=())
+        except UnicodeError as e:
+            raise TokenizerError(f"tokenizer: the text is not valid Unicode ({e})") from None
 
     def decode(self, ids) -> str:
         out, run = [], []

@@ -45,7 +45,9 @@ def test_tokenizer_encodes_with_merges_and_specials(ckpt):
 
     tok = KimiTokenizer.from_dir(ckpt)
     assert tok.encode("hello world") == [256 + MERGES.index(b"hello"), 256 + MERGES.index(b" world")]
-    assert tok.encode("[BOS]hi") == [990, ord("h"), ord("i")]
+    # "[BOS]" typed in text is text; the special token only when asked for
+    assert tok.encode("[BOS]hi") == [ord(c) for c in "[BOS]hi"]
+    assert tok.encode("[BOS]hi", allow_special=True) == [990, ord("h"), ord("i")]
     assert tok.decode(tok.encode("hello world!")) == "hello world!"
     assert tok.decode([256 + 3, 999]) == "hello<999>"  # ids past the tokenizer print as <id>
 
@@ -77,7 +79,7 @@ def test_generate_help_lists_every_option(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     for opt in ("--checkpoint", "--prompt", "--prompt-ids", "--max-new-tokens", "--tp", "--dtype", "--gather",
-                "--cpu-devices", "examples:"):
+                "--cpu-devices", "--allow-special-tokens", "examples:"):
         assert opt in text
 
 

@@ -27,6 +27,9 @@ from jaxk3._compat import shard_map
 
 F32 = jnp.float32
 
+# The builders below are cached on (config, options, mesh, ...): models of one config on one mesh
+# share their compiled prefill and decode loop.
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -71,18 +74,19 @@ def sample(logits_BV: jax.Array, position: jax.Array, s: Sampling) -> jax.Array:
     return jax.random.categorical(key, lg, axis=-1).astype(jnp.int32)
 
 
-def _local(cfg, opt, mesh: Mesh, abstract, all_logits: bool = True):
+def _local(cfg, opt, mesh: Mesh, all_logits: bool = True):
     """(the shard_mapped forward, and the NamedShardings of weights, cache and a batch array).
 
     The jitted functions below fix their input and output shardings to these, so that what one
     call returns (the cache, the last token, the done flags) is what the next call was compiled
     for: without that, the outputs' shardings differ from the host-made first inputs' and the
     second chunk recompiles (seen: the decode loop compiled twice per generate)."""
-    from jaxk3.model import cache_specs, dp_axis, forward_local
+    from jaxk3.model import abstract_weights, cache_specs, dp_axis, forward_local
+    from jaxk3.sharding import TP
 
     batch = P(dp_axis(mesh))
     cspecs = cache_specs(cfg, dp_axis(mesh))
-    wspecs = params.partition_specs(abstract, opt.shard_latent)
+    wspecs = params.partition_specs(abstract_weights(cfg, mesh.shape[TP]), opt.shard_latent)
     local = shard_map(functools.partial(forward_local, cfg, opt, all_logits=all_logits), mesh,
                       in_specs=(wspecs, cspecs, batch, batch), out_specs=(batch, cspecs))
 
@@ -92,12 +96,13 @@ def _local(cfg, opt, mesh: Mesh, abstract, all_logits: bool = True):
     return local, named(wspecs), named(cspecs), NamedSharding(mesh, batch)
 
 
-def build_prefill(cfg, opt, mesh: Mesh, abstract, all_logits: bool, sampling: Sampling | None = None):
+@functools.lru_cache(maxsize=64)
+def build_prefill(cfg, opt, mesh: Mesh, all_logits: bool, sampling: Sampling | None = None):
     """jit(fn)(weights, cache, tokens_BT, valid_BT, position) -> (logits, first_B or None, finite_B, cache),
     the cache donated.  logits: [B, T, vocab] (`all_logits`) or the last position's [B, vocab]; with a
     `sampling`, first_B is the token sampled from the last position (keyed by `position`); finite_B:
     whether the last position's logits are all finite."""
-    local, w_sh, c_sh, b_sh = _local(cfg, opt, mesh, abstract, all_logits)
+    local, w_sh, c_sh, b_sh = _local(cfg, opt, mesh, all_logits)
 
     def run(weights, cache, tokens_BT, valid_BT, position):
         logits, cache = local(weights, cache, tokens_BT, valid_BT)
@@ -109,14 +114,15 @@ def build_prefill(cfg, opt, mesh: Mesh, abstract, all_logits: bool, sampling: Sa
                    out_shardings=(b_sh, b_sh if sampling is not None else None, b_sh, c_sh))
 
 
-def build_decode_loop(cfg, opt, mesh: Mesh, abstract, steps: int, sampling: Sampling, stop_ids: tuple[int, ...],
+@functools.lru_cache(maxsize=64)
+def build_decode_loop(cfg, opt, mesh: Mesh, steps: int, sampling: Sampling, stop_ids: tuple[int, ...],
                       pad_id: int, return_logits: bool):
     """jit(fn)(weights, cache, tok_B, done_B, position) -> (tokens [B, steps], logits [B, steps, V] or
     None, cache, tok_B, done_B, bad_B), the cache donated.  Each step feeds `tok_B` (the last token
     of every row), samples the next one (keyed by position + i), and freezes rows that produced a
     stop id: their caches stay as they were and their later tokens are `pad_id`.  bad_B: a running
     row met logits that were not all finite (checked on the device, read once per call)."""
-    local, w_sh, c_sh, b_sh = _local(cfg, opt, mesh, abstract)
+    local, w_sh, c_sh, b_sh = _local(cfg, opt, mesh)
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
 
     def run(weights, cache, tok, done, position):

@@ -17,8 +17,10 @@ way (`cache_abstract`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
 import time
 from typing import Any, Mapping
 
@@ -285,6 +287,14 @@ def make_mesh(mesh: Mesh | None = None, tp: int | None = None) -> Mesh:
     return Mesh(np.array(devs[:tp]), (TP_AXIS,))
 
 
+# XLA's CPU client runs every device's part of a launch on a shared pool and blocks a thread per
+# device part while it waits in a collective; launches of several programs interleaved across
+# threads could then wait on each other with no thread left to run the part they need (seen: two
+# threads with two models aborted the process in XLA's all-reduce).  On CPU, a Model therefore
+# runs one call at a time, process-wide, and waits for its results before the next call starts.
+_CPU_CALLS = threading.RLock()
+
+
 class Model:
     """A tiny-to-real Kimi-K3 / Kimi-Linear decoder, sharded over a "tp" mesh axis.  Build with
     `init_random_model`, `Model.from_weights` or `jaxk3.load_model`; decode with `generate`."""
@@ -352,9 +362,13 @@ class Model:
         valid_B = np.ones(tokens_B.shape, bool) if valid_B is None else np.asarray(valid_B, bool)
         if valid_B.shape != tokens_B.shape:
             raise ValueError(f"valid_B: shape {valid_B.shape} differs from tokens_B's {tokens_B.shape}")
-        self._check_cache(cache, tokens_B.shape[0], valid_B)
-        # the same input sharding as the fed-back argmax: one compile
-        return self._step(self.weights, cache, put_batch(tokens_B, self.mesh), put_batch(valid_B, self.mesh))
+        with self._exclusive():
+            self._check_cache(cache, tokens_B.shape[0], valid_B)
+            # the same input sharding as the fed-back argmax: one compile
+            out = self._step(self.weights, cache, put_batch(tokens_B, self.mesh), put_batch(valid_B, self.mesh))
+            if self.mesh.devices.flat[0].platform == "cpu":
+                jax.block_until_ready(out)
+            return out
 
     def _check_cache(self, cache: Cache, batch: int, valid_B: np.ndarray) -> None:
         if not isinstance(cache, Cache):
@@ -405,6 +419,11 @@ class Model:
                 raise ValueError(f"prompt_ids: row {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
         return rows
 
+    def _exclusive(self):
+        """One call at a time on CPU meshes (see _CPU_CALLS); nothing on GPU."""
+        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+        return _CPU_CALLS if on_cpu else contextlib.nullcontext()
+
     # -- generation
     def _fn(self, key: tuple, build):
         if key not in self._fns:
@@ -430,7 +449,7 @@ class Model:
                  sampling: generation.Sampling | None, progress=None):
         opt = StepOptions(tp_axis=TP_AXIS, gather=self.gather, psum=self.psum, shard_latent=self.shard_latent)
         fn = self._fn(("prefill", all_logits, sampling),
-                      lambda: generation.build_prefill(self.cfg, opt, self.mesh, self.abstract, all_logits, sampling))
+                      lambda: generation.build_prefill(self.cfg, opt, self.mesh, all_logits, sampling))
         outs, first, finite = [], None, None
         for c0 in range(0, toks.shape[1], chunk):
             logits, first, finite, cache = fn(self.weights, cache, put_rows(toks[:, c0:c0 + chunk], self.mesh),
@@ -441,6 +460,10 @@ class Model:
         return outs, first, finite, cache
 
     def score(self, token_ids: Any, prefill_chunk: int | None = None) -> np.ndarray:
+        with self._exclusive():
+            return self._score(token_ids, prefill_chunk)
+
+    def _score(self, token_ids: Any, prefill_chunk: int | None) -> np.ndarray:
         """float32 logits at every position, [B, T, vocab], through the prefill path (what a
         transformers forward pass returns).  Ragged rows: row i's logits are out[i, :len_i], the rest NaN."""
         rows = self._check_prompts(token_ids)
@@ -470,6 +493,12 @@ class Model:
         tokens as it arrives; `progress(phase, done, total)` reports "prompt" tokens and "decode"
         tokens.  `step_by_step=True` runs the prompt and the decode one token per dispatch (the
         original path, greedy only; kept for tests)."""
+        with self._exclusive():
+            return self._generate(prompt_ids, max_new_tokens, return_logits, progress, temperature, top_k, top_p,
+                                  seed, stop_ids, on_tokens, prefill_chunk, decode_chunk, step_by_step)
+
+    def _generate(self, prompt_ids, max_new_tokens, return_logits, progress, temperature, top_k, top_p, seed,
+                  stop_ids, on_tokens, prefill_chunk, decode_chunk, step_by_step) -> GenerateOutput:
         rows = self._check_prompts(prompt_ids)
         if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be an int >= 1, got {max_new_tokens!r}")
@@ -507,8 +536,8 @@ class Model:
         K = int(min(decode_chunk, max(left, 1)))
         opt = StepOptions(tp_axis=TP_AXIS, gather=self.gather, psum=self.psum, shard_latent=self.shard_latent)
         loop = self._fn(("loop", K, sampling, stops, pad_id, return_logits),
-                        lambda: generation.build_decode_loop(self.cfg, opt, self.mesh, self.abstract, K, sampling,
-                                                             stops, pad_id, return_logits))
+                        lambda: generation.build_decode_loop(self.cfg, opt, self.mesh, K, sampling, stops, pad_id,
+                                                             return_logits))
         tok, done = first, put_batch(done_np, self.mesh)
         pending, produced, position = None, 1, 1
         while left > 0 or pending is not None:
@@ -540,6 +569,7 @@ class Model:
             logits_np = np.concatenate(out_l, axis=1)[:B]
             missing = max_new_tokens - logits_np.shape[1]
             logits_np = np.concatenate([logits_np, np.zeros((B, missing, self.cfg.vocab_size), np.float32)], 1)
+        jax.block_until_ready(cache)  # a chunk queued after every row stopped is finished too
         hit = np.isin(tokens, stops)
         lengths = np.where(hit.any(1), hit.argmax(1) + 1, max_new_tokens).astype(np.int32)
         return GenerateOutput(tokens=tokens.astype(np.int32), logits=logits_np, prompt_time_s=ttft,

@@ -127,7 +127,7 @@ def test_prefill_gathers_take_the_fallback():
     m = jaxk3.init_random_model(cfg, seed=0, tp=4, dtype="float32")
     from jaxk3.model import StepOptions, put_rows
 
-    fn = generation.build_prefill(cfg, StepOptions(), m.mesh, m.abstract, all_logits=False)
+    fn = generation.build_prefill(cfg, StepOptions(), m.mesh, all_logits=False)
     toks = np.ones((2, 64), np.int32)
     hlo = fn.lower(m.weights, m.init_cache(2, 64), put_rows(toks, m.mesh), put_rows(toks > 0, m.mesh),
                    np.int32(0)).as_text()
@@ -139,7 +139,7 @@ def test_prefill_gathers_take_the_fallback():
 def test_one_compile_per_bucket():
     """Every chunk of a call, and calls whose prompt + new tokens fall in one cache bucket, reuse one
     compiled prefill and one compiled decode loop (a recompile would cost seconds per call at real size)."""
-    m = jaxk3.init_random_model(KimiK3Config.tiny_k3(), seed=0, tp=2)
+    m = jaxk3.init_random_model(KimiK3Config.tiny_k3(), seed=0, tp=2, shard_latent=False)  # a fresh build
     m.generate(PROMPTS, 10, decode_chunk=3, prefill_chunk=64)
     m.generate(PROMPTS, 20, decode_chunk=3, prefill_chunk=64)
     assert {k[0]: f._cache_size() for k, f in m._fns.items()} == {"prefill": 1, "loop": 1}

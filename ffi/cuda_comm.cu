@@ -127,12 +127,16 @@ std::string CreateErrorWords(CudaComm* c) {
   return "";
 }
 
+}  // namespace
+
 // Allocates every GPU's region, enables peer access for every pair and loads the kernel on
 // every GPU (lazy loading would otherwise load it at the first launch, possibly while a peer's
 // kernel already spins).
-std::string Create(const std::vector<int64_t>& devices, const std::vector<int>& ordinals,
-                   std::unique_ptr<CudaComm>* out) {
-  if (std::string why = CheckGroup(devices, ordinals); !why.empty()) return why;
+std::string CreateCudaComm(const std::vector<int64_t>& devices, const std::vector<int>& ordinals, bool shared_gpu,
+                           std::unique_ptr<CudaComm>* out) {
+  if (!shared_gpu) {
+    if (std::string why = CheckGroup(devices, ordinals); !why.empty()) return why;
+  }
   ScopedSetup scope;
   auto c = std::make_unique<CudaComm>();
   c->n = static_cast<int>(ordinals.size());
@@ -143,11 +147,15 @@ std::string Create(const std::vector<int64_t>& devices, const std::vector<int>& 
   for (int r = 0; r < c->n; ++r) {
     if (std::string err = CreateRegion(c.get(), r, total); !err.empty()) return Abandon(c.get(), err);
   }
-  if (std::string err = EnablePeers(*c); !err.empty()) return Abandon(c.get(), err);
+  if (!shared_gpu) {
+    if (std::string err = EnablePeers(*c); !err.empty()) return Abandon(c.get(), err);
+  }
   if (std::string err = CreateErrorWords(c.get()); !err.empty()) return Abandon(c.get(), err);
   *out = std::move(c);
   return "";
 }
+
+namespace {
 
 // Requires g_mu.  The registered communicator of `devices`, or null (with *why set when one
 // exists but was made for other ordinals).
@@ -192,7 +200,7 @@ CudaComm* GetCudaComm(const std::vector<int64_t>& devices, const std::vector<int
     if (!why->empty()) return nullptr;
   }
   std::unique_ptr<CudaComm> c;
-  if (std::string err = Create(devices, ordinals, &c); !err.empty()) {
+  if (std::string err = CreateCudaComm(devices, ordinals, /*shared_gpu=*/false, &c); !err.empty()) {
     *why = err;
     return nullptr;
   }

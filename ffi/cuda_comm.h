@@ -39,6 +39,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -109,9 +110,20 @@ std::string LoadCudaGatherKernel();
 // Non-empty when a kernel of `comm` failed earlier (the communicator is broken).
 std::string CudaCommFailure(const CudaComm* comm);
 
+// Makes a communicator; `shared_gpu` lets several ranks live on one GPU (no peer checks, no
+// peer access: the test hook below).  Callers other than the registry own what they make.
+std::string CreateCudaComm(const std::vector<int64_t>& devices, const std::vector<int>& ordinals, bool shared_gpu,
+                           std::unique_ptr<CudaComm>* out);
+
 // Test hook (cuda_test_hooks.cu): a gather on rank 0 of a private communicator whose peers
 // never come; returns the failure it reported and the kernel's time in *waited_ms.
 std::string CudaLonelyGatherForTest(const std::vector<int>& ordinals, int64_t timeout_ms, bool two_streams,
                                     double* waited_ms);
+
+// Test hook (cuda_test_hooks.cu): `n` ranks of one communicator all on GPU `ordinal`, each
+// rank's kernel on its own stream, `calls` gathers of `bytes` per rank in a row; checks every
+// output byte on the host.  Returns "" or what was wrong.  Exercises the protocol (flags,
+// slots, epochs, padding) on a machine with one GPU.
+std::string CudaSharedGpuGatherForTest(int ordinal, int n, size_t bytes, int calls);
 
 }  // namespace jaxk3

@@ -57,3 +57,65 @@ std::string CudaLonelyGatherForTest(const std::vector<int>& ordinals, int64_t ti
 }
 
 }  // namespace jaxk3
+
+namespace jaxk3 {
+
+std::string CudaSharedGpuGatherForTest(int ordinal, int n, size_t bytes, int calls) {
+  if (n < 2 || n > kCudaMaxRanks || bytes == 0) return "bad arguments";
+  std::vector<int64_t> key;
+  for (int r = 0; r < n; ++r) key.push_back(-3000 - r);
+  std::unique_ptr<CudaComm> comm;  // private: freed (leaked on failure paths) by this hook alone
+  if (std::string err = CreateCudaComm(key, std::vector<int>(n, ordinal), /*shared_gpu=*/true, &comm); !err.empty()) {
+    return "setup failed: " + err;
+  }
+  ScopedSetup scope;
+  cudaSetDevice(ordinal);
+  char* in = nullptr;
+  char* out = nullptr;
+  std::vector<cudaStream_t> streams(n, nullptr);
+  if (cudaMalloc(&in, bytes * n) != cudaSuccess || cudaMalloc(&out, bytes * n * n) != cudaSuccess) {
+    cudaGetLastError();
+    return "setup failed: allocation";
+  }
+  for (auto& s : streams) cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  std::string wrong;
+  std::vector<unsigned char> host_in(bytes * n), host_out(bytes * n * n);
+  for (int call = 0; call < calls && wrong.empty(); ++call) {
+    for (size_t i = 0; i < host_in.size(); ++i) host_in[i] = static_cast<unsigned char>(i * 131 + call * 7 + 1);
+    cudaMemcpy(in, host_in.data(), host_in.size(), cudaMemcpyHostToDevice);
+    cudaMemset(out, 0xA5, bytes * n * n);
+    cudaDeviceSynchronize();
+    for (int r = 0; r < n && wrong.empty(); ++r) {
+      wrong = LaunchCudaGather(comm.get(), r, in + r * bytes, out + r * bytes * n, bytes, streams[r], 5000);
+    }
+    cudaDeviceSynchronize();
+    if (!wrong.empty()) break;
+    if (std::string failed = CudaCommFailure(comm.get()); !failed.empty()) {
+      wrong = failed;
+      break;
+    }
+    cudaMemcpy(host_out.data(), out, host_out.size(), cudaMemcpyDeviceToHost);
+    for (int q = 0; q < n && wrong.empty(); ++q) {
+      for (size_t i = 0; i < bytes * n; ++i) {  // rank q's output: every rank's input, rank-major
+        if (host_out[q * bytes * n + i] != host_in[i]) {
+          wrong = "call " + std::to_string(call) + ": rank " + std::to_string(q) + " output byte " + std::to_string(i) +
+                  " is " + std::to_string(host_out[q * bytes * n + i]) + ", expected " + std::to_string(host_in[i]);
+          break;
+        }
+      }
+    }
+  }
+  for (auto& s : streams) cudaStreamDestroy(s);
+  cudaFree(in);
+  cudaFree(out);
+  if (wrong.empty()) {  // a communicator that failed may still have kernels spinning: leak it
+    for (char* b : comm->base) cudaFree(b);
+    cudaFreeHost(const_cast<CudaErrorWords*>(comm->host_err));
+  } else {
+    comm.release();
+  }
+  cudaGetLastError();
+  return wrong;
+}
+
+}  // namespace jaxk3

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <sstream>
+#include <string>
 
 #include "common.h"
 #include "completer.h"
@@ -49,12 +49,19 @@ struct HostComm::Round {
 HostComm::HostComm(std::vector<int64_t> devices) : devices_(std::move(devices)) {}
 HostComm::~HostComm() = default;
 
+namespace {
+
+// Messages are built from strings alone: std::ostream's number formatting goes through the
+// process's locale, which another library's libstdc++ may have made (seen crashing in a torch
+// Python on an H200 machine).
+std::string Str(int64_t v) { return std::to_string(v); }
+
+}  // namespace
+
 std::string HostComm::Describe() const {
-  std::ostringstream os;
-  os << "group [";
-  for (size_t i = 0; i < devices_.size(); ++i) os << (i ? "," : "") << devices_[i];
-  os << "]";
-  return os.str();
+  std::string s = "group [";
+  for (size_t i = 0; i < devices_.size(); ++i) s += (i ? "," : "") + Str(devices_[i]);
+  return s + "]";
 }
 
 void HostComm::MarkBroken(const std::string& why) {
@@ -154,13 +161,11 @@ void HostComm::Complete(Round& round, int last_rank) {
     in[r] = e.in;
     out[r] = e.out;
     if (!error && (e.bytes != first.bytes || e.dtype != first.dtype || e.combine != first.combine)) {
-      std::ostringstream os;
-      os << "jaxk3 collective: ranks of " << Describe() << " disagree at site " << round.site << " (call "
-         << round.call << ") generation "
-         << round.gen << ": rank 0 has " << first.bytes << " bytes of dtype " << first.dtype << ", rank " << r
-         << " has " << e.bytes << " bytes of dtype " << e.dtype
-         << (e.combine != first.combine ? " (and a different operation)" : "");
-      error = InvalidArgument(os.str());
+      error = InvalidArgument("jaxk3 collective: ranks of " + Describe() + " disagree at site " + Str(round.site) +
+                              " (call " + Str(round.call) + ") generation " + std::to_string(round.gen) +
+                              ": rank 0 has " + std::to_string(first.bytes) + " bytes of dtype " + Str(first.dtype) +
+                              ", rank " + Str(r) + " has " + std::to_string(e.bytes) + " bytes of dtype " +
+                              Str(e.dtype) + (e.combine != first.combine ? " (and a different operation)" : ""));
     }
   }
   if (!error) {
@@ -183,20 +188,20 @@ int HostComm::ExpireOlderThan(std::chrono::milliseconds timeout) {
         continue;
       }
       Round& r = *it->second;
-      std::ostringstream os;
-      os << "jaxk3 collective timed out after " << timeout.count() << " ms: " << Describe() << " at site " << r.site
-         << " (call " << r.call << ") generation " << r.gen << ": arrived " << r.arrived << " of " << size() << ", missing ranks [";
+      std::string msg = "jaxk3 collective timed out after " + Str(timeout.count()) + " ms: " + Describe() +
+                        " at site " + Str(r.site) + " (call " + Str(r.call) + ") generation " + std::to_string(r.gen) +
+                        ": arrived " + Str(r.arrived) + " of " + Str(size()) + ", missing ranks [";
       bool first = true;
       for (int k = 0; k < size(); ++k) {
         if (!r.entries[k].present) {
-          os << (first ? "" : ",") << k;
+          msg += (first ? "" : ",") + Str(k);
           first = false;
         }
       }
-      os << "] (a peer did not reach this collective; raise JAXK3_GATHER_TIMEOUT_S if it is only slow)";
-      if (why.empty()) why = os.str();
-      if (Verbose()) std::fprintf(stderr, "%s\n", os.str().c_str());
-      MarkBroken(os.str());
+      msg += "] (a peer did not reach this collective; raise JAXK3_GATHER_TIMEOUT_S if it is only slow)";
+      if (why.empty()) why = msg;
+      if (Verbose()) std::fprintf(stderr, "%s\n", msg.c_str());
+      MarkBroken(msg);
       expired.push_back(std::move(it->second));
       it = pending_.erase(it);
     }

@@ -157,6 +157,13 @@ NB_MODULE(_ffi, m) {
   m.def("cuda_device_count", &CudaDeviceCount);
   m.def("_cuda_lonely_gather_for_test", &CudaLonelyGather, nb::arg("ordinals"), nb::arg("timeout_ms"),
         nb::arg("two_streams") = false);
+  m.def(
+      "_cuda_shared_gpu_gather_for_test",
+      [](int ordinal, int n, size_t bytes, int calls) {
+        nb::gil_scoped_release release;
+        return CudaSharedGpuGatherForTest(ordinal, n, bytes, calls);
+      },
+      nb::arg("ordinal"), nb::arg("n"), nb::arg("bytes"), nb::arg("calls"));
 #endif
   // Test hooks.
   m.def("_set_poison_outputs", &SetPoisonOutputs);

@@ -48,6 +48,21 @@ _REASON = _skip_reason()
 requires_gpus = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 
+def _one_gpu_skip_reason() -> str | None:
+    if not _gpus():
+        return f"needs a GPU visible to jax (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r})"
+    ext = C.extension()
+    if ext is None:
+        return f"jaxk3._ffi not built: {C.extension_error()}"
+    if not ext.build_info().get("ffi_cuda"):
+        return "this jaxk3 build has no CUDA handlers (build with JAXK3_CUDA=ON)"
+    return None
+
+
+_ONE_REASON = _one_gpu_skip_reason()
+requires_one_gpu = pytest.mark.skipif(_ONE_REASON is not None, reason=_ONE_REASON or "")
+
+
 def random_array(key, shape, dtype):
     """Random normal data (never zeros in practice), scaled so that the bits vary."""
     x = jax.random.normal(key, shape, jnp.float32) * 3 + 0.5
@@ -269,6 +284,53 @@ def test_two_streams_on_one_communicator_is_reported():
     msg, ms = ext._cuda_lonely_gather_for_test(ordinals, 300, two_streams=True)
     assert "two streams" in msg, msg
     assert ms < 5000, ms
+
+
+@requires_one_gpu
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("nbytes", [4, 66, 262, 4099, 65536])
+def test_kernel_protocol_on_one_gpu(n, nbytes):
+    """The one-shot kernel's protocol (flags, two receive slots, epochs, 16-byte padding) with n
+    ranks of one communicator on one GPU, each rank's kernel on its own stream: every output byte
+    checked on the host over 6 calls in a row (both slots, three epochs each)."""
+    ordinal = int(_gpus()[0].local_hardware_id)
+    assert C.extension()._cuda_shared_gpu_gather_for_test(ordinal, n, nbytes, 6) == ""
+
+
+@requires_one_gpu
+def test_local_tile_floor_on_gpu():
+    """jaxk3_local_tile (the benchmark's ffi_floor) writes what jnp.tile writes."""
+    x = random_array(jax.random.key(11), (2, 37), jnp.bfloat16)
+    got = jax.jit(lambda v: C.local_tile(v, 3, axis=1, tiled=True))(jax.device_put(x, _gpus()[0]))
+    np.testing.assert_array_equal(bits(got), bits(jnp.tile(x, (1, 3))))
+
+
+@requires_gpus
+def test_plain_shard_map_loops_and_nested_jit_on_gpu():
+    """The forms users write, under a plain jax.shard_map: the FFI gathers in the lowered HLO,
+    bitwise equal to lax; psum is lax's on CUDA (no CUDA all-reduce yet), and explain says so."""
+    gpus = _gpus()
+    mesh = mesh_of(gpus)
+    n, cols = len(gpus), 131
+    seen = []
+
+    def program(gather):
+        inner = jax.jit(lambda v: gather(v, "tp", axis=1, tiled=True))
+
+        def body(x):
+            seen.append(C.explain(x, "tp", op="psum"))
+            x = lax.fori_loop(0, 5, lambda i, v: inner(v)[:, :cols] * 1.25, x)
+            y, _ = lax.scan(lambda c, i: (gather(c, "tp", axis=1, tiled=True)[:, cols:2 * cols] + 1, None), x,
+                            jnp.arange(3))
+            return inner(y)[:, :cols] + C.psum(y, "tp")
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+
+    x = jax.device_put(random_array(jax.random.key(12), (n, cols), jnp.bfloat16), NamedSharding(mesh, P("tp")))
+    text = program(C.all_gather).lower(x).as_text()
+    assert "jaxk3_padded_all_gather" in text and "jaxk3_all_reduce" not in text
+    assert seen[0].path == "lax" and "CUDA" in seen[0].reason
+    np.testing.assert_array_equal(bits(program(C.all_gather)(x)), bits(program(lax.all_gather)(x)))
 
 
 def _rerun_with_flags(xla_flags: str, select: str):

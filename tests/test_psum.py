@@ -155,6 +155,17 @@ def test_fallback_reasons_and_strict_errors():
     assert "bool" in why((1, 8), jnp.bool_).reason
     assert "rows" in why((65, 8), jnp.float32).reason
     assert C.explain(jax.ShapeDtypeStruct((1, 8), jnp.float32), "tp", op="psum", mesh=make_mesh([0])).path == "identity"
+
+    class Gpu:  # a GPU mesh, as far as the plan looks at it: no CUDA all-reduce yet
+        def __init__(self, i):
+            self.id, self.process_index, self.local_hardware_id, self.platform = i, 0, i, "gpu"
+
+    class GpuMesh:
+        axis_names = ("tp",)
+        devices = np.array([Gpu(i) for i in range(4)])
+
+    p = C.explain(jax.ShapeDtypeStruct((1, 8), jnp.float32), "tp", op="psum", mesh=GpuMesh)
+    assert p.path == "lax" and "no FFI all-reduce on CUDA" in p.reason
     x = jax.device_put(random_array(5, (4 * 100, 8), jnp.float32), NamedSharding(mesh, P("tp")))
     with pytest.raises(C.GatherUnavailableError, match="rows"):
         jax.jit(jax.shard_map(lambda v: C.psum(v, "tp", impl="ffi"), mesh=mesh, in_specs=(P("tp"),),

@@ -20,7 +20,6 @@ experts per MoE layer, for memory; the per-token work is the same while N >= B·
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -142,33 +141,15 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
-def add_parser(sub) -> None:
-    g = sub.add_parser("generate", help="prefill + decode loop at real dimensions: TTFT, prefill and decode "
-                       "tokens/s, the back-to-back step rate and the floor, same run")
-    g.add_argument("--config", default="kimi-linear-48b", help="kimi-linear-48b | k3 | tiny | PATH (default kimi-linear-48b)")
-    g.add_argument("--tp", type=int, default=1)
-    g.add_argument("--batch", default="1,8", help="batch sizes, comma separated (default 1,8)")
-    g.add_argument("--prompt", type=int, default=4096, help="prompt tokens per row (default 4096)")
-    g.add_argument("--new", type=int, default=256, help="new tokens per row (default 256)")
-    g.add_argument("--experts", type=int, default=None, help="routed experts kept per MoE layer (memory)")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    g.add_argument("--prefill-chunk", type=int, default=512)
-    g.add_argument("--decode-chunk", type=int, default=64)
-    g.add_argument("--psum", default="lax", choices=["auto", "ffi", "lax"])
-    g.add_argument("--json", dest="json_path", default=None)
-    g.add_argument("--plot", default=None)
-    g.add_argument("--cpu-devices", type=int, help="use N fake CPU devices")
-
-
 def main(args) -> int:
+    """`jaxk3 bench generate` (arguments parsed and bounded by jaxk3.cli)."""
     try:
-        batches = tuple(int(b) for b in args.batch.split(","))
-        for name in ("tp", "prompt", "new", "prefill_chunk", "decode_chunk"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
-        if any(b < 1 for b in batches):
-            raise ValueError("--batch: sizes must be >= 1")
-        res = run(args.config, args.tp, batches, args.prompt, args.new, args.experts, args.dtype, "auto", args.psum,
+        if args.prefill_chunk % 64:
+            raise ValueError(f"--prefill-chunk {args.prefill_chunk}: must be a multiple of 64")
+        if args.tp > len(jax.devices()):
+            raise ValueError(f"--tp {args.tp}: only {len(jax.devices())} devices present")
+        res = run(args.config, args.tp, tuple(args.batch), args.prompt, args.new, args.experts, args.dtype, "auto",
+                  args.psum,
                   args.prefill_chunk, args.decode_chunk,
                   progress=lambda m: print(f"  .. {m}", file=sys.stderr, flush=True))
     except ValueError as e:
@@ -183,9 +164,3 @@ def main(args) -> int:
         plot(res, args.plot)
         print(f"wrote {args.plot}")
     return 0
-
-
-if __name__ == "__main__":  # python -m jaxk3.bench_generate ...
-    p = argparse.ArgumentParser(prog="jaxk3 bench")
-    add_parser(p.add_subparsers(dest="cmd", required=True))
-    sys.exit(main(p.parse_args(sys.argv[1:])))

@@ -40,3 +40,17 @@ def test_threads_with_models_equal_serial_runs():
     assert not errors and not any(t.is_alive() for t in threads), errors
     for a, b in zip(got, serial):
         np.testing.assert_array_equal(a, b)
+
+
+def test_prefill_on_two_cpu_devices_finishes():
+    """A 2-device process: the KDA prefill once used XLA's CPU triangular solve (a LAPACK custom
+    call), which starved the 2-thread runtime and hung forever; `jaxk3 bench generate` runs the
+    prefill and the decode loop end to end here, bounded by the subprocess timeout."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "jaxk3.cli", "bench", "generate", "--cpu-devices", "2", "--config", "tiny", "--tp",
+           "2", "--batch", "1", "--prompt", "70", "--new", "4", "--prefill-chunk", "64", "--decode-chunk", "3"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "TTFT s" in r.stdout and "decode tok/s" in r.stdout

@@ -236,7 +236,7 @@ def test_realistic_tiles_kda_and_mla():
 
 # --------------------------------------------------------------------------- prefill forms
 @pytest.mark.parametrize("mode", ["k3", "kl"])
-def test_prefill_blocks_equal_their_decode_steps(mode):
+def test_prefill_blocks_equal_their_decode_steps(mode, monkeypatch):
     """KDA (chunked form), MLA (causal over prefix + chunk) and MoE (grouped GEMMs) over T tokens per row
     equal T decode steps; ragged rows (left padding), two chunks. Tolerance 1e-5 · max (fp32 reassociation)."""
     from jaxk3.layers.kda import kda_prefill
@@ -280,3 +280,6 @@ def test_prefill_blocks_equal_their_decode_steps(mode):
     ref = moe_lib.experts_partial(cfg, wf, z, w_Nk, ids_Nk)
     for form in (moe_lib.experts_grouped, moe_lib.experts_dense):
         close(form(cfg, wf, z, w_Nk, ids_Nk), ref, 1e-5)
+    E, I = wf.experts_w1.shape[:2]
+    monkeypatch.setattr(moe_lib, "DENSE_MOE_BYTES", 10 * E * I * 4)  # token blocks of 10 (37 tokens: 4 blocks)
+    close(moe_lib.experts_dense(cfg, wf, z, w_Nk, ids_Nk), ref, 1e-5)

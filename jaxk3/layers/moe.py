@@ -173,29 +173,40 @@ def experts_dense(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax.A
     unselected experts weighted 0 (their terms add exactly 0): E/k times the FLOPs of the exact
     grouped form, but plain batched matrix products.  Measured on an H200 (Kimi-Linear-48B dims,
     512 tokens, 64 experts): XLA's GPU `ragged_dot` took 6.0 ms per layer, far above this form's
-    FLOPs, so prefill takes this form while its [N, E, I] activations fit DENSE_MOE_BYTES."""
-    N, E, dt = z_NL.shape[0], w.experts_w1.shape[0], w.experts_w1.dtype
+    FLOPs.  Tokens go in blocks whose fp32 [n, E, I] activations fit DENSE_MOE_BYTES (lax.map)."""
+    N, (E, I) = z_NL.shape[0], w.experts_w1.shape[:2]
+    dt = w.experts_w1.dtype
     weights_NE = jnp.zeros((N, E), F32).at[jnp.arange(N)[:, None], ids_Nk].add(w_Nk.astype(F32))
-    z = z_NL.astype(dt)
-    h1 = jnp.einsum("nl,eil->nei", z, w.experts_w1, preferred_element_type=F32)
-    h3 = jnp.einsum("nl,eil->nei", z, w.experts_w3, preferred_element_type=F32)
-    a = _act(cfg, h1, h3).astype(dt)
-    y_NEL = jnp.einsum("nei,eli->nel", a, w.experts_w2, preferred_element_type=F32)
-    return jnp.einsum("nel,ne->nl", y_NEL, weights_NE)
+
+    def block(args):
+        z, weights = args
+        z = z.astype(dt)
+        h1 = jnp.einsum("nl,eil->nei", z, w.experts_w1, preferred_element_type=F32)
+        h3 = jnp.einsum("nl,eil->nei", z, w.experts_w3, preferred_element_type=F32)
+        a = _act(cfg, h1, h3).astype(dt)
+        y_NEL = jnp.einsum("nei,eli->nel", a, w.experts_w2, preferred_element_type=F32)
+        return jnp.einsum("nel,ne->nl", y_NEL, weights)
+
+    nb = max(1, DENSE_MOE_BYTES // (E * I * 4))
+    if N <= nb:
+        return block((z_NL, weights_NE))
+    n = -(-N // nb)
+    pad = n * nb - N
+    z = jnp.pad(z_NL, ((0, pad), (0, 0))).reshape(n, nb, -1)
+    wts = jnp.pad(weights_NE, ((0, pad), (0, 0))).reshape(n, nb, E)
+    return lax.map(block, (z, wts)).reshape(n * nb, -1)[:N]
 
 
-DENSE_MOE_BYTES = 1 << 30  # the dense prefill form's fp32 [N, E, I] activations per rank, at most
+DENSE_MOE_BYTES = 1 << 30  # the dense prefill form's fp32 [n, E, I] activations per rank per block, at most
 
 
 def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, grouped: bool = False) -> jax.Array:
     """The MoE block on B tokens: fp32 [B, D], summed over TP.  `grouped` (prefill): the experts
-    over all tokens at once (dense over the local experts where that fits, else grouped GEMMs)
-    instead of per-token GEMVs (decode)."""
+    over all tokens at once (dense GEMMs over the local experts, in token blocks) instead of
+    per-token GEMVs (decode).  `experts_grouped` (ragged_dot) is the exact-FLOP form, kept and
+    tested for when a grouped GEMM kernel makes it pay."""
     dt = x_BD.dtype
-    experts = experts_partial
-    if grouped:
-        E, I = w.experts_w1.shape[:2]
-        experts = experts_dense if x_BD.shape[0] * E * I * 4 <= DENSE_MOE_BYTES else experts_grouped
+    experts = experts_dense if grouped else experts_partial
     w_Bk, ids_Bk = route(cfg, w.gate, w.e_score_correction_bias, x_BD)
     shared_BD = mlp_partial(cfg, w.shared_experts, x_BD) if w.shared_experts is not None else 0.0
     if w.routed_expert_down_proj is None:  # Kimi-Linear: experts on x, one psum for both partials

@@ -494,7 +494,7 @@ def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, i
 
 def load_model(path: str | os.PathLike, mesh=None, tp: int | None = None, dtype: Any = "bfloat16",
                gather: str = "auto", shard_latent: bool = True,
-               progress: Callable[[int, int], None] | None = None, psum: str = "lax", check_finite: bool = True):
+               progress: Callable[[int, int], None] | None = None, psum: str = "auto", check_finite: bool = True):
     """A sharded `Model` from a K3 / Kimi-Linear safetensors directory (see the module docstring).
 
     `progress(done_bytes, total_bytes)` is called after each weight is placed.  Raises

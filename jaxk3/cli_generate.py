@@ -82,6 +82,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="compute dtype; MXFP4 experts are dequantised to it (default bfloat16)")
     g.add_argument("--gather", default="auto", choices=["auto", "ffi", "lax"],
                    help="all-gather implementation: one-shot FFI, lax.all_gather, or auto (default)")
+    g.add_argument("--psum", default="auto", choices=["auto", "ffi", "lax"],
+                   help="row-parallel sums: the one-shot FFI all-reduce, lax.psum, or auto (default)")
     _cpu_devices_arg(g, default=None)
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     from jaxk3 import distributed
@@ -278,7 +280,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         model = load_model(args.checkpoint, mesh=mesh if multi else None, tp=None if multi else args.tp,
-                           dtype=args.dtype, gather=args.gather, progress=on_load)
+                           dtype=args.dtype, gather=args.gather, psum=args.psum, progress=on_load)
     except (ValueError, GatherUnavailableError) as e:  # CheckpointError (a ValueError); tp / dtype / gather
         return fail(CMD, e)
     except (MemoryError, jax.errors.JaxRuntimeError) as e:

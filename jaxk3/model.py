@@ -153,7 +153,7 @@ def weights_from_hf(cfg: KimiK3Config, flat: Mapping[str, Any]) -> Weights:
 class StepOptions:
     tp_axis: str | None = TP_AXIS
     gather: str = "auto"  # collective implementations (jaxk3.collectives): auto | ffi | lax
-    psum: str = "lax"
+    psum: str = "auto"
     shard_latent: bool = True
     # Global index of w.layers[0] when the weights are a slice of a deeper K3 model (bench
     # decode): AttnRes then follows the global schedule, and the block snapshots completed
@@ -300,7 +300,7 @@ class Model:
     `init_random_model`, `Model.from_weights` or `jaxk3.load_model`; decode with `generate`."""
 
     def __init__(self, cfg: KimiK3Config, weights: Weights, mesh: Mesh, dtype: Any, gather: str,
-                 shard_latent: bool, psum: str = "lax"):
+                 shard_latent: bool, psum: str = "auto"):
         self.cfg, self.weights, self.mesh = cfg, weights, mesh
         self.dtype, self.gather, self.psum, self.shard_latent = jnp.dtype(dtype), gather, psum, shard_latent
         self.tp = mesh.shape[TP_AXIS]
@@ -317,7 +317,7 @@ class Model:
     @classmethod
     def from_weights(cls, cfg: KimiK3Config, weights: Mapping[str, Any] | Weights, mesh: Mesh | None = None,
                      tp: int | None = None, dtype: Any = "bfloat16", gather: str = "auto",
-                     shard_latent: bool = True, psum: str = "lax", check_finite: bool = True) -> "Model":
+                     shard_latent: bool = True, psum: str = "auto", check_finite: bool = True) -> "Model":
         """From host arrays keyed by HF checkpoint names (or a host `Weights` pytree); every array is
         checked for NaN/Inf unless `check_finite=False` (checkpoint.NonFiniteTensorError names it)."""
         from jaxk3 import checkpoint
@@ -691,7 +691,7 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 def init_random_model(cfg: KimiK3Config, seed: int = 0, mesh: Mesh | None = None, tp: int | None = None,
                       dtype: Any = "bfloat16", gather: str = "auto", shard_latent: bool = True,
-                      psum: str = "lax") -> Model:
+                      psum: str = "auto") -> Model:
     """A model with random weights (`random_hf_weights(cfg, seed)`), sharded over `mesh` (or the first `tp` devices)."""
     check_impl("gather", gather), check_impl("psum", psum)
     m = make_mesh(mesh, tp)

@@ -17,7 +17,7 @@ class TP:
     axis name means the defaults below; None means one device (no collectives)."""
     axis: str
     gather: str = "auto"
-    psum: str = "lax"
+    psum: str = "auto"
 
 
 def as_tp(tp: TP | str | None) -> TP | None:

@@ -30,15 +30,16 @@ def _poison_outputs():
     ext._set_poison_outputs(False)
 
 
-def random_array(key, shape, dtype):
-    """Random data of any dtype, never all zeros."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.bool_:
-        return jax.random.bernoulli(key, 0.5, shape)
-    if jnp.issubdtype(dtype, jnp.integer):
-        info = jnp.iinfo(dtype)
-        return jax.random.randint(key, shape, info.min, info.max, dtype=dtype)
-    return jax.random.normal(key, shape, jnp.float32).astype(dtype) * 3
+def random_array(seed: int, shape, dtype):
+    """Random data of any dtype, never all zeros (NumPy: no compile per shape and dtype)."""
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.5
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype)
+    return (rng.standard_normal(shape).astype(np.float32) * 3).astype(dtype)
 
 
 def bits(a) -> np.ndarray:
@@ -65,11 +66,10 @@ def gather_fn(mesh, in_spec, impl, *, axis, tiled, axis_name="tp", padded=False,
 
 
 def sharded_inputs(mesh, spec, n, seed):
-    keys = jax.random.split(jax.random.key(seed), len(DTYPES) * len(SHAPES))
     xs = []
     for i, (dt, shp) in enumerate((d, s) for d in DTYPES for s in SHAPES):
         global_shape = (shp[0] * n, *shp[1:])
-        xs.append(jax.device_put(random_array(keys[i], global_shape, dt), NamedSharding(mesh, spec)))
+        xs.append(jax.device_put(random_array(seed * 1000 + i, global_shape, dt), NamedSharding(mesh, spec)))
     return xs
 
 
@@ -125,7 +125,7 @@ def test_tuple_axes_and_two_axis_mesh(names):
     2-D mesh (two communicators of 4 devices, one per row)."""
     mesh = make_mesh((6, 1, 4, 3, 0, 7, 2, 5), names=("a", "b"), shape=(2, 4))
     spec = P(("a", "b"))
-    x = jax.device_put(random_array(jax.random.key(9), (8, 1, 40), jnp.bfloat16), NamedSharding(mesh, spec))
+    x = jax.device_put(random_array(9, (8, 1, 40), jnp.bfloat16), NamedSharding(mesh, spec))
 
     def run(impl, axis_name):
         f = C.shard_map(lambda v: C.all_gather(v, axis_name, axis=1, tiled=True, impl=impl),
@@ -139,7 +139,7 @@ def test_tuple_axes_and_two_axis_mesh(names):
 def test_gather_logits_slices_padding():
     mesh = make_mesh(range(8))
     vocab, vpad = 1000, 1024
-    logits = jax.device_put(random_array(jax.random.key(5), (3, vpad), jnp.float32), NamedSharding(mesh, P(None, "tp")))
+    logits = jax.device_put(random_array(5, (3, vpad), jnp.float32), NamedSharding(mesh, P(None, "tp")))
 
     def run(impl):
         f = C.shard_map(lambda v: C.gather_logits(v, "tp", vocab, impl=impl), mesh=mesh,
@@ -209,10 +209,10 @@ def test_group_spanning_processes_is_detected():
 
 def test_impl_ffi_raises_with_reason_and_env_switch(monkeypatch):
     mesh = make_mesh(range(4))
-    x = jax.device_put(random_array(jax.random.key(0), (4 * 100, 8), jnp.float32), NamedSharding(mesh, P("tp")))
+    x = jax.device_put(random_array(0, (4 * 100, 8), jnp.float32), NamedSharding(mesh, P("tp")))
     with pytest.raises(C.GatherUnavailableError, match="rows"):
         jax.jit(C.shard_map(lambda v: C.all_gather(v, "tp", impl="ffi"), mesh=mesh, in_specs=(P("tp"),), out_specs=P("tp")))(x)
-    small = jax.device_put(random_array(jax.random.key(0), (4, 8), jnp.float32), NamedSharding(mesh, P("tp")))
+    small = jax.device_put(random_array(0, (4, 8), jnp.float32), NamedSharding(mesh, P("tp")))
     f = lambda: jax.jit(C.shard_map(lambda v: C.all_gather(v, "tp"), mesh=mesh, in_specs=(P("tp"),), out_specs=P("tp")))
     assert "jaxk3_" in f().lower(small).as_text()
     monkeypatch.setenv(C.ENV_IMPL, "lax")
@@ -227,7 +227,7 @@ def test_plain_shard_map_takes_the_fast_path():
     """Under a plain jax.shard_map in jax.jit (no wrapper, no jax.set_mesh) the devices are
     resolved when the program is lowered: the FFI path, and explain says so."""
     mesh = make_mesh((1, 0))
-    x = jax.device_put(random_array(jax.random.key(0), (2, 8), jnp.float32), NamedSharding(mesh, P("tp")))
+    x = jax.device_put(random_array(0, (2, 8), jnp.float32), NamedSharding(mesh, P("tp")))
     seen = []
 
     def body(v):
@@ -362,7 +362,7 @@ def test_stress_async_dispatch_random_sizes():
 
     def run(impl, iters=100, window=4):
         f1, f2 = make(impl, 1), make(impl, 2)
-        x = jax.device_put(random_array(jax.random.key(0), (1, 64), jnp.float32), NamedSharding(mesh, spec))
+        x = jax.device_put(random_array(0, (1, 64), jnp.float32), NamedSharding(mesh, spec))
         outs = []
         for i in range(iters):
             x = f2(f1(x))
@@ -382,7 +382,7 @@ def test_result_type_varies_like_lax(in_spec):
     """Under check_vma the FFI result has lax.all_gather's type (varying over the gathered axis),
     whether the operand varied or not, and the same values."""
     mesh = make_mesh(range(4))
-    x = jax.device_put(random_array(jax.random.key(2), (4, 8), jnp.float32), NamedSharding(mesh, in_spec))
+    x = jax.device_put(random_array(2, (4, 8), jnp.float32), NamedSharding(mesh, in_spec))
     types = {}
 
     def run(impl):
@@ -455,7 +455,7 @@ def test_loop_bodies_and_cond_branches_take_the_fast_path():
     """fori_loop, scan and while_loop bodies and cond branches under a plain jax.shard_map: the
     FFI path (the lowered HLO names the targets), bitwise equal to lax."""
     mesh = make_mesh((3, 1, 0, 2))
-    x = jax.device_put(random_array(jax.random.key(4), (4, 24), jnp.float32), NamedSharding(mesh, P("tp")))
+    x = jax.device_put(random_array(4, (4, 24), jnp.float32), NamedSharding(mesh, P("tp")))
 
     def body(v, impl):
         def step(i, c):

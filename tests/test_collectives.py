@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxk3 import _compat
 from jaxk3 import collectives as C
 from jaxk3.collectives import groups, registry
+from test_collectives_util import bits, poison_outputs, random_array  # noqa: F401 (autouse fixture)
 
 ext = C.extension()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"jaxk3._ffi not built: {C.extension_error()}")
@@ -21,30 +22,6 @@ DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32, jnp.int8, jnp.bool_
 # Per-rank shapes: one row and several, 16-byte aligned and not (131 and 264 bf16 columns
 # are TP-sharded projection widths of K3), and a rank-3 array.
 SHAPES = [(1, 1), (1, 131), (1, 264), (1, 1024), (3, 40), (2, 3, 5)]
-
-
-@pytest.fixture(autouse=True)
-def _poison_outputs():
-    ext._set_poison_outputs(True)
-    yield
-    ext._set_poison_outputs(False)
-
-
-def random_array(seed: int, shape, dtype):
-    """Random data of any dtype, never all zeros (NumPy: no compile per shape and dtype)."""
-    dtype = np.dtype(dtype)
-    rng = np.random.default_rng(seed)
-    if dtype == np.bool_:
-        return rng.random(shape) < 0.5
-    if np.issubdtype(dtype, np.integer):
-        info = np.iinfo(dtype)
-        return rng.integers(info.min, info.max, size=shape, dtype=dtype)
-    return (rng.standard_normal(shape).astype(np.float32) * 3).astype(dtype)
-
-
-def bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view(np.uint8) if a.dtype != np.bool_ else a.astype(np.uint8)
 
 
 def make_mesh(order, names=("tp",), shape=None):

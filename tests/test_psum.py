@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxk3 import collectives as C
+from test_collectives_util import bits, poison_outputs, random_array  # noqa: F401 (autouse fixture)
 
 ext = C.extension()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"jaxk3._ffi not built: {C.extension_error()}")
@@ -23,29 +24,6 @@ SHAPES = [(1, 1), (1, 131), (3, 40), (2, 3, 5), (1, 1024), (7,)]
 ORDERS = {2: [(1, 0)], 4: [(0, 1, 2, 3), (3, 1, 0, 2)], 8: [tuple(range(8)), (5, 2, 7, 0, 3, 6, 1, 4)]}
 # Mantissa bits (with the implicit one) of each float dtype: its rounding is 2**-bits relative.
 MANTISSA = {np.dtype(jnp.bfloat16): 8, np.dtype(np.float16): 11, np.dtype(np.float32): 24}
-
-
-@pytest.fixture(autouse=True)
-def _poison_outputs():
-    ext._set_poison_outputs(True)
-    yield
-    ext._set_poison_outputs(False)
-
-
-def random_array(seed: int, shape, dtype):
-    """Random data of any dtype (integers over their whole range), never zeros."""
-    dtype = np.dtype(dtype)
-    rng = np.random.default_rng(seed)
-    if np.issubdtype(dtype, np.integer):
-        info = np.iinfo(dtype)
-        x = rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
-        return np.where(x == 0, 1, x).astype(dtype)
-    x = rng.standard_normal(shape).astype(np.float32) * 3
-    return np.where(x == 0, 1.0, x).astype(dtype)
-
-
-def bits(a) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(a)).view(np.uint8)
 
 
 def make_mesh(order, names=("tp",), shape=None):

@@ -38,7 +38,8 @@ def shard_map(f: Callable, mesh: jax.sharding.Mesh, in_specs: Any, out_specs: An
     """`shard_map(f, mesh=..., in_specs=..., out_specs=...)` with the replication check off.
 
     Goes through `jaxk3.collectives.shard_map` when it exists: that wrapper records the concrete
-    mesh while `f` is traced, which the FFI gathers need to pick their device group.
+    mesh while `f` is traced, so that `collectives.explain` inside `f` can name the devices (the
+    collectives themselves resolve their devices when the program is lowered).
     """
     from jaxk3 import collectives
 

@@ -46,9 +46,10 @@ def plan(shape: Sequence[int], dtype, axis_name, *, padded: bool = False, impl: 
     if isinstance(group, str):
         return no(group)
     nbytes = rules.payload_bytes(shape, dtype)
-    for why in (rules.platform_refusal(spec, group.platform), rules.bytes_refusal(nbytes, group.platform),
-                rules.activate_group(group)):
-        if why is not None:
+    for rule in (lambda: rules.platform_refusal(spec, group.platform),
+                 lambda: rules.bytes_refusal(nbytes, group.platform),
+                 lambda: rules.activate_group(group)):  # in order: activating loads and creates things
+        if (why := rule()) is not None:
             return no(why)
     target, reason = rules.layout(spec, nbytes, padded)
     if group.table is None:

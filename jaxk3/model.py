@@ -585,7 +585,8 @@ class Model:
         slots = -(-total // CACHE_BUCKET) * CACHE_BUCKET
         per_row = len(self.cfg.mla_layers) * slots * self.cfg.latent_dim * self.dtype.itemsize
         need = per_row * -(-len(rows) // self.dp)
-        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        stats = local[0].memory_stats() or {}
         limit = stats.get("bytes_limit")
         if limit is None:
             import os

@@ -132,6 +132,19 @@ def _cpu_devices_arg(parser: argparse.ArgumentParser, **kw) -> None:
                         help=f"use N fake CPU devices (1..{MAX_CPU_DEVICES})", **kw)
 
 
+def _choices_list(allowed: tuple[str, ...]):
+    """An argparse type: a comma list of some of `allowed`, in the order given."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(t.strip() for t in text.split(","))
+        bad = [t for t in items if t not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)} (comma separated)")
+        return tuple(dict.fromkeys(items))
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="jaxk3",
@@ -147,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (same-run baselines, ratios printed)")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
-    g = bsub.add_parser("gather", help="per-gather latency: FFI path vs lax.all_gather vs two no-exchange floors (XLA tile, one FFI call)")
+    g = bsub.add_parser("gather", help="per-step latency of the collectives: FFI path vs lax.all_gather / lax.psum vs "
+                        "two no-exchange floors (XLA tile, one FFI call), unrolled chains and lax.scan bodies")
     g.add_argument("--sizes", type=_parse_sizes, default=None,
                    help="payload bytes per rank, comma separated (default 64,256,1k,4k,16k,64k,256k)")
     g.add_argument("--chain", type=int_in(1, 10_000), default=100,
@@ -156,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed runs per size; the median is reported (default 15)")
     g.add_argument("--devices", type=positive, default=None, help="use the first N devices (default: all)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"])
+    g.add_argument("--ops", type=_choices_list(("gather", "allreduce")), default=("gather", "allreduce"),
+                   help="comma list: gather, allreduce (default both)")
+    g.add_argument("--forms", type=_choices_list(("unrolled", "scan")), default=("unrolled", "scan"),
+                   help="comma list: unrolled (a chain unrolled in one jit), scan (the chain in lax.scan); default both")
     g.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
     _cpu_devices_arg(g)
 
@@ -281,7 +299,10 @@ def cmd_info(args) -> int:
 
     from jaxk3 import __version__, collectives
 
-    ext = collectives.extension()
+    try:
+        ext = collectives.extension()
+    except ValueError as e:  # a bad JAXK3_* setting, named by the settings module
+        return fail("jaxk3 info", e)
     built = ext.build_info() if ext is not None else {}
     devices = jax.devices()
     info = {
@@ -337,8 +358,8 @@ def cmd_bench_gather(args) -> int:
     def progress(msg):
         print(f"  .. {msg}", file=sys.stderr, flush=True)
 
-    result = bench.bench_gather(sizes=sizes, chain=args.chain, repeats=args.repeats, devices=devices,
-                                dtype=jnp.dtype(args.dtype), progress=progress)
+    result = bench.bench_collectives(sizes=sizes, chain=args.chain, repeats=args.repeats, devices=devices,
+                                     dtype=jnp.dtype(args.dtype), progress=progress, ops=args.ops, forms=args.forms)
     print(bench.gather_table(result))
     if args.json_path:
         return _write_json(bench.write_json, result, args.json_path, "jaxk3 bench gather")

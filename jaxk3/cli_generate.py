@@ -294,20 +294,37 @@ def run(args) -> int:
     bars: dict[str, _Bar] = {}
 
     def on_gen(phase: str, done: int, total: int) -> None:
-        if phase != "decode":
-            return
-        if phase not in bars:
-            bars[phase] = _Bar("generating", total, "tok", show)
+        if phase not in bars:  # "prompt": the prefill's chunks (long prompts), "decode": new tokens
+            bars[phase] = _Bar("prefill" if phase == "prompt" else "generating", total, "tok", show and
+                               (phase == "decode" or total > 512))
         bars[phase].update_to(done)
         if done >= total:
             bars[phase].close()
+
+    # one prompt on a terminal with a tokenizer: the text is printed as each chunk of tokens arrives
+    stream = tok is not None and len(rows) == 1 and sys.stdout.isatty()
+    streamed: list[int] = []
+
+    def on_tokens(chunk) -> None:
+        new = [int(t) for t in chunk[0]]
+        stops = () if model.cfg.eos_token_id is None else (int(model.cfg.eos_token_id),)
+        for t in new:
+            if streamed and streamed[-1] in stops:
+                return
+            streamed.append(t)
+        sys.stdout.write(tok.decode(streamed[len(streamed) - len(new):]) if new else "")
+        sys.stdout.flush()
 
     n_prompt = max(len(r) for r in rows)
     print(f"prompt: {len(rows)} x up to {n_prompt} tokens (the first step compiles the model) ...",
           file=sys.stderr, flush=True)
 
     try:
-        out = model.generate(rows, args.max_new_tokens, progress=on_gen)
+        if stream:
+            sys.stdout.write("streaming: ")
+        out = model.generate(rows, args.max_new_tokens, progress=on_gen, on_tokens=on_tokens if stream else None)
+        if stream:
+            sys.stdout.write("\n")
     except (ValueError, GatherUnavailableError, FloatingPointError) as e:  # FloatingPointError: NaN/Inf logits
         return fail(CMD, e)
     except (MemoryError, jax.errors.JaxRuntimeError) as e:
@@ -332,9 +349,11 @@ def _summary(out, n_prompt: int, batch: int, max_new_tokens: int) -> str:
     rate = f"{after_first / decode_s:.1f} tokens/s" if decode_s > 0 and after_first else "n/a"
     total_s = out.prompt_time_s + decode_s
     overall = f"{n_new / total_s:.2f} tokens/s" if total_s > 0 else "n/a"
-    return (f"{n_new} new tokens; prompt {n_prompt} tokens in {out.prompt_time_s:.2f} s (includes compile); "
-            f"decode {rate} ({after_first} tokens after the first of each row, batch {batch}, "
-            f"up to {max_new_tokens} each); overall {overall}")
+    ttft = out.prompt_time_s
+    prefill = f"{batch * n_prompt / ttft:.0f} prompt tokens/s" if ttft > 0 else "n/a"
+    return (f"{n_new} new tokens; time to first token {ttft:.2f} s (prompt {n_prompt} tokens x {batch}: {prefill}; "
+            f"the first call includes compilation); decode {rate} ({after_first} tokens after the first of each "
+            f"row, batch {batch}, up to {max_new_tokens} each); overall {overall}")
 
 
 def _runtime_failure(e: BaseException) -> int:

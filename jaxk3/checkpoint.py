@@ -454,6 +454,22 @@ def read_all(plan) -> Any:
 
 
 # ------------------------------------------------------------------------------ placing
+_EXPONENT = {2: (np.uint16, 0x7F80), 4: (np.uint32, 0x7F800000), 8: (np.uint64, 0x7FF0000000000000)}
+
+
+def _all_finite(block: np.ndarray) -> bool:
+    """No NaN or Inf in a float block: every exponent field short of all ones, tested on the bits
+    (3-4x faster than np.isfinite for bfloat16, whose ufuncs go through ml_dtypes)."""
+    if block.dtype.kind != "f" and block.dtype.name != "bfloat16":
+        return True
+    if block.dtype == np.float16:
+        v, m = block.view(np.uint16), np.uint16(0x7C00)
+    else:
+        u, mask = _EXPONENT[block.dtype.itemsize]
+        v, m = block.view(u), u(mask)
+    return not np.any((v & m) == m)
+
+
 def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, int], None] | None = None,
                check_finite: bool = True):
     """Every `_Leaf` -> a jax.Array sharded as its Param says, each device's block read on its own.
@@ -474,7 +490,7 @@ def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, i
             if last[0] != blk:
                 last[:] = [None, None]  # drop the previous rank's slice before reading the next
                 block = np.asarray(leaf.read(blk))
-                if check_finite and block.dtype.kind == "f" and not np.isfinite(block).all():
+                if check_finite and not _all_finite(block):
                     bad = np.argwhere(~np.isfinite(block))[0]
                     at = [int(b) + a for b, (a, _) in zip(bad, blk)]
                     raise NonFiniteTensorError(f"checkpoint: tensor {leaf.param.name!r} holds "

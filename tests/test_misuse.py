@@ -90,3 +90,18 @@ def test_mxfp4_nan_scale_is_named(tmp_path):
     with pytest.raises(ck.NonFiniteTensorError, match=r"experts\.2\.w2\.weight_scale' holds the E8M0 scale byte 255"):
         jaxk3.load_model(str(tmp_path / "ck"), tp=1)
     assert jax.devices()[0].platform == "cpu"
+
+
+def test_finite_check_on_the_bits():
+    """The loader's NaN/Inf test reads exponent bits: right for bf16, f16, f32, f64, and blind to ints."""
+    import ml_dtypes
+
+    for dt in (ml_dtypes.bfloat16, np.float16, np.float32, np.float64):
+        a = (np.random.default_rng(1).standard_normal((5, 7)) * 100).astype(dt)
+        a[0, 0] = np.finfo(np.float16).max if dt == np.float16 else 1e30 if dt != np.float64 else 1e300
+        assert ck._all_finite(a), dt
+        for bad in (np.nan, np.inf, -np.inf):
+            b = a.copy()
+            b[3, 2] = bad
+            assert not ck._all_finite(b), (dt, bad)
+    assert ck._all_finite(np.full(4, 255, np.uint8))

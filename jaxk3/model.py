@@ -518,7 +518,8 @@ class Model:
         B = len(rows)
         toks, valid, chunk = self._layout(rows, chunk)
         Bp, Tt = toks.shape
-        cache = self.init_cache(Bp, -(-(Tt + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET)
+        K = int(min(decode_chunk, max(max_new_tokens - 1, 1)))  # the last chunk runs K steps too (unused ones dropped)
+        cache = self.init_cache(Bp, -(-(Tt + max_new_tokens + K) // CACHE_BUCKET) * CACHE_BUCKET)
         t0 = time.perf_counter()
         outs, first, finite, cache = self._prefill(cache, toks, valid, chunk, False, sampling, progress)
         first_np = _to_host(first)
@@ -533,11 +534,10 @@ class Model:
             progress("decode", 1, max_new_tokens)
         t1 = time.perf_counter()
         left = 0 if np.all(done_np) else max_new_tokens - 1
-        K = int(min(decode_chunk, max(left, 1)))
         opt = StepOptions(tp_axis=TP_AXIS, gather=self.gather, psum=self.psum, shard_latent=self.shard_latent)
-        loop = self._fn(("loop", K, sampling, stops, pad_id, return_logits),
-                        lambda: generation.build_decode_loop(self.cfg, opt, self.mesh, K, sampling, stops, pad_id,
-                                                             return_logits))
+        loop = None if left == 0 else self._fn(
+            ("loop", K, sampling, stops, pad_id, return_logits),
+            lambda: generation.build_decode_loop(self.cfg, opt, self.mesh, K, sampling, stops, pad_id, return_logits))
         tok, done = first, put_batch(done_np, self.mesh)
         pending, produced, position = None, 1, 1
         while left > 0 or pending is not None:

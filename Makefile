@@ -46,7 +46,7 @@ build:
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PYBIN) -m pytest -q -rs
+	$(PYBIN) -m pytest -q -rs --durations=15
 
 demo: $(STAMP)
 	$(VENV)/bin/jaxk3 demo --cpu-devices 8

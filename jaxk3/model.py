@@ -433,17 +433,23 @@ class Model:
     def _layout(self, rows: list[list[int]], chunk: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Left-padded [Bp, T_total] tokens and valid mask: T_total a multiple of the prefill chunk
         (or of 64, for prompts shorter than a chunk; or T itself up to 64: the KDA chunk)."""
-        B, T = len(rows), max(len(r) for r in rows)
+        T = max(len(r) for r in rows)
         if T > chunk:
             Tt = -(-T // chunk) * chunk
         else:
             Tt = T if T <= 64 else -(-T // 64) * 64
-        Bp = -(-B // self.dp) * self.dp  # rows added to split over dp are all padding
-        toks = np.zeros((Bp, Tt), np.int32)
-        valid = np.zeros((Bp, Tt), bool)
-        for i, r in enumerate(rows):
-            toks[i, Tt - len(r):], valid[i, Tt - len(r):] = r, True
+        toks, valid = self._left_pad(rows, Tt)
         return toks, valid, min(chunk, Tt)
+
+    def _left_pad(self, rows: list[list[int]], T: int) -> tuple[np.ndarray, np.ndarray]:
+        """[Bp, T] tokens and valid mask, each row's tokens at the end (rows added to split the batch
+        over dp are all padding)."""
+        Bp = -(-len(rows) // self.dp) * self.dp
+        toks = np.zeros((Bp, T), np.int32)
+        valid = np.zeros((Bp, T), bool)
+        for i, r in enumerate(rows):
+            toks[i, T - len(r):], valid[i, T - len(r):] = r, True
+        return toks, valid
 
     def _prefill(self, cache: Cache, toks: np.ndarray, valid: np.ndarray, chunk: int, all_logits: bool,
                  sampling: generation.Sampling | None, progress=None):
@@ -583,8 +589,7 @@ class Model:
         if mpe is not None and total > mpe:
             raise ValueError(f"max_new_tokens: prompt + new tokens = {total} > max_position_embeddings {mpe}")
         slots = -(-total // CACHE_BUCKET) * CACHE_BUCKET
-        per_row = len(self.cfg.mla_layers) * slots * self.cfg.latent_dim * self.dtype.itemsize
-        need = per_row * -(-len(rows) // self.dp)
+        need = self.cfg.cache_bytes_per_rank(-(-len(rows) // self.dp), slots, self.tp, self.dtype.itemsize)
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         stats = local[0].memory_stats() or {}
         limit = stats.get("bytes_limit")
@@ -594,7 +599,7 @@ class Model:
             limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         free = limit - stats.get("bytes_in_use", 0)
         if need > free:
-            raise ValueError(f"max_new_tokens: the latent cache for {len(rows)} rows x {slots} positions needs "
+            raise ValueError(f"max_new_tokens: the decode cache for {len(rows)} rows x {slots} positions needs "
                              f"{need / 2**30:.1f} GiB per device, more than the {free / 2**30:.1f} GiB free")
 
     def _generate_step_by_step(self, rows: list[list[int]], max_new_tokens: int, return_logits: bool,
@@ -602,11 +607,8 @@ class Model:
         """Greedy, one token per dispatch: the prompt token by token through the decode step, then
         each new token waited for (the path before the prefill and the device loop)."""
         B, T = len(rows), max(len(r) for r in rows)
-        Bp = -(-B // self.dp) * self.dp  # rows added to split over dp never touch a cache
-        toks = np.zeros((Bp, T), np.int32)
-        valid = np.zeros((Bp, T), bool)
-        for i, r in enumerate(rows):
-            toks[i, T - len(r):], valid[i, T - len(r):] = r, True
+        toks, valid = self._left_pad(rows, T)
+        Bp = toks.shape[0]
         cache = self.init_cache(Bp, -(-(T + max_new_tokens) // 64) * 64)
         t0 = time.perf_counter()
         for t in range(T):  # Model.step reads the lengths: at most one step is queued

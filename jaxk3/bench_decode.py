@@ -281,7 +281,7 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                 say(f"B={batch} S={context} {name} (gather={g})")
                 weights = w_by_latent[latent]
                 opt = StepOptions(gather=g, shard_latent=latent, layer_offset=first)
-                step = build_step(cfg, opt, mesh, abstract_weights(cfg, tp))
+                step = build_step(cfg, opt, mesh)
                 cache = random_cache(cfg, mesh, dtype, batch, context)
                 ids = put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
                 valid = put_batch(np.ones((batch,), bool), mesh)

@@ -63,7 +63,7 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
         ttft, dec = out.prompt_time_s, out.decode_time_s
         compiled = {k[0]: f._cache_size() for k, f in model._fns.items()}
         # the device's own step rate: the decode step back to back, greedy token fed back on the device
-        step = build_step(cfg, StepOptions(gather=gather, psum=psum), mesh, model.abstract)
+        step = build_step(cfg, StepOptions(gather=gather, psum=psum), mesh)
         cache = bd.random_cache(cfg, mesh, dtype, B, -(-(prompt + new) // 64) * 64)
         ids = put_batch(np.arange(B, dtype=np.int32) % cfg.vocab_size, mesh)
         valid = put_batch(np.ones((B,), bool), mesh)

@@ -19,11 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from jaxk3 import params
-from jaxk3._compat import shard_map
 
 F32 = jnp.float32
 
@@ -74,35 +71,15 @@ def sample(logits_BV: jax.Array, position: jax.Array, s: Sampling) -> jax.Array:
     return jax.random.categorical(key, lg, axis=-1).astype(jnp.int32)
 
 
-def _local(cfg, opt, mesh: Mesh, all_logits: bool = True):
-    """(the shard_mapped forward, and the NamedShardings of weights, cache and a batch array).
-
-    The jitted functions below fix their input and output shardings to these, so that what one
-    call returns (the cache, the last token, the done flags) is what the next call was compiled
-    for: without that, the outputs' shardings differ from the host-made first inputs' and the
-    second chunk recompiles (seen: the decode loop compiled twice per generate)."""
-    from jaxk3.model import abstract_weights, cache_specs, dp_axis, forward_local
-    from jaxk3.sharding import TP
-
-    batch = P(dp_axis(mesh))
-    cspecs = cache_specs(cfg, dp_axis(mesh))
-    wspecs = params.partition_specs(abstract_weights(cfg, mesh.shape[TP]), opt.shard_latent)
-    local = shard_map(functools.partial(forward_local, cfg, opt, all_logits=all_logits), mesh,
-                      in_specs=(wspecs, cspecs, batch, batch), out_specs=(batch, cspecs))
-
-    def named(tree):
-        return jax.tree.map(lambda p: NamedSharding(mesh, p), tree, is_leaf=lambda x: isinstance(x, P))
-
-    return local, named(wspecs), named(cspecs), NamedSharding(mesh, batch)
-
-
 @functools.lru_cache(maxsize=64)
 def build_prefill(cfg, opt, mesh: Mesh, all_logits: bool, sampling: Sampling | None = None):
     """jit(fn)(weights, cache, tokens_BT, valid_BT, position) -> (logits, first_B or None, finite_B, cache),
     the cache donated.  logits: [B, T, vocab] (`all_logits`) or the last position's [B, vocab]; with a
     `sampling`, first_B is the token sampled from the last position (keyed by `position`); finite_B:
     whether the last position's logits are all finite."""
-    local, w_sh, c_sh, b_sh = _local(cfg, opt, mesh, all_logits)
+    from jaxk3.model import local_forward
+
+    local, w_sh, c_sh, b_sh = local_forward(cfg, opt, mesh, all_logits)
 
     def run(weights, cache, tokens_BT, valid_BT, position):
         logits, cache = local(weights, cache, tokens_BT, valid_BT)
@@ -122,7 +99,9 @@ def build_decode_loop(cfg, opt, mesh: Mesh, steps: int, sampling: Sampling, stop
     of every row), samples the next one (keyed by position + i), and freezes rows that produced a
     stop id: their caches stay as they were and their later tokens are `pad_id`.  bad_B: a running
     row met logits that were not all finite (checked on the device, read once per call)."""
-    local, w_sh, c_sh, b_sh = _local(cfg, opt, mesh)
+    from jaxk3.model import local_forward
+
+    local, w_sh, c_sh, b_sh = local_forward(cfg, opt, mesh)
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
 
     def run(weights, cache, tok, done, position):

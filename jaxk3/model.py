@@ -225,14 +225,30 @@ def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache,
     return logits.reshape(shape), Cache(layers=tuple(new_caches), length=length)
 
 
-def build_step(cfg: KimiK3Config, opt: StepOptions, mesh: Mesh, abstract: Weights):
-    """jit(step)(weights, cache, tokens_B, valid_B) -> (logits_BV fp32, argmax_B int32, cache), with the
-    cache donated: the one decode step `Model` and `jaxk3 bench decode` run."""
+def local_forward(cfg: KimiK3Config, opt: StepOptions, mesh: Mesh, all_logits: bool = True):
+    """(forward_local under shard_map over `mesh`, and the NamedShardings of the weights, the cache and
+    a batch array): the one shard_mapped forward the decode step, the prefill and the decode loop run.
+
+    The jitted prefill and loop fix their input and output shardings to these, so that what one
+    call returns (the cache, the last token, the done flags) is what the next call was compiled
+    for: without that, the outputs' shardings differ from the host-made first inputs' and the
+    second chunk recompiles (seen: the decode loop compiled twice per generate)."""
     batch = P(dp_axis(mesh))
     cspecs = cache_specs(cfg, dp_axis(mesh))
-    local = shard_map(functools.partial(forward_local, cfg, opt), mesh,
-                      in_specs=(params.partition_specs(abstract, opt.shard_latent), cspecs, batch, batch),
-                      out_specs=(batch, cspecs))
+    wspecs = params.partition_specs(abstract_weights(cfg, mesh.shape[TP_AXIS]), opt.shard_latent)
+    local = shard_map(functools.partial(forward_local, cfg, opt, all_logits=all_logits), mesh,
+                      in_specs=(wspecs, cspecs, batch, batch), out_specs=(batch, cspecs))
+
+    def named(tree):
+        return jax.tree.map(lambda p: NamedSharding(mesh, p), tree, is_leaf=lambda x: isinstance(x, P))
+
+    return local, named(wspecs), named(cspecs), NamedSharding(mesh, batch)
+
+
+def build_step(cfg: KimiK3Config, opt: StepOptions, mesh: Mesh):
+    """jit(step)(weights, cache, tokens_B, valid_B) -> (logits_BV fp32, argmax_B int32, cache), with the
+    cache donated: the one decode step `Model.step` and `jaxk3 bench decode` run."""
+    local = local_forward(cfg, opt, mesh)[0]
 
     def step(weights: Weights, cache: Cache, tokens_B: jax.Array, valid_B: jax.Array):
         logits_BV, cache = local(weights, cache, tokens_B, valid_B)
@@ -310,7 +326,7 @@ class Model:
         self.dp = mesh.shape[DP] if self.dp_axis else 1
         self.abstract = abstract_weights(cfg, self.tp)
         opt = StepOptions(tp_axis=TP_AXIS, gather=gather, psum=psum, shard_latent=shard_latent)
-        self._step = build_step(cfg, opt, mesh, self.abstract)
+        self._step = build_step(cfg, opt, mesh)
         self._fns: dict = {}
 
     # -- constructors

@@ -23,6 +23,7 @@ these functions derive from it:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import zlib
 from typing import Any
@@ -44,8 +45,8 @@ class Param:
     names: checkpoint tensor names, the hub spelling first, then accepted alternates (e.g. what
     transformers' `save_pretrained` writes); experts carry `{e}`.  spec: a PartitionSpec over the
     mesh axes, or LATENT.  dtype: "compute" (the model's dtype) or "fp32".  group: the part of the
-    step it belongs to, for byte accounting (kda, mla, mla_latent, moe, moe_experts, mlp, embed,
-    lm_head, norm).
+    step it belongs to, for byte accounting (kda, mla_latent, mla_other, moe_experts, moe_other, mlp,
+    mlp_and_shared_experts, embed, lm_head, other).
     """
     shape: tuple[int, ...]
     names: tuple[str, ...]
@@ -101,24 +102,20 @@ def expert_names(p: Param, num: int) -> list[str]:
     return [p.name.format(e=e) for e in range(num)]
 
 
-def checkpoint_shapes(tree) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor the abstract tree reads (hub spelling): name -> shape."""
-    out: dict[str, tuple[int, ...]] = {}
-    for p in params(tree):
-        if p.source == "experts":
-            for n in expert_names(p, p.shape[0]):
-                out[n] = p.checkpoint_shape
-        elif p.name not in out:  # a tied lm_head names the embedding as its source
-            out[p.name] = p.checkpoint_shape
-    return out
-
-
-def _init_kinds(tree) -> dict[str, tuple[str, int]]:
-    out = {}
+def _checkpoint_tensors(tree):
+    """(name, checkpoint shape, init) of every checkpoint tensor, hub spelling, each name once (a tied
+    lm_head names the embedding as its source; experts expand to one tensor per expert)."""
+    seen = set()
     for p in params(tree):
         for n in (expert_names(p, p.shape[0]) if p.source == "experts" else [p.name]):
-            out.setdefault(n, (p.init, p.shape[-1]))
-    return out
+            if n not in seen:
+                seen.add(n)
+                yield n, p.checkpoint_shape, p.init
+
+
+def checkpoint_shapes(tree) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor the abstract tree reads (hub spelling): name -> shape."""
+    return {n: shape for n, shape, _ in _checkpoint_tensors(tree)}
 
 
 _SCALES = {"norm": (0.1, 1.0), "dt": (1.0, 0.0), "bias": (0.1, 0.0), "conv": (0.3, 0.0), "embed": (1.0, 0.0),
@@ -132,12 +129,9 @@ def _scale(kind: str, hidden: int) -> tuple[float, float]:
 def random_checkpoint(tree, hidden: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights keyed by checkpoint name, one generator per name (seed, crc32(name)),
     so a tensor's values do not depend on which other tensors exist."""
-    shapes = checkpoint_shapes(tree)
-    kinds = _init_kinds(tree)
     out = {}
-    for name, shape in shapes.items():
+    for name, shape, kind in _checkpoint_tensors(tree):
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-        kind = kinds[name][0]
         if kind == "a_log":
             a = np.log(rng.uniform(1.0, 16.0, shape))
         else:
@@ -164,20 +158,15 @@ def random_on_devices(tree, mesh, dtype, hidden: int, shard_latent: bool = True,
     return jax.tree.map(make, tree, is_leaf=is_param)
 
 
-_generators: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _device_generator(shape, dtype: str, kind: str, sharding, hidden: int):
-    key = (shape, dtype, kind, sharding, hidden)
-    if key not in _generators:
-        def gen(k):
-            if kind == "a_log":
-                return jnp.log(jax.random.uniform(k, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
-            s, b = _scale(kind, hidden)
-            return (jax.random.normal(k, shape, jnp.float32) * s + b).astype(dtype)
+    def gen(k):
+        if kind == "a_log":
+            return jnp.log(jax.random.uniform(k, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+        s, b = _scale(kind, hidden)
+        return (jax.random.normal(k, shape, jnp.float32) * s + b).astype(dtype)
 
-        _generators[key] = jax.jit(gen, out_shardings=sharding)
-    return _generators[key]
+    return jax.jit(gen, out_shardings=sharding)
 
 
 def shard_bytes(a: jax.Array) -> int:

@@ -71,7 +71,7 @@ def test_layer_offset_follows_the_global_attn_res_schedule():
     step; an offset moves the AttnRes block starts, so the same weights give other logits."""
     from jaxk3 import bench_decode as bd
     from jaxk3.config import KimiK3Config
-    from jaxk3.model import Model, StepOptions, abstract_weights, build_step
+    from jaxk3.model import Model, StepOptions, build_step
 
     cfg = KimiK3Config.tiny_k3()
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("tp",))
@@ -81,7 +81,7 @@ def test_layer_offset_follows_the_global_attn_res_schedule():
     valid = jax.device_put(np.ones(2, bool), rep)
     logits = {}
     for off in (0, 1, 3):
-        step = build_step(cfg, StepOptions(layer_offset=off), mesh, abstract_weights(cfg, 2))
+        step = build_step(cfg, StepOptions(layer_offset=off), mesh)
         logits[off] = np.asarray(step(w, bd.random_cache(cfg, mesh, "float32", 2, 64), ids, valid)[0])
     model = Model(cfg, w, mesh, jnp.float32, "auto", True)
     ref = np.asarray(model._step(w, bd.random_cache(cfg, mesh, "float32", 2, 64), ids, valid)[0])

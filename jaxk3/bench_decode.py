@@ -25,6 +25,11 @@ The embedding and lm_head (vocab-parallel, full vocab) are part of the step.
 `--experts N` keeps N routed experts per MoE layer (memory): a decode step reads only the top-k
 selected experts (`jnp.take`), so the per-token work is unchanged as long as N >= B*k; the byte
 count uses min(N, B*k) experts.  Weights are random, generated on the devices, already sharded.
+
+`--census` (`census_decode`): instead of the latency run, the kernel census of the same step per
+(batch, context, strategy): kernels per named-scope block (embed, each layer's attention and
+ffn, head) by kind, from the optimized HLO, and the device time per block from a profile of a
+few steps (jaxk3/census.py).
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxk3 import collectives, params
+from jaxk3 import census, collectives, params
 from jaxk3.config import KimiK3Config
 from jaxk3.layers.kda import KDACache
 from jaxk3.model import (Cache, StepOptions, Weights, _to_host, abstract_weights, build_step, cache_abstract, dp_axis,
@@ -223,22 +228,8 @@ class DecodeRow:
     census: dict
 
 
-def _gather_paths(cfg, mesh, batch, gather, shard_latent) -> dict[str, str]:
-    tp = mesh.shape[TP]
-    out = {}
-    if shard_latent and cfg.mla_layers:
-        w = ((cfg.q_lora_rank or 0) + cfg.latent_dim) // tp
-        out["latent"] = str(collectives.explain(jax.ShapeDtypeStruct((batch, w), jnp.bfloat16), TP, axis=-1,
-                                                tiled=True, impl=gather, padded=True, mesh=mesh))
-    out["logits"] = str(collectives.explain(jax.ShapeDtypeStruct((batch, cfg.padded_vocab(tp) // tp), jnp.float32),
-                                            TP, axis=-1, tiled=True, impl=gather, padded=True, mesh=mesh))
-    return out
-
-
-def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int | None = 32, tp: int = 2,
-                 batches=(1, 8), contexts=(4096, 32768), dtype: str = "bfloat16", steps: int = 20, repeats: int = 5,
-                 synced: int = 20, check_tokens: int = 4, copy_bytes: int = 1 << 30, strategies=STRATEGIES,
-                 hlo_dir: str | None = None, progress=None) -> dict:
+def _setup(config: str, layers: str | None, experts: int | None, tp: int, batches, strategies):
+    """(full config, first, last, slice config, mesh) of a bench run; ValueError for a bad option."""
     full = load_config(config)
     first, last = parse_layers(layers, full)
     cfg = slice_config(full, first, last, experts)
@@ -257,6 +248,37 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
         mesh = jax.sharding.Mesh(np.asarray(devs[:tp]), (TP,))
     for _, latent, _ in strategies:
         cfg.validate_tp(tp, shard_latent=latent)
+    return full, first, last, cfg, mesh
+
+
+def _strategy_gather(cfg, mesh, batch: int, gather: str, latent: bool) -> tuple[str, dict[str, str]]:
+    """The gather impl a strategy runs with ("ffi" becomes "auto" where a gather does not fit) and its paths."""
+    g = gather
+    if g == "ffi":
+        paths = _gather_paths(cfg, mesh, batch, "ffi", latent)
+        if not all(p.startswith("ffi") for p in paths.values()):
+            g = "auto"  # latent gather one-shot; a gather that does not fit takes lax
+    return g, _gather_paths(cfg, mesh, batch, g, latent)
+
+
+def _gather_paths(cfg, mesh, batch, gather, shard_latent) -> dict[str, str]:
+    tp = mesh.shape[TP]
+    out = {}
+    if shard_latent and cfg.mla_layers:
+        w = ((cfg.q_lora_rank or 0) + cfg.latent_dim) // tp
+        out["latent"] = str(collectives.explain(jax.ShapeDtypeStruct((batch, w), jnp.bfloat16), TP, axis=-1,
+                                                tiled=True, impl=gather, padded=True, mesh=mesh))
+    out["logits"] = str(collectives.explain(jax.ShapeDtypeStruct((batch, cfg.padded_vocab(tp) // tp), jnp.float32),
+                                            TP, axis=-1, tiled=True, impl=gather, padded=True, mesh=mesh))
+    return out
+
+
+def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int | None = 32, tp: int = 2,
+                 batches=(1, 8), contexts=(4096, 32768), dtype: str = "bfloat16", steps: int = 20, repeats: int = 5,
+                 synced: int = 20, check_tokens: int = 4, copy_bytes: int = 1 << 30, strategies=STRATEGIES,
+                 hlo_dir: str | None = None, progress=None) -> dict:
+    full, first, last, cfg, mesh = _setup(config, layers, experts, tp, batches, strategies)
+    devs = jax.devices()
     say = progress or (lambda m: None)
     say(f"copy bandwidth ({copy_bytes >> 20} MiB per device)")
     bw = copy_bandwidth(mesh, copy_bytes)
@@ -272,12 +294,7 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
     for batch in batches:
         for context in contexts:
             for name, latent, gather in strategies:
-                g = gather
-                if g == "ffi":
-                    paths = _gather_paths(cfg, mesh, batch, "ffi", latent)
-                    if not all(p.startswith("ffi") for p in paths.values()):
-                        g = "auto"  # latent gather one-shot; a gather that does not fit takes lax
-                paths = _gather_paths(cfg, mesh, batch, g, latent)
+                g, paths = _strategy_gather(cfg, mesh, batch, gather, latent)
                 say(f"B={batch} S={context} {name} (gather={g})")
                 weights = w_by_latent[latent]
                 opt = StepOptions(gather=g, shard_latent=latent, layer_offset=first)
@@ -367,6 +384,112 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
         "versions": _versions(),
         "rows": [dataclasses.asdict(r) for r in rows],
     }
+
+
+# ------------------------------------------------------------------------ kernel census
+def block_names(cfg: KimiK3Config, first: int = 0) -> list[str]:
+    """The step's named-scope blocks in program order (model.forward_local): embed, then per layer
+    f"layer{g}_{kda|mla}" and f"layer{g}_{moe|mlp}" with g the global index, then head."""
+    layers = [f"layer{first + l}_{kind}" for l, pair in enumerate(zip(cfg.layer_attn, cfg.layer_ffn)) for kind in pair]
+    return ["embed", *layers, "head"]
+
+
+def _profile(compiled, weights, cache, ids, valid, steps: int, kc: dict) -> tuple[dict | None, str | None, Any]:
+    """(times per block, None) or (None, why not) from `steps` steps under jax.profiler.trace, and the cache."""
+    import shutil
+    import tempfile
+
+    trace_dir = tempfile.mkdtemp(prefix="jaxk3_census_")
+    try:
+        try:
+            with jax.profiler.trace(trace_dir):
+                for _ in range(steps):
+                    _, ids, cache = compiled(weights, cache, ids, valid)
+                ids.block_until_ready()
+        except Exception as e:  # another trace running, no profiler plugin (CUPTI) on this machine, ...
+            return None, f"the profiler did not run ({type(e).__name__}: {e})", cache
+        try:
+            return census.profile_times(census.find_xplane(trace_dir), kc, steps), None, cache
+        except census.ProfileUnavailable as e:
+            return None, str(e), cache
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int | None = 32, tp: int = 2,
+                  batches=(1,), contexts=(4096,), dtype: str = "bfloat16", steps: int = 10,
+                  strategies=STRATEGIES, hlo_dir: str | None = None, profile: bool = True, progress=None) -> dict:
+    """Kernel census of the decode step (`jaxk3 bench decode --census`), per (batch, context, strategy).
+
+    Each row: the compiled step's kernels per block by kind (jaxk3.census.kernel_census of the
+    optimized HLO; the blocks are model.forward_local's named scopes) and, with `profile`, the
+    device time per block per step from `steps` profiled steps after two warm-up steps
+    (census.profile_times), or the reason there is none.  Same setup as `bench_decode` (random
+    weights and caches of the real shapes, the same strategies), no latency timing."""
+    full, first, last, cfg, mesh = _setup(config, layers, experts, tp, batches, strategies)
+    devs = jax.devices()
+    say = progress or (lambda m: None)
+    say("random weights on the devices")
+    w_sharded = random_weights(cfg, mesh, dtype, shard_latent=True)
+    w_by_latent = {True: w_sharded, False: relayout_latent(cfg, w_sharded, mesh, False)}
+    blocks = block_names(cfg, first)
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            for name, latent, gather in strategies:
+                g, paths = _strategy_gather(cfg, mesh, batch, gather, latent)
+                say(f"census B={batch} S={context} {name} (gather={g})")
+                weights = w_by_latent[latent]
+                step = build_step(cfg, StepOptions(gather=g, shard_latent=latent, layer_offset=first), mesh)
+                cache = random_cache(cfg, mesh, dtype, batch, context)
+                ids = put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
+                valid = put_batch(np.ones((batch,), bool), mesh)
+                compiled = step.lower(weights, cache, ids, valid).compile()
+                text = compiled.as_text()
+                if hlo_dir:
+                    os.makedirs(hlo_dir, exist_ok=True)
+                    with open(os.path.join(hlo_dir, f"census_{name.replace('+', '_')}_B{batch}_S{context}.hlo.txt"),
+                              "w") as fh:
+                        fh.write(text)
+                kc = census.kernel_census(text, blocks)
+                times, why = None, "not profiled (profile=False)"
+                if profile:
+                    for _ in range(2):  # warm-up, finished before the trace starts (else its events count)
+                        _, ids, cache = compiled(weights, cache, ids, valid)
+                    ids.block_until_ready()
+                    times, why, cache = _profile(compiled, weights, cache, ids, valid, steps, kc)
+                del cache
+                public = {k: v for k, v in kc.items() if k != "op_block"}
+                rows.append({"strategy": name, "batch": batch, "context": context, "gathers": paths, "census": public,
+                             "per_layer": census.layer_summary(kc), "profile": times, "profile_unavailable": why})
+                say(f"   -> {kc['total']} kernels per step" + (f", {times['total_us']:.1f} us of device events per "
+                                                               f"step" if times else f"; profile times unavailable: {why}"))
+    platform = devs[0].platform
+    notes = []
+    if platform == "cpu":
+        notes.append("CPU: the census counts the CPU HLO's kernels (its ENTRY ops, run as thunks on a thread pool), "
+                     "not GPU kernels; the same step fuses differently on GPU")
+    elif platform in ("gpu", "cuda", "rocm"):
+        notes.append("GPU: with XLA command buffers on (the default), a kernel replayed inside a CUDA graph may carry "
+                     "the graph's annotation, not its own: its time then counts as unplaced; "
+                     "XLA_FLAGS=--xla_gpu_enable_command_buffer= gives every kernel its own")
+    return {"kind": "decode_census", "config": config, "slice": describe_slice(cfg, first, last), "layers": [first, last],
+            "experts": cfg.num_experts, "tp": tp, "dtype": jnp.dtype(dtype).name, "platform": platform,
+            "device_kind": devs[0].device_kind, "steps": steps, "blocks": blocks, "notes": notes,
+            "versions": _versions(), "rows": rows}
+
+
+def census_report(result: dict) -> str:
+    """The census as text: one table per (config, batch, context, strategy), then the notes."""
+    out = [f"kernel census of the decode step: {result['config']} {result['slice']}, {result['experts']} routed "
+           f"experts, TP {result['tp']} x {result['device_kind']} ({result['platform']}), {result['dtype']}, "
+           f"jax {result['versions']['jax']}"]
+    for r in result["rows"]:
+        title = (f"\n== {result['config']}, B={r['batch']}, context {r['context']}, {r['strategy']} "
+                 f"(module {r['census']['module']})")
+        out.append(census.census_table(r["census"], r["profile"], title, r["profile_unavailable"]))
+    out += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(out)
 
 
 def _versions() -> dict:

@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = bsub.add_parser("decode", help="decode-step latency of a layer slice, three latent strategies, vs the "
                         "bandwidth floor")
-    d.add_argument("--config", default="k3", help="k3 | tiny | PATH to a HF config.json / model dir (default k3)")
+    d.add_argument("--config", default="k3",
+                   help="k3 | kimi-linear-48b | tiny | PATH to a HF config.json / model dir (default k3)")
     d.add_argument("--layers", default=None,
                    help="0-based inclusive layer slice, e.g. 11-14 (K3 default: 11-14; 'all' for every layer)")
     d.add_argument("--experts", type=positive, default=None,
@@ -197,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--copy-mb", type=int_in(1, 1 << 20), default=1024,
                    help="per-device size of the bandwidth copy in MiB (default 1024)")
     d.add_argument("--hlo-dir", default=None, help="write each compiled step's optimized HLO here")
+    d.add_argument("--census", action="store_true",
+                   help="instead of latencies: kernels per block (embed, each layer's attention and ffn, head) by "
+                   "kind from the compiled step's HLO, and device time per block from a profile of --steps steps")
     d.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
     d.add_argument("--plot", default=None, help="write a PNG of latency per strategy and batch (matplotlib)")
     _cpu_devices_arg(d)
@@ -264,8 +268,11 @@ def check_args(args: argparse.Namespace) -> str | None:
             return problem
     if getattr(args, "bench_cmd", None) == "decode":
         c = args.config
-        if c not in ("k3", "tiny") and not (os.path.isfile(c) or os.path.isfile(os.path.join(c, "config.json"))):
-            return f"--config {c!r}: not k3, tiny, a config.json file or a directory holding one"
+        if c not in ("k3", "kimi-linear-48b", "tiny") and not (os.path.isfile(c)
+                                                               or os.path.isfile(os.path.join(c, "config.json"))):
+            return f"--config {c!r}: not k3, kimi-linear-48b, tiny, a config.json file or a directory holding one"
+        if args.census and args.plot:
+            return "--plot: not with --census (the census is a table; --json keeps it)"
         if args.hlo_dir is not None and os.path.exists(args.hlo_dir) and not os.path.isdir(args.hlo_dir):
             return f"--hlo-dir {args.hlo_dir}: exists and is not a directory"
     if getattr(args, "cmd", None) == "generate":
@@ -391,6 +398,20 @@ def cmd_bench_decode(args) -> int:
         if unknown:
             return fail(cmd, f"--strategies: unknown {unknown}")
         strategies = tuple(s for s in bd.STRATEGIES if s[0] in want)
+    if args.census:
+        try:
+            result = bd.census_decode(config=args.config, layers=layers, experts=experts,
+                                      tp=args.tp or jax.local_device_count(), batches=args.batch,
+                                      contexts=args.context, dtype=args.dtype, steps=args.steps,
+                                      strategies=strategies, hlo_dir=args.hlo_dir, progress=progress)
+        except (ValueError, OSError) as e:
+            return fail(cmd, e)
+        if jax.process_index() != 0:
+            return 0
+        print(bd.census_report(result))
+        if args.json_path and _write_json(bd.write_json, result, args.json_path, cmd):
+            return 2
+        return 0
     try:
         result = bd.bench_decode(config=args.config, layers=layers, experts=experts,
                                  tp=args.tp or jax.local_device_count(), batches=args.batch, contexts=args.context,

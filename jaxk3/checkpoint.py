@@ -348,20 +348,58 @@ def _a_log(src, info: TensorInfo, param: Param) -> _Leaf:
     return _Leaf(param, read)
 
 
+def _checked_scales(name: str, sc: np.ndarray, blk) -> np.ndarray:
+    """`sc`, an E8M0 block read from tensor `name` at `blk`; the NaN code 255 is a NonFiniteTensorError
+    naming the tensor and the index (always checked: no weight can use it)."""
+    if np.any(sc == mxfp4.SCALE_NAN):
+        bad = np.argwhere(sc == mxfp4.SCALE_NAN)[0]
+        at = [int(b) + a for b, (a, _) in zip(bad, blk)]
+        raise NonFiniteTensorError(f"checkpoint: tensor {name!r} holds the E8M0 scale byte "
+                                   f"{mxfp4.SCALE_NAN} (NaN in the MX format) at {at}")
+    return sc
+
+
 def _mxfp4_part(src, packed: TensorInfo, scale: TensorInfo) -> Callable[[tuple], np.ndarray]:
     def read(blk):
         (r0, r1), (c0, c1) = blk
         p0, p1 = c0 // 2, -(-c1 // 2)
         g0, g1 = c0 // mxfp4.GROUP, -(-c1 // mxfp4.GROUP)
-        sc = src.read(scale, (slice(r0, r1), slice(g0, g1)))
-        if np.any(sc == mxfp4.SCALE_NAN):
-            r, c = np.argwhere(sc == mxfp4.SCALE_NAN)[0]
-            raise NonFiniteTensorError(f"checkpoint: tensor {scale.name!r} holds the E8M0 scale byte "
-                                       f"{mxfp4.SCALE_NAN} (NaN in the MX format) at [{r0 + r}, {g0 + c}]")
+        sc = _checked_scales(scale.name, src.read(scale, (slice(r0, r1), slice(g0, g1))), ((r0, r1), (g0, g1)))
         w = mxfp4.dequantize(src.read(packed, (slice(r0, r1), slice(p0, p1))), sc,
                              np.float32, col_offset=2 * p0 - mxfp4.GROUP * g0)
         return w[:, c0 - 2 * p0: c1 - 2 * p0]
     return read
+
+
+EXPERTS = ("auto", "mxfp4", "dense")
+
+
+def resolve_experts(cfg: KimiK3Config, source, experts: str = "auto", tp: int = 1,
+                    shard_latent: bool = True) -> KimiK3Config:
+    """`cfg` with its `experts_format` for `source` at `tp`: "mxfp4" keeps the routed experts packed
+    (the checkpoint must have them so, and each rank's share of w2's input columns must be whole
+    32-column scale groups), "dense" holds them in the model dtype (MXFP4 ones dequantised at load),
+    "auto" is "mxfp4" where the checkpoint's first routed expert is MXFP4 and the packed layout fits
+    `tp`, else "dense".  ValueError names the argument and the dimension that does not fit."""
+    if experts not in EXPERTS:
+        raise ValueError(f"experts: must be one of {EXPERTS}, got {experts!r}")
+    if experts != "auto":
+        try:
+            out = dataclasses.replace(cfg, experts_format=experts)
+            out.validate_tp(tp, shard_latent=shard_latent)
+        except ValueError as e:
+            raise ValueError(f"experts={experts!r}: {e}") from None
+        return out
+    if "moe" in cfg.layer_ffn:
+        base = f"model.layers.{cfg.layer_ffn.index('moe')}.block_sparse_moe.experts.0.w1.weight"
+        if source is not None and source.info(base + "_packed") is not None and source.info(base) is None:
+            try:
+                out = dataclasses.replace(cfg, experts_format="mxfp4")
+                out.validate_tp(tp, shard_latent=shard_latent)
+                return out
+            except ValueError:
+                pass  # the packed layout does not fit this TP: dequantise at load (experts="mxfp4" says why)
+    return dataclasses.replace(cfg, experts_format="dense")
 
 
 def build_plan(cfg: KimiK3Config, source, tp: int):
@@ -394,6 +432,19 @@ def build_plan(cfg: KimiK3Config, source, tp: int):
 
     def expert(p: Param, name: str) -> Callable[[tuple], np.ndarray]:
         shape = p.checkpoint_shape
+        if p.dtype == "uint8":  # experts_format "mxfp4": the bytes as stored
+            t = source.info(name)
+            if t is None:
+                dense = name[: name.rindex(".weight_") + len(".weight")]
+                if source.info(dense) is not None:
+                    raise UnsupportedConfigError(
+                        f"checkpoint: {source.display(dense)!r} is a dense expert weight: experts='mxfp4' needs "
+                        f"MXFP4 experts (weight_packed + weight_scale); load with experts='dense'")
+                raise MissingTensorError(f"checkpoint: missing tensor {source.display(name)!r}")
+            t = check(t, shape, ("U8",))
+            if p.init != "e8m0":
+                return lambda blk: source.read(t, _sl(blk))
+            return lambda blk: _checked_scales(t.name, source.read(t, _sl(blk)), blk)
         t = source.info(name)
         if t is not None:
             t = check(t, shape)
@@ -510,32 +561,40 @@ def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, i
 
 def load_model(path: str | os.PathLike, mesh=None, tp: int | None = None, dtype: Any = "bfloat16",
                gather: str = "auto", shard_latent: bool = True,
-               progress: Callable[[int, int], None] | None = None, psum: str = "auto", check_finite: bool = True):
+               progress: Callable[[int, int], None] | None = None, psum: str = "auto", check_finite: bool = True,
+               experts: str = "auto", kernels: str = "auto"):
     """A sharded `Model` from a K3 / Kimi-Linear safetensors directory (see the module docstring).
+
+    `experts`: "auto" (MXFP4 experts stay packed on the device, dense ones stay dense), "mxfp4" (the
+    checkpoint's experts must be MXFP4) or "dense" (MXFP4 experts dequantised to `dtype` at load).
+    `kernels`: device kernels "auto" (where the platform has them and the shapes fit), "off", "on".
 
     `progress(done_bytes, total_bytes)` is called after each weight is placed.  Raises
     `CheckpointError` (subclasses named after the problem) before reading any tensor data, except
     `NonFiniteTensorError` (a NaN/Inf, or an MXFP4 scale byte of 255), raised as the tensor is read
     (`check_finite=False` skips that check; docs/CHECKPOINTS.md has its cost).
     """
-    from jaxk3.model import Model, check_impl, make_mesh, resolve_dtype
+    from jaxk3.model import Model, check_impl, check_kernels, make_mesh, resolve_dtype
 
     path = os.fspath(path)
     if safe_open is None:
         raise CheckpointError("checkpoint: loading needs the `safetensors` package (pip install safetensors)")
-    check_impl("gather", gather), check_impl("psum", psum)
+    check_impl("gather", gather), check_impl("psum", psum), check_kernels(kernels)
     dt = resolve_dtype(dtype)
+    if experts not in EXPERTS:
+        raise ValueError(f"experts: must be one of {EXPERTS}, got {experts!r}")
     cfg = load_config(path)
     mesh = make_mesh(mesh, tp)
     tp_size = mesh.shape[TP]
-    cfg.validate_tp(tp_size, shard_latent=shard_latent)
     source = SafetensorsSource(scan_checkpoint(path))
+    cfg.validate_tp(tp_size, shard_latent=shard_latent)
+    cfg = resolve_experts(cfg, source, experts, tp_size, shard_latent)
     plan = build_plan(cfg, source, tp_size)
     try:
         weights = place_plan(plan, mesh, dt, shard_latent, progress, check_finite)
     finally:
         source.close()
-    return Model(cfg, weights, mesh, dt, gather, shard_latent, psum)
+    return Model(cfg, weights, mesh, dt, gather, shard_latent, psum, kernels)
 
 
 # ------------------------------------------------------------------------------ writing

@@ -18,6 +18,8 @@ import os
 from typing import Any, Mapping
 
 _ACTIVATIONS = ("silu", "situ")
+EXPERTS_FORMATS = ("dense", "mxfp4")
+MXFP4_GROUP = 32  # values per E8M0 scale (jaxk3.mxfp4.GROUP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,10 @@ class KimiK3Config:
     # -- context length: prompt + generated tokens a model supports (HF `max_position_embeddings`;
     # K3 and Kimi-Linear-48B: 1048576, docs/SPEC.md §1.1).  None: unknown (not checked).
     max_position_embeddings: int | None = None
+    # -- how the routed experts are held on the device (not a hub field; chosen at load):
+    # "dense" (the model dtype) or "mxfp4" (packed E2M1 nibbles + E8M0 scales, as K3 ships them;
+    # jaxk3.layers.moe.MXFP4).  load_model picks "mxfp4" where the checkpoint has it.
+    experts_format: str = "dense"
 
     # ------------------------------------------------------------------ derived
     @property
@@ -129,6 +135,14 @@ class KimiK3Config:
         if self.moe_router_activation_func != "sigmoid":
             raise ValueError(
                 f"moe_router_activation_func: only 'sigmoid' is implemented, got {self.moe_router_activation_func!r}")
+        if self.experts_format not in EXPERTS_FORMATS:
+            raise ValueError(f"experts_format: must be one of {EXPERTS_FORMATS}, got {self.experts_format!r}")
+        if self.experts_format == "mxfp4" and "moe" in self.layer_ffn:
+            for name, cols in (("routed expert input width (moe_hidden)", self.moe_hidden),
+                               ("moe_intermediate_size", self.moe_intermediate_size)):
+                if cols % MXFP4_GROUP:
+                    raise ValueError(f"experts_format='mxfp4': {name} = {cols} is not a multiple of the MXFP4 "
+                                     f"group {MXFP4_GROUP}")
         if self.attn_res_block_size is not None and self.attn_res_block_size < 1:
             raise ValueError(f"attn_res_block_size: must be >= 1, got {self.attn_res_block_size}")
         if "mla" in self.layer_attn and not self.mla_use_nope:
@@ -168,6 +182,11 @@ class KimiK3Config:
             checks.append(("intermediate_size", self.intermediate_size))
         if "moe" in self.layer_ffn:
             checks.append(("moe_intermediate_size", self.moe_intermediate_size))
+            if self.experts_format == "mxfp4":  # w2's packed input columns split in whole scale groups
+                checks.append((f"moe_intermediate_size / {MXFP4_GROUP} (experts_format='mxfp4': w2's scale "
+                               "groups)", self.moe_intermediate_size // MXFP4_GROUP))
+            if shard_latent and self.routed_expert_hidden_size is not None:
+                checks.append(("routed_expert_hidden_size (shard_latent=True)", self.routed_expert_hidden_size))
             if self.num_shared_experts:
                 checks.append(("moe_intermediate_size * num_shared_experts", self.shared_intermediate_size))
         for name, value in checks:
@@ -370,7 +389,8 @@ class KimiK3Config:
             lac["gate_lower_bound"] = self.gate_lower_bound
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if f.name not in ("layer_attn", "layer_ffn", "kda_num_heads", "kda_head_dim",
-                               "short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate")}
+                               "short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate",
+                               "experts_format")}
         if d["max_position_embeddings"] is None:  # unknown: leave the key out, as configs without it do
             del d["max_position_embeddings"]
         d.update(model_type="kimi_linear", linear_attn_config=lac,

@@ -155,6 +155,7 @@ class StepOptions:
     gather: str = "auto"  # collective implementations (jaxk3.collectives): auto | ffi | lax
     psum: str = "auto"
     shard_latent: bool = True
+    kernels: str = "auto"  # device kernels (jaxk3.kernels): auto | off | on
     # Global index of w.layers[0] when the weights are a slice of a deeper K3 model (bench
     # decode): AttnRes then follows the global schedule, and the block snapshots completed
     # before the slice are stood in for by the embedding (same shapes, same work).
@@ -162,7 +163,8 @@ class StepOptions:
 
     @property
     def tp(self) -> TP | None:
-        return None if self.tp_axis is None else TP(self.tp_axis, gather=self.gather, psum=self.psum)
+        return None if self.tp_axis is None else TP(self.tp_axis, gather=self.gather, psum=self.psum,
+                                                       kernels=self.kernels)
 
 
 def attention_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: KDAWeights | MLAWeights, xn: jax.Array,
@@ -275,6 +277,14 @@ def check_impl(name: str, value: Any) -> str:
     return value
 
 
+def check_kernels(value: Any) -> str:
+    from jaxk3.kernels import MODES
+
+    if value not in MODES:
+        raise ValueError(f"kernels: must be one of {MODES}, got {value!r}")
+    return value
+
+
 def resolve_dtype(dtype: Any) -> jnp.dtype:
     try:
         dt = jnp.dtype(dtype)
@@ -316,39 +326,50 @@ class Model:
     `init_random_model`, `Model.from_weights` or `jaxk3.load_model`; decode with `generate`."""
 
     def __init__(self, cfg: KimiK3Config, weights: Weights, mesh: Mesh, dtype: Any, gather: str,
-                 shard_latent: bool, psum: str = "auto"):
+                 shard_latent: bool, psum: str = "auto", kernels: str = "auto"):
         self.cfg, self.weights, self.mesh = cfg, weights, mesh
         self.dtype, self.gather, self.psum, self.shard_latent = jnp.dtype(dtype), gather, psum, shard_latent
+        self.kernels = check_kernels(kernels)
         self.tp = mesh.shape[TP_AXIS]
         # An optional "dp" mesh axis splits the batch (jaxk3.distributed.make_mesh: DP across
         # processes, TP inside each); weights are replicated over it.
         self.dp_axis = dp_axis(mesh)
         self.dp = mesh.shape[DP] if self.dp_axis else 1
         self.abstract = abstract_weights(cfg, self.tp)
-        opt = StepOptions(tp_axis=TP_AXIS, gather=gather, psum=psum, shard_latent=shard_latent)
-        self._step = build_step(cfg, opt, mesh)
+        self.opt = StepOptions(tp_axis=TP_AXIS, gather=gather, psum=psum, shard_latent=shard_latent,
+                               kernels=kernels)
+        self._step = build_step(cfg, self.opt, mesh)
         self._fns: dict = {}
 
     # -- constructors
     @classmethod
     def from_weights(cls, cfg: KimiK3Config, weights: Mapping[str, Any] | Weights, mesh: Mesh | None = None,
                      tp: int | None = None, dtype: Any = "bfloat16", gather: str = "auto",
-                     shard_latent: bool = True, psum: str = "auto", check_finite: bool = True) -> "Model":
+                     shard_latent: bool = True, psum: str = "auto", check_finite: bool = True,
+                     experts: str | None = None, kernels: str = "auto") -> "Model":
         """From host arrays keyed by HF checkpoint names (or a host `Weights` pytree); every array is
-        checked for NaN/Inf unless `check_finite=False` (checkpoint.NonFiniteTensorError names it)."""
+        checked for NaN/Inf unless `check_finite=False` (checkpoint.NonFiniteTensorError names it).
+        `experts` ("auto" | "mxfp4" | "dense", as in load_model; None: `cfg.experts_format`) picks how
+        the routed experts are held."""
         from jaxk3 import checkpoint
 
-        check_impl("gather", gather), check_impl("psum", psum)
+        check_impl("gather", gather), check_impl("psum", psum), check_kernels(kernels)
         mesh = make_mesh(mesh, tp)
-        cfg.validate_tp(mesh.shape[TP_AXIS], shard_latent=shard_latent)
         dt = resolve_dtype(dtype)
         tp_size = mesh.shape[TP_AXIS]
-        if isinstance(weights, Weights):
+        source = None if isinstance(weights, Weights) else checkpoint.ArraySource(weights)
+        cfg.validate_tp(tp_size, shard_latent=shard_latent)
+        if experts is not None:
+            if source is None and experts == "auto":
+                raise ValueError("experts='auto' needs arrays keyed by checkpoint name (a Weights tree "
+                                 "follows cfg.experts_format)")
+            cfg = checkpoint.resolve_experts(cfg, source, experts, tp_size, shard_latent)
+        if source is None:
             plan = checkpoint.plan_from_arrays(abstract_weights(cfg, tp_size), weights)
         else:
-            plan = checkpoint.build_plan(cfg, checkpoint.ArraySource(weights), tp_size)
+            plan = checkpoint.build_plan(cfg, source, tp_size)
         placed = checkpoint.place_plan(plan, mesh, dt, shard_latent, check_finite=check_finite)
-        return cls(cfg, placed, mesh, dt, gather, shard_latent, psum)
+        return cls(cfg, placed, mesh, dt, gather, shard_latent, psum, kernels)
 
     # -- decoding
     def init_cache(self, batch: int, max_len: int) -> Cache:
@@ -469,7 +490,7 @@ class Model:
 
     def _prefill(self, cache: Cache, toks: np.ndarray, valid: np.ndarray, chunk: int, all_logits: bool,
                  sampling: generation.Sampling | None, progress=None):
-        opt = StepOptions(tp_axis=TP_AXIS, gather=self.gather, psum=self.psum, shard_latent=self.shard_latent)
+        opt = self.opt
         fn = self._fn(("prefill", all_logits, sampling),
                       lambda: generation.build_prefill(self.cfg, opt, self.mesh, all_logits, sampling))
         outs, first, finite = [], None, None
@@ -556,7 +577,7 @@ class Model:
             progress("decode", 1, max_new_tokens)
         t1 = time.perf_counter()
         left = 0 if np.all(done_np) else max_new_tokens - 1
-        opt = StepOptions(tp_axis=TP_AXIS, gather=self.gather, psum=self.psum, shard_latent=self.shard_latent)
+        opt = self.opt
         loop = None if left == 0 else self._fn(
             ("loop", K, sampling, stops, pad_id, return_logits),
             lambda: generation.build_decode_loop(self.cfg, opt, self.mesh, K, sampling, stops, pad_id, return_logits))
@@ -710,10 +731,11 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 def init_random_model(cfg: KimiK3Config, seed: int = 0, mesh: Mesh | None = None, tp: int | None = None,
                       dtype: Any = "bfloat16", gather: str = "auto", shard_latent: bool = True,
-                      psum: str = "auto") -> Model:
-    """A model with random weights (`random_hf_weights(cfg, seed)`), sharded over `mesh` (or the first `tp` devices)."""
-    check_impl("gather", gather), check_impl("psum", psum)
+                      psum: str = "auto", kernels: str = "auto") -> Model:
+    """A model with random weights (`random_hf_weights(cfg, seed)`), sharded over `mesh` (or the first
+    `tp` devices); routed experts as `cfg.experts_format` says (random MXFP4 bytes for "mxfp4")."""
+    check_impl("gather", gather), check_impl("psum", psum), check_kernels(kernels)
     m = make_mesh(mesh, tp)
     cfg.validate_tp(m.shape[TP_AXIS], shard_latent=shard_latent)
     return Model.from_weights(cfg, random_hf_weights(cfg, seed), mesh=m, dtype=dtype, gather=gather,
-                              shard_latent=shard_latent, psum=psum)
+                              shard_latent=shard_latent, psum=psum, kernels=kernels)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-GROUP = 32
+from jaxk3.config import MXFP4_GROUP as GROUP
 SCALE_BIAS = 127
 SCALE_NAN = 255  # the E8M0 code for NaN (the OCP MX spec; E8M0 has no infinity)
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)

@@ -17,8 +17,10 @@ these functions derive from it:
     plain     the same array
     pad_rows  the vocab tables: checkpoint [V, D], model [V_pad, D] with zero rows past V
     a_log     checkpoint [H], [N >= H] (first H used) or [1, 1, H, 1]; model [H]
-    experts   model [E, *ckpt_shape] stacked from one tensor per expert (`{e}` in the name);
-              a tensor may be stored MXFP4 (weight_packed + weight_scale), dequantised at load
+    experts   model [E, *ckpt_shape] stacked from one tensor per expert (`{e}` in the name).  With
+              experts_format "dense" an MXFP4 checkpoint's experts (weight_packed + weight_scale)
+              are dequantised at load; with "mxfp4" the packed bytes and the scales are two uint8
+              Params of their own (jaxk3.layers.moe.MXFP4), read as they are
 """
 from __future__ import annotations
 
@@ -33,9 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxk3.sharding import COL, LATENT, REP, ROW, TP  # noqa: F401  (re-exported for the block files)
+from jaxk3.sharding import COL, LATENT, LATENT_ROW, REP, ROW, TP  # noqa: F401  (re-exported for the block files)
 SOURCES = ("plain", "pad_rows", "a_log", "experts")
-INITS = ("w", "norm", "a_log", "dt", "bias", "conv", "embed", "head", "res")
+INITS = ("w", "norm", "a_log", "dt", "bias", "conv", "embed", "head", "res", "e2m1", "e8m0")
+DTYPES = ("compute", "fp32", "uint8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +48,7 @@ class Param:
     names: checkpoint tensor names, the hub spelling first, then accepted alternates (e.g. what
     transformers' `save_pretrained` writes); experts carry `{e}`.  spec: a PartitionSpec over the
     mesh axes, or LATENT.  dtype: "compute" (the model's dtype) or "fp32".  group: the part of the
-    step it belongs to, for byte accounting (kda, mla_latent, mla_other, moe_experts, moe_other, mlp,
+    step it belongs to, for byte accounting (kda, mla_latent, mla_other, moe_experts, moe_latent, moe_other, mlp,
     mlp_and_shared_experts, embed, lm_head, other).
     """
     shape: tuple[int, ...]
@@ -58,7 +61,7 @@ class Param:
     ckpt_shape: tuple[int, ...] | None = None  # when it differs from `shape` (see the module docstring)
 
     def __post_init__(self):
-        if self.source not in SOURCES or self.init not in INITS or self.dtype not in ("compute", "fp32"):
+        if self.source not in SOURCES or self.init not in INITS or self.dtype not in DTYPES:
             raise ValueError(f"Param {self.names[0]}: bad source/init/dtype {self.source}/{self.init}/{self.dtype}")
 
     @property
@@ -72,10 +75,12 @@ class Param:
     def pspec(self, shard_latent: bool = True) -> P:
         if self.spec == LATENT:
             return COL if shard_latent else REP
+        if self.spec == LATENT_ROW:
+            return ROW if shard_latent else REP
         return self.spec
 
     def np_dtype(self, compute) -> np.dtype:
-        return np.dtype(np.float32) if self.dtype == "fp32" else np.dtype(compute)
+        return np.dtype({"fp32": np.float32, "uint8": np.uint8}.get(self.dtype, compute))
 
 
 def weight(shape, prefixes: str | tuple[str, ...], field: str, **kw) -> Param:
@@ -126,12 +131,20 @@ def _scale(kind: str, hidden: int) -> tuple[float, float]:
     return (hidden ** -0.5, 0.0) if kind == "head" else _SCALES[kind]
 
 
+# MXFP4 random init: uniform nibbles (E2M1 values have RMS 2.93) times scales 2**-8 .. 2**-6, an
+# RMS of about 0.02 like the dense "w" init; the upper bound is exclusive.
+E8M0_RANGE = {"e8m0": (119, 122)}
+
+
 def random_checkpoint(tree, hidden: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random float32 weights keyed by checkpoint name, one generator per name (seed, crc32(name)),
-    so a tensor's values do not depend on which other tensors exist."""
+    """Random weights keyed by checkpoint name (float32; uint8 for MXFP4 bytes), one generator per
+    name (seed, crc32(name)), so a tensor's values do not depend on which other tensors exist."""
     out = {}
     for name, shape, kind in _checkpoint_tensors(tree):
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        if kind in E8M0_RANGE or kind == "e2m1":
+            out[name] = rng.integers(*E8M0_RANGE.get(kind, (0, 256)), shape).astype(np.uint8)
+            continue
         if kind == "a_log":
             a = np.log(rng.uniform(1.0, 16.0, shape))
         else:
@@ -161,6 +174,10 @@ def random_on_devices(tree, mesh, dtype, hidden: int, shard_latent: bool = True,
 @functools.lru_cache(maxsize=None)
 def _device_generator(shape, dtype: str, kind: str, sharding, hidden: int):
     def gen(k):
+        if kind == "e2m1":
+            return jax.random.bits(k, shape, jnp.uint8)
+        if kind in E8M0_RANGE:
+            return jax.random.randint(k, shape, *E8M0_RANGE[kind], jnp.int32).astype(jnp.uint8)
         if kind == "a_log":
             return jnp.log(jax.random.uniform(k, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
         s, b = _scale(kind, hidden)

@@ -7,8 +7,11 @@ declarations.  Weights are stored in checkpoint layout `[out, in]`, so
     COL = P("tp", None)   column-parallel: split output rows (heads / intermediate / vocab)
     ROW = P(None, "tp")   row-parallel: split input columns; the block sums its partial output
     REP = P()             replicated
-    LATENT                the MLA latent projections: split by output rows when shard_latent=True
-                          (gathered with collectives.padded_all_gather), replicated otherwise (stock vLLM)
+    LATENT                the latent projections (MLA q_a / kv_a, the MoE's routed_expert_down_proj):
+                          split by output rows when shard_latent=True (the small result rebuilt with
+                          collectives.padded_all_gather), replicated otherwise (stock vLLM)
+    LATENT_ROW            the MoE's routed_expert_up_proj: split by input columns when shard_latent=True
+                          (its partial joins the shared experts' psum), replicated otherwise
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ TP = "tp"
 DP = "dp"  # optional data-parallel axis: splits the batch (jaxk3.distributed.make_mesh)
 COL, ROW, REP = P(TP, None), P(None, TP), P()
 LATENT = "latent"
+LATENT_ROW = "latent_row"
 
 
 def sharding_table(cfg, tp: int = 1) -> str:

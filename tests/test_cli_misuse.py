@@ -57,13 +57,25 @@ class FakeModel:
     def __init__(self, fail=None):
         self.tp, self.dp, self.fail, self.rows = 2, 1, fail, None
 
-    def generate(self, rows, max_new_tokens, progress=None):
-        self.rows = rows
+    def generate(self, prompt_ids, max_new_tokens, return_logits=False, progress=None, *, temperature=0.0, top_k=0,
+                 top_p=1.0, seed=0, stop_ids=None, on_tokens=None, prefill_chunk=None, decode_chunk=32,
+                 step_by_step=False):
+        rows = self.rows = prompt_ids
         if self.fail is not None:
             raise self.fail
         return types.SimpleNamespace(tokens=np.zeros((len(rows), max_new_tokens), np.int32), logits=None,
                                      step_times_s=[], prompt_time_s=0.1, decode_time_s=0.5,
                                      lengths=np.full(len(rows), max_new_tokens, np.int32))
+
+
+def test_fake_model_keeps_the_real_signature():
+    """The stand-in must accept what the CLI passes to Model.generate, or these tests break on each change."""
+    import inspect
+    from jaxk3.model import Model
+    def shape(f):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    assert shape(FakeModel.generate) == shape(Model.generate)
 
 
 @pytest.fixture

@@ -84,4 +84,4 @@ def active(platform: str | None = None) -> dict[str, bool]:
     return {n: platform in k.platforms for n, k in sorted(REGISTRY.items())}
 
 
-from jaxk3.kernels import rms_norm  # noqa: E402,F401  (registers its kernel)
+from jaxk3.kernels import moe_experts, rms_norm  # noqa: E402,F401  (register their kernels)

@@ -12,12 +12,19 @@ F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class TP:
-    """The tensor-parallel mesh axis a block runs over, and which collective implementations it uses
-    (`"auto" | "ffi" | "lax"`, see jaxk3.collectives).  Blocks take `tp: TP | str | None`: a bare
-    axis name means the defaults below; None means one device (no collectives)."""
+    """The tensor-parallel mesh axis a block runs over, which collective implementations it uses
+    (`"auto" | "ffi" | "lax"`, see jaxk3.collectives), and the device-kernel mode (`"auto" | "off" |
+    "on"`, see jaxk3.kernels).  Blocks take `tp: TP | str | None`: a bare axis name means the
+    defaults below; None means one device (no collectives, kernels "auto")."""
     axis: str
     gather: str = "auto"
     psum: str = "auto"
+    kernels: str = "auto"
+
+
+def kernel_mode(tp: TP | str | None) -> str:
+    tp = as_tp(tp)
+    return "auto" if tp is None else tp.kernels
 
 
 def as_tp(tp: TP | str | None) -> TP | None:

@@ -10,13 +10,20 @@
     MoE(x)  = y_rout + MLP_shared(x)                      shared experts see the full x
 
 TP (docs/SPEC.md §4): gate/up and W1/W3 are column-parallel over the intermediate, down/W2 row-parallel;
-the router and latent down/up/norm are replicated.  K3 psums the latent partial (before its
-RMSNorm) and the shared partial separately, as vLLM does; Kimi-Linear sums both partials first and
-psums once.  Only the selected experts run; their weights are read in place (see experts_partial).
+the router and the latent norm are replicated.  The latent projections follow `shard_latent`:
+replicated (stock vLLM), or split (`routed_expert_down_proj` by its L output rows, z rebuilt with one
+padded gather; `routed_expert_up_proj` by its L input columns, its partial summed with the shared
+experts' partial in one psum).  K3 psums the experts' latent partial (before its RMSNorm) and the
+rest separately, as vLLM does; Kimi-Linear sums both partials first and psums once.  Only the
+selected experts run; their weights are read in place (see experts_partial).
+
+Routed experts are dense (the model dtype) or MXFP4 (`cfg.experts_format`): packed E2M1 nibbles and
+E8M0 scales as K3 ships them (jaxk3.mxfp4), dequantised where they are used (`expert_rows`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +31,11 @@ from jax import lax
 
 from jax.sharding import PartitionSpec as P
 
-from jaxk3.config import KimiK3Config
-from jaxk3.layers.common import F32, TP, glu, linear, psum
+from jaxk3 import collectives
+from jaxk3.config import MXFP4_GROUP, KimiK3Config
+from jaxk3.layers.common import F32, TP, as_tp, glu, kernel_mode, linear, psum
 from jaxk3.layers.norm import rms_norm
-from jaxk3.params import COL, REP, ROW, Param, weight
+from jaxk3.params import COL, LATENT, LATENT_ROW, REP, ROW, Param, weight
 
 
 @jax.tree_util.register_dataclass
@@ -51,26 +59,47 @@ def mlp_abstract(prefixes: str | tuple[str, ...], hidden: int, intermediate: int
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class MXFP4:
+    """A stack of MXFP4 matrices W [E, O, In] (compressed-tensors `mxfp4-pack-quantized`, jaxk3.mxfp4):
+    `packed` uint8 [E, O, In/2] (byte j: low nibble = column 2j, high = 2j+1) and `scale` uint8
+    [E, O, In/32] (E8M0, bias 127), sharded alike (a split of In splits whole scale groups)."""
+    packed: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # the logical [E, O, In]
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class MoEWeights:
     """HF `model.layers.{l}.block_sparse_moe.*` (names in the comments)."""
     gate: jax.Array  # [E, D]       gate.weight, replicated
     e_score_correction_bias: jax.Array  # [E] fp32 gate.e_score_correction_bias
-    experts_w1: jax.Array  # [E, I, L]    experts.{e}.w1.weight stacked (gate), column over I
-    experts_w2: jax.Array  # [E, L, I]    experts.{e}.w2.weight stacked (down), row over I
-    experts_w3: jax.Array  # [E, I, L]    experts.{e}.w3.weight stacked (up)
+    experts_w1: jax.Array | MXFP4  # [E, I, L]    experts.{e}.w1.weight stacked (gate), column over I
+    experts_w2: jax.Array | MXFP4  # [E, L, I]    experts.{e}.w2.weight stacked (down), row over I
+    experts_w3: jax.Array | MXFP4  # [E, I, L]    experts.{e}.w3.weight stacked (up)
     shared_experts: MLPWeights | None = None
-    routed_expert_down_proj: jax.Array | None = None  # [L, D]  replicated (K3 latent)
-    routed_expert_norm: jax.Array | None = None  # [L]
-    routed_expert_up_proj: jax.Array | None = None  # [D, L]  replicated
+    routed_expert_down_proj: jax.Array | None = None  # [L, D]  LATENT: rows split or replicated (K3)
+    routed_expert_norm: jax.Array | None = None  # [L]  replicated
+    routed_expert_up_proj: jax.Array | None = None  # [D, L]  LATENT_ROW: columns split or replicated
 
 
 def moe_abstract(cfg: KimiK3Config, prefix: str) -> MoEWeights:
     """The MoE block's weights (`prefix` = `model.layers.{l}.block_sparse_moe.`), declared once."""
     D, E, I, L = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.moe_hidden
 
-    def experts(i: int, shape: tuple[int, int], spec) -> Param:
-        return Param((E, *shape), (f"{prefix}experts.{{e}}.w{i}.weight",), spec, group="moe_experts",
-                     source="experts", ckpt_shape=shape)
+    def experts(i: int, shape: tuple[int, int], spec) -> Param | MXFP4:
+        name = f"{prefix}experts.{{e}}.w{i}.weight"
+        if cfg.experts_format == "dense":
+            return Param((E, *shape), (name,), spec, group="moe_experts", source="experts", ckpt_shape=shape)
+        (O, In), G = shape, MXFP4_GROUP
+
+        def part(suffix: str, cols: int, init: str) -> Param:
+            return Param((E, O, cols), (f"{name}_{suffix}",), spec, dtype="uint8", init=init, group="moe_experts",
+                         source="experts", ckpt_shape=(O, cols))
+        return MXFP4(packed=part("packed", In // 2, "e2m1"), scale=part("scale", In // G, "e8m0"))
 
     out = dict(gate=weight((E, D), prefix, "gate", spec=REP, group="moe_other"),
                e_score_correction_bias=weight((E,), prefix, "gate.e_score_correction_bias", spec=REP,
@@ -80,9 +109,11 @@ def moe_abstract(cfg: KimiK3Config, prefix: str) -> MoEWeights:
     if cfg.num_shared_experts:
         out["shared_experts"] = mlp_abstract(prefix + "shared_experts.", D, cfg.shared_intermediate_size)
     if cfg.routed_expert_hidden_size is not None:
-        out.update(routed_expert_down_proj=weight((L, D), prefix, "routed_expert_down_proj", spec=REP, group="moe_other"),
+        out.update(routed_expert_down_proj=weight((L, D), prefix, "routed_expert_down_proj", spec=LATENT,
+                                                  group="moe_latent"),
                    routed_expert_norm=weight((L,), prefix, "routed_expert_norm", spec=REP, init="norm", group="moe_other"),
-                   routed_expert_up_proj=weight((D, L), prefix, "routed_expert_up_proj", spec=REP, group="moe_other"))
+                   routed_expert_up_proj=weight((D, L), prefix, "routed_expert_up_proj", spec=LATENT_ROW,
+                                                group="moe_latent"))
     return MoEWeights(**out)
 
 
@@ -121,6 +152,44 @@ def route(cfg: KimiK3Config, gate_ED: jax.Array, bias_E: jax.Array, x_BD: jax.Ar
     return w_Bk * cfg.routed_scaling_factor, ids_Bk
 
 
+def e8m0_scales(scale_u8: jax.Array) -> jax.Array:
+    """E8M0 bytes -> float32 2**(s - 127), exactly: the exponent field written directly (s >= 1), and
+    2**-127 (a subnormal) for s = 0.  Scale 255 (NaN) is refused at load and never generated."""
+    s = scale_u8.astype(jnp.int32)
+    return jnp.where(s == 0, jnp.float32(2.0 ** -127), lax.bitcast_convert_type(s << 23, F32))
+
+
+def dequantize(w: MXFP4) -> jax.Array:
+    """float32 [..., O, In] from packed [..., O, In/2] and scale [..., O, In/32]: every value exact
+    (3 significant bits times a power of two), equal to jaxk3.mxfp4.dequantize."""
+    table = jnp.asarray(_E2M1_VALUES)
+    codes = jnp.stack([w.packed & 0x0F, w.packed >> 4], axis=-1)  # [..., O, In/2, 2]: column 2j, 2j+1
+    vals = table[codes.astype(jnp.int32)].reshape(*w.scale.shape, MXFP4_GROUP)
+    return (vals * e8m0_scales(w.scale)[..., None]).reshape(*w.packed.shape[:-1], -1)
+
+
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def expert_rows(w: jax.Array | MXFP4, ids: jax.Array) -> jax.Array:
+    """The selected experts' matrices in float32, [*ids.shape, O, In] (dense: the stored values;
+    MXFP4: dequantised from the selected experts' bytes only)."""
+    if isinstance(w, MXFP4):
+        return dequantize(MXFP4(jnp.take(w.packed, ids, axis=0), jnp.take(w.scale, ids, axis=0)))
+    return jnp.take(w, ids, axis=0).astype(F32)
+
+
+def dense_experts(w: jax.Array | MXFP4, dtype) -> jax.Array:
+    """Every local expert's matrix in `dtype` [E, O, In] (the prefill's dense form; for MXFP4 a
+    transient copy per layer: exact in bfloat16, whose exponent range is float32's)."""
+    return dequantize(w).astype(dtype) if isinstance(w, MXFP4) else w
+
+
+def compute_dtype(w: MoEWeights, z: jax.Array):
+    """The experts' input dtype: the dense experts' dtype, or the activations' for MXFP4."""
+    return z.dtype if isinstance(w.experts_w1, MXFP4) else w.experts_w1.dtype
+
+
 def experts_partial(cfg: KimiK3Config, w: MoEWeights, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array
                     ) -> jax.Array:
     """Σ_k w_k · W2_k act(W1_k z, W3_k z) over the local intermediate shard: fp32 [B, L] partial.
@@ -129,15 +198,16 @@ def experts_partial(cfg: KimiK3Config, w: MoEWeights, z_BL: jax.Array, w_Bk: jax
     reduction and reads each selected expert's weights once.  As an einsum over `jnp.take(...)`
     the gather is materialised first (a [B, k, I, L] copy written and read again: measured on
     2x H200 as 4.2 GB of extra traffic per K3 decode step at B=1, docs/PERF.md)."""
-    z = z_BL.astype(w.experts_w1.dtype).astype(F32)  # the experts see the compute dtype, as in vLLM
+    dt = compute_dtype(w, z_BL)
+    z = z_BL.astype(dt).astype(F32)  # the experts see the compute dtype, as in vLLM
 
-    def gemv(w_EOI: jax.Array, x_BkI: jax.Array) -> jax.Array:  # [B, k, O] = W[ids] @ x, fp32
-        return jnp.sum(jnp.take(w_EOI, ids_Bk, axis=0).astype(F32) * x_BkI[:, :, None, :], axis=-1)
+    def gemv(w_EOI: jax.Array | MXFP4, x_BkI: jax.Array) -> jax.Array:  # [B, k, O] = W[ids] @ x, fp32
+        return jnp.sum(expert_rows(w_EOI, ids_Bk) * x_BkI[:, :, None, :], axis=-1)
 
     zk = jnp.broadcast_to(z[:, None, :], (*ids_Bk.shape, z.shape[-1]))
     h1_BkI = gemv(w.experts_w1, zk)
     h3_BkI = gemv(w.experts_w3, zk)
-    a_BkI = _act(cfg, h1_BkI, h3_BkI).astype(w.experts_w1.dtype).astype(F32)
+    a_BkI = _act(cfg, h1_BkI, h3_BkI).astype(dt).astype(F32)
     y_BkL = gemv(w.experts_w2, a_BkI)
     return jnp.einsum("bkl,bk->bl", y_BkL, w_Bk)
 
@@ -152,7 +222,8 @@ def experts_grouped(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax
     run as grouped GEMMs (`lax.ragged_dot_general`), so each expert's weights are read once per call
     whatever the number of tokens.  fp32 [N, L] partial over the local intermediate shard."""
     N, k = ids_Nk.shape
-    E, dt = w.experts_w1.shape[0], w.experts_w1.dtype
+    E, dt = w.experts_w1.shape[0], compute_dtype(w, z_NL)
+    w1, w2, w3 = (dense_experts(x, dt) for x in (w.experts_w1, w.experts_w2, w.experts_w3))
     flat = ids_Nk.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
@@ -162,8 +233,8 @@ def experts_grouped(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax
     def gemm(x, w_EOI):
         return lax.ragged_dot_general(x, w_EOI, sizes, _RAGGED, preferred_element_type=F32)
 
-    a = _act(cfg, gemm(xs, w.experts_w1), gemm(xs, w.experts_w3)).astype(dt)
-    y = gemm(a, w.experts_w2) * w_Nk.reshape(-1)[order][:, None]
+    a = _act(cfg, gemm(xs, w1), gemm(xs, w3)).astype(dt)
+    y = gemm(a, w2) * w_Nk.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(y, token, num_segments=N)
 
 
@@ -175,16 +246,17 @@ def experts_dense(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax.A
     512 tokens, 64 experts): XLA's GPU `ragged_dot` took 6.0 ms per layer, far above this form's
     FLOPs.  Tokens go in blocks whose fp32 [n, E, I] activations fit DENSE_MOE_BYTES (lax.map)."""
     N, (E, I) = z_NL.shape[0], w.experts_w1.shape[:2]
-    dt = w.experts_w1.dtype
+    dt = compute_dtype(w, z_NL)
+    w1, w2, w3 = (dense_experts(x, dt) for x in (w.experts_w1, w.experts_w2, w.experts_w3))
     weights_NE = jnp.zeros((N, E), F32).at[jnp.arange(N)[:, None], ids_Nk].add(w_Nk.astype(F32))
 
     def block(args):
         z, weights = args
         z = z.astype(dt)
-        h1 = jnp.einsum("nl,eil->nei", z, w.experts_w1, preferred_element_type=F32)
-        h3 = jnp.einsum("nl,eil->nei", z, w.experts_w3, preferred_element_type=F32)
+        h1 = jnp.einsum("nl,eil->nei", z, w1, preferred_element_type=F32)
+        h3 = jnp.einsum("nl,eil->nei", z, w3, preferred_element_type=F32)
         a = _act(cfg, h1, h3).astype(dt)
-        y_NEL = jnp.einsum("nei,eli->nel", a, w.experts_w2, preferred_element_type=F32)
+        y_NEL = jnp.einsum("nei,eli->nel", a, w2, preferred_element_type=F32)
         return jnp.einsum("nel,ne->nl", y_NEL, weights)
 
     nb = max(1, DENSE_MOE_BYTES // (E * I * 4))
@@ -197,6 +269,13 @@ def experts_dense(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax.A
     return lax.map(block, (z, wts)).reshape(n * nb, -1)[:N]
 
 
+def _experts_decode(cfg, w, z_BL, w_Bk, ids_Bk, mode: str) -> jax.Array:
+    """`experts_partial`, through the `moe_experts` device kernel where `mode` and the platform allow."""
+    from jaxk3 import kernels
+
+    return kernels.call("moe_experts", cfg, w, z_BL, w_Bk, ids_Bk, mode=mode)
+
+
 DENSE_MOE_BYTES = 1 << 30  # the dense prefill form's fp32 [n, E, I] activations per rank per block, at most
 
 
@@ -206,14 +285,22 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, 
     per-token GEMVs (decode).  `experts_grouped` (ragged_dot) is the exact-FLOP form, kept and
     tested for when a grouped GEMM kernel makes it pay."""
     dt = x_BD.dtype
-    experts = experts_dense if grouped else experts_partial
+    experts = experts_dense if grouped else functools.partial(_experts_decode, mode=kernel_mode(tp))
     w_Bk, ids_Bk = route(cfg, w.gate, w.e_score_correction_bias, x_BD)
     shared_BD = mlp_partial(cfg, w.shared_experts, x_BD) if w.shared_experts is not None else 0.0
     if w.routed_expert_down_proj is None:  # Kimi-Linear: experts on x, one psum for both partials
         return psum(experts(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp)
+    L, tp = cfg.moe_hidden, as_tp(tp)
+    sharded = w.routed_expert_down_proj.shape[0] != L  # shard_latent: this rank holds L/tp rows
     z_BL = linear(x_BD, w.routed_expert_down_proj).astype(dt)
+    if sharded:  # one gather rebuilds z [B, L] from every rank's L/tp features
+        z_BL = collectives.padded_all_gather(z_BL, tp.axis, axis=-1, tiled=True, impl=tp.gather)
     y_BL = psum(experts(cfg, w, z_BL, w_Bk, ids_Bk), tp)
     if cfg.latent_moe_use_norm:
         y_BL = rms_norm(y_BL, w.routed_expert_norm, cfg.rms_norm_eps)
-    rout_BD = linear(y_BL.astype(dt), w.routed_expert_up_proj)
-    return rout_BD + psum(shared_BD, tp)
+    y_BL = y_BL.astype(dt)
+    if not sharded:
+        return linear(y_BL, w.routed_expert_up_proj) + psum(shared_BD, tp)
+    n = w.routed_expert_up_proj.shape[1]  # this rank's L/tp input columns of the up projection
+    y_local = lax.dynamic_slice_in_dim(y_BL, lax.axis_index(tp.axis) * n, n, axis=-1)
+    return psum(linear(y_local, w.routed_expert_up_proj) + shared_BD, tp)

@@ -1,0 +1,229 @@
+"""The routed experts of a MoE decode step as two Pallas kernels over the *distinct* selected
+experts, beside their jnp reference (`jaxk3.layers.moe.experts_partial`).
+
+The reference gathers one weight matrix per (token, slot): at batch B with k experts per token it
+reads B·k matrices, duplicates included.  Here the B·k choices are reduced to U = min(E, B·k)
+distinct experts first (`plan`), and each selected expert's rows are read once for the whole batch:
+
+    kernel 1 (gate-up, activation fused)   a[u, b] = act(W1_u z_b, W3_u z_b)      [U, B, I]
+    kernel 2 (down)                        y[u, b] = W2_u a[u, b]                  [U, B, L]
+    out_b = Σ_u coef[u, b] · y[u, b]        coef: the routing weight where token b chose expert u, else 0
+
+Weights are dense (the model dtype) or MXFP4 (`jaxk3.layers.moe.MXFP4`); MXFP4 rows are
+dequantised in registers (E2M1 nibble -> value by arithmetic, times the E8M0 scale written as a
+float exponent) and never exist dequantised in memory.  Products and sums are float32, as in the
+reference; the sums run in a different order, so results agree to float32 rounding (tests:
+tests/test_kernels.py).  A grid program owns BO output rows of one distinct expert and walks the
+input columns in chunks of whole 32-column scale groups; padded slots of `plan` (expert id -1)
+write zeros and read nothing.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxk3.config import MXFP4_GROUP as G32
+from jaxk3.kernels import Kernel, register
+from jaxk3.layers import moe as moe_lib
+from jaxk3.layers.common import glu
+
+F32 = jnp.float32
+BO = 16  # output rows per grid program
+MAX_GROUPS = 8  # scale groups (32 columns each) per loop step
+
+
+def plan(ids_Bk: jax.Array, w_Bk: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(uniq_U int32: the distinct selected experts, then -1 padding; coef_UB fp32: token b's routing
+    weight for expert uniq[u], 0 where b did not choose it), U = min(E, B·k)."""
+    B, k = ids_Bk.shape
+    U = min(num_experts, B * k)
+    uniq = jnp.unique(ids_Bk.reshape(-1), size=U, fill_value=-1).astype(jnp.int32)
+    hit = ids_Bk[None, :, :] == uniq[:, None, None]  # [U, B, k]
+    coef = jnp.sum(jnp.where(hit, w_Bk[None].astype(F32), 0.0), axis=-1)
+    return uniq, coef
+
+
+def _groups(cols: int) -> int:
+    """Scale groups per loop step: the largest power of two <= MAX_GROUPS dividing cols / 32."""
+    g = MAX_GROUPS
+    while (cols // G32) % g:
+        g //= 2
+    return g
+
+
+def _e2m1(code: jax.Array) -> jax.Array:
+    """int32 E2M1 codes (0..15) -> float32 values, by arithmetic (no table): bit 3 sign, bits 1-2
+    exponent, bit 0 mantissa; exponent 0 is the subnormal 0 / 0.5."""
+    e, m = (code >> 1) & 3, (code & 1).astype(F32)
+    p2 = jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0)).astype(F32)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * p2)
+    return jnp.where(code >= 8, -mag, mag)
+
+
+def _scale(s_u8: jax.Array) -> jax.Array:
+    """E8M0 bytes -> float32 2**(s - 127), exactly (as moe.e8m0_scales; 0 -> 2**-127)."""
+    s = s_u8.astype(jnp.int32)
+    return jnp.where(s == 0, F32(2.0 ** -127), lax.bitcast_convert_type(s << 23, F32))
+
+
+def _rows(w, e, j: jax.Array, c: jax.Array, g: int, packed: bool):
+    """The (lo, hi) or (vals,) float32 blocks of expert e's rows [j·BO, (j+1)·BO), scale groups
+    [c·g, (c+1)·g): MXFP4 -> two [BO, g, 16] blocks (even and odd columns), dense -> one [BO, g, 32]."""
+    rows, grp = pl_ds(j * BO, BO), pl_ds(c * g, g)
+    if not packed:
+        return (w[0][e, rows, grp, :].astype(F32),)
+    codes = w[0][e, rows, grp, :].astype(jnp.int32)  # [BO, g, 16] bytes
+    s = _scale(w[1][e, rows, grp])[:, :, None]  # [BO, g, 1]
+    return _e2m1(codes & 15) * s, _e2m1(codes >> 4) * s
+
+
+def _dot(blocks, xs) -> jax.Array:
+    """Σ over a chunk of blocks[i] [BO, g, n] · xs[i] [g, n] -> [BO]."""
+    acc = None
+    for wb, xb in zip(blocks, xs):
+        t = jnp.sum(jnp.sum(wb * xb[None], axis=2), axis=1)
+        acc = t if acc is None else acc + t
+    return acc
+
+
+def pl_ds(start, size):
+    from jax.experimental import pallas as pl
+
+    return pl.ds(start, size)
+
+
+def _x_chunks(x_ref, lead: tuple, c, g: int, packed: bool, dtype):
+    """The input columns of chunk c for one token: (even, odd) [g, 16] (MXFP4) or ([g, 32],), in the
+    activations' dtype then float32 (the reference's cast)."""
+    grp = pl_ds(c * g, g)
+    if packed:
+        return tuple(r[(*lead, grp, slice(None))].astype(dtype).astype(F32) for r in x_ref)
+    return (x_ref[0][(*lead, grp, slice(None))].astype(dtype).astype(F32),)
+
+
+def _gate_up_kernel(uniq_ref, *refs, B: int, g: int, chunks: int, packed: bool, act, dtype):
+    from jax.experimental import pallas as pl
+
+    nx, nw = (2, 2) if packed else (1, 1)
+    x_ref, w1, w3, a_ref = refs[:nx], refs[nx:nx + nw], refs[nx + nw:nx + 2 * nw], refs[-1]
+    u, j = pl.program_id(0), pl.program_id(1)
+    e = uniq_ref[u]
+
+    @pl.when(e >= 0)
+    def _():
+        def body(c, acc):
+            b1, b3 = _rows(w1, e, j, c, g, packed), _rows(w3, e, j, c, g, packed)
+            out = []
+            for b in range(B):
+                xs = _x_chunks(x_ref, (b,), c, g, packed, dtype)
+                out += [acc[2 * b] + _dot(b1, xs), acc[2 * b + 1] + _dot(b3, xs)]
+            return tuple(out)
+
+        acc = lax.fori_loop(0, chunks, body, tuple(jnp.zeros((BO,), F32) for _ in range(2 * B)))
+        for b in range(B):
+            a_ref[b, :] = act(acc[2 * b], acc[2 * b + 1]).astype(a_ref.dtype)
+
+    @pl.when(e < 0)
+    def _():
+        for b in range(B):
+            a_ref[b, :] = jnp.zeros((BO,), a_ref.dtype)
+
+
+def _down_kernel(uniq_ref, *refs, B: int, g: int, chunks: int, packed: bool, dtype):
+    from jax.experimental import pallas as pl
+
+    nx = 2 if packed else 1
+    x_ref, w2, y_ref = refs[:nx], refs[nx:-1], refs[-1]
+    u, j = pl.program_id(0), pl.program_id(1)
+    e = uniq_ref[u]
+
+    @pl.when(e >= 0)
+    def _():
+        def body(c, acc):
+            blocks = _rows(w2, e, j, c, g, packed)
+            return tuple(acc[b] + _dot(blocks, _x_chunks(x_ref, (u, b), c, g, packed, dtype)) for b in range(B))
+
+        acc = lax.fori_loop(0, chunks, body, tuple(jnp.zeros((BO,), F32) for _ in range(B)))
+        for b in range(B):
+            y_ref[b, :] = acc[b]
+
+    @pl.when(e < 0)
+    def _():
+        for b in range(B):
+            y_ref[b, :] = jnp.zeros((BO,), F32)
+
+
+def _weight_views(w) -> tuple[list[jax.Array], bool]:
+    """A weight stack as grouped views: MXFP4 -> ([packed [E, O, In/32, 16], scale [E, O, In/32]], True),
+    dense -> ([w [E, O, In/32, 32]], False).  Reshapes of contiguous trailing dims: no copies."""
+    if isinstance(w, moe_lib.MXFP4):
+        E, O, half = w.packed.shape
+        return [w.packed.reshape(E, O, half // 16, 16), w.scale], True
+    E, O, In = w.shape
+    return [w.reshape(E, O, In // G32, G32)], False
+
+
+def _x_views(x: jax.Array, packed: bool) -> list[jax.Array]:
+    """Inputs [..., In] as [..., In/32, 16] even and odd columns (MXFP4) or [..., In/32, 32]."""
+    v = x.reshape(*x.shape[:-1], x.shape[-1] // G32, G32)
+    return [v[..., 0::2], v[..., 1::2]] if packed else [v]
+
+
+def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, interpret: bool = False) -> jax.Array:
+    """The same function as the reference: fp32 [B, L] = Σ_k w_k · W2_k act(W1_k z, W3_k z) over the
+    local intermediate shard."""
+    from jax.experimental import pallas as pl
+
+    B0 = z_BL.shape[0]
+    B = 1 << (B0 - 1).bit_length()  # Triton blocks are powers of two: pad the batch with zero rows
+    z_BL = jnp.pad(z_BL, ((0, B - B0), (0, 0)))
+    E, I, L = w.experts_w1.shape
+    dt = moe_lib.compute_dtype(w, z_BL)
+    uniq, coef = plan(ids_Bk, w_Bk, E)
+    U = uniq.shape[0]
+    w13, packed = _weight_views(w.experts_w1)
+    w3v, _ = _weight_views(w.experts_w3)
+    w2v, _ = _weight_views(w.experts_w2)
+    act = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
+                            linear_beta=cfg.activation_situ_linear_beta)
+    whole = [pl.BlockSpec(memory_space=pl.ANY)]
+
+    g1 = _groups(L)
+    xs = _x_views(z_BL.astype(dt), packed)
+    a = pl.pallas_call(
+        functools.partial(_gate_up_kernel, B=B, g=g1, chunks=L // (G32 * g1), packed=packed, act=act, dtype=dt),
+        out_shape=jax.ShapeDtypeStruct((U, B, I), dt), grid=(U, I // BO),
+        in_specs=whole * (1 + len(xs) + 2 * len(w13)),
+        out_specs=pl.BlockSpec((None, B, BO), lambda u, j: (u, 0, j)), interpret=interpret,
+    )(uniq, *xs, *w13, *w3v)
+
+    g2 = _groups(I)
+    av = _x_views(a, packed)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, B=B, g=g2, chunks=I // (G32 * g2), packed=packed, dtype=dt),
+        out_shape=jax.ShapeDtypeStruct((U, B, L), F32), grid=(U, L // BO),
+        in_specs=whole * (1 + len(av) + len(w2v)),
+        out_specs=pl.BlockSpec((None, B, BO), lambda u, j: (u, 0, j)), interpret=interpret,
+    )(uniq, *av, *w2v)
+    return jnp.einsum("ubl,ub->bl", y[:, :B0], coef)
+
+
+def reference(cfg, w, z_BL, w_Bk, ids_Bk):
+    return moe_lib.experts_partial(cfg, w, z_BL, w_Bk, ids_Bk)
+
+
+def fits(cfg, w, z_BL, w_Bk, ids_Bk, **_) -> str | None:
+    E, I, L = w.experts_w1.shape
+    if z_BL.ndim != 2 or z_BL.shape[0] > 16:
+        return f"moe_experts kernel is for decode (at most 16 tokens), got z {z_BL.shape}"
+    for name, rows, cols in (("w1/w3", I, L), ("w2", L, I)):
+        if rows % BO or cols % G32:
+            return (f"moe_experts kernel needs {name} rows a multiple of {BO} and columns a multiple of {G32}, "
+                    f"got [{rows}, {cols}]")
+    return None
+
+
+register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits))

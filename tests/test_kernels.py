@@ -59,3 +59,97 @@ def test_rms_norm_kernel_on_gpu():
     got = np.asarray(jax.jit(lambda x, w: kernels.call("rms_norm", x, w, 1e-5, mode="on"))(x, w))
     ref = np.asarray(kernels.REGISTRY["rms_norm"].reference(x, w, 1e-5))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.max(np.abs(ref)))
+
+
+# ------------------------------------------------------------------ moe_experts
+def _moe_case(fmt: str, dtype, B: int, seed: int = 0, duplicate: bool = True):
+    """A tiny K3 MoE layer's weights (dense or MXFP4, `dtype` activations) and B routed tokens."""
+    import dataclasses
+
+    from jaxk3 import checkpoint
+    from jaxk3.config import KimiK3Config
+    from jaxk3.layers import moe
+    from jaxk3.model import random_hf_weights
+
+    cfg = dataclasses.replace(KimiK3Config.tiny_k3(), experts_format=fmt)
+    host = checkpoint.read_all(checkpoint.build_plan(cfg, checkpoint.ArraySource(random_hf_weights(cfg, seed)), 1))
+    w = jax.tree.map(lambda a: jnp.asarray(a) if a.dtype == np.uint8 else jnp.asarray(a, dtype), host.layers[1].ffn)
+    rng = np.random.default_rng(seed + B)
+    z = jnp.asarray(rng.standard_normal((B, cfg.moe_hidden)), dtype)
+    wk, ids = moe.route(cfg, w.gate, w.e_score_correction_bias, jnp.asarray(rng.standard_normal((B, cfg.hidden_size)), dtype))
+    if duplicate and B > 1:
+        ids = ids.at[-1, 0].set(ids[0, 0])  # two tokens share an expert: read once, used twice
+    return cfg, w, z, wk, ids
+
+
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_moe_experts_kernel_matches_reference(fmt, dtype, B):
+    """Interpret mode against `experts_partial`.  Tolerance: both sum the same float32 products in a
+    different order (chunks of 32-column groups, then per distinct expert); float32 reassociation
+    over <= 128 + 64 terms is ~1e-7 relative (measured 2e-7), so 2e-6 of max|ref|; a wrong scale,
+    nibble order, weight or missed duplicate is off by >= 1e-2 of it."""
+    cfg, w, z, wk, ids = _moe_case(fmt, dtype, B)
+    k = kernels.REGISTRY["moe_experts"]
+    got = np.asarray(k.device(cfg, w, z, wk, ids, interpret=True))
+    ref = np.asarray(k.reference(cfg, w, z, wk, ids))
+    assert got.shape == ref.shape == (B, cfg.moe_hidden) and np.abs(ref).max() > 0
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+def test_moe_experts_plan_reads_each_expert_once():
+    from jaxk3.kernels.moe_experts import plan
+
+    ids = jnp.array([[3, 1, 4], [1, 5, 9], [2, 6, 5]], jnp.int32)
+    w = jnp.asarray(np.random.default_rng(0).uniform(0.1, 1, (3, 3)), jnp.float32)
+    uniq, coef = plan(ids, w, 16)
+    u = np.asarray(uniq)
+    assert list(u[u >= 0]) == [1, 2, 3, 4, 5, 6, 9] and len(u) == 9 and np.all(u[7:] == -1)
+    np.testing.assert_allclose(np.asarray(coef).sum(0), np.asarray(w).sum(1), rtol=1e-6)  # every choice counted once
+    assert float(coef[list(u).index(5), 1]) == pytest.approx(float(w[1, 1]))
+    assert float(coef[list(u).index(5), 0]) == 0.0
+    uniq, _ = plan(ids, w, 4)  # fewer experts than choices: U = E
+    assert uniq.shape == (4,)
+
+
+def test_moe_experts_selection():
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 2)
+    # not yet compiled on a GPU: auto keeps the reference and says why; "on" selects the kernel
+    assert "unproven on gpu" in kernels.explain("moe_experts", cfg, w, z, wk, ids, platform="gpu")
+    assert kernels.explain("moe_experts", cfg, w, z, wk, ids, platform="gpu", mode="on").startswith("device")
+    assert not kernels.active("gpu")["moe_experts"]
+    assert "platform 'cpu'" in kernels.explain("moe_experts", cfg, w, z, wk, ids, platform="cpu")
+    big = jnp.zeros((17, z.shape[1]), z.dtype)
+    assert "at most 16 tokens" in kernels.explain("moe_experts", cfg, w, big, wk, ids, platform="gpu", mode="on")
+
+
+def test_model_kernels_option():
+    """kernels='on' on the CPU names why the MoE kernel cannot run; 'off' and 'auto' decode the same."""
+    import jaxk3
+    from jaxk3.config import KimiK3Config
+
+    cfg = KimiK3Config.tiny_k3()
+    with pytest.raises(ValueError, match="kernels: must be one of"):
+        jaxk3.init_random_model(cfg, tp=1, kernels="fast")
+    on = jaxk3.init_random_model(cfg, tp=1, kernels="on")
+    with pytest.raises(kernels.KernelUnavailableError, match="moe_experts does not apply: no moe_experts kernel for "
+                                                             "platform 'cpu'"):
+        on.generate([[1, 2, 3]], 2)
+    a = jaxk3.init_random_model(cfg, tp=1, kernels="off").generate([[1, 2, 3]], 3, return_logits=True)
+    b = jaxk3.init_random_model(cfg, tp=1).generate([[1, 2, 3]], 3, return_logits=True)
+    np.testing.assert_array_equal(a.logits, b.logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_moe_experts_kernel_on_gpu(fmt, B):
+    """The compiled kernel (Triton) on a GPU against the jnp reference, bf16 activations."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    cfg, w, z, wk, ids = _moe_case(fmt, jnp.bfloat16, B)
+    assert kernels.explain("moe_experts", cfg, w, z, wk, ids, mode="on").startswith("device")
+    got = np.asarray(jax.jit(lambda *a: kernels.call("moe_experts", cfg, *a, mode="on"))(w, z, wk, ids))
+    ref = np.asarray(kernels.REGISTRY["moe_experts"].reference(cfg, w, z, wk, ids))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())

@@ -6,7 +6,8 @@ every platform can run: the CPU path and the kernel's test oracle), its device i
 platforms the device implementation runs on, and `fits(*args)`, which says why a call's shapes do
 not suit the kernel (None when they do).  Callers go through `call(name, *args, mode=...)`:
 
-    mode "auto"  the device kernel where the platform has it and the shapes fit, else the reference
+    mode "auto"  the device kernel where the platform has it, the shapes fit and the kernel has been
+                 proven on that platform's hardware (`Kernel.unproven` is None), else the reference
     mode "off"   always the reference
     mode "on"    the device kernel or a KernelUnavailableError naming the reason
 
@@ -35,6 +36,9 @@ class Kernel:
     device: Callable[..., Any]  # the device kernel; device(*args, interpret=True) runs it on the CPU (tests)
     platforms: tuple[str, ...]  # jax platform names the device kernel compiles for ("gpu", ...)
     fits: Callable[..., str | None] = lambda *a, **k: None
+    # Why `auto` must not select the device path yet (None: it may).  A kernel tested only in
+    # interpret mode says so here until its compiled test has passed on the device.
+    unproven: str | None = None
 
 
 REGISTRY: dict[str, Kernel] = {}
@@ -64,6 +68,8 @@ def explain(name: str, *args, mode: str = "auto", platform: str | None = None, *
     why = k.fits(*args, **kwargs)
     if why:
         return f"reference: {why}"
+    if k.unproven and mode == "auto":
+        return f"reference: {name} is unproven on {platform} ({k.unproven}); kernels='on' runs it"
     return f"device: {name} on {platform}"
 
 
@@ -81,7 +87,7 @@ def call(name: str, *args, mode: str = "auto", **kwargs):
 def active(platform: str | None = None) -> dict[str, bool]:
     """Per registered kernel: whether `auto` can select its device path on `platform`."""
     platform = platform or _platform()
-    return {n: platform in k.platforms for n, k in sorted(REGISTRY.items())}
+    return {n: platform in k.platforms and not k.unproven for n, k in sorted(REGISTRY.items())}
 
 
 from jaxk3.kernels import moe_experts, rms_norm  # noqa: E402,F401  (register their kernels)

@@ -156,6 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="versions, FFI handlers built, devices, gather default")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    mem = info.add_argument_group(
+        "memory report (jaxk3/memory.py; docs/CHECKPOINTS.md \"Memory\")",
+        "With --checkpoint or --config: HBM bytes per TP rank by part, the cache, and the fewest H200s per "
+        "TP x DP layout for MXFP4 and dense experts. Reads only config.json and safetensors headers; no device is used.")
+    mem.add_argument("--checkpoint", metavar="DIR", default=None, help="checkpoint directory (config.json + headers only)")
+    mem.add_argument("--config", metavar="k3|kimi-linear-48b|tiny|PATH", default=None,
+                     help="a preset or a HF config.json / model dir, instead of --checkpoint")
+    mem.add_argument("--tp", type=positive, default=8, help="TP size of the per-rank breakdown (default 8)")
+    mem.add_argument("--experts", choices=("auto", "mxfp4", "dense"), default="auto",
+                     help="routed experts held as MXFP4 or dense (auto: as the checkpoint / config has them)")
+    mem.add_argument("--batch", type=positive, default=1, help="rows decoded at once, split over DP (default 1)")
+    mem.add_argument("--context", type=positive, default=8192, help="positions per row the cache holds (default 8192)")
     _cpu_devices_arg(info)
 
     bench = sub.add_parser("bench", help="benchmarks (same-run baselines, ratios printed)")
@@ -227,6 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
     gen.add_argument("--plot", default=None, help="write a PNG (matplotlib)")
     _cpu_devices_arg(gen)
+
+    kb = bsub.add_parser("kernels", help="each device kernel against the XLA path it replaces, real sizes, same run")
+    kb.add_argument("--config", default="k3", help="k3 | kimi-linear-48b | tiny | PATH (default k3)")
+    kb.add_argument("--tp", type=positive, default=2, help="the TP rank's share of the experts (default 2)")
+    kb.add_argument("--experts", type=int_in(1, 1 << 16), default=64,
+                    help="routed experts kept per layer (memory; default 64)")
+    kb.add_argument("--batch", type=_parse_ints, default=(1, 8), help="batch sizes, comma separated (default 1,8)")
+    kb.add_argument("--chain", type=int_in(1, 10_000), default=20, help="dependent calls per timing (default 20)")
+    kb.add_argument("--repeats", type=int_in(1, 10_000), default=5, help="timings per case, median taken (default 5)")
+    kb.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
+    _cpu_devices_arg(kb)
 
     demo = sub.add_parser("demo", help="the embedded default job (no files needed)")
     _cpu_devices_arg(demo, default=None)
@@ -301,6 +324,15 @@ def _write_json(write, result: dict, path: str, cmd: str) -> int:
 
 
 def cmd_info(args) -> int:
+    if args.checkpoint is not None or args.config is not None:  # the memory report: no device is started
+        from jaxk3 import memory
+        try:
+            d = memory.cli_info(checkpoint=args.checkpoint, config=args.config, tp=args.tp, experts=args.experts,
+                                batch=args.batch, context=args.context)
+        except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+            return fail("jaxk3 info", e)
+        print(json.dumps(d, indent=1) if args.json else memory.format_report(d))
+        return 0
     import jax
     import jaxlib
 
@@ -436,6 +468,21 @@ def cmd_bench_decode(args) -> int:
     return 0
 
 
+def cmd_bench_kernels(args) -> int:
+    from jaxk3 import bench_kernels
+
+    try:
+        res = bench_kernels.bench_kernels(args.config, tp=args.tp, experts=args.experts, batches=args.batch,
+                                          chain=args.chain, repeats=args.repeats)
+    except ValueError as e:
+        return fail("jaxk3 bench kernels", e)
+    print(bench_kernels.format_rows(res))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
 def cmd_demo(args) -> int:
     import jax
 
@@ -481,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench_gather(args)
     if args.cmd == "bench" and args.bench_cmd == "decode":
         return cmd_bench_decode(args)
+    if args.cmd == "bench" and args.bench_cmd == "kernels":
+        return cmd_bench_kernels(args)
     if args.cmd == "bench" and args.bench_cmd == "generate":
         from jaxk3 import bench_generate
         return bench_generate.main(args)

@@ -79,7 +79,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--tp", type=positive, default=None, metavar="N",
                    help="tensor-parallel size: use the first N devices (default: all)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="compute dtype; MXFP4 experts are dequantised to it (default bfloat16)")
+                   help="compute dtype (default bfloat16)")
+    g.add_argument("--experts", default="auto", choices=["auto", "mxfp4", "dense"],
+                   help="routed experts: kept MXFP4 on the device, dequantised to --dtype at load (dense), or "
+                        "auto: as the checkpoint has them (default)")
+    g.add_argument("--kernels", default="auto", choices=["auto", "off", "on"],
+                   help="device kernels (jaxk3.kernels): where proven and the shapes fit (auto), never, or always")
     g.add_argument("--gather", default="auto", choices=["auto", "ffi", "lax"],
                    help="all-gather implementation: one-shot FFI, lax.all_gather, or auto (default)")
     g.add_argument("--psum", default="auto", choices=["auto", "ffi", "lax"],
@@ -213,6 +218,7 @@ def check_run(cfg, rows: list[list[int]], max_new_tokens: int, *, tp: int, dp: i
 def run(args) -> int:
     from jaxk3.checkpoint import CheckpointError, load_config, load_model
     from jaxk3.collectives import GatherUnavailableError
+    from jaxk3.kernels import KernelUnavailableError
     from jaxk3.tokenizer import KimiTokenizer, TokenizerError, has_tokenizer
 
     from jaxk3 import distributed
@@ -280,7 +286,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         model = load_model(args.checkpoint, mesh=mesh if multi else None, tp=None if multi else args.tp,
-                           dtype=args.dtype, gather=args.gather, psum=args.psum, progress=on_load)
+                           dtype=args.dtype, gather=args.gather, psum=args.psum, progress=on_load,
+                           experts=args.experts, kernels=args.kernels)
     except (ValueError, GatherUnavailableError) as e:  # CheckpointError (a ValueError); tp / dtype / gather
         return fail(CMD, e)
     except (MemoryError, jax.errors.JaxRuntimeError) as e:
@@ -325,8 +332,8 @@ def run(args) -> int:
         out = model.generate(rows, args.max_new_tokens, progress=on_gen, on_tokens=on_tokens if stream else None)
         if stream:
             sys.stdout.write("\n")
-    except (ValueError, GatherUnavailableError, FloatingPointError) as e:  # FloatingPointError: NaN/Inf logits
-        return fail(CMD, e)
+    except (ValueError, GatherUnavailableError, FloatingPointError, KernelUnavailableError) as e:
+        return fail(CMD, e)  # FloatingPointError: NaN/Inf logits; KernelUnavailableError: --kernels on
     except (MemoryError, jax.errors.JaxRuntimeError) as e:
         return _runtime_failure(e)
     lengths = getattr(out, "lengths", None)  # a row that produced a stop id ends there (then pad ids)

@@ -342,3 +342,20 @@ def test_error_lines_escape_newlines(capsys):
     rc, _, err = run_cli(["info", "a\nb", "\x1b[2J"], capsys)
     assert rc == 2
     one_error_line(err, "unrecognized arguments", "a\\nb", "\\x1b[2J")
+
+
+def test_experts_and_kernels_flags(tmp_path, capsys):
+    """--experts mxfp4 on a checkpoint with dense experts, and --kernels on where no kernel runs (the
+    CPU): exit 2 with one line naming the problem; the memory report reads headers only."""
+    from jaxk3.model import random_hf_weights
+    from jaxk3 import checkpoint as ck
+
+    cfg = KimiK3Config.tiny_k3()
+    ck.save_checkpoint(tmp_path, cfg, random_hf_weights(cfg, 0), k3_layout=True)
+    base = GEN + ["--checkpoint", str(tmp_path), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--tp", "1"]
+    rc, out, err = run_cli(base + ["--experts", "mxfp4"], capsys)
+    assert rc == 2 and "is a dense expert weight: experts='mxfp4' needs MXFP4" in err and len(err.strip().splitlines()) <= 3
+    rc, out, err = run_cli(base + ["--kernels", "on"], capsys)
+    assert rc == 2 and "moe_experts does not apply: no moe_experts kernel for platform 'cpu'" in err
+    rc, out, err = run_cli(["info", "--checkpoint", str(tmp_path), "--tp", "2"], capsys)
+    assert rc == 0 and "dense" in out

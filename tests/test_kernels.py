@@ -153,3 +153,25 @@ def test_moe_experts_kernel_on_gpu(fmt, B):
     got = np.asarray(jax.jit(lambda *a: kernels.call("moe_experts", cfg, *a, mode="on"))(w, z, wk, ids))
     ref = np.asarray(kernels.REGISTRY["moe_experts"].reference(cfg, w, z, wk, ids))
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+def test_bench_kernels_cli(capsys, tmp_path):
+    """`jaxk3 bench kernels` on the CPU (interpret mode, so plumbing, not speed): every (format, batch,
+    path) row, the bytes of the distinct experts read, ratios against the bf16 XLA path in the same run."""
+    import json
+
+    from jaxk3 import cli
+
+    out_json = tmp_path / "k.json"
+    rc = cli.main(["bench", "kernels", "--config", "tiny", "--tp", "1", "--experts", "16", "--batch", "1,3",
+                   "--chain", "1", "--repeats", "1", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "interpret mode" in out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {(r["format"], r["batch"], r["path"]) for r in rows} == {
+        (f, b, p) for f in ("bf16", "mxfp4") for b in (1, 3) for p in ("xla", "kernel")}
+    by = {(r["format"], r["batch"]): r["bytes"] for r in rows}
+    assert by[("mxfp4", 1)] / by[("bf16", 1)] == pytest.approx(17 / 64)  # packed bytes: nibble + 1/32 scale
+    assert by[("bf16", 3)] > by[("bf16", 1)]  # more distinct experts at B=3
+    assert all(r["us"] > 0 for r in rows)
+    assert cli.main(["bench", "kernels", "--config", "tiny", "--experts", "2"]) == 2

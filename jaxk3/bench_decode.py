@@ -470,9 +470,10 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
         notes.append("CPU: the census counts the CPU HLO's kernels (its ENTRY ops, run as thunks on a thread pool), "
                      "not GPU kernels; the same step fuses differently on GPU")
     elif platform in ("gpu", "cuda", "rocm"):
-        notes.append("GPU: with XLA command buffers on (the default), a kernel replayed inside a CUDA graph may carry "
-                     "the graph's annotation, not its own: its time then counts as unplaced; "
-                     "XLA_FLAGS=--xla_gpu_enable_command_buffer= gives every kernel its own")
+        notes.append("GPU: kernels replayed inside a CUDA graph (XLA command buffers, on by default) carry the "
+                     "graph's name (command_buffer_N), not their op's, so their time is unplaced; "
+                     "XLA_FLAGS=--xla_gpu_enable_command_buffer= gives every kernel its own (kernel counts are the "
+                     "same either way)")
     return {"kind": "decode_census", "config": config, "slice": describe_slice(cfg, first, last), "layers": [first, last],
             "experts": cfg.num_experts, "tp": tp, "dtype": jnp.dtype(dtype).name, "platform": platform,
             "device_kind": devs[0].device_kind, "steps": steps, "blocks": blocks, "notes": notes,

@@ -4,7 +4,11 @@
 `jax.jit(f).lower(...).compile().as_text()`) and counts its *kernels*: the ops of the ENTRY
 computation that launch work (fusions, dots, custom calls, collectives, copies, ...; not
 parameters, constants, tuples, get-tuple-element, bitcasts, the `-done` halves of async pairs).
-A `call` (e.g. a GPU command buffer outlined by XLA) is opened and its ops are counted instead.
+A `call` is opened and its ops are counted instead (some XLA versions outline GPU command buffers
+as calls).  Kinds (KINDS): loop / input / output fusions; gemm (dots, convolutions, cuBLAS custom
+calls, Triton gemm fusions); custom (other custom calls and custom fusions: __triton, YNNPACK,
+a sort); collective (all-reduce, all-gather, ... and their -start, and our FFI collectives, the
+jaxk3_* all-gather / all-reduce custom calls); copy; other.
 Each kernel is attributed to a block by the named-scope path in its `op_name` metadata
 (`jax.named_scope("layer3_mla")` puts `.../layer3_mla/...` there). A kernel whose op_name names
 no block (XLA-made ops, e.g. CPU's bf16 -> f32 weight converts, whose op_name is just the jit
@@ -26,6 +30,7 @@ import dataclasses
 import glob
 import os
 import re
+import warnings
 from collections import Counter, defaultdict
 from typing import Any, Iterable
 
@@ -139,6 +144,12 @@ def classify(ins: Instr, comps: dict[str, list[Instr]]) -> tuple[str, str] | Non
         if fk == "custom":
             bk = re.search(r'"kind"\s*:\s*"([^"]+)"', ins.attrs)
             detail = bk.group(1) if bk else "custom-fusion"
+            if not bk:  # e.g. GPU top-k: a kCustom fusion around a sort; name it by its root op
+                called = _called(ins.attrs, "calls")
+                root = comps.get(called[0], [])[-1:] if called else []
+                if root:
+                    t = re.search(r'custom_call_target="([^"]+)"', root[0].attrs)
+                    detail = f"custom-fusion:{t.group(1) if t else root[0].op}"
             return ("gemm" if _GEMM_TARGETS.search(detail) else "custom"), detail
         return (fk if fk in ("loop", "input", "output") else "other"), f"fusion:{fk}"
     if op in ("dot", "convolution", "ragged-dot"):
@@ -204,13 +215,15 @@ def kernel_census(hlo_text: str, blocks: list[str] | None = None) -> dict[str, A
 
     `hlo_text`: the optimized HLO (`compiled.as_text()`).  `blocks`: the block names in program
     order (e.g. ["embed", "layer0_kda", "layer0_moe", ..., "head"]); None: whatever the op_names
-    name, in first-seen order.  Returns a JSON-able dict:
-      module, blocks (order, UNSCOPED last if any op is left in it),
-      counts {block: {kind: n}} (every kind of KINDS, zeros included), totals {block: n},
+    name (BLOCK_RE), in program order.  Returns a JSON-able dict:
+      module (the HLO module name, as profile events name it), blocks (the order; UNSCOPED last
+      if any kernel is left in it), kinds (KINDS),
+      counts {block: {kind: n}} (every kind, zeros included), totals {block: n},
       total (== sum of totals), by_kind {kind: n}, details {block: {detail: n}} (fusion kinds,
       custom-call targets, collective opcodes), inherited {block: n} (kernels without a block in
-      their own op_name), op_block {instruction name: block} for every instruction of the module
-      that can be placed (what `profile_times` attributes events with).
+      their own op_name), kernel_names {instruction name: block} (the kernels), op_block
+      {instruction name: block} for every instruction of the module that can be placed (what
+      `profile_times` attributes events with).
     """
     module, comps, entry = parse_hlo(hlo_text)
     ops = _entry_ops(comps, entry)
@@ -334,13 +347,16 @@ def profile_times(xplane_path: str, census: dict[str, Any], steps: int) -> dict[
     ns: dict[str, float] = defaultdict(float)
     n_ev: Counter = Counter()
     devices: set[str] = set()
+    unplaced: Counter = Counter()
     for plane in use:
         lines = list(plane.lines)
         streams = [ln for ln in lines if ln.name.startswith("Stream")]
         for line in (streams or lines):
             open_end = -1.0
             for ev in sorted(line.events, key=lambda e: e.start_ns):
-                stats = dict(ev.stats)
+                with warnings.catch_warnings():  # jaxlib 0.12 on Python 3.12: "event_stats has no __module__"
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    stats = dict(ev.stats)
                 op, mod = _event_op(ev.name, stats)
                 if op is None or (mod is not None and module and mod != module):
                     continue
@@ -353,6 +369,8 @@ def profile_times(xplane_path: str, census: dict[str, Any], steps: int) -> dict[
                 b = op_block.get(op, UNATTRIBUTED)
                 ns[b] += ev.duration_ns
                 n_ev[b] += 1
+                if b == UNATTRIBUTED:
+                    unplaced[op] += ev.duration_ns
                 devices.add(f"{plane.name}#{stats.get('device_ordinal', '')}")
     if not n_ev:
         raise ProfileUnavailable(f"no event of module {module!r} with an hlo_op in the trace "
@@ -361,6 +379,8 @@ def profile_times(xplane_path: str, census: dict[str, Any], steps: int) -> dict[
     us = {b: ns[b] / per / 1e3 for b in ns if b != UNATTRIBUTED}
     return {"us": us, "events": {b: n_ev[b] / per for b in n_ev if b != UNATTRIBUTED}, "devices": len(devices),
             "source": source, "unattributed_us": ns.get(UNATTRIBUTED, 0.0) / per / 1e3,
+            "unattributed_events": n_ev.get(UNATTRIBUTED, 0) / per,
+            "unattributed_ops": [op for op, _ in unplaced.most_common(5)],
             "total_us": sum(ns.values()) / per / 1e3}
 
 
@@ -415,7 +435,14 @@ def census_table(census: dict[str, Any], times: dict[str, Any] | None, title: st
                      "in the block of their first user (else operand) that has one")
     if times:
         lines.append(f"us/step, events: sum of event durations per step per device ({times['devices']} devices, "
-                     f"{times['source']}); {times['unattributed_us']:.1f} us/step of the program's events unplaced")
+                     f"{times['source']})")
+        if any(op.startswith("command_buffer") for op in times["unattributed_ops"]):
+            lines.append("the kernels ran inside CUDA graphs (XLA command buffers), whose events carry the graph's "
+                         "name: for per-block times run with XLA_FLAGS=--xla_gpu_enable_command_buffer=")
+        if times["unattributed_events"]:
+            lines.append(f"unplaced: {times['unattributed_us']:.1f} us/step in {times['unattributed_events']:.1f} events "
+                         f"per step of this program whose hlo_op is not an op of the census (e.g. "
+                         f"{', '.join(times['unattributed_ops'])})")
     elif unavailable:
         lines.append(f"profile times unavailable: {unavailable}")
     return "\n".join(lines)

@@ -102,3 +102,143 @@ def test_slice_config_keeps_kinds():
     assert "AttnRes block starts at [12]" in bd.describe_slice(sub, first, last)
     with pytest.raises(ValueError):
         bd.parse_layers("90-95", k3)
+
+
+# ------------------------------------------------------------------------ kernel census
+SYNTHETIC_HLO = """HloModule jit_step, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+%sorter (p: f32[4]) -> (f32[4], s32[4]) {
+  %p = f32[4]{0} parameter(0)
+  %i = s32[4]{0} iota(), iota_dimension=0
+  ROOT %s = (f32[4]{0}, s32[4]{0}) sort(%p, %i), dimensions={0}, to_apply=%cmp
+}
+
+%command_buffer (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %f1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_a, metadata={op_name="jit(step)/shard_map/layer1_moe/mul"}
+  ROOT %f2 = f32[4]{0} fusion(%f1), kind=kInput, calls=%fused_a, metadata={op_name="jit(step)/shard_map/head/reduce_sum"}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0), metadata={op_name="weights.embed_tokens"}
+  %c = f32[] constant(0)
+  %conv = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_a, metadata={op_name="jit(step)/shard_map"}
+  %e = f32[4]{0} fusion(%conv), kind=kLoop, calls=%fused_a, metadata={op_name="jit(step)/shard_map/embed/take"}
+  %g = f32[4]{0} custom-call(%e, %x), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/shard_map/layer0_kda/dot_general"}
+  %t = (f32[4]{0}, s32[4]{0}) fusion(%g), kind=kCustom, calls=%sorter, metadata={op_name="jit(step)/layer0_kda/top_k"}
+  %gte = f32[4]{0} get-tuple-element(%t), index=0
+  %ars = f32[4]{0} all-reduce-start(%gte), replica_groups={{0,1}}, to_apply=%add, metadata={op_name="jit(step)/shard_map/layer0_kda/psum"}
+  %ard = f32[4]{0} all-reduce-done(%ars), metadata={op_name="jit(step)/shard_map/layer0_kda/psum"}
+  %ffi = f32[4]{0} custom-call(%ard), custom_call_target="jaxk3_all_reduce", metadata={op_name="jit(step)/shard_map/layer1_moe/psum"}
+  %b = f32[4]{0} bitcast(%ffi)
+  %cp = f32[4]{0} copy(%b), metadata={op_name="jit(step)/shard_map/layer1_moe/copy"}
+  %call = f32[4]{0} call(%cp), to_apply=%command_buffer
+  %tail = f32[4]{0} fusion(%call), kind=kLoop, calls=%fused_a, metadata={op_name="jit(step)/add"}
+  ROOT %tup = (f32[4]{0}) tuple(%tail)
+}
+"""
+
+
+def test_kernel_census_counts_and_attributes_each_kind():
+    """Launching ops only (no parameter/constant/get-tuple-element/bitcast/tuple/-done), a `call`
+    opened, each kernel in the block its op_name names, an op without a block in the block of its
+    first user; a kernel more in a block shows up there and in the total."""
+    from jaxk3 import census
+
+    blocks = ["embed", "layer0_kda", "layer1_moe", "head"]
+    c = census.kernel_census(SYNTHETIC_HLO, blocks)
+    assert c["module"] == "jit_step" and c["total"] == 10
+    assert c["blocks"] == blocks + [census.UNSCOPED]
+    assert c["totals"] == {"embed": 2, "layer0_kda": 3, "layer1_moe": 3, "head": 1, census.UNSCOPED: 1}
+    assert c["counts"]["embed"]["loop"] == 2 and c["inherited"] == {"embed": 1}  # %conv, used by embed's %e
+    assert c["counts"]["layer0_kda"] == dict.fromkeys(census.KINDS, 0) | {"gemm": 1, "custom": 1, "collective": 1}
+    assert c["details"]["layer0_kda"] == {"__cublas$gemm": 1, "custom-fusion:sort": 1, "all-reduce": 1}
+    assert c["details"]["layer1_moe"] == {"jaxk3_all_reduce": 1, "copy": 1, "fusion:loop": 1}
+    assert c["counts"]["head"]["input"] == 1  # from inside the command buffer
+    assert c["kernel_names"]["tail"] == census.UNSCOPED  # op_name names no block, nor do its users/operands
+    assert sum(c["totals"].values()) == c["total"] == sum(c["by_kind"].values())
+    more = SYNTHETIC_HLO.replace(
+        "  %b = f32[4]{0} bitcast(%ffi)",
+        '  %b = f32[4]{0} fusion(%ffi), kind=kOutput, calls=%fused_a, metadata={op_name="jit(step)/layer1_moe/x"}')
+    m = census.kernel_census(more, blocks)
+    assert m["total"] == c["total"] + 1 and m["totals"]["layer1_moe"] == 4 and m["counts"]["layer1_moe"]["output"] == 1
+    with pytest.raises(ValueError, match="ENTRY"):
+        census.kernel_census("HloModule m\n", blocks)
+
+
+def test_profile_parse_degrades_with_a_reason(tmp_path):
+    from jaxk3 import census
+
+    c = census.kernel_census(SYNTHETIC_HLO, None)
+    with pytest.raises(census.ProfileUnavailable, match="no .xplane.pb"):
+        census.find_xplane(str(tmp_path))
+    bad = tmp_path / "x.xplane.pb"
+    bad.write_bytes(b"\x00not a profile")
+    with pytest.raises(census.ProfileUnavailable):
+        census.profile_times(str(bad), c, 1)
+    text = census.census_table(c, None, "t", "no trace (test)")
+    assert "profile times unavailable: no trace (test)" in text and "us/step" not in text
+
+
+def test_census_decode_tiny_every_layer(tmp_path, capsys):
+    """`jaxk3 bench decode --census` on the tiny config (8 layers, TP 2, CPU): every layer's attention
+    and ffn block has kernels, the blocks sum to the total, the JSON holds it, and the CPU profile
+    sees exactly one thunk event per kernel of each block."""
+    from jaxk3 import bench_decode as bd
+    from jaxk3 import cli
+
+    path = tmp_path / "census.json"
+    assert cli.main(["bench", "decode", "--config", "tiny", "--tp", "2", "--batch", "1", "--context", "64",
+                     "--strategies", "sharded+one-shot", "--steps", "2", "--census", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(path.read_text())
+    assert res["kind"] == "decode_census" and res["platform"] == "cpu" and any("CPU" in n for n in res["notes"])
+    (row,) = res["rows"]
+    c = row["census"]
+    cfg = bd.load_config("tiny")
+    names = bd.block_names(cfg)
+    assert c["blocks"][:len(names)] == names and set(c["blocks"][len(names):]) <= {"(unscoped)"}
+    for g, (attn, ffn) in enumerate(zip(cfg.layer_attn, cfg.layer_ffn)):
+        for kind in (attn, ffn):
+            b = f"layer{g}_{kind}"
+            assert c["totals"][b] > 0, b
+            assert c["counts"][b]["collective"] >= 1, (b, c["details"][b])  # the row-parallel sum at TP 2
+        assert row["per_layer"]["layers"][str(g)] == c["totals"][f"layer{g}_{attn}"] + c["totals"][f"layer{g}_{ffn}"]
+    assert sum(c["totals"].values()) == c["total"]
+    assert all(sum(c["counts"][b].values()) == n for b, n in c["totals"].items())
+    assert {k: sum(c["counts"][b][k] for b in c["blocks"]) for k in c["kinds"]} == c["by_kind"]
+    assert c["details"]["layer3_mla"].get("jaxk3_padded_all_gather") == 1  # the one-shot latent gather
+    assert row["profile"] is not None, row["profile_unavailable"]
+    assert row["profile"]["events"] == {b: float(n) for b, n in c["totals"].items() if n}
+    assert f"kernels per step: {c['total']};" in out and "layer7_moe" in out and "us/step" in out
+
+
+def test_census_more_layers_more_kernels():
+    """Layers 3-5 vs 3-4 of the tiny config (no AttnRes block starts at 5, so nothing else changes):
+    the extra layer adds exactly its own blocks' kernels, and every shared block counts the same."""
+    from jaxk3 import bench_decode as bd
+
+    stock = tuple(s for s in bd.STRATEGIES if s[0] == "stock")
+    got = {l: bd.census_decode(config="tiny", layers=l, experts=None, tp=2, batches=(1,), contexts=(64,),
+                               strategies=stock, profile=False)["rows"][0]
+           for l in ("3-4", "3-5")}
+    a, b = got["3-4"]["census"], got["3-5"]["census"]
+    assert got["3-4"]["profile"] is None and got["3-4"]["profile_unavailable"]
+    assert b["blocks"] == a["blocks"][:-2] + ["layer5_kda", "layer5_moe"] + a["blocks"][-2:]
+    assert all(a["counts"][blk] == b["counts"][blk] for blk in a["blocks"])
+    added = b["totals"]["layer5_kda"] + b["totals"]["layer5_moe"]
+    assert added > 0 and b["total"] - a["total"] == added
+    assert got["3-5"]["per_layer"]["layers"][5] == added
+
+
+def test_census_misuse():
+    from jaxk3 import cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["bench", "decode", "--config", "tiny", "--census", "--plot", "x.png"])
+    assert cli.parse_args(["bench", "decode", "--config", "kimi-linear-48b", "--census"]).census

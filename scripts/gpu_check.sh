@@ -4,9 +4,10 @@
 # ffi_floor / lax / ffi in the same run) with XLA command buffers on (default) and off, and
 # benchmark the decode step of K3 layers 11-14 at real dimensions (three latent strategies).
 #
-#   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [bench_off] [generate]
-#   (no argument: all but generate; `bench` is command buffers on, `bench_off` off; `generate` is the
-#   prefill + decode loop at Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it)
+#   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate]
+#   (no argument: all but generate; `bench` is command buffers on, `bench_off` off; `census` is the
+#   kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
+#   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
 # --no-deps, so scikit-build-core, nanobind, cmake, nvcc and jax must be installed already.
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu}
 mkdir -p "$OUT"
 PY=${PY:-python3}
-STAGES=${*:-env build test thunks bench decode decode_cb bench_off}
+STAGES=${*:-env build test thunks bench decode decode_cb census bench_off}
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -126,6 +127,19 @@ for path in files:
 if files:
     print(open(files[0]).read()[:4000])
 EOF
+fi
+
+if has census; then
+  # Kernels per block (embed, each layer's attention and ffn, head) by kind from the compiled step's
+  # HLO, and device time per block from a profile: Kimi-Linear-48B, all 27 layers, B=1, 4K context,
+  # TP 2, one strategy.  Command buffers off, so that each kernel's profile event names its own op
+  # (inside a CUDA graph it carries the graph's name); the kernel counts are the same either way.
+  # 32 routed experts (memory; a step reads the top-8 only, so the kernels are the same).
+  echo "== kernel census, Kimi-Linear-48B decode step ($(date -u +%T))"
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout ${CENSUS_TIMEOUT:-300} $PY -m jaxk3.cli bench decode \
+    --config kimi-linear-48b --layers all --experts 32 --tp 2 --batch 1 --context 4k --strategies sharded+one-shot \
+    --steps 10 --census --json "$OUT/census.json" 2>&1 | tee "$OUT/census.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if has generate; then

@@ -462,7 +462,7 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
                 public = {k: v for k, v in kc.items() if k != "op_block"}
                 rows.append({"strategy": name, "batch": batch, "context": context, "gathers": paths, "census": public,
                              "per_layer": census.layer_summary(kc), "profile": times, "profile_unavailable": why})
-                say(f"   -> {kc['total']} kernels per step" + (f", {times['total_us']:.1f} us of device events per "
+                say(f"   -> {kc['total']} kernels per step" + (f", {times['total_us']:.1f} us summed over its op events per "
                                                                f"step" if times else f"; profile times unavailable: {why}"))
     platform = devs[0].platform
     notes = []

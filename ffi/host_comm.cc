@@ -28,6 +28,10 @@ constexpr auto kPollWindow = std::chrono::microseconds(200);
 // future, kReleased once the last rank handed the round back to a rank still polling.
 enum Wait : int { kWaiting = 0, kAsync = 1, kReleased = 2 };
 
+// Failed rounds kept for the ranks that reach them late; beyond this many, ranks are not late but
+// gone, and the communicator gives up until reset().
+constexpr size_t kMaxExpired = 4096;
+
 }  // namespace
 
 struct HostComm::Round {
@@ -64,25 +68,55 @@ std::string HostComm::Describe() const {
   return s + "]";
 }
 
-void HostComm::MarkBroken(const std::string& why) {
-  if (!broken_) broken_reason_ = why;
-  broken_ = true;
+void HostComm::Bury(std::pair<int64_t, uint64_t> key, ffi::Error error, int passed) {
+  if (passed >= size()) return;  // every rank has been through it already
+  if (expired_.size() >= kMaxExpired) {
+    // Ranks keep missing rounds (a peer is gone, not late): stop counting and give up.
+    dropped_ = "more than " + Str(kMaxExpired) + " rounds failed with ranks missing, the last: " + error.message();
+    expired_.clear();
+    return;
+  }
+  expired_.emplace(key, Expired{std::move(error), passed});
+}
+
+std::optional<ffi::Error> HostComm::Refusal(std::pair<int64_t, uint64_t> key) {
+  if (!dropped_.empty()) {
+    return FailedPrecondition("jaxk3 collective: " + Describe() + " is unusable (" + dropped_ +
+                              "); call jaxk3.collectives.reset() to start over");
+  }
+  if (auto it = expired_.find(key); it != expired_.end()) {
+    ffi::Error error = it->second.error;  // this rank comes late to a round that failed
+    if (++it->second.passed == size()) expired_.erase(it);
+    return error;
+  }
+  const bool waiting = !expired_.empty();
+  if ((!waiting && Clock::now() >= refuse_until_) || pending_.count(key)) return std::nullopt;
+  // A round timed out just now, or still misses ranks: a new round would most likely wait in
+  // vain too.  Refuse it now, and fail it for the ranks that reach it later as well.
+  ffi::Error error = FailedPrecondition(
+      "jaxk3 collective: " + Describe() + " is unusable " +
+      (waiting ? "while an earlier round misses ranks (" + expired_.begin()->second.error.message() +
+                     "); it works again once they pass that round"
+               : std::string("for one timeout period after a timeout; it works again then")) +
+      ", or at once after jaxk3.collectives.reset()");
+  Bury(key, error, 1);
+  return error;
 }
 
 // Adds this rank to its round (made by the first rank to arrive).  Sets *last when it is the
-// last rank; sets *refused (and returns null) when the communicator is broken.
+// last rank; sets *refused (and returns null) when the round fails at once (Refusal).
 std::shared_ptr<HostComm::Round> HostComm::Join(const RankArgs& a, const ffi::Promise& promise, bool* last,
                                                 std::optional<ffi::Error>* refused) {
   const int n = size();
   std::lock_guard<std::mutex> lock(mu_);
-  if (broken_) {
-    *refused = FailedPrecondition("jaxk3 collective: " + Describe() + " is unusable after an earlier failure (" +
-                                  broken_reason_ + "); call jaxk3.collectives.reset() to start over");
-    return nullptr;
-  }
   auto& gens = next_gen_[a.call];
   if (gens.empty()) gens.assign(n, 0);
+  // Every execution takes the next generation, refused or not, so ranks stay in step.
   const uint64_t gen = gens[a.rank]++;
+  if (std::optional<ffi::Error> refusal = Refusal({a.call, gen})) {
+    *refused = std::move(refusal);
+    return nullptr;
+  }
   auto& slot = pending_[{a.call, gen}];
   if (!slot) {
     slot = std::make_shared<Round>();
@@ -177,8 +211,7 @@ void HostComm::Complete(Round& round, int last_rank) {
 }
 
 int HostComm::ExpireOlderThan(std::chrono::milliseconds timeout) {
-  std::vector<std::shared_ptr<Round>> expired;
-  std::string why;
+  std::vector<std::pair<std::shared_ptr<Round>, ffi::Error>> expired;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const auto now = Clock::now();
@@ -199,14 +232,15 @@ int HostComm::ExpireOlderThan(std::chrono::milliseconds timeout) {
         }
       }
       msg += "] (a peer did not reach this collective; raise JAXK3_GATHER_TIMEOUT_S if it is only slow)";
-      if (why.empty()) why = msg;
       if (Verbose()) std::fprintf(stderr, "%s\n", msg.c_str());
-      MarkBroken(msg);
-      expired.push_back(std::move(it->second));
+      ffi::Error error(ffi::ErrorCode::kDeadlineExceeded, msg);
+      Bury(it->first, error, r.arrived);
+      refuse_until_ = now + timeout;
+      expired.emplace_back(std::move(it->second), std::move(error));
       it = pending_.erase(it);
     }
   }
-  for (auto& r : expired) Release(*r, ffi::Error(ffi::ErrorCode::kDeadlineExceeded, why), -1);
+  for (auto& [r, error] : expired) Release(*r, std::move(error), -1);
   return static_cast<int>(expired.size());
 }
 
@@ -214,7 +248,8 @@ void HostComm::FailAll(const std::string& why) {
   std::vector<std::shared_ptr<Round>> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    MarkBroken(why);
+    dropped_ = why;
+    expired_.clear();
     for (auto& [k, r] : pending_) all.push_back(std::move(r));
     pending_.clear();
   }

@@ -18,9 +18,14 @@
 // are completed by worker threads (completer.h).  Blocking would deadlock: XLA's CPU runtime
 // may run independent custom calls of one device on a small shared thread pool, in any order.
 //
-// Waits are bounded: a watchdog fails any round older than the timeout (a peer that never
-// arrives), and the communicator is then marked broken (every later call fails at once until
-// reset()).  Ranks that disagree on bytes, dtype or operation all get an error.
+// Waits are bounded: a watchdog fails any round older than the timeout.  The failed round stays
+// behind as a tombstone (Expired): a rank that reaches it late (XLA gave its launch no thread
+// until the others had failed) gets the same error at once, so every rank's k-th execution of a
+// call still meets in round k.  New rounds are refused at once while a tombstone waits for ranks
+// and for one more timeout period after a timeout: the launches queued behind the failed one fail
+// at once instead of each waiting the timeout (a peer that never comes must not cost every later
+// call the full timeout).  After that the communicator works again, with no reset().  Ranks that disagree on bytes, dtype
+// or operation all get an error.
 #pragma once
 
 #include <chrono>
@@ -88,14 +93,22 @@ class HostComm {
                               std::optional<xla::ffi::Error>* refused);
   void Complete(Round& round, int last_rank);
   void Release(Round& round, std::optional<xla::ffi::Error> error, int skip);
-  void MarkBroken(const std::string& why);  // requires mu_
+  struct Expired {
+    xla::ffi::Error error;
+    int passed = 0;  // ranks that reached the round, before or after it failed
+  };
+  // Fails (call, gen) for the ranks that reach it from now on; requires mu_.
+  void Bury(std::pair<int64_t, uint64_t> key, xla::ffi::Error error, int passed);
+  // The error a rank reaching (call, gen) gets at once, if any; requires mu_.
+  std::optional<xla::ffi::Error> Refusal(std::pair<int64_t, uint64_t> key);
 
   const std::vector<int64_t> devices_;
   std::mutex mu_;
   std::unordered_map<int64_t, std::vector<uint64_t>> next_gen_;  // call -> per-rank generation
   std::map<std::pair<int64_t, uint64_t>, std::shared_ptr<Round>> pending_;  // (call, gen)
-  bool broken_ = false;
-  std::string broken_reason_;
+  std::map<std::pair<int64_t, uint64_t>, Expired> expired_;                 // failed rounds
+  std::chrono::steady_clock::time_point refuse_until_{};  // new rounds fail at once until then
+  std::string dropped_;  // why reset() dropped this communicator (empty while it is live)
 };
 
 // Process-wide registry, keyed by the ordered device list (host_registry.cc).

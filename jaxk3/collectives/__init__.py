@@ -12,6 +12,8 @@ The package, by concern:
 - ``settings``: every environment variable (``JAXK3_GATHER``, ``JAXK3_GATHER_MAX_ROWS``,
   ``JAXK3_GATHER_MAX_BYTES``, ``JAXK3_GATHER_TIMEOUT_S``, ``JAXK3_DEBUG``), read and checked there
   and handed to C++;
+- ``cpu_pool``: XLA's CPU client thread pool, sized before the client exists (jaxlib < 0.12: a
+  queue of un-awaited launches otherwise starves the running one of threads);
 - ``registry``: the compiled extension, its targets and types, registered with XLA once;
 - ``context``: where a collective is traced or lowered (axes, mesh, platform); ``shard_map``;
 - ``groups``: device groups and their tables, the communicators (``reset``, ``set_timeout``);
@@ -24,6 +26,8 @@ The package, by concern:
 """
 from __future__ import annotations
 
+# First: sizes XLA's CPU pool while jax has not created its CPU client yet (jaxlib < 0.12).
+from jaxk3.collectives import cpu_pool  # noqa: F401
 from jaxk3.collectives.base import GatherUnavailableError, Plan
 from jaxk3.collectives.context import shard_map
 from jaxk3.collectives.floor import LOCAL_TILE_TARGET, local_tile

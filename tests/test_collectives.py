@@ -269,6 +269,29 @@ def test_host_rendezvous_missing_peer_times_out(timeout_ms):
     assert res == [b"\x00" * 5 + b"\x01" * 5 + b"\x02" * 5] * 3
 
 
+def test_host_rendezvous_late_rank_fails_at_once_and_communicator_recovers(timeout_ms):
+    """A rank that reaches a timed-out round late (XLA ran its launch only once the others had
+    failed) gets the same error at once; after one timeout period the communicator works again
+    without reset() (every rank passed the failed round, so generations still line up)."""
+    devices = [921, 922, 923]
+    timeout_ms(300)
+    res = _threads([lambda r=r: ext._host_gather_for_test(devices, 1, r, b"abcd", 4, 1) for r in (0, 1)])
+    assert all(isinstance(r, RuntimeError) and "timed out" in str(r) for r in res), res
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out"):
+        ext._host_gather_for_test(devices, 1, 2, b"abcd", 4, 1)
+    assert time.monotonic() - t0 < 0.25
+    # Right after a timeout new rounds fail at once (queued launches must not each wait) ...
+    with pytest.raises(RuntimeError, match="unusable for one timeout period"):
+        ext._host_gather_for_test(devices, 2, 0, b"abcd", 4, 1)
+    res = _threads([lambda r=r: ext._host_gather_for_test(devices, 2, r, b"abcd", 4, 1) for r in (1, 2)])
+    assert all(isinstance(r, RuntimeError) and "unusable" in str(r) for r in res), res
+    # ... and once the period is over, it works: no reset().
+    time.sleep(0.4)
+    res = _threads([lambda r=r: ext._host_gather_for_test(devices, 3, r, bytes([r]) * 5, 4, 16) for r in range(3)])
+    assert res == [b"\x00" * 5 + b"\x01" * 5 + b"\x02" * 5] * 3
+
+
 def test_host_rendezvous_disagreeing_ranks_fail_everywhere(timeout_ms):
     devices = [911, 912]
     timeout_ms(5000)

@@ -54,3 +54,96 @@ def test_prefill_on_two_cpu_devices_finishes():
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "TTFT s" in r.stdout and "decode tok/s" in r.stdout
+
+
+_UNAWAITED = r"""
+import os, sys, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jaxk3.collectives as C
+
+mesh = jax.make_mesh((8,), ("tp",))
+def sm(body):
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P(), check_vma=False))
+fns = [sm(lambda x: C.all_gather(x, "tp", tiled=True)),
+       sm(lambda x: C.psum(x, "tp")),
+       sm(lambda x: C.psum(C.all_gather(x, "tp", tiled=True), "tp"))]
+xs = [jax.device_put(jnp.arange(64, dtype=jnp.float32) * (1 + i % 7) - i, NamedSharding(mesh, P("tp")))
+      for i in range(int(sys.argv[1]))]
+for f in fns:  # compiled, and through the FFI (not lax)
+    assert "jaxk3_" in f.lower(xs[0]).as_text(), f.lower(xs[0]).as_text()
+    f(xs[0]).block_until_ready()
+t0 = time.perf_counter()
+queued = [fns[i % 3](x) for i, x in enumerate(xs)]  # nothing awaited
+got = [np.asarray(r) for r in queued]
+t_queued = time.perf_counter() - t0
+serial = [np.asarray(fns[i % 3](x).block_until_ready()) for i, x in enumerate(xs)]
+bad = [i for i, (a, b) in enumerate(zip(got, serial)) if a.dtype != b.dtype or a.tobytes() != b.tobytes()]
+print("POOL", C.cpu_pool.STATUS)
+print("QUEUED", len(got), "MISMATCHED", len(bad), "SECONDS %.2f" % t_queued)
+"""
+
+
+def test_2000_unawaited_jitted_gathers_and_psums_equal_serial_runs():
+    """2,000 jitted calls (gathers, psums, gather+psum, alternating) on 8 CPU devices, dispatched
+    without waiting, then awaited: every result equals its serial run bitwise, none times out,
+    the process does not abort.  jaxlib 0.10 needed its CPU pool sized (collectives/cpu_pool.py:
+    with 8 threads the 33rd queued launch starved the running one).  A subprocess, so a
+    regression fails within the timeout instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    env["JAXK3_GATHER_TIMEOUT_S"] = "20"
+    r = subprocess.run([sys.executable, "-c", _UNAWAITED, "2000"], capture_output=True, text=True, timeout=240,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "QUEUED 2000 MISMATCHED 0" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+_STARVED = r"""
+import os, sys, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jaxk3.collectives as C
+
+mesh = jax.make_mesh((8,), ("tp",))
+f = jax.jit(jax.shard_map(lambda x: C.psum(C.all_gather(x, "tp", tiled=True), "tp"), mesh=mesh,
+                          in_specs=P("tp"), out_specs=P(), check_vma=False))
+x = jax.device_put(jnp.arange(32, dtype=jnp.float32), NamedSharding(mesh, P("tp")))
+ref = np.asarray(f(x))
+failed, errors = 0, set()
+for r in [f(x) for _ in range(300)]:
+    try:
+        assert np.array_equal(np.asarray(r), ref)
+    except jax.errors.JaxRuntimeError as e:
+        failed += 1
+        errors.add(str(e).split(":")[0])
+print("FAILED", failed, sorted(errors))
+time.sleep(float(os.environ["JAXK3_GATHER_TIMEOUT_S"]) + 0.5)
+later = [f(x) for _ in range(20)] + [f(x).block_until_ready() for _ in range(5)]
+print("LATER_OK", all(np.array_equal(np.asarray(r), ref) for r in later))
+"""
+
+
+def test_starved_cpu_pool_fails_cleanly_and_recovers_without_reset():
+    """The pool jaxk3 cannot size (PJRT_NPROC=8 set by the user, or jax's CPU client made before
+    jaxk3 was imported): on jaxlib 0.10, 300 queued launches starve the running one.  Then a
+    launch fails with DEADLINE_EXCEEDED, those queued behind it fail at once (FAILED_PRECONDITION),
+    the process lives, and one timeout period later the same communicator works again with no
+    reset().  (jaxlib 0.12 does not starve: everything succeeds.)"""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PJRT_NPROC="8", JAXK3_GATHER_TIMEOUT_S="2")
+    env.pop("NPROC", None)
+    r = subprocess.run([sys.executable, "-c", _STARVED], capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "LATER_OK True" in r.stdout, r.stdout + r.stderr[-3000:]
+    failed = int(r.stdout.split("FAILED ")[1].split()[0])
+    if failed:
+        assert "DEADLINE_EXCEEDED" in r.stdout and set(r.stdout.split("[")[1].split("]")[0].replace("'", "").split(", ")) <= {
+            "DEADLINE_EXCEEDED", "FAILED_PRECONDITION"}, r.stdout

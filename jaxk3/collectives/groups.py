@@ -86,7 +86,9 @@ def set_timeout(seconds: float) -> None:
 
 
 def reset() -> None:
-    """Forgets every communicator (e.g. after a timeout broke one).  No collective may be in flight."""
+    """Forgets every communicator.  After a timeout a communicator refuses new rounds for one
+    timeout period (or, if a peer never comes, until this); reset() ends that at once.  No
+    collective may be in flight."""
     ext = registry.extension()
     if ext is not None:
         ext.reset()

@@ -1,11 +1,16 @@
-"""`jaxk3 bench decode`: one decode step of a layer slice, three latent strategies, same run.
+"""`jaxk3 bench decode`: one decode step of a layer slice, four strategies, same run.
 
 Strategies (same random weights, same random caches, same tokens):
 
-  stock             q_a_proj / kv_a_proj_with_mqa replicated (shard_latent=False), gathers via lax
-  sharded+lax       latent projections split by rows, one lax.all_gather per MLA layer
+  stock             the latent projections replicated (shard_latent=False: MLA q_a_proj /
+                    kv_a_proj_with_mqa, the MoE's routed_expert_down/up_proj), dense experts,
+                    gathers via lax
+  sharded+lax       latent projections split (one lax.all_gather per MLA layer and per latent MoE)
   sharded+one-shot  the same split, the one-shot FFI gather (the logits gather takes the FFI
                     path too where it fits under JAXK3_GATHER_MAX_BYTES, lax above; recorded)
+  packed+sharded+one-shot   sharded+one-shot with the routed experts MXFP4 (random packed bytes,
+                    experts_format="mxfp4"): other weights than the dense strategies', so its
+                    tokens are not compared with theirs
 
 For each (batch, MLA context) and strategy: the median step latency over many steps after
 warm-up (steps enqueued back to back with the cache donated, the greedy token fed back on
@@ -38,9 +43,10 @@ import json
 import os
 import re
 import statistics
+import sys
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +61,15 @@ from jaxk3.model import (Cache, StepOptions, Weights, _to_host, abstract_weights
                          put_batch)
 from jaxk3.sharding import DP, TP
 
-# name, shard_latent, gather
-STRATEGIES = (("stock", False, "lax"), ("sharded+lax", True, "lax"), ("sharded+one-shot", True, "ffi"))
+class Strategy(NamedTuple):
+    name: str
+    shard_latent: bool
+    gather: str  # lax | ffi (ffi: "auto" where a gather does not fit)
+    experts: str = "dense"  # routed experts: dense | mxfp4
+
+
+STRATEGIES = (Strategy("stock", False, "lax"), Strategy("sharded+lax", True, "lax"),
+              Strategy("sharded+one-shot", True, "ffi"), Strategy("packed+sharded+one-shot", True, "ffi", "mxfp4"))
 
 
 # ------------------------------------------------------------------------------ config
@@ -125,9 +138,9 @@ def random_weights(cfg: KimiK3Config, mesh, dtype, shard_latent: bool, seed: int
 
 
 def relayout_latent(cfg: KimiK3Config, weights: Weights, mesh, shard_latent: bool) -> Weights:
-    """The same weights with the MLA latent projections placed for `shard_latent` (the rest shared)."""
+    """The same weights with the latent projections placed for `shard_latent` (the rest shared)."""
     def put(p: params.Param, a):
-        if p.spec == params.LATENT:
+        if p.spec in (params.LATENT, params.LATENT_ROW):
             return jax.device_put(a, NamedSharding(mesh, p.pspec(shard_latent)))
         return a
 
@@ -246,9 +259,37 @@ def _setup(config: str, layers: str | None, experts: int | None, tp: int, batche
         if not 1 <= tp <= len(devs):
             raise ValueError(f"--tp {tp}: only {len(devs)} devices present")
         mesh = jax.sharding.Mesh(np.asarray(devs[:tp]), (TP,))
-    for _, latent, _ in strategies:
-        cfg.validate_tp(tp, shard_latent=latent)
-    return full, first, last, cfg, mesh
+    kept = []
+    for s in strategies:
+        try:
+            dataclasses.replace(cfg, experts_format=s.experts).validate_tp(tp, shard_latent=s.shard_latent)
+            kept.append(s)
+        except ValueError as e:
+            if not (s.experts == "mxfp4" and strategies is STRATEGIES):
+                raise ValueError(f"strategy {s.name}: {e}") from None
+            print(f"  .. strategy {s.name} left out: {e}", file=sys.stderr, flush=True)  # a default that cannot fit
+    return full, first, last, cfg, mesh, tuple(kept)
+
+
+class _Weights:
+    """Each strategy's weights, made once per (experts format) and relaid per shard_latent."""
+
+    def __init__(self, cfg: KimiK3Config, mesh, dtype):
+        self.cfg, self.mesh, self.dtype, self.made = cfg, mesh, dtype, {}
+
+    def config(self, s: Strategy) -> KimiK3Config:
+        return dataclasses.replace(self.cfg, experts_format=s.experts)
+
+    def get(self, s: Strategy) -> Weights:
+        key = (s.experts, s.shard_latent)
+        if key not in self.made:
+            cfg = self.config(s)
+            base = self.made.get((s.experts, True))
+            if base is None:
+                base = self.made[(s.experts, True)] = random_weights(cfg, self.mesh, self.dtype, shard_latent=True)
+            if not s.shard_latent:
+                self.made[key] = relayout_latent(cfg, base, self.mesh, False)
+        return self.made[key]
 
 
 def _strategy_gather(cfg, mesh, batch: int, gather: str, latent: bool) -> tuple[str, dict[str, str]]:
@@ -277,28 +318,28 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                  batches=(1, 8), contexts=(4096, 32768), dtype: str = "bfloat16", steps: int = 20, repeats: int = 5,
                  synced: int = 20, check_tokens: int = 4, copy_bytes: int = 1 << 30, strategies=STRATEGIES,
                  hlo_dir: str | None = None, progress=None) -> dict:
-    full, first, last, cfg, mesh = _setup(config, layers, experts, tp, batches, strategies)
+    full, first, last, cfg, mesh, strategies = _setup(config, layers, experts, tp, batches, strategies)
     devs = jax.devices()
     say = progress or (lambda m: None)
     say(f"copy bandwidth ({copy_bytes >> 20} MiB per device)")
     bw = copy_bandwidth(mesh, copy_bytes)
     say("random weights on the devices")
     t0 = time.perf_counter()
-    w_sharded = random_weights(cfg, mesh, dtype, shard_latent=True)
-    w_by_latent = {True: w_sharded, False: relayout_latent(cfg, w_sharded, mesh, False)}
-    jax.block_until_ready(w_by_latent)
+    made = _Weights(cfg, mesh, dtype)
+    jax.block_until_ready([made.get(s) for s in strategies])
     init_s = time.perf_counter() - t0
     rows: list[DecodeRow] = []
     notes = []
     first_logits: dict[tuple[int, int], np.ndarray] = {}
     for batch in batches:
         for context in contexts:
-            for name, latent, gather in strategies:
-                g, paths = _strategy_gather(cfg, mesh, batch, gather, latent)
+            for s in strategies:
+                name, latent = s.name, s.shard_latent
+                g, paths = _strategy_gather(cfg, mesh, batch, s.gather, latent)
                 say(f"B={batch} S={context} {name} (gather={g})")
-                weights = w_by_latent[latent]
+                weights = made.get(s)
                 opt = StepOptions(gather=g, shard_latent=latent, layer_offset=first)
-                step = build_step(cfg, opt, mesh)
+                step = build_step(made.config(s), opt, mesh)
                 cache = random_cache(cfg, mesh, dtype, batch, context)
                 ids = put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
                 valid = put_batch(np.ones((batch,), bool), mesh)
@@ -317,7 +358,7 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                     tokens.append(_to_host(ids).tolist())
                     if i == 0:
                         lg = _to_host(logits).astype(np.float32)
-                        ref = first_logits.setdefault((batch, context), lg)
+                        ref = first_logits.setdefault((batch, context, s.experts), lg)
                         rel = float(np.max(np.abs(lg - ref)) / max(np.max(np.abs(ref)), 1e-30))
                 del logits
                 per = []
@@ -334,7 +375,7 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                     ids.block_until_ready()
                     sync.append((time.perf_counter() - t0) * 1e6)
                 del cache
-                parts = weight_bytes_per_rank(cfg, weights, batch)
+                parts = weight_bytes_per_rank(made.config(s), weights, batch)
                 wbytes = sum(parts.values())
                 floor_w = wbytes / bw * 1e6
                 floor = (wbytes + cbytes) / bw * 1e6
@@ -349,7 +390,9 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                     f"{strategies[0][0]} {rel:.1e}, gathers {paths}")
     for batch in batches:
         for context in contexts:
-            toks = {r.strategy: r.tokens for r in rows if r.batch == batch and r.context == context}
+            dense = {s.name for s in strategies if s.experts == "dense"}  # the same weights: the same tokens
+            toks = {r.strategy: r.tokens for r in rows if r.batch == batch and r.context == context
+                    and r.strategy in dense}
             if len({json.dumps(t) for t in toks.values()}) > 1:
                 rels = {r.strategy: r.logits_rel_diff for r in rows if r.batch == batch and r.context == context}
                 notes.append(f"B={batch} S={context}: the strategies' first greedy tokens differ: {toks}; "
@@ -426,21 +469,21 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
     device time per block per step from `steps` profiled steps after two warm-up steps
     (census.profile_times), or the reason there is none.  Same setup as `bench_decode` (random
     weights and caches of the real shapes, the same strategies), no latency timing."""
-    full, first, last, cfg, mesh = _setup(config, layers, experts, tp, batches, strategies)
+    full, first, last, cfg, mesh, strategies = _setup(config, layers, experts, tp, batches, strategies)
     devs = jax.devices()
     say = progress or (lambda m: None)
     say("random weights on the devices")
-    w_sharded = random_weights(cfg, mesh, dtype, shard_latent=True)
-    w_by_latent = {True: w_sharded, False: relayout_latent(cfg, w_sharded, mesh, False)}
+    made = _Weights(cfg, mesh, dtype)
     blocks = block_names(cfg, first)
     rows = []
     for batch in batches:
         for context in contexts:
-            for name, latent, gather in strategies:
-                g, paths = _strategy_gather(cfg, mesh, batch, gather, latent)
+            for s in strategies:
+                name, latent = s.name, s.shard_latent
+                g, paths = _strategy_gather(cfg, mesh, batch, s.gather, latent)
                 say(f"census B={batch} S={context} {name} (gather={g})")
-                weights = w_by_latent[latent]
-                step = build_step(cfg, StepOptions(gather=g, shard_latent=latent, layer_offset=first), mesh)
+                weights = made.get(s)
+                step = build_step(made.config(s), StepOptions(gather=g, shard_latent=latent, layer_offset=first), mesh)
                 cache = random_cache(cfg, mesh, dtype, batch, context)
                 ids = put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
                 valid = put_batch(np.ones((batch,), bool), mesh)
@@ -535,7 +578,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     keys = sorted({(r["batch"], r["context"]) for r in result["rows"]})
-    names = [s for s, _, _ in STRATEGIES if any(r["strategy"] == s for r in result["rows"])]
+    names = [s.name for s in STRATEGIES if any(r["strategy"] == s.name for r in result["rows"])]
     width = 0.8 / max(1, len(names))
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(keys)), 4))
     for i, name in enumerate(names):

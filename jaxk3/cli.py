@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
     _cpu_devices_arg(g)
 
-    d = bsub.add_parser("decode", help="decode-step latency of a layer slice, three latent strategies, vs the "
+    d = bsub.add_parser("decode", help="decode-step latency of a layer slice, four strategies, vs the "
                         "bandwidth floor")
     d.add_argument("--config", default="k3",
                    help="k3 | kimi-linear-48b | tiny | PATH to a HF config.json / model dir (default k3)")
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="back-to-back steps per timing, 1..100000 (default 20)")
     d.add_argument("--repeats", type=int_in(1, 10_000), default=5,
                    help="timings per case; the median is reported (default 5)")
-    d.add_argument("--strategies", default=None, help="subset, comma separated: stock,sharded+lax,sharded+one-shot")
+    d.add_argument("--strategies", default=None, help="subset, comma separated: stock,sharded+lax,sharded+one-shot,packed+sharded+one-shot")
     d.add_argument("--copy-mb", type=int_in(1, 1 << 20), default=1024,
                    help="per-device size of the bandwidth copy in MiB (default 1024)")
     d.add_argument("--hlo-dir", default=None, help="write each compiled step's optimized HLO here")
@@ -426,10 +426,10 @@ def cmd_bench_decode(args) -> int:
     strategies = bd.STRATEGIES
     if args.strategies:
         want = [s.strip() for s in args.strategies.split(",")]
-        unknown = [s for s in want if s not in {n for n, _, _ in bd.STRATEGIES}]
+        unknown = [s for s in want if s not in {st.name for st in bd.STRATEGIES}]
         if unknown:
             return fail(cmd, f"--strategies: unknown {unknown}")
-        strategies = tuple(s for s in bd.STRATEGIES if s[0] in want)
+        strategies = tuple(s for s in bd.STRATEGIES if s.name in want)
     if args.census:
         try:
             result = bd.census_decode(config=args.config, layers=layers, experts=experts,

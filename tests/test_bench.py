@@ -48,7 +48,7 @@ def test_bench_decode_strategies_agree(tmp_path):
     back = json.loads(path.read_text())
     assert back["kind"] == "decode" and back["layers"] == [2, 5]
     assert {(r["strategy"], r["batch"]) for r in back["rows"]} == {
-        (s, b) for s, _, _ in bd.STRATEGIES for b in (1, 2)}
+        (s.name, b) for s in bd.STRATEGIES for b in (1, 2)}
     for b in (1, 2):
         toks = {r["strategy"]: r["tokens"] for r in back["rows"] if r["batch"] == b}
         assert len(toks["stock"]) == 3 and all(len(t) == b for t in toks["stock"])
@@ -58,10 +58,15 @@ def test_bench_decode_strategies_agree(tmp_path):
     # the sharded latent reads half the latent rows per rank at TP 2; everything else is equal
     st, sh = rows["stock"]["census"]["weight_bytes_by_part"], rows["sharded+one-shot"]["census"]["weight_bytes_by_part"]
     assert sh["mla_latent"] * 2 == st["mla_latent"]
-    # the MoE latent projections follow shard_latent too (router replicated): fewer bytes, not half
-    assert sh.get("moe_latent", 0) <= st.get("moe_latent", 0)
+    # the MoE latent projections (routed_expert_down/up_proj) follow shard_latent too: half at TP 2
+    assert sh["moe_latent"] * 2 == st["moe_latent"] > 0
     latent = ("mla_latent", "moe_latent")
     assert {k: v for k, v in st.items() if k not in latent} == {k: v for k, v in sh.items() if k not in latent}
+    # packed experts: the same layout with the routed experts' bytes at 4.25 of 16 bits (issue 17)
+    pk = rows["packed+sharded+one-shot"]["census"]["weight_bytes_by_part"]
+    assert pk["moe_experts"] * 64 == sh["moe_experts"] * 17
+    assert {k: v for k, v in pk.items() if k != "moe_experts"} == {k: v for k, v in sh.items() if k != "moe_experts"}
+    assert rows["packed+sharded+one-shot"]["floor_us"] < rows["sharded+one-shot"]["floor_us"]
     assert rows["sharded+one-shot"]["gathers"]["latent"].startswith("ffi")
     assert rows["sharded+lax"]["gathers"]["latent"].startswith("lax")
     for r in back["rows"]:

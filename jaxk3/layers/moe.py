@@ -292,6 +292,9 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, 
         return psum(experts(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp)
     L, tp = cfg.moe_hidden, as_tp(tp)
     sharded = w.routed_expert_down_proj.shape[0] != L  # shard_latent: this rank holds L/tp rows
+    if sharded != (w.routed_expert_up_proj.shape[1] != L):
+        raise ValueError(f"routed_expert_down_proj {w.routed_expert_down_proj.shape} and routed_expert_up_proj "
+                         f"{w.routed_expert_up_proj.shape} (per rank): both split over TP (shard_latent) or both whole")
     z_BL = linear(x_BD, w.routed_expert_down_proj).astype(dt)
     if sharded:  # one gather rebuilds z [B, L] from every rank's L/tp features
         z_BL = collectives.padded_all_gather(z_BL, tp.axis, axis=-1, tiled=True, impl=tp.gather)

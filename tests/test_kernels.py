@@ -175,3 +175,59 @@ def test_bench_kernels_cli(capsys, tmp_path):
     assert by[("bf16", 3)] > by[("bf16", 1)]  # more distinct experts at B=3
     assert all(r["us"] > 0 for r in rows)
     assert cli.main(["bench", "kernels", "--config", "tiny", "--experts", "2"]) == 2
+
+
+# ------------------------------------------------------------------ kda_decode
+def _kda_case(mode: str, dtype, B: int, seed: int = 0):
+    """Random inputs of one KDA layer's decode core (tiny K3: sigmoid gate with lower bound; tiny
+    Kimi-Linear: softplus gate), caches non-zero, the last row invalid when B > 1."""
+    from jaxk3.config import KimiK3Config
+    from jaxk3.layers import kda
+
+    cfg = KimiK3Config.tiny_k3() if mode == "k3" else KimiK3Config.tiny_kimi_linear()
+    C, H, Kd, K = cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
+    r = np.random.default_rng(seed + B)
+
+    def a(*shape, s=1.0, dt=jnp.float32):
+        return jnp.asarray(r.standard_normal(shape) * s, dt)
+    cw = kda.CoreWeights(conv_3CK=a(3, C, K, s=0.3), dt_bias_C=a(C), A_log_H=jnp.log(jnp.asarray(r.uniform(1, 16, H), jnp.float32)),
+                         o_norm_K=1 + a(Kd, s=0.1))
+    valid = jnp.asarray([True] * (B - 1) + [B == 1], bool)
+    return cfg, (a(B, 3, C, dt=dtype), a(B, 3, C, K - 1, dt=dtype), cw, a(B, C), jax.nn.sigmoid(a(B, H)),
+                 a(B, C), a(B, H, Kd, Kd, s=0.1), valid)
+
+
+@pytest.mark.parametrize("mode", ["k3", "kl"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("B", [1, 3])
+def test_kda_decode_kernel_matches_reference(mode, dtype, B):
+    """Interpret mode against `kda.decode_core`.  Tolerance: the same float32 arithmetic with the conv
+    taps and the state contractions (32 terms) summed in another order: ~1e-7 relative per value,
+    and the output RMSNorm divides by a norm of the same rounding; 1e-5 of max|ref| (a wrong tap,
+    gate or update is off by >= 1e-2).  The conv window (a copy) is bitwise; invalid rows keep both
+    caches bitwise."""
+    cfg, args = _kda_case(mode, dtype, B)
+    k = kernels.REGISTRY["kda_decode"]
+    got = k.device(cfg, *args, interpret=True)
+    ref = k.reference(cfg, *args)
+    for g, r_ in zip(got, ref):
+        assert g.shape == r_.shape and g.dtype == r_.dtype
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=0, atol=1e-5 * float(jnp.abs(ref[0]).max()))
+    np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32)), np.asarray(ref[1].astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=0, atol=1e-5 * float(jnp.abs(ref[2]).max()))
+    if B > 1:  # the invalid row kept its state exactly
+        np.testing.assert_array_equal(np.asarray(got[2][-1]), np.asarray(args[6][-1]))
+        assert not np.array_equal(np.asarray(got[2][0]), np.asarray(args[6][0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["k3", "kl"])
+def test_kda_decode_kernel_on_gpu(mode):
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    cfg, args = _kda_case(mode, jnp.bfloat16, 3)
+    got = jax.jit(lambda *a: kernels.call("kda_decode", cfg, *a, mode="on"))(*args)
+    ref = kernels.REGISTRY["kda_decode"].reference(cfg, *args)
+    for g, r_ in zip(got, ref):
+        np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)), np.asarray(r_.astype(jnp.float32)), rtol=0,
+                                   atol=1e-4 * float(jnp.abs(r_.astype(jnp.float32)).max()))

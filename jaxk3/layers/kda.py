@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxk3.config import KimiK3Config
-from jaxk3.layers.common import F32, TP, linear, psum
+from jaxk3.layers.common import F32, TP, kernel_mode, linear, psum
 from jaxk3.layers.norm import gated_rms_norm
 from jaxk3.params import COL, REP, ROW, Buffer, Param, weight
 
@@ -109,38 +109,65 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array, conv_B3CW: jax.A
              valid_B: jax.Array, tp: TP | str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KDA decode step.  Returns (out_BD fp32 summed over TP, new conv_B3CW, new state_BHKV)."""
     B = x_BD.shape[0]
-    Kd = cfg.kda_head_dim
     dt = x_BD.dtype
-    # -- projections and short causal conv
+    # -- projections (GEMVs); the rest of the step is `decode_core` (one device kernel where it runs)
     u_B3C = jnp.stack([linear(x_BD, w.q_proj), linear(x_BD, w.k_proj), linear(x_BD, w.v_proj)], 1).astype(dt)
+    f_BC = linear(linear(x_BD, w.f_a_proj).astype(dt), w.f_b_proj)
+    beta_BH = jax.nn.sigmoid(linear(x_BD, w.b_proj))
+    if cfg.use_full_rank_gate:
+        z_BC = linear(x_BD, w.g_proj)
+    else:
+        z_BC = linear(linear(x_BD, w.g_a_proj).astype(dt), w.g_b_proj)
+    from jaxk3 import kernels
+
+    o_BC, new_conv, new_state = kernels.call(
+        "kda_decode", cfg, u_B3C, conv_B3CW, core_weights(w), f_BC, beta_BH, z_BC, state_BHKV, valid_B,
+        mode=kernel_mode(tp))
+    out_BD = psum(linear(o_BC.astype(dt), w.o_proj), tp)
+    return out_BD, new_conv, new_state
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CoreWeights:
+    """The small per-channel weights `decode_core` reads (local shards)."""
+    conv_3CK: jax.Array  # q|k|v conv taps, fp32
+    dt_bias_C: jax.Array  # fp32
+    A_log_H: jax.Array  # fp32
+    o_norm_K: jax.Array  # fp32
+
+
+def core_weights(w: KDAWeights) -> CoreWeights:
+    return CoreWeights(conv_3CK=jnp.stack([w.q_conv1d[:, 0], w.k_conv1d[:, 0], w.v_conv1d[:, 0]], 0).astype(F32),
+                       dt_bias_C=w.dt_bias, A_log_H=w.A_log, o_norm_K=w.o_norm)
+
+
+def decode_core(cfg: KimiK3Config, u_B3C: jax.Array, conv_B3CW: jax.Array, cw: CoreWeights, f_BC: jax.Array,
+                beta_BH: jax.Array, z_BC: jax.Array, state_BHKV: jax.Array, valid_B: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Everything of the KDA decode step between the projections and o_proj, per local head:
+    the short causal conv + SiLU, the q/k l2 norms, the forget gate, the gated delta rule on the
+    fp32 state and the gated output RMSNorm.  (o_BC fp32, new conv_B3CW, new state_BHKV); rows with
+    valid_B False keep their caches.  The jnp reference of the `kda_decode` kernel."""
+    B, Kd = u_B3C.shape[0], cfg.kda_head_dim
     win_B3CK = jnp.concatenate([conv_B3CW, u_B3C[..., None]], axis=-1)
-    w_3CK = jnp.stack([w.q_conv1d[:, 0], w.k_conv1d[:, 0], w.v_conv1d[:, 0]], 0).astype(F32)
-    y_B3C = jax.nn.silu(jnp.einsum("bjck,jck->bjc", win_B3CK.astype(F32), w_3CK))
+    y_B3C = jax.nn.silu(jnp.einsum("bjck,jck->bjc", win_B3CK.astype(F32), cw.conv_3CK))
     q_BHK, k_BHK, v_BHK = (y_B3C[:, j].reshape(B, -1, Kd) for j in range(3))
     q_BHK = _l2norm(q_BHK) * Kd ** -0.5
     k_BHK = _l2norm(k_BHK)
-    # -- gates
-    f_BHK = (linear(linear(x_BD, w.f_a_proj).astype(dt), w.f_b_proj) + w.dt_bias.astype(F32)).reshape(B, -1, Kd)
-    g_BHK = kda_gate(f_BHK, w.A_log, cfg.gate_lower_bound)
-    beta_BH = jax.nn.sigmoid(linear(x_BD, w.b_proj))
+    f_BHK = (f_BC + cw.dt_bias_C.astype(F32)).reshape(B, -1, Kd)
+    g_BHK = kda_gate(f_BHK, cw.A_log_H, cfg.gate_lower_bound)
     # -- gated delta rule, fp32 state [K, Vd] per head
     S = state_BHKV * jnp.exp(g_BHK)[..., None]
     pred_BHV = jnp.einsum("bhkv,bhk->bhv", S, k_BHK)
     upd_BHV = beta_BH[..., None] * (v_BHK - pred_BHV)
     S = S + jnp.einsum("bhk,bhv->bhkv", k_BHK, upd_BHV)
     o_BHV = jnp.einsum("bhkv,bhk->bhv", S, q_BHK)
-    # -- output gate, per-head norm, row-parallel o_proj
-    if cfg.use_full_rank_gate:
-        z_BC = linear(x_BD, w.g_proj)
-    else:
-        z_BC = linear(linear(x_BD, w.g_a_proj).astype(dt), w.g_b_proj)
-    o_BHV = gated_rms_norm(o_BHV, w.o_norm, z_BC.reshape(o_BHV.shape), cfg.rms_norm_eps)
-    out_BD = psum(linear(o_BHV.reshape(B, -1).astype(dt), w.o_proj), tp)
-    # -- cache update (pad rows keep their caches)
+    o_BHV = gated_rms_norm(o_BHV, cw.o_norm_K, z_BC.reshape(o_BHV.shape), cfg.rms_norm_eps)
     keep = valid_B.astype(bool)
     new_conv = jnp.where(keep[:, None, None, None], win_B3CK[..., 1:], conv_B3CW)
     new_state = jnp.where(keep[:, None, None, None], S, state_BHKV)
-    return out_BD, new_conv, new_state
+    return o_BHV.reshape(B, -1), new_conv, new_state
 
 
 def _unit_lower_inverse(A_BHCC: jax.Array) -> jax.Array:

@@ -191,6 +191,14 @@ def ffn_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: MLPWeights | MoEWe
     return moe(cfg, w, xn_ND, opt.tp, grouped=many)
 
 
+def _mix_norm(opt: StepOptions, sources, res_norm, res_proj, ln_w, eps: float) -> jax.Array:
+    """A block's normed input (fp32): AttnRes over `sources` then RMSNorm, through the `attn_res_norm`
+    device kernel where `opt.kernels` and the platform allow (res.mix_norm is its reference)."""
+    from jaxk3 import kernels
+
+    return kernels.call("attn_res_norm", list(sources), res_norm, res_proj, ln_w, eps, mode=opt.kernels)
+
+
 def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache, tokens: jax.Array,
                   valid: jax.Array, all_logits: bool = True) -> tuple[jax.Array, Cache]:
     """One forward pass on one rank (inside shard_map, or on one device with tp_axis=None).
@@ -210,13 +218,15 @@ def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache,
     for l, lw in enumerate(w.layers):
         g = opt.layer_offset + l  # the layer's global index (AttnRes schedule)
         with jax.named_scope(f"layer{g}_{cfg.layer_attn[l]}"):
-            h, st = res.attention_input(st, g, Bs, lw.self_attention_res_norm, lw.self_attention_res_proj, eps)
-            xn = rms_norm(h, lw.input_layernorm, eps).astype(dt).reshape(shape)
+            srcs, st = res.attention_sources(st, g, Bs)
+            xn = _mix_norm(opt, srcs, lw.self_attention_res_norm, lw.self_attention_res_proj, lw.input_layernorm,
+                           eps).astype(dt).reshape(shape)
             a, c = attention_block(cfg, opt, l, lw.attn, xn, cache.layers[l], cache.length, valid)
             new_caches.append(c)
         with jax.named_scope(f"layer{g}_{cfg.layer_ffn[l]}"):
-            h, st = res.ffn_input(st, a.reshape(B * T, -1), g, Bs, lw.mlp_res_norm, lw.mlp_res_proj, eps)
-            f = ffn_block(cfg, opt, l, lw.ffn, rms_norm(h, lw.post_attention_layernorm, eps).astype(dt), prefill)
+            srcs, st = res.ffn_sources(st, a.reshape(B * T, -1), g, Bs)
+            xn = _mix_norm(opt, srcs, lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attention_layernorm, eps).astype(dt)
+            f = ffn_block(cfg, opt, l, lw.ffn, xn, prefill)
             st = res.ffn_done(st, f, Bs)
     with jax.named_scope("head"):
         final = res.stream_final(st, Bs, w.output_attn_res_norm, w.output_attn_res_proj, eps)

@@ -356,6 +356,6 @@ def test_experts_and_kernels_flags(tmp_path, capsys):
     rc, out, err = run_cli(base + ["--experts", "mxfp4"], capsys)
     assert rc == 2 and "is a dense expert weight: experts='mxfp4' needs MXFP4" in err and len(err.strip().splitlines()) <= 3
     rc, out, err = run_cli(base + ["--kernels", "on"], capsys)
-    assert rc == 2 and "moe_experts does not apply: no moe_experts kernel for platform 'cpu'" in err
+    assert rc == 2 and "does not apply: no" in err and "kernel for platform 'cpu'" in err
     rc, out, err = run_cli(["info", "--checkpoint", str(tmp_path), "--tp", "2"], capsys)
     assert rc == 0 and "dense" in out

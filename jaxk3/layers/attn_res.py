@@ -22,7 +22,8 @@ The K3 schedule (block size Bs; `g` is a layer's global index):
 Kimi-Linear (no block size):  h += Attn(RMSNorm(h));  h += MLP(RMSNorm(h)).
 
 `Stream` carries this state through the layer loop as a value: `stream_start`, then per layer
-`attention_input` → `ffn_input` → `ffn_done`, then `stream_final`.
+`attention_sources` → `mix_norm` (one `attn_res_norm` kernel where it runs) → `ffn_sources` →
+`mix_norm` → `ffn_done`, then `stream_final` (`attention_input` / `ffn_input` return the mix itself).
 """
 from __future__ import annotations
 
@@ -72,31 +73,49 @@ def stream_start(x_BD: jax.Array, block_size: int | None, layer_offset: int = 0)
     return Stream(p=x_BD, blocks=(x_BD,) * n)
 
 
-def attention_input(st: Stream, g: int, block_size: int | None, res_norm, res_proj, eps: float
-                    ) -> tuple[jax.Array, Stream]:
-    """The attention block's input before its input_layernorm (fp32 for K3, the stream for Kimi-Linear)."""
+def attention_sources(st: Stream, g: int, block_size: int | None) -> tuple[list[jax.Array], Stream]:
+    """The sources the attention block's input mixes (K3: the visible blocks and the partial sum;
+    Kimi-Linear: the residual alone), and the stream after them."""
     if block_size is None:
-        return st.p, st
+        return [st.p], st
     dt = st.p.dtype
     p = st.p if st.pending is None else (st.p + st.pending).astype(dt)
     blocks = st.blocks + ((p,) if g % block_size == 0 else ())
     nsrc = -(-g // block_size)  # completed blocks visible before attention
-    h = attn_res(list(blocks[:nsrc]) + [p], res_norm, res_proj, eps)
-    return h, Stream(p=p, blocks=blocks)
+    return list(blocks[:nsrc]) + [p], Stream(p=p, blocks=blocks)
+
+
+def ffn_sources(st: Stream, attn_out: jax.Array, g: int, block_size: int | None) -> tuple[list[jax.Array], Stream]:
+    """Adds the attention output; the sources the FFN block's input mixes, and the stream after them."""
+    dt = st.p.dtype
+    if block_size is None:
+        h = (st.p + attn_out).astype(dt)
+        return [h], Stream(p=h)
+    starts = g % block_size == 0
+    p = attn_out.astype(dt) if starts else (st.p + attn_out).astype(dt)
+    nsrc = -(-g // block_size) + starts
+    return list(st.blocks[:nsrc]) + [p], Stream(p=p, blocks=st.blocks)
+
+
+def mix_norm(sources: Sequence[jax.Array], res_norm, res_proj, ln_w_D: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm(AttnRes(sources); ln_w) in fp32 [B, D] (a block's normed input); without AttnRes
+    weights (Kimi-Linear) the one source is normed as it is.  The jnp reference of `attn_res_norm`."""
+    h = sources[0] if res_norm is None else attn_res(sources, res_norm, res_proj, eps)
+    return rms_norm(h, ln_w_D, eps)
+
+
+def attention_input(st: Stream, g: int, block_size: int | None, res_norm, res_proj, eps: float
+                    ) -> tuple[jax.Array, Stream]:
+    """The attention block's input before its input_layernorm (fp32 for K3, the stream for Kimi-Linear)."""
+    srcs, st = attention_sources(st, g, block_size)
+    return (srcs[0] if block_size is None else attn_res(srcs, res_norm, res_proj, eps)), st
 
 
 def ffn_input(st: Stream, attn_out: jax.Array, g: int, block_size: int | None, res_norm, res_proj, eps: float
               ) -> tuple[jax.Array, Stream]:
     """Adds the attention output; returns the FFN block's input before its post_attention_layernorm."""
-    dt = st.p.dtype
-    if block_size is None:
-        h = (st.p + attn_out).astype(dt)
-        return h, Stream(p=h)
-    starts = g % block_size == 0
-    p = attn_out.astype(dt) if starts else (st.p + attn_out).astype(dt)
-    nsrc = -(-g // block_size) + starts
-    h = attn_res(list(st.blocks[:nsrc]) + [p], res_norm, res_proj, eps)
-    return h, Stream(p=p, blocks=st.blocks)
+    srcs, st = ffn_sources(st, attn_out, g, block_size)
+    return (srcs[0] if block_size is None else attn_res(srcs, res_norm, res_proj, eps)), st
 
 
 def ffn_done(st: Stream, ffn_out: jax.Array, block_size: int | None) -> Stream:

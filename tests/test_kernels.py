@@ -310,3 +310,50 @@ def test_mla_decode_kernel_on_gpu():
     got = jax.jit(lambda *a: kernels.call("mla_decode", *a, 0.07, mode="on"))(ql, qpe, kv, length)
     ref = kernels.REGISTRY["mla_decode"].reference(ql, qpe, kv, length, 0.07)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=1e-4 * float(jnp.abs(ref).max()))
+
+
+# ------------------------------------------------------------------ router_topk
+@pytest.mark.parametrize("which", ["tiny_k3", "tiny_kimi_linear", "k3"])
+@pytest.mark.parametrize("B", [1, 5])
+def test_router_topk_kernel_matches_reference(which, B):
+    """Interpret mode against `moe.select_experts`: ids equal (order included), weights within 1e-6
+    relative (the same float32 terms; only the k-term renormalising sum may be added in another
+    order).  Row 0 holds ties (equal logits): the lowest index goes first, as lax.top_k does."""
+    import dataclasses
+
+    from jaxk3.config import KimiK3Config
+
+    cfg = getattr(KimiK3Config, which)()
+    if which == "tiny_kimi_linear":
+        cfg = dataclasses.replace(cfg, routed_scaling_factor=2.5, moe_renormalize=False)
+    E = cfg.num_experts
+    r = np.random.default_rng(B + E)
+    logits = r.standard_normal((B, E)).astype(np.float32)
+    logits[0, 3:3 + 2 * cfg.num_experts_per_token] = 0.75  # ties across the top-k boundary
+    bias = jnp.asarray(np.where(np.arange(E) % 5 == 0, 0.0, 0.01 * r.standard_normal(E)), jnp.float32)
+    if which == "k3":
+        bias = jnp.zeros(E, jnp.float32)  # ties stay ties with a zero bias
+    k = kernels.REGISTRY["router_topk"]
+    assert k.fits(cfg, jnp.asarray(logits), bias) is None
+    w, ids = k.device(cfg, jnp.asarray(logits), bias, interpret=True)
+    rw, rids = k.reference(cfg, jnp.asarray(logits), bias)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(rids))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(rw), rtol=1e-6)
+    grouped = dataclasses.replace(KimiK3Config.tiny_k3(), num_expert_group=4, topk_group=2)
+    assert "group-limited" in k.fits(grouped, jnp.asarray(logits[:, :16]), bias[:16])
+
+
+@pytest.mark.gpu
+def test_router_topk_kernel_on_gpu():
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    from jaxk3.config import KimiK3Config
+
+    cfg = KimiK3Config.k3()
+    r = np.random.default_rng(0)
+    logits = jnp.asarray(r.standard_normal((8, cfg.num_experts)), jnp.float32)
+    bias = jnp.asarray(0.01 * r.standard_normal(cfg.num_experts), jnp.float32)
+    w, ids = jax.jit(lambda a, b: kernels.call("router_topk", cfg, a, b, mode="on"))(logits, bias)
+    rw, rids = kernels.REGISTRY["router_topk"].reference(cfg, logits, bias)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(rids))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(rw), rtol=1e-5)

@@ -135,7 +135,17 @@ def mlp(cfg: KimiK3Config, w: MLPWeights, x_BD: jax.Array, tp: TP | str | None) 
 def route(cfg: KimiK3Config, gate_ED: jax.Array, bias_E: jax.Array, x_BD: jax.Array
           ) -> tuple[jax.Array, jax.Array]:
     """Sigmoid noaux_tc router in fp32: (weights_Bk with rsf applied, ids_Bk)."""
-    logits_BE = jnp.einsum("bd,ed->be", x_BD.astype(F32), gate_ED.astype(F32))
+    return select_experts(cfg, router_logits(gate_ED, x_BD), bias_E)
+
+
+def router_logits(gate_ED: jax.Array, x_BD: jax.Array) -> jax.Array:
+    """The router's fp32 logits [B, E]."""
+    return jnp.einsum("bd,ed->be", x_BD.astype(F32), gate_ED.astype(F32))
+
+
+def select_experts(cfg: KimiK3Config, logits_BE: jax.Array, bias_E: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """sigmoid, + e_score_correction_bias (selection only), top-k (group-limited when configured),
+    renormalise, scale: (weights_Bk fp32, ids_Bk).  The `router_topk` kernel's reference."""
     s_BE = jax.nn.sigmoid(logits_BE)
     sel_BE = s_BE + bias_E.astype(F32)
     G = cfg.num_expert_group
@@ -286,7 +296,10 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, 
     tested for when a grouped GEMM kernel makes it pay."""
     dt = x_BD.dtype
     experts = experts_dense if grouped else functools.partial(_experts_decode, mode=kernel_mode(tp))
-    w_Bk, ids_Bk = route(cfg, w.gate, w.e_score_correction_bias, x_BD)
+    from jaxk3 import kernels
+
+    w_Bk, ids_Bk = kernels.call("router_topk", cfg, router_logits(w.gate, x_BD), w.e_score_correction_bias,
+                                mode=kernel_mode(tp))
     shared_BD = mlp_partial(cfg, w.shared_experts, x_BD) if w.shared_experts is not None else 0.0
     if w.routed_expert_down_proj is None:  # Kimi-Linear: experts on x, one psum for both partials
         return psum(experts(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp)

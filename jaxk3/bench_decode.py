@@ -66,6 +66,16 @@ class Strategy(NamedTuple):
     shard_latent: bool
     gather: str  # lax | ffi (ffi: "auto" where a gather does not fit)
     experts: str = "dense"  # routed experts: dense | mxfp4
+    kernels: str = "auto"  # device kernels (jaxk3.kernels): auto | off | on
+
+
+def with_kernels(strategies, modes) -> tuple[Strategy, ...]:
+    """Each strategy under each kernel mode (`--kernels off,on`); names get "[kernels=<mode>]" unless
+    the one mode is auto."""
+    modes = tuple(modes)
+    if modes == ("auto",):
+        return tuple(strategies)
+    return tuple(s._replace(name=f"{s.name}[kernels={m}]", kernels=m) for s in strategies for m in modes)
 
 
 STRATEGIES = (Strategy("stock", False, "lax"), Strategy("sharded+lax", True, "lax"),
@@ -338,7 +348,7 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                 g, paths = _strategy_gather(cfg, mesh, batch, s.gather, latent)
                 say(f"B={batch} S={context} {name} (gather={g})")
                 weights = made.get(s)
-                opt = StepOptions(gather=g, shard_latent=latent, layer_offset=first)
+                opt = StepOptions(gather=g, shard_latent=latent, layer_offset=first, kernels=s.kernels)
                 step = build_step(made.config(s), opt, mesh)
                 cache = random_cache(cfg, mesh, dtype, batch, context)
                 ids = put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
@@ -483,7 +493,8 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
                 g, paths = _strategy_gather(cfg, mesh, batch, s.gather, latent)
                 say(f"census B={batch} S={context} {name} (gather={g})")
                 weights = made.get(s)
-                step = build_step(made.config(s), StepOptions(gather=g, shard_latent=latent, layer_offset=first), mesh)
+                step = build_step(made.config(s), StepOptions(gather=g, shard_latent=latent, layer_offset=first,
+                                                              kernels=s.kernels), mesh)
                 cache = random_cache(cfg, mesh, dtype, batch, context)
                 ids = put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
                 valid = put_batch(np.ones((batch,), bool), mesh)

@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="back-to-back steps per timing, 1..100000 (default 20)")
     d.add_argument("--repeats", type=int_in(1, 10_000), default=5,
                    help="timings per case; the median is reported (default 5)")
+    d.add_argument("--kernels", type=_choices_list(("auto", "off", "on")), default=("auto",),
+                   help="device kernel modes, comma separated: each strategy runs under each (default auto)")
     d.add_argument("--strategies", default=None, help="subset, comma separated: stock,sharded+lax,sharded+one-shot,packed+sharded+one-shot")
     d.add_argument("--copy-mb", type=int_in(1, 1 << 20), default=1024,
                    help="per-device size of the bandwidth copy in MiB (default 1024)")
@@ -409,6 +411,7 @@ def cmd_bench_decode(args) -> int:
     import jax
 
     from jaxk3 import distributed
+    from jaxk3.kernels import KernelUnavailableError
 
     cmd = "jaxk3 bench decode"
     try:
@@ -430,13 +433,14 @@ def cmd_bench_decode(args) -> int:
         if unknown:
             return fail(cmd, f"--strategies: unknown {unknown}")
         strategies = tuple(s for s in bd.STRATEGIES if s.name in want)
+    strategies = bd.with_kernels(strategies, args.kernels)
     if args.census:
         try:
             result = bd.census_decode(config=args.config, layers=layers, experts=experts,
                                       tp=args.tp or jax.local_device_count(), batches=args.batch,
                                       contexts=args.context, dtype=args.dtype, steps=args.steps,
                                       strategies=strategies, hlo_dir=args.hlo_dir, progress=progress)
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, KernelUnavailableError) as e:
             return fail(cmd, e)
         if jax.process_index() != 0:
             return 0
@@ -450,7 +454,7 @@ def cmd_bench_decode(args) -> int:
                                  dtype=args.dtype, steps=args.steps, repeats=args.repeats,
                                  copy_bytes=args.copy_mb << 20, strategies=strategies, hlo_dir=args.hlo_dir,
                                  progress=progress)
-    except (ValueError, OSError) as e:  # --config / --layers / --tp / --batch, an unreadable --config
+    except (ValueError, OSError, KernelUnavailableError) as e:  # --kernels on where none runs; --config / --layers / --tp / --batch, an unreadable --config
         return fail(cmd, e)
     if jax.process_index() != 0:  # every process measured its own ranks; process 0 reports
         return 0

@@ -4,10 +4,12 @@
 # ffi_floor / lax / ffi in the same run) with XLA command buffers on (default) and off, and
 # benchmark the decode step of K3 layers 11-14 at real dimensions (three latent strategies).
 #
-#   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate]
-#   (no argument: all but generate; `bench` is command buffers on, `bench_off` off; `census` is the
-#   kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
-#   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it)
+#   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
+#   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
+#   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
+#   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
+#   the Pallas kernels' compiled tests, `bench kernels`, and K3 layers 11-14 stock vs packed+sharded
+#   with kernels off and on.  On one GPU: `scripts/gpu_check.sh env kernels generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
 # --no-deps, so scikit-build-core, nanobind, cmake, nvcc and jax must be installed already.
@@ -148,6 +150,22 @@ if has generate; then
   echo "== generate, Kimi-Linear-48B dims ($(date -u +%T))"
   timeout ${GEN_TIMEOUT:-400} $PY -m jaxk3.cli bench generate --config kimi-linear-48b --tp 1 --batch 1,8 \
     --prompt 4096 --new 256 ${GEN_ARGS:-} --json "$OUT/generate.json" --plot "$OUT/generate.png" 2>&1 | tee "$OUT/generate.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has kernels; then
+  echo "== device kernels: compiled tests ($(date -u +%T))"
+  timeout ${KTEST_TIMEOUT:-300} $PY -m pytest tests/test_kernels.py -m gpu -v -rs -p no:cacheprovider 2>&1 \
+    | tee "$OUT/kernels_tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed|error" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "== device kernels against the XLA path, K3 at TP 2 per rank ($(date -u +%T))"
+  timeout ${KBENCH_TIMEOUT:-300} $PY -m jaxk3.cli bench kernels --config k3 --tp 2 --experts 64 --batch 1,8 \
+    --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "== K3 layers 11-14, one GPU: stock vs packed experts + sharded latents, kernels off / on ($(date -u +%T))"
+  timeout ${KDECODE_TIMEOUT:-400} $PY -m jaxk3.cli bench decode --config k3 --layers 11-14 --experts 32 --tp 1 \
+    --batch 1,8 --context 4k --strategies stock,packed+sharded+one-shot --kernels off,on \
+    --json "$OUT/decode_kernels.json" 2>&1 | tee "$OUT/decode_kernels.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

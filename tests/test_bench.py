@@ -250,3 +250,24 @@ def test_census_misuse():
     with pytest.raises(SystemExit):
         cli.parse_args(["bench", "decode", "--config", "tiny", "--census", "--plot", "x.png"])
     assert cli.parse_args(["bench", "decode", "--config", "kimi-linear-48b", "--census"]).census
+
+
+def test_bench_decode_kernel_modes(tmp_path, capsys):
+    """--kernels runs each strategy under each mode in one process (names carry the mode); a mode the
+    platform cannot serve ("on" on the CPU) is exit 2 with the kernel named, not a traceback."""
+    from jaxk3 import bench_decode as bd
+    from jaxk3 import cli
+
+    s = bd.with_kernels((bd.STRATEGIES[0], bd.STRATEGIES[3]), ("off", "auto"))
+    assert [x.name for x in s] == ["stock[kernels=off]", "stock[kernels=auto]", "packed+sharded+one-shot[kernels=off]",
+                                   "packed+sharded+one-shot[kernels=auto]"]
+    assert bd.with_kernels(bd.STRATEGIES, ("auto",)) == bd.STRATEGIES
+    base = ["bench", "decode", "--config", "tiny", "--layers", "6-7", "--tp", "2", "--batch", "1", "--context", "64",
+            "--steps", "1", "--repeats", "1", "--copy-mb", "1", "--strategies", "stock"]
+    out = tmp_path / "d.json"
+    assert cli.main(base + ["--kernels", "off", "--json", str(out)]) == 0
+    assert {r["strategy"] for r in json.loads(out.read_text())["rows"]} == {"stock[kernels=off]"}
+    capsys.readouterr()
+    assert cli.main(base + ["--kernels", "on"]) == 2
+    err = capsys.readouterr().err
+    assert "kernels='on' but" in err and "platform 'cpu'" in err

@@ -338,7 +338,7 @@ def cmd_info(args) -> int:
     import jax
     import jaxlib
 
-    from jaxk3 import __version__, collectives
+    from jaxk3 import __version__, collectives, kernels
 
     try:
         ext = collectives.extension()
@@ -365,6 +365,7 @@ def cmd_info(args) -> int:
         "gather_timeout_s": (ext.timeout_ms() / 1000) if ext is not None else None,
         "gather_max_rows": collectives.max_rows(),
         "gather_max_bytes": collectives.max_bytes(devices[0].platform if devices[0].platform == "cpu" else "CUDA"),
+        "kernels_auto": kernels.status(devices[0].platform),
     }
     if args.json:
         print(json.dumps(info, indent=1))
@@ -380,6 +381,9 @@ def cmd_info(args) -> int:
     print(f"gather default: {info['gather_default']}  (set {collectives.ENV_IMPL}=auto|ffi|lax to change)"
           f"; timeout {info['gather_timeout_s']} s ({collectives.ENV_TIMEOUT})"
           f"; FFI path up to {info['gather_max_rows']} rows and {info['gather_max_bytes']} bytes per rank")
+    print("device kernels with kernels='auto' (shapes permitting):")
+    for name, how in info["kernels_auto"].items():
+        print(f"  {name:<14} {how}")
     return 0
 
 

@@ -357,3 +357,14 @@ def test_router_topk_kernel_on_gpu():
     rw, rids = kernels.REGISTRY["router_topk"].reference(cfg, logits, bias)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(rids))
     np.testing.assert_allclose(np.asarray(w), np.asarray(rw), rtol=1e-5)
+
+
+def test_status_says_what_auto_does():
+    """`kernels.status` (printed by `jaxk3 info`): on the CPU every kernel runs its reference; on a GPU
+    the proven ones run on the device and the unproven ones say why not."""
+    cpu, gpu = kernels.status("cpu"), kernels.status("gpu")
+    assert set(cpu) == set(gpu) == set(kernels.REGISTRY)
+    assert all(v.startswith("reference: no ") for v in cpu.values())
+    assert gpu["rms_norm"] == "device"
+    for name in ("moe_experts", "kda_decode", "mla_decode", "attn_res_norm", "router_topk"):
+        assert gpu[name].startswith(f"reference: unproven on gpu") and f"test_{name.split('_topk')[0]}" in gpu[name]

@@ -84,6 +84,21 @@ def call(name: str, *args, mode: str = "auto", **kwargs):
     return k.reference(*args, **kwargs)
 
 
+def status(platform: str | None = None) -> dict[str, str]:
+    """Per registered kernel, what `kernels="auto"` does with it on `platform`: "device" or
+    "reference: <why>" (no kernel for the platform, or not yet proven there).  Shapes aside."""
+    platform = platform or _platform()
+    out = {}
+    for n, k in sorted(REGISTRY.items()):
+        if platform not in k.platforms:
+            out[n] = f"reference: no {n} kernel for platform {platform!r}"
+        elif k.unproven:
+            out[n] = f"reference: unproven on {platform} ({k.unproven})"
+        else:
+            out[n] = "device"
+    return out
+
+
 def active(platform: str | None = None) -> dict[str, bool]:
     """Per registered kernel: whether `auto` can select its device path on `platform`."""
     platform = platform or _platform()

@@ -368,3 +368,15 @@ def test_status_says_what_auto_does():
     assert gpu["rms_norm"] == "device"
     for name in ("moe_experts", "kda_decode", "mla_decode", "attn_res_norm", "router_topk"):
         assert gpu[name].startswith(f"reference: unproven on gpu") and f"test_{name.split('_topk')[0]}" in gpu[name]
+
+
+def test_info_lists_the_kernels(capsys):
+    import json
+
+    from jaxk3 import cli
+
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "device kernels with kernels='auto'" in out and all(n in out for n in kernels.REGISTRY)
+    assert cli.main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kernels_auto"] == kernels.status("cpu")

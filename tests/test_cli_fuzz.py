@@ -11,7 +11,7 @@ import pytest
 
 from jaxk3 import cli
 
-COMMANDS = [["info"], ["bench", "gather"], ["bench", "decode"], ["demo"], ["generate"], ["bench"], [],
+COMMANDS = [["info"], ["bench", "gather"], ["bench", "decode"], ["bench", "kernels"], ["demo"], ["generate"], ["bench"], [],
             ["nope"], ["bench", "nope"], ["-x"], ["--help-me"]]
 
 VALUES = ["0", "1", "2", "8", "-1", "-3", "65", "1e9", "1.5", "0x10", "+1", " 1", "1 ", "1_0", "٣", "²", "nan",

@@ -112,9 +112,10 @@ def test_sharded_and_replicated_latent_agree(bf16_runs):
 
 
 def test_sharded_latent_lowers_to_one_gather_per_mla_layer():
-    """shard_latent=True: one all-gather per MLA layer plus the logits gather; False: logits only."""
+    """shard_latent=True: one all-gather per MLA layer, one per latent MoE layer (z) and the logits
+    gather; False: logits only."""
     cfg = KimiK3Config.tiny_k3()
-    for latent, want in ((True, len(cfg.mla_layers) + 1), (False, 1)):
+    for latent, want in ((True, len(cfg.mla_layers) + cfg.layer_ffn.count("moe") + 1), (False, 1)):
         m = jaxk3.init_random_model(cfg, seed=0, tp=2, gather="lax", shard_latent=latent)
         c = m.init_cache(1, 64)
         hlo = m._step.lower(m.weights, c, np.zeros(1, np.int32), np.ones(1, bool)).as_text()

@@ -100,12 +100,13 @@ def test_packed_equals_dequantised_at_load_bitwise(packed_flat, tp):
     b = dense.generate(PROMPTS, 5, return_logits=True)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.logits, b.logits)
-    c = packed.generate(PROMPTS, 3, return_logits=True, step_by_step=True)
-    d = dense.generate(PROMPTS, 3, return_logits=True, step_by_step=True)
-    np.testing.assert_array_equal(c.logits, d.logits)
-    # and the dense-from-dequantised-arrays model (no MXFP4 anywhere) is the same model again
-    ref = Model.from_weights(cfg, dequantised(packed_flat), tp=tp)
-    np.testing.assert_array_equal(ref.generate(PROMPTS, 5, return_logits=True).logits, a.logits)
+    if tp == 2:  # the token-by-token step too (the decode loop above runs the same step function)
+        c = packed.generate(PROMPTS, 3, return_logits=True, step_by_step=True)
+        d = dense.generate(PROMPTS, 3, return_logits=True, step_by_step=True)
+        np.testing.assert_array_equal(c.logits, d.logits)
+    else:  # and the dense-from-dequantised-arrays model (no MXFP4 anywhere) is the same model again
+        ref = Model.from_weights(cfg, dequantised(packed_flat), tp=tp)
+        np.testing.assert_array_equal(ref.generate(PROMPTS, 5, return_logits=True).logits, a.logits)
 
 
 def test_load_keeps_mxfp4_and_holds_fewer_bytes(tmp_path, packed_flat):
@@ -190,14 +191,14 @@ def test_latent_projection_specs_and_bytes():
 
 
 def test_sharded_latent_projections_match_replicated():
-    """TP 1/2/4/8, float32: sharded and replicated MoE latent projections give the TP-1 tokens; logits
-    within 1e-4 (module docstring)."""
+    """TP 1/2/4/8, float32: split MoE (and MLA) latent projections at TP 2/4/8 and replicated ones at
+    TP 2 give the TP-1 tokens; logits within 1e-4 (module docstring).  (The bf16 golden test checks
+    the split default at TP 2/4/8 bitwise against its recorded digests.)"""
     cfg = KimiK3Config.tiny_k3()
     flat = random_hf_weights(cfg, 1)
     ref = Model.from_weights(cfg, flat, tp=1, dtype="float32").generate(PROMPTS, 4, return_logits=True)
-    for tp in (2, 4, 8):
-        for shard in (True, False):
-            m = Model.from_weights(cfg, flat, tp=tp, dtype="float32", shard_latent=shard)
-            out = m.generate(PROMPTS, 4, return_logits=True)
-            np.testing.assert_array_equal(out.tokens, ref.tokens)
-            np.testing.assert_allclose(out.logits, ref.logits, rtol=0, atol=1e-4)
+    for tp, shard in ((2, True), (4, True), (8, True), (2, False)):
+        m = Model.from_weights(cfg, flat, tp=tp, dtype="float32", shard_latent=shard)
+        out = m.generate(PROMPTS, 4, return_logits=True)
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        np.testing.assert_allclose(out.logits, ref.logits, rtol=0, atol=1e-4)

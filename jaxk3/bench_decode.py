@@ -302,6 +302,22 @@ class _Weights:
         return self.made[key]
 
 
+def _case(cfg: KimiK3Config, made: _Weights, mesh, dtype, first: int, batch: int, context: int, s: Strategy,
+          announce) -> tuple:
+    """One (batch, context, strategy) of a run: (the gather impl and its paths, the strategy's weights,
+    its jitted step, a random cache, the first token ids, the valid mask).  `announce(gather)` is
+    called once the gather impl is known, before any weights or cache are made."""
+    g, paths = _strategy_gather(cfg, mesh, batch, s.gather, s.shard_latent)
+    announce(g)
+    weights = made.get(s)
+    step = build_step(made.config(s), StepOptions(gather=g, shard_latent=s.shard_latent, layer_offset=first,
+                                                  kernels=s.kernels), mesh)
+    cache = random_cache(cfg, mesh, dtype, batch, context)
+    ids = put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
+    valid = put_batch(np.ones((batch,), bool), mesh)
+    return g, paths, weights, step, cache, ids, valid
+
+
 def _strategy_gather(cfg, mesh, batch: int, gather: str, latent: bool) -> tuple[str, dict[str, str]]:
     """The gather impl a strategy runs with ("ffi" becomes "auto" where a gather does not fit) and its paths."""
     g = gather
@@ -344,15 +360,10 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
     for batch in batches:
         for context in contexts:
             for s in strategies:
-                name, latent = s.name, s.shard_latent
-                g, paths = _strategy_gather(cfg, mesh, batch, s.gather, latent)
-                say(f"B={batch} S={context} {name} (gather={g})")
-                weights = made.get(s)
-                opt = StepOptions(gather=g, shard_latent=latent, layer_offset=first, kernels=s.kernels)
-                step = build_step(made.config(s), opt, mesh)
-                cache = random_cache(cfg, mesh, dtype, batch, context)
-                ids = put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
-                valid = put_batch(np.ones((batch,), bool), mesh)
+                name = s.name
+                g, paths, weights, step, cache, ids, valid = _case(cfg, made, mesh, dtype, first, batch, context, s,
+                                                                   lambda g: say(f"B={batch} S={context} {name} "
+                                                                                 f"(gather={g})"))
                 t0 = time.perf_counter()
                 compiled = step.lower(weights, cache, ids, valid).compile()
                 compile_s = time.perf_counter() - t0
@@ -489,15 +500,10 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
     for batch in batches:
         for context in contexts:
             for s in strategies:
-                name, latent = s.name, s.shard_latent
-                g, paths = _strategy_gather(cfg, mesh, batch, s.gather, latent)
-                say(f"census B={batch} S={context} {name} (gather={g})")
-                weights = made.get(s)
-                step = build_step(made.config(s), StepOptions(gather=g, shard_latent=latent, layer_offset=first,
-                                                              kernels=s.kernels), mesh)
-                cache = random_cache(cfg, mesh, dtype, batch, context)
-                ids = put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
-                valid = put_batch(np.ones((batch,), bool), mesh)
+                name = s.name
+                g, paths, weights, step, cache, ids, valid = _case(cfg, made, mesh, dtype, first, batch, context, s,
+                                                                   lambda g: say(f"census B={batch} S={context} "
+                                                                                 f"{name} (gather={g})"))
                 compiled = step.lower(weights, cache, ids, valid).compile()
                 text = compiled.as_text()
                 if hlo_dir:

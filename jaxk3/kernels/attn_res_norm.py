@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels import Kernel, register
+from jaxk3.kernels import Kernel, interpret_only, register
 from jaxk3.layers.attn_res import mix_norm
 
 F32 = jnp.float32
@@ -108,5 +108,4 @@ def fits(sources, res_norm, res_proj, ln_w_D, eps, **_) -> str | None:
 
 
 register(Kernel("attn_res_norm", reference, attn_res_norm, platforms=("gpu",), fits=fits,
-                unproven="checked in Pallas interpret mode only: its compiled test "
-                         "tests/test_kernels.py::test_attn_res_norm_kernel_on_gpu has not yet run on a GPU"))
+                unproven=interpret_only("test_attn_res_norm_kernel_on_gpu")))

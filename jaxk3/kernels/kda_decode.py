@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels import Kernel, register
+from jaxk3.kernels import Kernel, interpret_only, register
 from jaxk3.layers import kda as kda_lib
 
 F32 = jnp.float32
@@ -93,5 +93,4 @@ def fits(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, **
 
 
 register(Kernel("kda_decode", reference, kda_decode, platforms=("gpu",), fits=fits,
-                unproven="checked in Pallas interpret mode only: its compiled test "
-                         "tests/test_kernels.py::test_kda_decode_kernel_on_gpu has not yet run on a GPU"))
+                unproven=interpret_only("test_kda_decode_kernel_on_gpu")))

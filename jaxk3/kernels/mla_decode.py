@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels import Kernel, register
+from jaxk3.kernels import Kernel, interpret_only, register
 from jaxk3.layers.mla import latent_attention
 
 F32 = jnp.float32
@@ -109,5 +109,4 @@ def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, **_) -> str | None:
 
 
 register(Kernel("mla_decode", reference, mla_decode, platforms=("gpu",), fits=fits,
-                unproven="checked in Pallas interpret mode only: its compiled test "
-                         "tests/test_kernels.py::test_mla_decode_kernel_on_gpu has not yet run on a GPU"))
+                unproven=interpret_only("test_mla_decode_kernel_on_gpu")))

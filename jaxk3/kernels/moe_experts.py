@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxk3.config import MXFP4_GROUP as G32
-from jaxk3.kernels import Kernel, register
+from jaxk3.kernels import Kernel, interpret_only, register
 from jaxk3.layers import moe as moe_lib
 from jaxk3.layers.common import glu
 
@@ -184,7 +184,7 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, interpr
     dt = moe_lib.compute_dtype(w, z_BL)
     uniq, coef = plan(ids_Bk, w_Bk, E)
     U = uniq.shape[0]
-    w13, packed = _weight_views(w.experts_w1)
+    w1v, packed = _weight_views(w.experts_w1)
     w3v, _ = _weight_views(w.experts_w3)
     w2v, _ = _weight_views(w.experts_w2)
     act = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
@@ -196,9 +196,9 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, interpr
     a = pl.pallas_call(
         functools.partial(_gate_up_kernel, B=B, g=g1, chunks=L // (G32 * g1), packed=packed, act=act, dtype=dt),
         out_shape=jax.ShapeDtypeStruct((U, B, I), dt), grid=(U, I // BO),
-        in_specs=whole * (1 + len(xs) + 2 * len(w13)),
+        in_specs=whole * (1 + len(xs) + 2 * len(w1v)),
         out_specs=pl.BlockSpec((None, B, BO), lambda u, j: (u, 0, j)), interpret=interpret,
-    )(uniq, *xs, *w13, *w3v)
+    )(uniq, *xs, *w1v, *w3v)
 
     g2 = _groups(I)
     av = _x_views(a, packed)
@@ -227,5 +227,4 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, **_) -> str | None:
 
 
 register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits,
-                unproven="checked in Pallas interpret mode only: its compiled test "
-                         "tests/test_kernels.py::test_moe_experts_kernel_on_gpu has not yet run on a GPU"))
+                unproven=interpret_only("test_moe_experts_kernel_on_gpu")))

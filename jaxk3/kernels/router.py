@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels import Kernel, register
+from jaxk3.kernels import Kernel, interpret_only, register
 from jaxk3.layers.moe import select_experts
 
 F32 = jnp.float32
@@ -74,5 +74,4 @@ def fits(cfg, logits_BE, bias_E, **_) -> str | None:
 
 
 register(Kernel("router_topk", reference, router_topk, platforms=("gpu",), fits=fits,
-                unproven="checked in Pallas interpret mode only: its compiled test "
-                         "tests/test_kernels.py::test_router_topk_kernel_on_gpu has not yet run on a GPU"))
+                unproven=interpret_only("test_router_topk_kernel_on_gpu")))

@@ -352,11 +352,15 @@ def _checked_scales(name: str, sc: np.ndarray, blk) -> np.ndarray:
     """`sc`, an E8M0 block read from tensor `name` at `blk`; the NaN code 255 is a NonFiniteTensorError
     naming the tensor and the index (always checked: no weight can use it)."""
     if np.any(sc == mxfp4.SCALE_NAN):
-        bad = np.argwhere(sc == mxfp4.SCALE_NAN)[0]
-        at = [int(b) + a for b, (a, _) in zip(bad, blk)]
+        at = _model_index(np.argwhere(sc == mxfp4.SCALE_NAN)[0], blk)
         raise NonFiniteTensorError(f"checkpoint: tensor {name!r} holds the E8M0 scale byte "
                                    f"{mxfp4.SCALE_NAN} (NaN in the MX format) at {at}")
     return sc
+
+
+def _model_index(pos, blk) -> list[int]:
+    """A position inside block `blk` ((start, stop) per dim) as the index in the whole tensor."""
+    return [int(p) + a for p, (a, _) in zip(pos, blk)]
 
 
 def _mxfp4_part(src, packed: TensorInfo, scale: TensorInfo) -> Callable[[tuple], np.ndarray]:
@@ -381,8 +385,7 @@ def resolve_experts(cfg: KimiK3Config, source, experts: str = "auto", tp: int = 
     32-column scale groups), "dense" holds them in the model dtype (MXFP4 ones dequantised at load),
     "auto" is "mxfp4" where the checkpoint's first routed expert is MXFP4 and the packed layout fits
     `tp`, else "dense".  ValueError names the argument and the dimension that does not fit."""
-    if experts not in EXPERTS:
-        raise ValueError(f"experts: must be one of {EXPERTS}, got {experts!r}")
+    check_experts(experts)
     if experts != "auto":
         try:
             out = dataclasses.replace(cfg, experts_format=experts)
@@ -394,12 +397,16 @@ def resolve_experts(cfg: KimiK3Config, source, experts: str = "auto", tp: int = 
         base = f"model.layers.{cfg.layer_ffn.index('moe')}.block_sparse_moe.experts.0.w1.weight"
         if source is not None and source.info(base + "_packed") is not None and source.info(base) is None:
             try:
-                out = dataclasses.replace(cfg, experts_format="mxfp4")
-                out.validate_tp(tp, shard_latent=shard_latent)
-                return out
+                return resolve_experts(cfg, source, "mxfp4", tp, shard_latent)
             except ValueError:
                 pass  # the packed layout does not fit this TP: dequantise at load (experts="mxfp4" says why)
     return dataclasses.replace(cfg, experts_format="dense")
+
+
+def check_experts(experts: Any) -> str:
+    if experts not in EXPERTS:
+        raise ValueError(f"experts: must be one of {EXPERTS}, got {experts!r}")
+    return experts
 
 
 def build_plan(cfg: KimiK3Config, source, tp: int):
@@ -543,9 +550,8 @@ def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, i
                 block = np.asarray(leaf.read(blk))
                 if check_finite and not _all_finite(block):
                     bad = np.argwhere(~np.isfinite(block))[0]
-                    at = [int(b) + a for b, (a, _) in zip(bad, blk)]
                     raise NonFiniteTensorError(f"checkpoint: tensor {leaf.param.name!r} holds "
-                                               f"{block[tuple(bad)]} at model index {at} (NaN/Inf)")
+                                               f"{block[tuple(bad)]} at model index {_model_index(bad, blk)} (NaN/Inf)")
                 last[:] = [blk, np.ascontiguousarray(block.astype(dt, copy=False))]
             # one rank's slice to its device; wait, so at most one slice is held on the host
             shards.append(jax.device_put(last[1], dev).block_until_ready())
@@ -581,8 +587,7 @@ def load_model(path: str | os.PathLike, mesh=None, tp: int | None = None, dtype:
         raise CheckpointError("checkpoint: loading needs the `safetensors` package (pip install safetensors)")
     check_impl("gather", gather), check_impl("psum", psum), check_kernels(kernels)
     dt = resolve_dtype(dtype)
-    if experts not in EXPERTS:
-        raise ValueError(f"experts: must be one of {EXPERTS}, got {experts!r}")
+    check_experts(experts)
     cfg = load_config(path)
     mesh = make_mesh(mesh, tp)
     tp_size = mesh.shape[TP]

@@ -295,11 +295,12 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, 
     per-token GEMVs (decode).  `experts_grouped` (ragged_dot) is the exact-FLOP form, kept and
     tested for when a grouped GEMM kernel makes it pay."""
     dt = x_BD.dtype
-    experts = experts_dense if grouped else functools.partial(_experts_decode, mode=kernel_mode(tp))
     from jaxk3 import kernels
 
+    mode = kernel_mode(tp)
+    experts = experts_dense if grouped else functools.partial(_experts_decode, mode=mode)
     w_Bk, ids_Bk = kernels.call("router_topk", cfg, router_logits(w.gate, x_BD), w.e_score_correction_bias,
-                                mode=kernel_mode(tp))
+                                mode=mode)
     shared_BD = mlp_partial(cfg, w.shared_experts, x_BD) if w.shared_experts is not None else 0.0
     if w.routed_expert_down_proj is None:  # Kimi-Linear: experts on x, one psum for both partials
         return psum(experts(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp)

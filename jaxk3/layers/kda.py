@@ -108,16 +108,9 @@ def kda_gate(f_BHK: jax.Array, A_log_H: jax.Array, gate_lower_bound: float | Non
 def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array, conv_B3CW: jax.Array, state_BHKV: jax.Array,
              valid_B: jax.Array, tp: TP | str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KDA decode step.  Returns (out_BD fp32 summed over TP, new conv_B3CW, new state_BHKV)."""
-    B = x_BD.shape[0]
     dt = x_BD.dtype
     # -- projections (GEMVs); the rest of the step is `decode_core` (one device kernel where it runs)
-    u_B3C = jnp.stack([linear(x_BD, w.q_proj), linear(x_BD, w.k_proj), linear(x_BD, w.v_proj)], 1).astype(dt)
-    f_BC = linear(linear(x_BD, w.f_a_proj).astype(dt), w.f_b_proj)
-    beta_BH = jax.nn.sigmoid(linear(x_BD, w.b_proj))
-    if cfg.use_full_rank_gate:
-        z_BC = linear(x_BD, w.g_proj)
-    else:
-        z_BC = linear(linear(x_BD, w.g_a_proj).astype(dt), w.g_b_proj)
+    u_B3C, f_BC, beta_BH, z_BC = projections(cfg, w, x_BD)
     from jaxk3 import kernels
 
     o_BC, new_conv, new_state = kernels.call(
@@ -125,6 +118,22 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array, conv_B3CW: jax.A
         mode=kernel_mode(tp))
     out_BD = psum(linear(o_BC.astype(dt), w.o_proj), tp)
     return out_BD, new_conv, new_state
+
+
+def projections(cfg: KimiK3Config, w: KDAWeights, x_ND: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The layer's GEMVs on N tokens (decode: the batch; prefill: B·T): (u_N3C the raw q|k|v
+    projections in x's dtype, f_NC the forget-gate input without dt_bias, beta_NH, z_NC the output
+    gate), fp32 except u."""
+    dt = x_ND.dtype
+    u_N3C = jnp.stack([linear(x_ND, w.q_proj), linear(x_ND, w.k_proj), linear(x_ND, w.v_proj)], 1).astype(dt)
+    f_NC = linear(linear(x_ND, w.f_a_proj).astype(dt), w.f_b_proj)
+    beta_NH = jax.nn.sigmoid(linear(x_ND, w.b_proj))
+    if cfg.use_full_rank_gate:
+        z_NC = linear(x_ND, w.g_proj)
+    else:
+        z_NC = linear(linear(x_ND, w.g_a_proj).astype(dt), w.g_b_proj)
+    return u_N3C, f_NC, beta_NH, z_NC
 
 
 @jax.tree_util.register_dataclass
@@ -247,23 +256,22 @@ def kda_prefill(cfg: KimiK3Config, w: KDAWeights, x_BTD: jax.Array, conv_B3CW: j
     x = x_BTD.reshape(B * T, D)
     keep = valid_BT.astype(bool)
     # -- projections; the short causal conv over [conv state | chunk] (pads zeroed: a fresh state's zeros)
-    u = jnp.stack([linear(x, w.q_proj), linear(x, w.k_proj), linear(x, w.v_proj)], 1).astype(dt)
+    u, f, beta, z = projections(cfg, w, x)
     u_BT3C = jnp.where(keep[..., None, None], u.reshape(B, T, 3, -1), jnp.zeros((), dt))
     X = jnp.concatenate([jnp.moveaxis(conv_B3CW, -1, 1), u_BT3C], axis=1).astype(F32)  # [B, W+T, 3, C]
-    w_3CK = jnp.stack([w.q_conv1d[:, 0], w.k_conv1d[:, 0], w.v_conv1d[:, 0]], 0).astype(F32)
+    w_3CK = core_weights(w).conv_3CK
     y = jax.nn.silu(sum(X[:, i:i + T] * w_3CK[None, None, :, :, i] for i in range(W + 1)))  # [B, T, 3, C]
     new_conv = jnp.moveaxis(X[:, T:], 1, -1).astype(conv_B3CW.dtype)
     q, k, v = (y[:, :, j].reshape(B, T, -1, Kd) for j in range(3))
     q = _l2norm(q) * Kd ** -0.5
     k = _l2norm(k)
     # -- gates (0 decay and β = 0 on pads: the state passes through)
-    f = (linear(linear(x, w.f_a_proj).astype(dt), w.f_b_proj) + w.dt_bias.astype(F32)).reshape(B, T, -1, Kd)
+    f = (f + w.dt_bias.astype(F32)).reshape(B, T, -1, Kd)
     g = jnp.where(keep[..., None, None], kda_gate(f, w.A_log, cfg.gate_lower_bound), 0.0)
-    beta = jnp.where(keep[..., None], jax.nn.sigmoid(linear(x, w.b_proj)).reshape(B, T, -1), 0.0)
+    beta = jnp.where(keep[..., None], beta.reshape(B, T, -1), 0.0)
     o, S = chunk_delta_rule(*(jnp.moveaxis(a, 1, 2) for a in (q, k, v, g, beta)), state_BHKV, chunk)
     o_BTHV = jnp.moveaxis(o, 2, 1)
     # -- output gate, per-head norm, row-parallel o_proj
-    z = linear(x, w.g_proj) if cfg.use_full_rank_gate else linear(linear(x, w.g_a_proj).astype(dt), w.g_b_proj)
     o_BTHV = gated_rms_norm(o_BTHV, w.o_norm, z.reshape(o_BTHV.shape), cfg.rms_norm_eps)
     out = psum(linear(o_BTHV.reshape(B * T, -1).astype(dt), w.o_proj), tp)
     return out.reshape(B, T, -1), new_conv, S

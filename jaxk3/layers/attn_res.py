@@ -23,7 +23,7 @@ Kimi-Linear (no block size):  h += Attn(RMSNorm(h));  h += MLP(RMSNorm(h)).
 
 `Stream` carries this state through the layer loop as a value: `stream_start`, then per layer
 `attention_sources` → `mix_norm` (one `attn_res_norm` kernel where it runs) → `ffn_sources` →
-`mix_norm` → `ffn_done`, then `stream_final` (`attention_input` / `ffn_input` return the mix itself).
+`mix_norm` → `ffn_done`, then `stream_final`.
 """
 from __future__ import annotations
 
@@ -102,20 +102,6 @@ def mix_norm(sources: Sequence[jax.Array], res_norm, res_proj, ln_w_D: jax.Array
     weights (Kimi-Linear) the one source is normed as it is.  The jnp reference of `attn_res_norm`."""
     h = sources[0] if res_norm is None else attn_res(sources, res_norm, res_proj, eps)
     return rms_norm(h, ln_w_D, eps)
-
-
-def attention_input(st: Stream, g: int, block_size: int | None, res_norm, res_proj, eps: float
-                    ) -> tuple[jax.Array, Stream]:
-    """The attention block's input before its input_layernorm (fp32 for K3, the stream for Kimi-Linear)."""
-    srcs, st = attention_sources(st, g, block_size)
-    return (srcs[0] if block_size is None else attn_res(srcs, res_norm, res_proj, eps)), st
-
-
-def ffn_input(st: Stream, attn_out: jax.Array, g: int, block_size: int | None, res_norm, res_proj, eps: float
-              ) -> tuple[jax.Array, Stream]:
-    """Adds the attention output; returns the FFN block's input before its post_attention_layernorm."""
-    srcs, st = ffn_sources(st, attn_out, g, block_size)
-    return (srcs[0] if block_size is None else attn_res(srcs, res_norm, res_proj, eps)), st
 
 
 def ffn_done(st: Stream, ffn_out: jax.Array, block_size: int | None) -> Stream:

@@ -27,10 +27,11 @@ import pytest
 
 import jaxk3
 from jaxk3.config import KimiK3Config
-from jaxk3.layers.attn_res import attn_res
+from jaxk3.kernels.attn_res_norm import attn_res
 from jaxk3.layers.kda import kda_prefill, kda_step
-from jaxk3.layers.norm import rms_norm
-from jaxk3.model import random_hf_weights, weights_from_hf
+from jaxk3.kernels.rms_norm import rms_norm
+from jaxk3.checkpoint import weights_from_hf
+from jaxk3.model import random_hf_weights
 
 torch = pytest.importorskip("torch", reason="torch is not installed (oracle tests run on the Python 3.11 leg)")
 

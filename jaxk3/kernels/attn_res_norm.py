@@ -1,5 +1,6 @@
 """A block's normed input, RMSNorm(AttnRes(sources); w), as one Pallas kernel beside its jnp
-reference (`jaxk3.layers.attn_res.mix_norm`).
+reference `mix_norm`, and the AttnRes mix itself (`attn_res`, docs/SPEC.md §3.1; the residual stream
+that uses it is jaxk3.layers.attn_res).
 
 XLA runs the depth mix and the norm after it as a chain of small kernels with grids of 1-4 blocks
 (the N source norms, the logits, the softmax over depth, the weighted sum, the RMSNorm).  Here one
@@ -12,15 +13,36 @@ rounding (tests/test_kernels.py).  Without AttnRes weights (Kimi-Linear) it is t
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels import Kernel, interpret_only, register
-from jaxk3.layers.attn_res import mix_norm
+from jaxk3.kernels.registry import Kernel, interpret_only, register
+from jaxk3.kernels.rms_norm import rms_norm
 
 F32 = jnp.float32
 MAX_CHUNK = 1024
+
+
+def attn_res(sources: Sequence[jax.Array], w_norm_D: jax.Array, w_proj_D: jax.Array, eps: float) -> jax.Array:
+    """Mix N sources (each `[B, D]`, any float dtype) with depth-softmax weights; returns h_BD fp32.
+
+    `w_proj_D` may be given as the checkpoint's `[1, D]`; it is flattened.
+    """
+    s_NBD = jnp.stack([s.astype(F32) for s in sources], axis=0)
+    if len(sources) == 1:
+        return s_NBD[0]
+    logit_NB = jnp.einsum("nbd,d->nb", rms_norm(s_NBD, w_norm_D, eps), w_proj_D.reshape(-1).astype(F32))
+    alpha_NB = jax.nn.softmax(logit_NB, axis=0)
+    return jnp.einsum("nb,nbd->bd", alpha_NB, s_NBD)
+
+
+def mix_norm(sources: Sequence[jax.Array], res_norm, res_proj, ln_w_D: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm(AttnRes(sources); ln_w) in fp32 [B, D] (a block's normed input); without AttnRes
+    weights (Kimi-Linear) the one source is normed as it is.  The jnp reference of `attn_res_norm`."""
+    h = sources[0] if res_norm is None else attn_res(sources, res_norm, res_proj, eps)
+    return rms_norm(h, ln_w_D, eps)
 
 
 def _chunk(D: int) -> int:
@@ -93,8 +115,7 @@ def attn_res_norm(sources, res_norm, res_proj, ln_w_D, eps: float, interpret: bo
     )(*srcs, wn, wp, ln_w_D)
 
 
-def reference(sources, res_norm, res_proj, ln_w_D, eps):
-    return mix_norm(sources, res_norm, res_proj, ln_w_D, eps)
+reference = mix_norm
 
 
 def fits(sources, res_norm, res_proj, ln_w_D, eps, **_) -> str | None:

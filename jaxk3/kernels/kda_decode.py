@@ -1,5 +1,5 @@
 """The KDA decode step between the projections and o_proj as one Pallas kernel, beside its jnp
-reference (`jaxk3.layers.kda.decode_core`).
+reference `decode_core` (with the gate and the l2 norm the chunked prefill shares).
 
 XLA runs this part as ~20 small kernels per KDA layer (conv, SiLU, two l2 norms, the gate, the
 decay, two state contractions, the rank-1 update, the gated norm, two cache selects).  Here one
@@ -13,15 +13,69 @@ another order, so results agree to float32 rounding (tests/test_kernels.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels import Kernel, interpret_only, register
-from jaxk3.layers import kda as kda_lib
+from jaxk3.config import KimiK3Config
+from jaxk3.kernels.registry import Kernel, interpret_only, register
+from jaxk3.kernels.rms_norm import gated_rms_norm
 
 F32 = jnp.float32
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def kda_gate(f_BHK: jax.Array, A_log_H: jax.Array, gate_lower_bound: float | None) -> jax.Array:
+    """Log-space forget gate g (fp32); f already includes dt_bias."""
+    a_H11 = jnp.exp(A_log_H.astype(F32))[None, :, None]
+    f = f_BHK.astype(F32)
+    if gate_lower_bound is not None:  # K3: g ∈ (lb, 0)
+        return gate_lower_bound * jax.nn.sigmoid(a_H11 * f)
+    softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
+    return -a_H11 * softplus
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CoreWeights:
+    """The small per-channel weights `decode_core` reads (local shards)."""
+    conv_3CK: jax.Array  # q|k|v conv taps, fp32
+    dt_bias_C: jax.Array  # fp32
+    A_log_H: jax.Array  # fp32
+    o_norm_K: jax.Array  # fp32
+
+
+def decode_core(cfg: KimiK3Config, u_B3C: jax.Array, conv_B3CW: jax.Array, cw: CoreWeights, f_BC: jax.Array,
+                beta_BH: jax.Array, z_BC: jax.Array, state_BHKV: jax.Array, valid_B: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Everything of the KDA decode step between the projections and o_proj, per local head:
+    the short causal conv + SiLU, the q/k l2 norms, the forget gate, the gated delta rule on the
+    fp32 state and the gated output RMSNorm.  (o_BC fp32, new conv_B3CW, new state_BHKV); rows with
+    valid_B False keep their caches.  The jnp reference of the `kda_decode` kernel."""
+    B, Kd = u_B3C.shape[0], cfg.kda_head_dim
+    win_B3CK = jnp.concatenate([conv_B3CW, u_B3C[..., None]], axis=-1)
+    y_B3C = jax.nn.silu(jnp.einsum("bjck,jck->bjc", win_B3CK.astype(F32), cw.conv_3CK))
+    q_BHK, k_BHK, v_BHK = (y_B3C[:, j].reshape(B, -1, Kd) for j in range(3))
+    q_BHK = l2norm(q_BHK) * Kd ** -0.5
+    k_BHK = l2norm(k_BHK)
+    f_BHK = (f_BC + cw.dt_bias_C.astype(F32)).reshape(B, -1, Kd)
+    g_BHK = kda_gate(f_BHK, cw.A_log_H, cfg.gate_lower_bound)
+    # -- gated delta rule, fp32 state [K, Vd] per head
+    S = state_BHKV * jnp.exp(g_BHK)[..., None]
+    pred_BHV = jnp.einsum("bhkv,bhk->bhv", S, k_BHK)
+    upd_BHV = beta_BH[..., None] * (v_BHK - pred_BHV)
+    S = S + jnp.einsum("bhk,bhv->bhkv", k_BHK, upd_BHV)
+    o_BHV = jnp.einsum("bhkv,bhk->bhv", S, q_BHK)
+    o_BHV = gated_rms_norm(o_BHV, cw.o_norm_K, z_BC.reshape(o_BHV.shape), cfg.rms_norm_eps)
+    keep = valid_B.astype(bool)
+    new_conv = jnp.where(keep[:, None, None, None], win_B3CK[..., 1:], conv_B3CW)
+    new_state = jnp.where(keep[:, None, None, None], S, state_BHKV)
+    return o_BHV.reshape(B, -1), new_conv, new_state
 
 
 def _kernel(u_ref, conv_ref, cw_ref, dtb_ref, alog_ref, onorm_ref, f_ref, beta_ref, z_ref, s_ref, valid_ref,
@@ -79,8 +133,7 @@ def kda_decode(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid
       f_BC, beta_BH.astype(F32), z_BC, state_BHKV, valid_B.astype(jnp.int32))
 
 
-def reference(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B):
-    return kda_lib.decode_core(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B)
+reference = decode_core
 
 
 def fits(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, **_) -> str | None:

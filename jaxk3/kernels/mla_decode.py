@@ -1,5 +1,5 @@
 """Absorbed MLA decode attention over the latent cache, split over the context (flash-decoding),
-as a Pallas kernel beside its jnp reference (`jaxk3.layers.mla.latent_attention`).
+as a Pallas kernel beside its jnp reference `latent_attention`.
 
 The reference scores every cache slot of every head at once ([B, H, S] scores, a softmax, a second
 pass over the cache); at long contexts XLA runs that as a few kernels with little parallelism over S.
@@ -16,14 +16,28 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels import Kernel, interpret_only, register
-from jaxk3.layers.mla import latent_attention
+from jaxk3.kernels.registry import Kernel, interpret_only, register
 
 F32 = jnp.float32
 BLOCK_S = 64  # cache slots per inner step
 SPLIT = 1024  # cache slots per grid program (parts = ceil(S / SPLIT))
 BLOCK_H = 64  # heads per grid program (padded to a power of two >= 16 for the dots)
 NEG = -1e30  # a finite "minus infinity": exp(NEG - m) is 0 without inf - inf
+
+
+def latent_attention(ql_BHR: jax.Array, qpe_BHP: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,
+                     scale: float) -> jax.Array:
+    """Absorbed decode attention over the latent cache, fp32 [B, H, R]: every head's softmax over slots
+    t <= length_B of (ql·c_kv_t + q_pe·k_pe_t)·scale, applied to c_kv.  The `mla_decode` kernel's
+    reference (R = kv_lora_rank: the first R of each cache entry are c_kv, the rest k_pe)."""
+    S, R = kv_BSR.shape[1], ql_BHR.shape[-1]
+    c_BSR = kv_BSR.astype(F32)
+    score_BHS = (jnp.einsum("bhr,bsr->bhs", ql_BHR, c_BSR[..., :R])
+                 + jnp.einsum("bhp,bsp->bhs", qpe_BHP, c_BSR[..., R:])) * scale
+    mask_BS = jnp.arange(S)[None, :] <= length_B[:, None]
+    score_BHS = jnp.where(mask_BS[:, None, :], score_BHS, -jnp.inf)
+    p_BHS = jax.nn.softmax(score_BHS, axis=-1)
+    return jnp.einsum("bhs,bsr->bhr", p_BHS, c_BSR[..., :R])
 
 
 _HI = jax.lax.Precision.HIGHEST  # float32 dots (not TF32), as the reference

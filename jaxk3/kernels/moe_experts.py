@@ -1,5 +1,5 @@
 """The routed experts of a MoE decode step as two Pallas kernels over the *distinct* selected
-experts, beside their jnp reference (`jaxk3.layers.moe.experts_partial`).
+experts, beside their jnp reference `experts_partial` (and the MXFP4 format and GLU math it uses).
 
 The reference gathers one weight matrix per (token, slot): at batch B with k experts per token it
 reads B·k matrices, duplicates included.  Here the B·k choices are reduced to U = min(E, B·k)
@@ -9,7 +9,7 @@ distinct experts first (`plan`), and each selected expert's rows are read once f
     kernel 2 (down)                        y[u, b] = W2_u a[u, b]                  [U, B, L]
     out_b = Σ_u coef[u, b] · y[u, b]        coef: the routing weight where token b chose expert u, else 0
 
-Weights are dense (the model dtype) or MXFP4 (`jaxk3.layers.moe.MXFP4`); MXFP4 rows are
+Weights are dense (the model dtype) or MXFP4 (`MXFP4` below); MXFP4 rows are
 dequantised in registers (E2M1 nibble -> value by arithmetic, times the E8M0 scale written as a
 float exponent) and never exist dequantised in memory.  Products and sums are float32, as in the
 reference; the sums run in a different order, so results agree to float32 rounding (tests:
@@ -19,6 +19,7 @@ write zeros and read nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,13 +27,101 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxk3.config import MXFP4_GROUP as G32
-from jaxk3.kernels import Kernel, interpret_only, register
-from jaxk3.layers import moe as moe_lib
-from jaxk3.layers.common import glu
+from jaxk3.config import KimiK3Config
+from jaxk3.kernels.registry import Kernel, interpret_only, register
 
 F32 = jnp.float32
 BO = 16  # output rows per grid program
 MAX_GROUPS = 8  # scale groups (32 columns each) per loop step
+
+
+# ---------------------------------------------------------------- the jnp math (reference and CPU path)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MXFP4:
+    """A stack of MXFP4 matrices W [E, O, In] (compressed-tensors `mxfp4-pack-quantized`, jaxk3.mxfp4):
+    `packed` uint8 [E, O, In/2] (byte j: low nibble = column 2j, high = 2j+1) and `scale` uint8
+    [E, O, In/32] (E8M0, bias 127), sharded alike (a split of In splits whole scale groups)."""
+    packed: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # the logical [E, O, In]
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+
+def glu(a: jax.Array, b: jax.Array, act: str, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:
+    """Gated activation in fp32: SiLU-GLU `silu(a)*b`, or SiTU-GLU (docs/SPEC.md §3.5):
+    `β1·tanh(a/β1)·sigmoid(a) · β2·tanh(b/β2)`."""
+    a, b = a.astype(F32), b.astype(F32)
+    if act == "silu":
+        return jax.nn.silu(a) * b
+    if act == "situ":
+        return beta * jnp.tanh(a / beta) * jax.nn.sigmoid(a) * (linear_beta * jnp.tanh(b / linear_beta))
+    raise ValueError(f"hidden_act: unknown activation {act!r}")
+
+
+def act(cfg: KimiK3Config, a: jax.Array, b: jax.Array) -> jax.Array:
+    """The experts' GLU activation as the config names it (SiTU-GLU for K3, SiLU-GLU for Kimi-Linear)."""
+    return glu(a, b, cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+
+
+def e8m0_scales(scale_u8: jax.Array) -> jax.Array:
+    """E8M0 bytes -> float32 2**(s - 127), exactly: the exponent field written directly (s >= 1), and
+    2**-127 (a subnormal) for s = 0.  Scale 255 (NaN) is refused at load and never generated."""
+    s = scale_u8.astype(jnp.int32)
+    return jnp.where(s == 0, jnp.float32(2.0 ** -127), lax.bitcast_convert_type(s << 23, F32))
+
+
+def dequantize(w: MXFP4) -> jax.Array:
+    """float32 [..., O, In] from packed [..., O, In/2] and scale [..., O, In/32]: every value exact
+    (3 significant bits times a power of two), equal to jaxk3.mxfp4.dequantize."""
+    table = jnp.asarray(_E2M1_VALUES)
+    codes = jnp.stack([w.packed & 0x0F, w.packed >> 4], axis=-1)  # [..., O, In/2, 2]: column 2j, 2j+1
+    vals = table[codes.astype(jnp.int32)].reshape(*w.scale.shape, G32)
+    return (vals * e8m0_scales(w.scale)[..., None]).reshape(*w.packed.shape[:-1], -1)
+
+
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def expert_rows(w: jax.Array | MXFP4, ids: jax.Array) -> jax.Array:
+    """The selected experts' matrices in float32, [*ids.shape, O, In] (dense: the stored values;
+    MXFP4: dequantised from the selected experts' bytes only)."""
+    if isinstance(w, MXFP4):
+        return dequantize(MXFP4(jnp.take(w.packed, ids, axis=0), jnp.take(w.scale, ids, axis=0)))
+    return jnp.take(w, ids, axis=0).astype(F32)
+
+
+def compute_dtype(w, z: jax.Array):
+    """The experts' input dtype: the dense experts' dtype, or the activations' for MXFP4."""
+    return z.dtype if isinstance(w.experts_w1, MXFP4) else w.experts_w1.dtype
+
+
+def experts_partial(cfg: KimiK3Config, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array
+                    ) -> jax.Array:
+    """Σ_k w_k · W2_k act(W1_k z, W3_k z) over the local intermediate shard: fp32 [B, L] partial
+    (`w`: the block's weights, jaxk3.layers.moe.MoEWeights; only experts_w1/w2/w3 are read).
+
+    Each GEMV is written as gather · multiply · sum so that XLA fuses the expert gather into the
+    reduction and reads each selected expert's weights once.  As an einsum over `jnp.take(...)`
+    the gather is materialised first (a [B, k, I, L] copy written and read again: measured on
+    2x H200 as 4.2 GB of extra traffic per K3 decode step at B=1, docs/PERF.md)."""
+    dt = compute_dtype(w, z_BL)
+    z = z_BL.astype(dt).astype(F32)  # the experts see the compute dtype, as in vLLM
+
+    def gemv(w_EOI: jax.Array | MXFP4, x_BkI: jax.Array) -> jax.Array:  # [B, k, O] = W[ids] @ x, fp32
+        return jnp.sum(expert_rows(w_EOI, ids_Bk) * x_BkI[:, :, None, :], axis=-1)
+
+    zk = jnp.broadcast_to(z[:, None, :], (*ids_Bk.shape, z.shape[-1]))
+    h1_BkI = gemv(w.experts_w1, zk)
+    h3_BkI = gemv(w.experts_w3, zk)
+    a_BkI = act(cfg, h1_BkI, h3_BkI).astype(dt).astype(F32)
+    y_BkL = gemv(w.experts_w2, a_BkI)
+    return jnp.einsum("bkl,bk->bl", y_BkL, w_Bk)
+
+
+# ---------------------------------------------------------------- the Pallas kernel
 
 
 def plan(ids_Bk: jax.Array, w_Bk: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -159,7 +248,7 @@ def _down_kernel(uniq_ref, *refs, B: int, g: int, chunks: int, packed: bool, dty
 def _weight_views(w) -> tuple[list[jax.Array], bool]:
     """A weight stack as grouped views: MXFP4 -> ([packed [E, O, In/32, 16], scale [E, O, In/32]], True),
     dense -> ([w [E, O, In/32, 32]], False).  Reshapes of contiguous trailing dims: no copies."""
-    if isinstance(w, moe_lib.MXFP4):
+    if isinstance(w, MXFP4):
         E, O, half = w.packed.shape
         return [w.packed.reshape(E, O, half // 16, 16), w.scale], True
     E, O, In = w.shape
@@ -181,7 +270,7 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, interpr
     B = 1 << (B0 - 1).bit_length()  # Triton blocks are powers of two: pad the batch with zero rows
     z_BL = jnp.pad(z_BL, ((0, B - B0), (0, 0)))
     E, I, L = w.experts_w1.shape
-    dt = moe_lib.compute_dtype(w, z_BL)
+    dt = compute_dtype(w, z_BL)
     uniq, coef = plan(ids_Bk, w_Bk, E)
     U = uniq.shape[0]
     w1v, packed = _weight_views(w.experts_w1)
@@ -211,8 +300,7 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, interpr
     return jnp.einsum("ubl,ub->bl", y[:, :B0], coef)
 
 
-def reference(cfg, w, z_BL, w_Bk, ids_Bk):
-    return moe_lib.experts_partial(cfg, w, z_BL, w_Bk, ids_Bk)
+reference = experts_partial
 
 
 def fits(cfg, w, z_BL, w_Bk, ids_Bk, **_) -> str | None:

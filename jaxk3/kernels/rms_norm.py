@@ -1,7 +1,10 @@
-"""RMSNorm of [B, D] rows as one Pallas kernel (a block per row), beside its jnp reference
-(`jaxk3.layers.norm.rms_norm`).  The first kernel of the registry: it proves the plumbing
-(registration, selection, the interpret-mode test against the reference); the fused kernels of
-the decode step join it here."""
+"""RMSNorm and gated RMSNorm (docs/SPEC.md §3.0, §3.2 output norm) in fp32: the jnp math every
+block uses, and RMSNorm of [B, D] rows as one Pallas kernel (a block per row) beside it.
+
+`RMSNorm(x; w, eps) = w ⊙ x / sqrt(mean(x²) + eps)`: the weight multiplies directly (no 1+w).
+Both return fp32; callers cast to the activation dtype where a value is stored.  The kernel is the
+registry's first: it proves the plumbing (registration, selection, the interpret-mode test against
+the reference)."""
 from __future__ import annotations
 
 import functools
@@ -9,10 +12,23 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels import Kernel, register
-from jaxk3.layers.norm import rms_norm as reference
+from jaxk3.kernels.registry import Kernel, register
 
 F32 = jnp.float32
+
+
+def rms_norm(x_BD: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis; x and w any float dtype, result fp32 of x's shape."""
+    x = x_BD.astype(F32)
+    return w_D.astype(F32) * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+reference = rms_norm  # the kernel's oracle
+
+
+def gated_rms_norm(x_BHK: jax.Array, w_K: jax.Array, gate_BHK: jax.Array, eps: float) -> jax.Array:
+    """FusedRMSNormGated(activation="sigmoid"): `RMSNorm(x) ⊙ sigmoid(gate)`, per head, fp32."""
+    return rms_norm(x_BHK, w_K, eps) * jax.nn.sigmoid(gate_BHK.astype(F32))
 
 
 def _kernel(x_ref, w_ref, o_ref, *, eps: float):
@@ -21,7 +37,7 @@ def _kernel(x_ref, w_ref, o_ref, *, eps: float):
                   ).astype(o_ref.dtype)
 
 
-def rms_norm(x_BD: jax.Array, w_D: jax.Array, eps: float, interpret: bool = False) -> jax.Array:
+def rms_norm_pallas(x_BD: jax.Array, w_D: jax.Array, eps: float, interpret: bool = False) -> jax.Array:
     """The same function as the reference: fp32 [B, D] = w ⊙ x / sqrt(mean(x²) + eps)."""
     from jax.experimental import pallas as pl
 
@@ -41,4 +57,4 @@ def fits(x_BD, w_D, eps, **_) -> str | None:
     return None
 
 
-register(Kernel("rms_norm", reference, rms_norm, platforms=("gpu",), fits=fits))
+register(Kernel("rms_norm", reference, rms_norm_pallas, platforms=("gpu",), fits=fits))

@@ -1,5 +1,5 @@
 """The MoE router after its logits GEMV (sigmoid, + e_score_correction_bias, top-k, renormalise,
-scale) as one Pallas kernel beside its jnp reference (`jaxk3.layers.moe.select_experts`).
+scale) as one Pallas kernel beside its jnp reference `select_experts`.
 
 XLA runs it as a chain of small kernels (the sigmoid and add, a TopK custom call, the gathers, the
 renormalisation) on grids of one or two blocks.  Here one grid program owns one token: it reads
@@ -15,11 +15,31 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from jaxk3.kernels import Kernel, interpret_only, register
-from jaxk3.layers.moe import select_experts
+from jaxk3.config import KimiK3Config
+from jaxk3.kernels.registry import Kernel, interpret_only, register
 
 F32 = jnp.float32
+
+
+def select_experts(cfg: KimiK3Config, logits_BE: jax.Array, bias_E: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """sigmoid, + e_score_correction_bias (selection only), top-k (group-limited when configured),
+    renormalise, scale: (weights_Bk fp32, ids_Bk).  The `router_topk` kernel's reference."""
+    s_BE = jax.nn.sigmoid(logits_BE)
+    sel_BE = s_BE + bias_E.astype(F32)
+    G = cfg.num_expert_group
+    if cfg.use_grouped_topk and G > 1:  # DeepSeek-V3 group limit: keep the topk_group groups with the best top-2 sums
+        B, E = sel_BE.shape
+        gs_BG = lax.top_k(sel_BE.reshape(B, G, E // G), 2)[0].sum(-1)
+        _, gid_Bg = lax.top_k(gs_BG, cfg.topk_group)
+        keep_BG = jnp.zeros((B, G), bool).at[jnp.arange(B)[:, None], gid_Bg].set(True)
+        sel_BE = jnp.where(jnp.repeat(keep_BG, E // G, axis=1), sel_BE, -jnp.inf)
+    _, ids_Bk = lax.top_k(sel_BE, cfg.num_experts_per_token)
+    w_Bk = jnp.take_along_axis(s_BE, ids_Bk, axis=1)
+    if cfg.moe_renormalize:
+        w_Bk = w_Bk / (jnp.sum(w_Bk, axis=-1, keepdims=True) + 1e-20)
+    return w_Bk * cfg.routed_scaling_factor, ids_Bk
 
 
 def _kernel(logits_ref, bias_ref, w_ref, ids_ref, *, E: int, Ep: int, k: int, renorm: bool, scale: float):
@@ -60,8 +80,7 @@ def router_topk(cfg, logits_BE: jax.Array, bias_E: jax.Array, interpret: bool = 
     )(jnp.pad(logits_BE.astype(F32), pad), jnp.pad(bias_E.astype(F32), pad[1]))
 
 
-def reference(cfg, logits_BE, bias_E):
-    return select_experts(cfg, logits_BE, bias_E)
+reference = select_experts
 
 
 def fits(cfg, logits_BE, bias_E, **_) -> str | None:

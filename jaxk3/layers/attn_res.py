@@ -31,25 +31,9 @@ import dataclasses
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 
-from jaxk3.layers.norm import rms_norm
+from jaxk3.kernels.attn_res_norm import attn_res
 from jaxk3.params import REP, Param, weight
-
-F32 = jnp.float32
-
-
-def attn_res(sources: Sequence[jax.Array], w_norm_D: jax.Array, w_proj_D: jax.Array, eps: float) -> jax.Array:
-    """Mix N sources (each `[B, D]`, any float dtype) with depth-softmax weights; returns h_BD fp32.
-
-    `w_proj_D` may be given as the checkpoint's `[1, D]`; it is flattened.
-    """
-    s_NBD = jnp.stack([s.astype(F32) for s in sources], axis=0)
-    if len(sources) == 1:
-        return s_NBD[0]
-    logit_NB = jnp.einsum("nbd,d->nb", rms_norm(s_NBD, w_norm_D, eps), w_proj_D.reshape(-1).astype(F32))
-    alpha_NB = jax.nn.softmax(logit_NB, axis=0)
-    return jnp.einsum("nb,nbd->bd", alpha_NB, s_NBD)
 
 
 def abstract(hidden: int, prefix: str, name: str) -> tuple[Param, Param]:
@@ -95,13 +79,6 @@ def ffn_sources(st: Stream, attn_out: jax.Array, g: int, block_size: int | None)
     p = attn_out.astype(dt) if starts else (st.p + attn_out).astype(dt)
     nsrc = -(-g // block_size) + starts
     return list(st.blocks[:nsrc]) + [p], Stream(p=p, blocks=st.blocks)
-
-
-def mix_norm(sources: Sequence[jax.Array], res_norm, res_proj, ln_w_D: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm(AttnRes(sources); ln_w) in fp32 [B, D] (a block's normed input); without AttnRes
-    weights (Kimi-Linear) the one source is normed as it is.  The jnp reference of `attn_res_norm`."""
-    h = sources[0] if res_norm is None else attn_res(sources, res_norm, res_proj, eps)
-    return rms_norm(h, ln_w_D, eps)
 
 
 def ffn_done(st: Stream, ffn_out: jax.Array, block_size: int | None) -> Stream:

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxk3 import collectives
+
 F32 = jnp.float32
 
 
@@ -43,17 +45,7 @@ def psum(x: jax.Array, tp: TP | str | None) -> jax.Array:
         return x
     if tp.psum == "lax":
         return lax.psum(x, tp.axis)
-    from jaxk3 import collectives
-
     return collectives.psum(x, tp.axis, impl=tp.psum)
 
 
-def glu(a: jax.Array, b: jax.Array, act: str, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:
-    """Gated activation in fp32: SiLU-GLU `silu(a)*b`, or SiTU-GLU (docs/SPEC.md §3.5):
-    `β1·tanh(a/β1)·sigmoid(a) · β2·tanh(b/β2)`."""
-    a, b = a.astype(F32), b.astype(F32)
-    if act == "silu":
-        return jax.nn.silu(a) * b
-    if act == "situ":
-        return beta * jnp.tanh(a / beta) * jax.nn.sigmoid(a) * (linear_beta * jnp.tanh(b / linear_beta))
-    raise ValueError(f"hidden_act: unknown activation {act!r}")
+#END

@@ -27,9 +27,11 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
+from jaxk3 import kernels
 from jaxk3.config import KimiK3Config
+from jaxk3.kernels.kda_decode import CoreWeights, kda_gate, l2norm
+from jaxk3.kernels.rms_norm import gated_rms_norm
 from jaxk3.layers.common import F32, TP, kernel_mode, linear, psum
-from jaxk3.layers.norm import gated_rms_norm
 from jaxk3.params import COL, REP, ROW, Buffer, Param, weight
 
 
@@ -91,28 +93,12 @@ def cache_abstract(cfg: KimiK3Config, batch: int) -> KDACache:
                     state=Buffer((batch, cfg.kda_num_heads, d, d), "fp32", tp_dim=1))
 
 
-def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def kda_gate(f_BHK: jax.Array, A_log_H: jax.Array, gate_lower_bound: float | None) -> jax.Array:
-    """Log-space forget gate g (fp32); f already includes dt_bias."""
-    a_H11 = jnp.exp(A_log_H.astype(F32))[None, :, None]
-    f = f_BHK.astype(F32)
-    if gate_lower_bound is not None:  # K3: g ∈ (lb, 0)
-        return gate_lower_bound * jax.nn.sigmoid(a_H11 * f)
-    softplus = jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
-    return -a_H11 * softplus
-
-
 def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array, conv_B3CW: jax.Array, state_BHKV: jax.Array,
              valid_B: jax.Array, tp: TP | str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KDA decode step.  Returns (out_BD fp32 summed over TP, new conv_B3CW, new state_BHKV)."""
     dt = x_BD.dtype
     # -- projections (GEMVs); the rest of the step is `decode_core` (one device kernel where it runs)
     u_B3C, f_BC, beta_BH, z_BC = projections(cfg, w, x_BD)
-    from jaxk3 import kernels
-
     o_BC, new_conv, new_state = kernels.call(
         "kda_decode", cfg, u_B3C, conv_B3CW, core_weights(w), f_BC, beta_BH, z_BC, state_BHKV, valid_B,
         mode=kernel_mode(tp))
@@ -136,47 +122,9 @@ def projections(cfg: KimiK3Config, w: KDAWeights, x_ND: jax.Array
     return u_N3C, f_NC, beta_NH, z_NC
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class CoreWeights:
-    """The small per-channel weights `decode_core` reads (local shards)."""
-    conv_3CK: jax.Array  # q|k|v conv taps, fp32
-    dt_bias_C: jax.Array  # fp32
-    A_log_H: jax.Array  # fp32
-    o_norm_K: jax.Array  # fp32
-
-
 def core_weights(w: KDAWeights) -> CoreWeights:
     return CoreWeights(conv_3CK=jnp.stack([w.q_conv1d[:, 0], w.k_conv1d[:, 0], w.v_conv1d[:, 0]], 0).astype(F32),
                        dt_bias_C=w.dt_bias, A_log_H=w.A_log, o_norm_K=w.o_norm)
-
-
-def decode_core(cfg: KimiK3Config, u_B3C: jax.Array, conv_B3CW: jax.Array, cw: CoreWeights, f_BC: jax.Array,
-                beta_BH: jax.Array, z_BC: jax.Array, state_BHKV: jax.Array, valid_B: jax.Array
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Everything of the KDA decode step between the projections and o_proj, per local head:
-    the short causal conv + SiLU, the q/k l2 norms, the forget gate, the gated delta rule on the
-    fp32 state and the gated output RMSNorm.  (o_BC fp32, new conv_B3CW, new state_BHKV); rows with
-    valid_B False keep their caches.  The jnp reference of the `kda_decode` kernel."""
-    B, Kd = u_B3C.shape[0], cfg.kda_head_dim
-    win_B3CK = jnp.concatenate([conv_B3CW, u_B3C[..., None]], axis=-1)
-    y_B3C = jax.nn.silu(jnp.einsum("bjck,jck->bjc", win_B3CK.astype(F32), cw.conv_3CK))
-    q_BHK, k_BHK, v_BHK = (y_B3C[:, j].reshape(B, -1, Kd) for j in range(3))
-    q_BHK = _l2norm(q_BHK) * Kd ** -0.5
-    k_BHK = _l2norm(k_BHK)
-    f_BHK = (f_BC + cw.dt_bias_C.astype(F32)).reshape(B, -1, Kd)
-    g_BHK = kda_gate(f_BHK, cw.A_log_H, cfg.gate_lower_bound)
-    # -- gated delta rule, fp32 state [K, Vd] per head
-    S = state_BHKV * jnp.exp(g_BHK)[..., None]
-    pred_BHV = jnp.einsum("bhkv,bhk->bhv", S, k_BHK)
-    upd_BHV = beta_BH[..., None] * (v_BHK - pred_BHV)
-    S = S + jnp.einsum("bhk,bhv->bhkv", k_BHK, upd_BHV)
-    o_BHV = jnp.einsum("bhkv,bhk->bhv", S, q_BHK)
-    o_BHV = gated_rms_norm(o_BHV, cw.o_norm_K, z_BC.reshape(o_BHV.shape), cfg.rms_norm_eps)
-    keep = valid_B.astype(bool)
-    new_conv = jnp.where(keep[:, None, None, None], win_B3CK[..., 1:], conv_B3CW)
-    new_state = jnp.where(keep[:, None, None, None], S, state_BHKV)
-    return o_BHV.reshape(B, -1), new_conv, new_state
 
 
 def _unit_lower_inverse(A_BHCC: jax.Array) -> jax.Array:
@@ -263,8 +211,8 @@ def kda_prefill(cfg: KimiK3Config, w: KDAWeights, x_BTD: jax.Array, conv_B3CW: j
     y = jax.nn.silu(sum(X[:, i:i + T] * w_3CK[None, None, :, :, i] for i in range(W + 1)))  # [B, T, 3, C]
     new_conv = jnp.moveaxis(X[:, T:], 1, -1).astype(conv_B3CW.dtype)
     q, k, v = (y[:, :, j].reshape(B, T, -1, Kd) for j in range(3))
-    q = _l2norm(q) * Kd ** -0.5
-    k = _l2norm(k)
+    q = l2norm(q) * Kd ** -0.5
+    k = l2norm(k)
     # -- gates (0 decay and β = 0 on pads: the state passes through)
     f = (f + w.dt_bias.astype(F32)).reshape(B, T, -1, Kd)
     g = jnp.where(keep[..., None, None], kda_gate(f, w.A_log, cfg.gate_lower_bound), 0.0)

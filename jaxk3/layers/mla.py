@@ -24,10 +24,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxk3 import collectives
+from jaxk3 import collectives, kernels
 from jaxk3.config import KimiK3Config
+from jaxk3.kernels.rms_norm import rms_norm
 from jaxk3.layers.common import F32, TP, as_tp, kernel_mode, linear, psum
-from jaxk3.layers.norm import rms_norm
 from jaxk3.params import COL, LATENT, REP, ROW, Buffer, weight
 
 
@@ -131,29 +131,12 @@ def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Arra
     # -- absorbed attention over slots t <= length_B
     wkvb_HXR = w.kv_b_proj.reshape(-1, n + v, R).astype(F32)
     ql_BHR = jnp.einsum("bhn,hnr->bhr", qn_BHN, wkvb_HXR[:, :n])
-    from jaxk3 import kernels
-
     olat_BHR = kernels.call("mla_decode", ql_BHR, qpe_BHP, kv_BSR, length_B, (n + r) ** -0.5, mode=kernel_mode(tp))
     o_BHV = jnp.einsum("bhr,hvr->bhv", olat_BHR, wkvb_HXR[:, n:])
     o_BF = o_BHV.reshape(B, -1)
     if cfg.mla_use_output_gate:
         o_BF = o_BF * jax.nn.sigmoid(linear(x_BD, w.g_proj))
     return psum(linear(o_BF.astype(dt), w.o_proj), tp), kv_BSR
-
-
-def latent_attention(ql_BHR: jax.Array, qpe_BHP: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,
-                     scale: float) -> jax.Array:
-    """Absorbed decode attention over the latent cache, fp32 [B, H, R]: every head's softmax over slots
-    t <= length_B of (ql·c_kv_t + q_pe·k_pe_t)·scale, applied to c_kv.  The `mla_decode` kernel's
-    reference (R = kv_lora_rank: the first R of each cache entry are c_kv, the rest k_pe)."""
-    S, R = kv_BSR.shape[1], ql_BHR.shape[-1]
-    c_BSR = kv_BSR.astype(F32)
-    score_BHS = (jnp.einsum("bhr,bsr->bhs", ql_BHR, c_BSR[..., :R])
-                 + jnp.einsum("bhp,bsp->bhs", qpe_BHP, c_BSR[..., R:])) * scale
-    mask_BS = jnp.arange(S)[None, :] <= length_B[:, None]
-    score_BHS = jnp.where(mask_BS[:, None, :], score_BHS, -jnp.inf)
-    p_BHS = jax.nn.softmax(score_BHS, axis=-1)
-    return jnp.einsum("bhs,bsr->bhr", p_BHS, c_BSR[..., :R])
 
 
 def mla_prefill(cfg: KimiK3Config, w: MLAWeights, x_BTD: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,

@@ -31,10 +31,13 @@ from jax import lax
 
 from jax.sharding import PartitionSpec as P
 
-from jaxk3 import collectives
+from jaxk3 import collectives, kernels
 from jaxk3.config import MXFP4_GROUP, KimiK3Config
-from jaxk3.layers.common import F32, TP, as_tp, glu, kernel_mode, linear, psum
-from jaxk3.layers.norm import rms_norm
+from jaxk3.kernels.moe_experts import (MXFP4, act, compute_dtype, dequantize, e8m0_scales,  # noqa: F401
+                                       expert_rows, experts_partial)
+from jaxk3.kernels.rms_norm import rms_norm
+from jaxk3.kernels.router import select_experts
+from jaxk3.layers.common import F32, TP, as_tp, kernel_mode, linear, psum
 from jaxk3.params import COL, LATENT, LATENT_ROW, REP, ROW, Param, weight
 
 
@@ -55,20 +58,6 @@ def mlp_abstract(prefixes: str | tuple[str, ...], hidden: int, intermediate: int
     return MLPWeights(gate_proj=weight((I, D), prefixes, "gate_proj", spec=COL, group=group),
                       up_proj=weight((I, D), prefixes, "up_proj", spec=COL, group=group),
                       down_proj=weight((D, I), prefixes, "down_proj", spec=ROW, group=group))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class MXFP4:
-    """A stack of MXFP4 matrices W [E, O, In] (compressed-tensors `mxfp4-pack-quantized`, jaxk3.mxfp4):
-    `packed` uint8 [E, O, In/2] (byte j: low nibble = column 2j, high = 2j+1) and `scale` uint8
-    [E, O, In/32] (E8M0, bias 127), sharded alike (a split of In splits whole scale groups)."""
-    packed: jax.Array
-    scale: jax.Array
-
-    @property
-    def shape(self) -> tuple[int, ...]:  # the logical [E, O, In]
-        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
 
 
 @jax.tree_util.register_dataclass
@@ -117,13 +106,9 @@ def moe_abstract(cfg: KimiK3Config, prefix: str) -> MoEWeights:
     return MoEWeights(**out)
 
 
-def _act(cfg: KimiK3Config, a: jax.Array, b: jax.Array) -> jax.Array:
-    return glu(a, b, cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-
-
 def mlp_partial(cfg: KimiK3Config, w: MLPWeights, x_BD: jax.Array) -> jax.Array:
     """Row-parallel partial of the GLU MLP, fp32 [B, D] (sum over TP ranks = MLP(x))."""
-    h_BI = _act(cfg, linear(x_BD, w.gate_proj), linear(x_BD, w.up_proj))
+    h_BI = act(cfg, linear(x_BD, w.gate_proj), linear(x_BD, w.up_proj))
     return linear(h_BI.astype(x_BD.dtype), w.down_proj)
 
 
@@ -143,83 +128,10 @@ def router_logits(gate_ED: jax.Array, x_BD: jax.Array) -> jax.Array:
     return jnp.einsum("bd,ed->be", x_BD.astype(F32), gate_ED.astype(F32))
 
 
-def select_experts(cfg: KimiK3Config, logits_BE: jax.Array, bias_E: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """sigmoid, + e_score_correction_bias (selection only), top-k (group-limited when configured),
-    renormalise, scale: (weights_Bk fp32, ids_Bk).  The `router_topk` kernel's reference."""
-    s_BE = jax.nn.sigmoid(logits_BE)
-    sel_BE = s_BE + bias_E.astype(F32)
-    G = cfg.num_expert_group
-    if cfg.use_grouped_topk and G > 1:  # DeepSeek-V3 group limit: keep the topk_group groups with the best top-2 sums
-        B, E = sel_BE.shape
-        gs_BG = lax.top_k(sel_BE.reshape(B, G, E // G), 2)[0].sum(-1)
-        _, gid_Bg = lax.top_k(gs_BG, cfg.topk_group)
-        keep_BG = jnp.zeros((B, G), bool).at[jnp.arange(B)[:, None], gid_Bg].set(True)
-        sel_BE = jnp.where(jnp.repeat(keep_BG, E // G, axis=1), sel_BE, -jnp.inf)
-    _, ids_Bk = lax.top_k(sel_BE, cfg.num_experts_per_token)
-    w_Bk = jnp.take_along_axis(s_BE, ids_Bk, axis=1)
-    if cfg.moe_renormalize:
-        w_Bk = w_Bk / (jnp.sum(w_Bk, axis=-1, keepdims=True) + 1e-20)
-    return w_Bk * cfg.routed_scaling_factor, ids_Bk
-
-
-def e8m0_scales(scale_u8: jax.Array) -> jax.Array:
-    """E8M0 bytes -> float32 2**(s - 127), exactly: the exponent field written directly (s >= 1), and
-    2**-127 (a subnormal) for s = 0.  Scale 255 (NaN) is refused at load and never generated."""
-    s = scale_u8.astype(jnp.int32)
-    return jnp.where(s == 0, jnp.float32(2.0 ** -127), lax.bitcast_convert_type(s << 23, F32))
-
-
-def dequantize(w: MXFP4) -> jax.Array:
-    """float32 [..., O, In] from packed [..., O, In/2] and scale [..., O, In/32]: every value exact
-    (3 significant bits times a power of two), equal to jaxk3.mxfp4.dequantize."""
-    table = jnp.asarray(_E2M1_VALUES)
-    codes = jnp.stack([w.packed & 0x0F, w.packed >> 4], axis=-1)  # [..., O, In/2, 2]: column 2j, 2j+1
-    vals = table[codes.astype(jnp.int32)].reshape(*w.scale.shape, MXFP4_GROUP)
-    return (vals * e8m0_scales(w.scale)[..., None]).reshape(*w.packed.shape[:-1], -1)
-
-
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def expert_rows(w: jax.Array | MXFP4, ids: jax.Array) -> jax.Array:
-    """The selected experts' matrices in float32, [*ids.shape, O, In] (dense: the stored values;
-    MXFP4: dequantised from the selected experts' bytes only)."""
-    if isinstance(w, MXFP4):
-        return dequantize(MXFP4(jnp.take(w.packed, ids, axis=0), jnp.take(w.scale, ids, axis=0)))
-    return jnp.take(w, ids, axis=0).astype(F32)
-
-
 def dense_experts(w: jax.Array | MXFP4, dtype) -> jax.Array:
     """Every local expert's matrix in `dtype` [E, O, In] (the prefill's dense form; for MXFP4 a
     transient copy per layer: exact in bfloat16, whose exponent range is float32's)."""
     return dequantize(w).astype(dtype) if isinstance(w, MXFP4) else w
-
-
-def compute_dtype(w: MoEWeights, z: jax.Array):
-    """The experts' input dtype: the dense experts' dtype, or the activations' for MXFP4."""
-    return z.dtype if isinstance(w.experts_w1, MXFP4) else w.experts_w1.dtype
-
-
-def experts_partial(cfg: KimiK3Config, w: MoEWeights, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array
-                    ) -> jax.Array:
-    """Σ_k w_k · W2_k act(W1_k z, W3_k z) over the local intermediate shard: fp32 [B, L] partial.
-
-    Each GEMV is written as gather · multiply · sum so that XLA fuses the expert gather into the
-    reduction and reads each selected expert's weights once.  As an einsum over `jnp.take(...)`
-    the gather is materialised first (a [B, k, I, L] copy written and read again: measured on
-    2x H200 as 4.2 GB of extra traffic per K3 decode step at B=1, docs/PERF.md)."""
-    dt = compute_dtype(w, z_BL)
-    z = z_BL.astype(dt).astype(F32)  # the experts see the compute dtype, as in vLLM
-
-    def gemv(w_EOI: jax.Array | MXFP4, x_BkI: jax.Array) -> jax.Array:  # [B, k, O] = W[ids] @ x, fp32
-        return jnp.sum(expert_rows(w_EOI, ids_Bk) * x_BkI[:, :, None, :], axis=-1)
-
-    zk = jnp.broadcast_to(z[:, None, :], (*ids_Bk.shape, z.shape[-1]))
-    h1_BkI = gemv(w.experts_w1, zk)
-    h3_BkI = gemv(w.experts_w3, zk)
-    a_BkI = _act(cfg, h1_BkI, h3_BkI).astype(dt).astype(F32)
-    y_BkL = gemv(w.experts_w2, a_BkI)
-    return jnp.einsum("bkl,bk->bl", y_BkL, w_Bk)
 
 
 _RAGGED = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
@@ -243,7 +155,7 @@ def experts_grouped(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax
     def gemm(x, w_EOI):
         return lax.ragged_dot_general(x, w_EOI, sizes, _RAGGED, preferred_element_type=F32)
 
-    a = _act(cfg, gemm(xs, w1), gemm(xs, w3)).astype(dt)
+    a = act(cfg, gemm(xs, w1), gemm(xs, w3)).astype(dt)
     y = gemm(a, w2) * w_Nk.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(y, token, num_segments=N)
 
@@ -265,7 +177,7 @@ def experts_dense(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax.A
         z = z.astype(dt)
         h1 = jnp.einsum("nl,eil->nei", z, w1, preferred_element_type=F32)
         h3 = jnp.einsum("nl,eil->nei", z, w3, preferred_element_type=F32)
-        a = _act(cfg, h1, h3).astype(dt)
+        a = act(cfg, h1, h3).astype(dt)
         y_NEL = jnp.einsum("nei,eli->nel", a, w2, preferred_element_type=F32)
         return jnp.einsum("nel,ne->nl", y_NEL, weights)
 
@@ -281,8 +193,6 @@ def experts_dense(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax.A
 
 def _experts_decode(cfg, w, z_BL, w_Bk, ids_Bk, mode: str) -> jax.Array:
     """`experts_partial`, through the `moe_experts` device kernel where `mode` and the platform allow."""
-    from jaxk3 import kernels
-
     return kernels.call("moe_experts", cfg, w, z_BL, w_Bk, ids_Bk, mode=mode)
 
 
@@ -295,8 +205,6 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, 
     per-token GEMVs (decode).  `experts_grouped` (ragged_dot) is the exact-FLOP form, kept and
     tested for when a grouped GEMM kernel makes it pay."""
     dt = x_BD.dtype
-    from jaxk3 import kernels
-
     mode = kernel_mode(tp)
     experts = experts_dense if grouped else functools.partial(_experts_decode, mode=mode)
     w_Bk, ids_Bk = kernels.call("router_topk", cfg, router_logits(w.gate, x_BD), w.e_score_correction_bias,

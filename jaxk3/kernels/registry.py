@@ -1,0 +1,98 @@
+"""The kernel registry: `Kernel`, `register`, and the selection (`call`, `explain`, `status`,
+`active`).  Imports nothing from jaxk3: kernel modules register here, and jaxk3.kernels re-exports it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+MODES = ("auto", "off", "on")
+
+
+class KernelUnavailableError(RuntimeError):
+    """mode="on" was asked for but the device kernel does not apply; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    name: str
+    reference: Callable[..., Any]  # jnp: the CPU path and the test oracle
+    device: Callable[..., Any]  # the device kernel; device(*args, interpret=True) runs it on the CPU (tests)
+    platforms: tuple[str, ...]  # jax platform names the device kernel compiles for ("gpu", ...)
+    fits: Callable[..., str | None] = lambda *a, **k: None
+    # Why `auto` must not select the device path yet (None: it may).  A kernel tested only in
+    # interpret mode says so here until its compiled test has passed on the device.
+    unproven: str | None = None
+
+
+REGISTRY: dict[str, Kernel] = {}
+
+
+def interpret_only(gpu_test: str) -> str:
+    """`Kernel.unproven` for a kernel checked in interpret mode whose compiled test `gpu_test` (in
+    tests/test_kernels.py) has not yet passed on the device."""
+    return f"checked in Pallas interpret mode only: its compiled test tests/test_kernels.py::{gpu_test} has not " \
+           "yet run on a GPU"
+
+
+def register(kernel: Kernel) -> Kernel:
+    if kernel.name in REGISTRY:
+        raise ValueError(f"kernel {kernel.name!r} is registered twice")
+    REGISTRY[kernel.name] = kernel
+    return kernel
+
+
+def _platform() -> str:
+    return jax.devices()[0].platform
+
+
+def explain(name: str, *args, mode: str = "auto", platform: str | None = None, **kwargs) -> str:
+    """'device: ...' or 'reference: <reason>' for a call of kernel `name` with these arguments."""
+    if mode not in MODES:
+        raise ValueError(f"kernels: mode must be one of {MODES}, got {mode!r}")
+    k = REGISTRY[name]
+    platform = platform or _platform()
+    if mode == "off":
+        return "reference: kernels='off'"
+    if platform not in k.platforms:
+        return f"reference: no {name} kernel for platform {platform!r} (has {k.platforms})"
+    why = k.fits(*args, **kwargs)
+    if why:
+        return f"reference: {why}"
+    if k.unproven and mode == "auto":
+        return f"reference: {name} is unproven on {platform} ({k.unproven}); kernels='on' runs it"
+    return f"device: {name} on {platform}"
+
+
+def call(name: str, *args, mode: str = "auto", **kwargs):
+    """Run kernel `name` through the path `explain` chooses (statically, at trace time)."""
+    how = explain(name, *args, mode=mode, **kwargs)
+    k = REGISTRY[name]
+    if how.startswith("device"):
+        return k.device(*args, **kwargs)
+    if mode == "on":
+        raise KernelUnavailableError(f"kernels='on' but {name} does not apply: {how[len('reference: '):]}")
+    return k.reference(*args, **kwargs)
+
+
+def status(platform: str | None = None) -> dict[str, str]:
+    """Per registered kernel, what `kernels="auto"` does with it on `platform`: "device" or
+    "reference: <why>" (no kernel for the platform, or not yet proven there).  Shapes aside."""
+    platform = platform or _platform()
+    out = {}
+    for n, k in sorted(REGISTRY.items()):
+        if platform not in k.platforms:
+            out[n] = f"reference: no {n} kernel for platform {platform!r}"
+        elif k.unproven:
+            out[n] = f"reference: unproven on {platform} ({k.unproven})"
+        else:
+            out[n] = "device"
+    return out
+
+
+def active(platform: str | None = None) -> dict[str, bool]:
+    """Per registered kernel: whether `auto` can select its device path on `platform`."""
+    platform = platform or _platform()
+    return {n: platform in k.platforms and not k.unproven for n, k in sorted(REGISTRY.items())}
+

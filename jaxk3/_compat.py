@@ -34,21 +34,6 @@ lax_psum_scatter = lax.psum_scatter
 CHECK_KW = "check_vma" if "check_vma" in _PARAMS else "check_rep"
 
 
-def shard_map(f: Callable, mesh: jax.sharding.Mesh, in_specs: Any, out_specs: Any) -> Callable:
-    """`shard_map(f, mesh=..., in_specs=..., out_specs=...)` with the replication check off.
-
-    Goes through `jaxk3.collectives.shard_map` when it exists: that wrapper records the concrete
-    mesh while `f` is traced, so that `collectives.explain` inside `f` can name the devices (the
-    collectives themselves resolve their devices when the program is lowered).
-    """
-    from jaxk3 import collectives
-
-    sm = getattr(collectives, "shard_map", None)
-    if sm is None:
-        return jax_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{CHECK_KW: False})
-    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{CHECK_KW: False})
-
-
 def call_shard_map(f: Callable, **kwargs: Any) -> Callable:
     """`jax.shard_map(f, **kwargs)`, accepting either name of the replication-check switch."""
     for ours, theirs in (("check_vma", "check_rep"), ("check_rep", "check_vma")):

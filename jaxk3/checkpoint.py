@@ -46,6 +46,7 @@ except ImportError:  # optional dependency: pip install "jaxk3[checkpoint]"
 import jax
 
 from jaxk3 import mxfp4, params
+from jaxk3.model import Weights, abstract_weights
 from jaxk3.config import KimiK3Config
 from jaxk3.params import Param
 from jaxk3.sharding import TP
@@ -413,8 +414,6 @@ def build_plan(cfg: KimiK3Config, source, tp: int):
     """A `Weights` pytree of `_Leaf`s for `source` (a SafetensorsSource or ArraySource): finds every
     declared weight by its checkpoint names and checks its name, shape and dtype first (raises
     CheckpointError subclasses before any tensor data is read)."""
-    from jaxk3.model import abstract_weights
-
     def find(p: Param, name: str | None = None) -> TensorInfo:
         for n in ((name,) if name else p.names):
             t = source.info(n)
@@ -565,41 +564,34 @@ def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, i
     return jax.tree.map(put, plan, is_leaf=lambda x: isinstance(x, _Leaf))
 
 
-def load_model(path: str | os.PathLike, mesh=None, tp: int | None = None, dtype: Any = "bfloat16",
-               gather: str = "auto", shard_latent: bool = True,
-               progress: Callable[[int, int], None] | None = None, psum: str = "auto", check_finite: bool = True,
-               experts: str = "auto", kernels: str = "auto"):
-    """A sharded `Model` from a K3 / Kimi-Linear safetensors directory (see the module docstring).
-
-    `experts`: "auto" (MXFP4 experts stay packed on the device, dense ones stay dense), "mxfp4" (the
-    checkpoint's experts must be MXFP4) or "dense" (MXFP4 experts dequantised to `dtype` at load).
-    `kernels`: device kernels "auto" (where the platform has them and the shapes fit), "off", "on".
-
-    `progress(done_bytes, total_bytes)` is called after each weight is placed.  Raises
+def load_weights(path: str | os.PathLike, mesh, dtype, shard_latent: bool = True,
+                 progress: Callable[[int, int], None] | None = None, check_finite: bool = True,
+                 experts: str = "auto") -> tuple[KimiK3Config, Any]:
+    """(the config as loaded, the placed `Weights`) of a K3 / Kimi-Linear safetensors directory on
+    `mesh` (jaxk3.load_model is the user-facing form; its docstring has the arguments).  Raises
     `CheckpointError` (subclasses named after the problem) before reading any tensor data, except
-    `NonFiniteTensorError` (a NaN/Inf, or an MXFP4 scale byte of 255), raised as the tensor is read
-    (`check_finite=False` skips that check; docs/CHECKPOINTS.md has its cost).
-    """
-    from jaxk3.model import Model, check_impl, check_kernels, make_mesh, resolve_dtype
-
+    `NonFiniteTensorError`, raised as the tensor is read."""
     path = os.fspath(path)
     if safe_open is None:
         raise CheckpointError("checkpoint: loading needs the `safetensors` package (pip install safetensors)")
-    check_impl("gather", gather), check_impl("psum", psum), check_kernels(kernels)
-    dt = resolve_dtype(dtype)
     check_experts(experts)
     cfg = load_config(path)
-    mesh = make_mesh(mesh, tp)
     tp_size = mesh.shape[TP]
     source = SafetensorsSource(scan_checkpoint(path))
     cfg.validate_tp(tp_size, shard_latent=shard_latent)
     cfg = resolve_experts(cfg, source, experts, tp_size, shard_latent)
     plan = build_plan(cfg, source, tp_size)
     try:
-        weights = place_plan(plan, mesh, dt, shard_latent, progress, check_finite)
+        weights = place_plan(plan, mesh, dtype, shard_latent, progress, check_finite)
     finally:
         source.close()
-    return Model(cfg, weights, mesh, dt, gather, shard_latent, psum, kernels)
+    return cfg, weights
+
+
+def weights_from_hf(cfg: KimiK3Config, flat: Mapping[str, Any]) -> Weights:
+    """Host `Weights` (numpy; vocab tables padded for TP 1) from arrays keyed by checkpoint name.
+    Raises the loader's named errors (missing tensor, wrong shape, unsupported dtype)."""
+    return read_all(build_plan(cfg, ArraySource(flat), tp=1))
 
 
 # ------------------------------------------------------------------------------ writing

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
+from jaxk3.model import local_forward
+
 
 F32 = jnp.float32
 
@@ -77,8 +79,6 @@ def build_prefill(cfg, opt, mesh: Mesh, all_logits: bool, sampling: Sampling | N
     the cache donated.  logits: [B, T, vocab] (`all_logits`) or the last position's [B, vocab]; with a
     `sampling`, first_B is the token sampled from the last position (keyed by `position`); finite_B:
     whether the last position's logits are all finite."""
-    from jaxk3.model import local_forward
-
     local, w_sh, c_sh, b_sh = local_forward(cfg, opt, mesh, all_logits)
 
     def run(weights, cache, tokens_BT, valid_BT, position):
@@ -99,8 +99,6 @@ def build_decode_loop(cfg, opt, mesh: Mesh, steps: int, sampling: Sampling, stop
     of every row), samples the next one (keyed by position + i), and freezes rows that produced a
     stop id: their caches stay as they were and their later tokens are `pad_id`.  bad_B: a running
     row met logits that were not all finite (checked on the device, read once per call)."""
-    from jaxk3.model import local_forward
-
     local, w_sh, c_sh, b_sh = local_forward(cfg, opt, mesh)
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
 

@@ -20,7 +20,7 @@ these functions derive from it:
     experts   model [E, *ckpt_shape] stacked from one tensor per expert (`{e}` in the name).  With
               experts_format "dense" an MXFP4 checkpoint's experts (weight_packed + weight_scale)
               are dequantised at load; with "mxfp4" the packed bytes and the scales are two uint8
-              Params of their own (jaxk3.layers.moe.MXFP4), read as they are
+              Params of their own (jaxk3.kernels.moe_experts.MXFP4), read as they are
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Mesh axis names and the partition specs the blocks declare their weights with.
 
 The sharding of every weight is declared once, beside the weight, in its block's `abstract`
-(jaxk3.params.Param.spec); `sharding_table(cfg)` prints the table derived from those
-declarations.  Weights are stored in checkpoint layout `[out, in]`, so
+(jaxk3.params.Param.spec); `jaxk3.model.sharding_table(cfg)` prints the table derived from
+those declarations.  Weights are stored in checkpoint layout `[out, in]`, so
 
     COL = P("tp", None)   column-parallel: split output rows (heads / intermediate / vocab)
     ROW = P(None, "tp")   row-parallel: split input columns; the block sums its partial output
@@ -23,17 +23,3 @@ COL, ROW, REP = P(TP, None), P(None, TP), P()
 LATENT = "latent"
 LATENT_ROW = "latent_row"
 
-
-def sharding_table(cfg, tp: int = 1) -> str:
-    """The derived sharding table of `cfg`: one line per distinct (checkpoint name pattern, spec)."""
-    import re
-
-    from jaxk3 import params
-    from jaxk3.model import abstract_weights
-
-    rows: dict[str, str] = {}
-    for p in params.params(abstract_weights(cfg, tp)):
-        key = re.sub(r"layers\.\d+\.", "layers.*.", p.name)
-        rows.setdefault(key, f"{str(p.spec):<24} {p.dtype:<8} {p.group}")
-    w = max(map(len, rows))
-    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows.items())

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxk3 import bench, collectives
+from jaxk3 import collectives
+from jaxk3.tools import bench_gather as bench
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -39,7 +40,7 @@ def test_local_tile_target_matches_tile():
 
 
 def test_bench_decode_strategies_agree(tmp_path):
-    from jaxk3 import bench_decode as bd
+    from jaxk3.tools import bench_decode as bd
 
     res = bd.bench_decode(config="tiny", layers="2-5", experts=None, tp=2, batches=(1, 2), contexts=(64,),
                           steps=2, repeats=1, check_tokens=3, copy_bytes=1 << 20)
@@ -77,9 +78,10 @@ def test_bench_decode_strategies_agree(tmp_path):
 def test_layer_offset_follows_the_global_attn_res_schedule():
     """model.StepOptions.layer_offset (bench decode's layer slices): offset 0 is the plain model
     step; an offset moves the AttnRes block starts, so the same weights give other logits."""
-    from jaxk3 import bench_decode as bd
+    from jaxk3.tools import bench_decode as bd
     from jaxk3.config import KimiK3Config
-    from jaxk3.model import Model, StepOptions, build_step
+    from jaxk3.engine import Model
+    from jaxk3.model import StepOptions, build_step
 
     cfg = KimiK3Config.tiny_k3()
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("tp",))
@@ -99,7 +101,7 @@ def test_layer_offset_follows_the_global_attn_res_schedule():
 
 
 def test_slice_config_keeps_kinds():
-    from jaxk3 import bench_decode as bd
+    from jaxk3.tools import bench_decode as bd
     from jaxk3.config import KimiK3Config
 
     k3 = KimiK3Config.k3()
@@ -156,7 +158,7 @@ def test_kernel_census_counts_and_attributes_each_kind():
     """Launching ops only (no parameter/constant/get-tuple-element/bitcast/tuple/-done), a `call`
     opened, each kernel in the block its op_name names, an op without a block in the block of its
     first user; a kernel more in a block shows up there and in the total."""
-    from jaxk3 import census
+    from jaxk3.tools import census
 
     blocks = ["embed", "layer0_kda", "layer1_moe", "head"]
     c = census.kernel_census(SYNTHETIC_HLO, blocks)
@@ -180,7 +182,7 @@ def test_kernel_census_counts_and_attributes_each_kind():
 
 
 def test_profile_parse_degrades_with_a_reason(tmp_path):
-    from jaxk3 import census
+    from jaxk3.tools import census
 
     c = census.kernel_census(SYNTHETIC_HLO, None)
     with pytest.raises(census.ProfileUnavailable, match="no .xplane.pb"):
@@ -197,7 +199,7 @@ def test_census_decode_tiny_every_layer(tmp_path, capsys):
     """`jaxk3 bench decode --census` on the tiny config (8 layers, TP 2, CPU): every layer's attention
     and ffn block has kernels, the blocks sum to the total, the JSON holds it, and the CPU profile
     sees exactly one thunk event per kernel of each block."""
-    from jaxk3 import bench_decode as bd
+    from jaxk3.tools import bench_decode as bd
     from jaxk3 import cli
 
     path = tmp_path / "census.json"
@@ -229,7 +231,7 @@ def test_census_decode_tiny_every_layer(tmp_path, capsys):
 def test_census_more_layers_more_kernels():
     """Layers 3-5 vs 3-4 of the tiny config (no AttnRes block starts at 5, so nothing else changes):
     the extra layer adds exactly its own blocks' kernels, and every shared block counts the same."""
-    from jaxk3 import bench_decode as bd
+    from jaxk3.tools import bench_decode as bd
 
     stock = tuple(s for s in bd.STRATEGIES if s[0] == "stock")
     got = {l: bd.census_decode(config="tiny", layers=l, experts=None, tp=2, batches=(1,), contexts=(64,),
@@ -255,7 +257,7 @@ def test_census_misuse():
 def test_bench_decode_kernel_modes(tmp_path, capsys):
     """--kernels runs each strategy under each mode in one process (names carry the mode); a mode the
     platform cannot serve ("on" on the CPU) is exit 2 with the kernel named, not a traceback."""
-    from jaxk3 import bench_decode as bd
+    from jaxk3.tools import bench_decode as bd
     from jaxk3 import cli
 
     s = bd.with_kernels((bd.STRATEGIES[0], bd.STRATEGIES[3]), ("off", "auto"))

@@ -21,7 +21,8 @@ import jaxk3
 from jaxk3 import checkpoint as ck
 from jaxk3 import mxfp4
 from jaxk3.config import KimiK3Config
-from jaxk3.model import Model, random_hf_weights
+from jaxk3.engine import Model
+from jaxk3.model import random_hf_weights
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -81,7 +81,7 @@ def _outcome(argv: list[str]) -> tuple[str, str, str]:
     kind = "parsed"
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            cli._cpu_devices_from_argv(argv)
+            cli.common.cpu_devices_from_argv(argv)
         except ValueError as e:  # what main() turns into one line and exit 2
             cli.fail("jaxk3", e)
             kind = "exit 2"

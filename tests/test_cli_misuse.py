@@ -9,8 +9,9 @@ import types
 import numpy as np
 import pytest
 
-import jaxk3.checkpoint
-from jaxk3 import cli, cli_generate
+import jaxk3.engine
+from jaxk3 import cli
+from jaxk3.cli import generate as cli_generate
 from jaxk3.collectives import GatherUnavailableError
 from jaxk3.config import KimiK3Config
 
@@ -48,7 +49,7 @@ def no_load(monkeypatch):
     def load_model(*a, **k):
         raise AssertionError("load_model was called: the misuse should have been caught before loading")
 
-    monkeypatch.setattr(jaxk3.checkpoint, "load_model", load_model)
+    monkeypatch.setattr(jaxk3.engine, "load_model", load_model)
 
 
 class FakeModel:
@@ -71,7 +72,7 @@ class FakeModel:
 def test_fake_model_keeps_the_real_signature():
     """The stand-in must accept what the CLI passes to Model.generate, or these tests break on each change."""
     import inspect
-    from jaxk3.model import Model
+    from jaxk3.engine import Model
     def shape(f):
         return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
 
@@ -81,7 +82,7 @@ def test_fake_model_keeps_the_real_signature():
 @pytest.fixture
 def fake_load(monkeypatch):
     model = FakeModel()
-    monkeypatch.setattr(jaxk3.checkpoint, "load_model", lambda *a, **k: model)
+    monkeypatch.setattr(jaxk3.engine, "load_model", lambda *a, **k: model)
     return model
 
 
@@ -193,7 +194,7 @@ def test_gather_ffi_more_rows_fine_with_auto(tmp_path, capsys, fake_load):
                                  FloatingPointError("generate: the logits of row(s) [0] are not finite (NaN/Inf)")])
 def test_errors_of_generation_are_one_line(tmp_path, capsys, monkeypatch, exc):
     """What the checks cannot foresee (the model's own gathers, the model's own checks): exit 2, one line."""
-    monkeypatch.setattr(jaxk3.checkpoint, "load_model", lambda *a, **k: FakeModel(fail=exc))
+    monkeypatch.setattr(jaxk3.engine, "load_model", lambda *a, **k: FakeModel(fail=exc))
     rc, _, err = run_cli(GEN + ["--checkpoint", config_dir(tmp_path), "--prompt-ids", "1,2"], capsys)
     assert rc == 2
     one_error_line(err, "jaxk3 generate: error:", str(exc).replace("\n", "\\n"), after_progress=True)
@@ -204,7 +205,7 @@ def test_errors_of_loading_are_one_line(tmp_path, capsys, monkeypatch, exc):
     def load_model(*a, **k):
         raise exc
 
-    monkeypatch.setattr(jaxk3.checkpoint, "load_model", load_model)
+    monkeypatch.setattr(jaxk3.engine, "load_model", load_model)
     rc, _, err = run_cli(GEN + ["--checkpoint", config_dir(tmp_path), "--prompt-ids", "1,2"], capsys)
     assert rc == 2
     one_error_line(err, "jaxk3 generate: error:", str(exc), after_progress=True)
@@ -278,10 +279,10 @@ def test_cpu_devices_bad_value(capsys, monkeypatch, value):
 
 def test_cpu_devices_prefix_is_applied(monkeypatch):
     """argparse takes `--cpu 4` as --cpu-devices 4, so the early reader must too (or it is silently ignored)."""
-    assert cli._cpu_devices_from_argv(["info", "--cpu", "4"]) == 4
-    assert cli._cpu_devices_from_argv(["info", "--cpu-devices=2", "--cpu-devices", "3"]) == 3
-    assert cli._cpu_devices_from_argv(["generate", "--prompt=--cpu-devices=0"]) is None
-    assert cli._cpu_devices_from_argv(["info", "--", "--cpu-devices", "0"]) is None
+    assert cli.common.cpu_devices_from_argv(["info", "--cpu", "4"]) == 4
+    assert cli.common.cpu_devices_from_argv(["info", "--cpu-devices=2", "--cpu-devices", "3"]) == 3
+    assert cli.common.cpu_devices_from_argv(["generate", "--prompt=--cpu-devices=0"]) is None
+    assert cli.common.cpu_devices_from_argv(["info", "--", "--cpu-devices", "0"]) is None
 
 
 # ---------------------------------------------------------------- --prompt-ids

@@ -6,7 +6,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from jaxk3 import bench
+from jaxk3.tools import bench_gather as bench
 
 
 def test_every_op_and_form_in_one_run():

@@ -23,7 +23,8 @@ from jaxk3 import checkpoint as ck
 from jaxk3 import mxfp4, params
 from jaxk3.config import KimiK3Config
 from jaxk3.layers import moe
-from jaxk3.model import Model, abstract_weights, random_hf_weights
+from jaxk3.engine import Model
+from jaxk3.model import abstract_weights, random_hf_weights
 
 PROMPTS = [[5, 17, 900, 3, 44], [42, 7]]
 

@@ -12,7 +12,8 @@ import pytest
 
 import jaxk3
 from jaxk3 import checkpoint as ck
-from jaxk3 import memory, params
+from jaxk3 import params
+from jaxk3.tools import memory
 from jaxk3.config import KimiK3Config
 
 from test_checkpoint import write_k3, write_kimi_linear  # noqa: E402

@@ -25,7 +25,9 @@ import pytest
 
 import jaxk3
 from jaxk3.config import KimiK3Config
-from jaxk3.model import Model, random_hf_weights, weights_from_hf
+from jaxk3.checkpoint import weights_from_hf
+from jaxk3.engine import Model
+from jaxk3.model import random_hf_weights
 from refs import np_ref
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82, 81, 82, 84, 59, 4]]
@@ -216,7 +218,7 @@ def test_from_weights_equals_init_random(k3_f32):
 
 
 def test_demo_runs_and_agrees():
-    from jaxk3.demo import run_demo
+    from jaxk3.tools.demo import run_demo
 
     r = run_demo(tp=2, prompt_len=3, new_tokens=3, verbose=False)
     assert r["tokens_equal"] and len(r["tokens"][0]) == 3

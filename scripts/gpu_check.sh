@@ -82,11 +82,7 @@ EOF
 fi
 
 bench() {  # $1 = label, XLA_FLAGS from the environment
-  if [ -f jaxk3/cli.py ]; then
-    timeout ${BENCH_TIMEOUT:-200} $PY -m jaxk3.cli bench gather ${BENCH_ARGS:-} --json "$OUT/bench_$1.json" 2>&1 | tee "$OUT/bench_$1.log"
-  else
-    timeout 200 $PY -c "from jaxk3 import bench; r=bench.bench_gather(); print(bench.gather_table(r)); bench.write_json(r, '$OUT/bench_$1.json')" 2>&1 | tee "$OUT/bench_$1.log"
-  fi
+  timeout ${BENCH_TIMEOUT:-200} $PY -m jaxk3.cli bench gather ${BENCH_ARGS:-} --json "$OUT/bench_$1.json" 2>&1 | tee "$OUT/bench_$1.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from jaxk3.cli import _cpu_devices_arg, fail, positive
+from jaxk3.cli.common import cpu_devices_arg, fail, positive
 
 CMD = "jaxk3 generate"
 _ID = re.compile(r"[0-9]+")
@@ -89,7 +89,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="all-gather implementation: one-shot FFI, lax.all_gather, or auto (default)")
     g.add_argument("--psum", default="auto", choices=["auto", "ffi", "lax"],
                    help="row-parallel sums: the one-shot FFI all-reduce, lax.psum, or auto (default)")
-    _cpu_devices_arg(g, default=None)
+    cpu_devices_arg(g, default=None)
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     from jaxk3 import distributed
 
@@ -163,9 +163,9 @@ def device_memory(device) -> tuple[int | None, str]:
 def cache_len(prompt_len: int, max_new_tokens: int) -> int:
     """Positions `Model.generate` allocates: prompt + new tokens, rounded up to the model's cache
     bucket (at least; the prefill may pad the prompt further)."""
-    from jaxk3 import model
+    from jaxk3 import engine
 
-    bucket = getattr(model, "CACHE_BUCKET", 64)
+    bucket = engine.CACHE_BUCKET
     return -(-(prompt_len + max_new_tokens) // bucket) * bucket
 
 
@@ -216,7 +216,8 @@ def check_run(cfg, rows: list[list[int]], max_new_tokens: int, *, tp: int, dp: i
 
 
 def run(args) -> int:
-    from jaxk3.checkpoint import CheckpointError, load_config, load_model
+    from jaxk3.checkpoint import CheckpointError, load_config
+    from jaxk3.engine import load_model
     from jaxk3.collectives import GatherUnavailableError
     from jaxk3.kernels import KernelUnavailableError
     from jaxk3.tokenizer import KimiTokenizer, TokenizerError, has_tokenizer

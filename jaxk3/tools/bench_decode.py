@@ -54,10 +54,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxk3 import census, collectives, params
+from jaxk3 import collectives, params
+from jaxk3.tools import census
 from jaxk3.config import KimiK3Config
 from jaxk3.layers.kda import KDACache
-from jaxk3.model import (Cache, StepOptions, Weights, _to_host, abstract_weights, build_step, cache_abstract, dp_axis,
+from jaxk3.model import (Cache, StepOptions, Weights, to_host, abstract_weights, build_step, cache_abstract, dp_axis,
                          put_batch)
 from jaxk3.sharding import DP, TP
 
@@ -376,9 +377,9 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                 tokens = []
                 for i in range(max(check_tokens, 2)):  # warm-up; the first greedy tokens, for the comparison
                     logits, ids, cache = compiled(weights, cache, ids, valid)
-                    tokens.append(_to_host(ids).tolist())
+                    tokens.append(to_host(ids).tolist())
                     if i == 0:
-                        lg = _to_host(logits).astype(np.float32)
+                        lg = to_host(logits).astype(np.float32)
                         ref = first_logits.setdefault((batch, context, s.experts), lg)
                         rel = float(np.max(np.abs(lg - ref)) / max(np.max(np.abs(ref)), 1e-30))
                 del logits
@@ -554,7 +555,7 @@ def census_report(result: dict) -> str:
 
 
 def _versions() -> dict:
-    from jaxk3 import bench
+    from jaxk3.tools import bench_gather as bench
 
     return bench.versions()
 

@@ -28,9 +28,10 @@ import time
 import jax
 import numpy as np
 
-from jaxk3 import bench_decode as bd
+from jaxk3.tools import bench_decode as bd
 from jaxk3 import params
-from jaxk3.model import Model, StepOptions, build_step, put_batch
+from jaxk3.engine import Model
+from jaxk3.model import StepOptions, build_step, put_batch
 from jaxk3.sharding import TP
 
 

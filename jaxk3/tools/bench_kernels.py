@@ -91,7 +91,7 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
 
 def bench_kernels(config: str = "k3", tp: int = 2, experts: int = 64, batches: tuple[int, ...] = (1, 8),
                   chain: int = 20, repeats: int = 5) -> dict[str, Any]:
-    from jaxk3 import bench_decode as bd
+    from jaxk3.tools import bench_decode as bd
 
     cfg = bd.load_config(config)
     if "moe" not in cfg.layer_ffn:

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxk3 import collectives
 from jaxk3.config import KimiK3Config
-from jaxk3.model import init_random_model
+from jaxk3.engine import init_random_model
 
 
 def _ffi_available() -> tuple[bool, str | None]:

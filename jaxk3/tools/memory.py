@@ -427,7 +427,7 @@ def config_for(name: str, experts: str = "auto") -> KimiK3Config:
     """A config without a checkpoint: "k3", "kimi-linear-48b", "tiny" or a config.json / directory.
     experts "auto": MXFP4 for "k3" (K3 ships MXFP4 experts) and for a config.json whose
     quantization_config says mxfp4-pack-quantized, else dense."""
-    from jaxk3.bench_decode import load_config
+    from jaxk3.tools.bench_decode import load_config
     from jaxk3.checkpoint import EXPERTS
 
     if experts not in EXPERTS:

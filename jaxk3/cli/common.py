@@ -1,0 +1,161 @@
+"""What every subcommand of the `jaxk3` command line shares: one-line errors (`fail`, `Parser`), the
+argparse types, `--cpu-devices` (applied before jax starts), and the checks of output files."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+
+MAX_CPU_DEVICES = 1024  # fake CPU devices: XLA makes each one up front
+_DIGITS = re.compile(r"[0-9]+")  # ASCII digits only: int() would also take "٣", "1_0", "+1", " 1"
+
+
+def one_line(message: object) -> str:
+    """`message` as one printable line: newlines and other control characters escaped."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(message))
+
+
+def fail(prog: str, message: object) -> int:
+    """Prints `prog: error: message` (one line) on stderr; returns the exit status 2."""
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr, flush=True)
+    return 2
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`jaxk3 bench gather: error: ...`, exit 2): no usage block, which
+    `--help` prints.  Subparsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def int_in(lo: int, hi: int, what: str = "an integer"):
+    """An argparse type: an integer in lo..hi, decimal ASCII digits only."""
+
+    def parse(text: str) -> int:
+        t = text.strip()
+        neg = t.startswith("-")
+        if not _DIGITS.fullmatch(t[1:] if neg else t) or not lo <= (v := int(t)) <= hi:
+            raise argparse.ArgumentTypeError(f"need {what} in {lo}..{hi}, got {text!r}")
+        return v
+
+    parse.__name__ = f"integer {lo}..{hi}"
+    return parse
+
+
+positive = int_in(1, 2**31 - 1, "a positive integer")
+
+
+def cpu_devices_from_argv(argv: list[str]) -> int | None:
+    """The value of the last --cpu-devices (or an unambiguous prefix of it: --cp, --cpu-dev, ...) in
+    `argv`, without jax; ValueError when it is not an integer in 1..MAX_CPU_DEVICES."""
+    n = None
+    for i, a in enumerate(argv):
+        if a == "--":
+            break
+        name, eq, value = a.partition("=")
+        if len(name) < 4 or not "--cpu-devices".startswith(name):
+            continue
+        if eq:
+            n = value
+        elif i + 1 < len(argv):
+            n = argv[i + 1]
+        else:
+            raise ValueError("argument --cpu-devices: expected one argument")
+    if n is None:
+        return None
+    try:
+        return int_in(1, MAX_CPU_DEVICES)(n)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"argument --cpu-devices: {e}") from None
+
+
+def early_cpu_devices(argv: list[str]) -> None:
+    """Applies --cpu-devices before jax starts a backend (XLA reads its flags once)."""
+    n = cpu_devices_from_argv(argv)
+    if n is not None:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+MAX_GATHER_BYTES = 1 << 30  # per rank; --sizes
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    units = {"k": 1024, "kb": 1024, "m": 1 << 20, "mb": 1 << 20, "b": 1}
+    out = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        num = p.rstrip("kmb")
+        unit = p[len(num):] or "b"
+        if not _DIGITS.fullmatch(num) or unit not in units or not 1 <= int(num) * units[unit] <= MAX_GATHER_BYTES:
+            raise argparse.ArgumentTypeError(
+                f"bad size {part!r}: use positive byte counts up to 1024m, like 64,1k,256k")
+        out.append(int(num) * units[unit])
+    return tuple(out)
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    out = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        mult = 1024 if p.endswith("k") else 1
+        num = p[:-1] if p.endswith("k") else p
+        if not _DIGITS.fullmatch(num) or not 1 <= int(num) * mult <= 2**31 - 1:
+            raise argparse.ArgumentTypeError(f"bad value {part!r}: use positive integers like 1,8 or 4k,32k")
+        out.append(int(num) * mult)
+    return tuple(out)
+
+
+def cpu_devices_arg(parser: argparse.ArgumentParser, **kw) -> None:
+    parser.add_argument("--cpu-devices", type=int_in(1, MAX_CPU_DEVICES), metavar="N",
+                        help=f"use N fake CPU devices (1..{MAX_CPU_DEVICES})", **kw)
+
+
+def choices_list(allowed: tuple[str, ...]):
+    """An argparse type: a comma list of some of `allowed`, in the order given."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(t.strip() for t in text.split(","))
+        bad = [t for t in items if t not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)} (comma separated)")
+        return tuple(dict.fromkeys(items))
+
+    return parse
+
+
+def command(args) -> str:
+    """`jaxk3 bench gather`, `jaxk3 generate`, ...: the prefix of this command's error lines."""
+    return " ".join(["jaxk3", args.cmd] + ([args.bench_cmd] if getattr(args, "bench_cmd", None) else []))
+
+
+def writable_file(path: str, option: str) -> str | None:
+    """A problem with writing `path` later (after minutes of work), or None."""
+    if not path.strip():
+        return f"{option}: needs a file name, got {path!r}"
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{option} {path}: is a directory"
+    if not os.path.isdir(parent):
+        return f"{option} {path}: the directory {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"{option} {path}: the directory {parent} is not writable"
+    return None
+
+
+def write_json(write, result: dict, path: str, cmd: str) -> int:
+    try:
+        write(result, path)
+    except OSError as e:
+        return fail(cmd, f"--json {path}: cannot write ({e.strerror or e})")
+    print(f"wrote {path}")
+    return 0
+
+
+def progress(msg: str) -> None:
+    """A long run's progress line, on stderr."""
+    print(f"  .. {msg}", file=sys.stderr, flush=True)

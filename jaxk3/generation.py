@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
@@ -30,35 +31,64 @@ F32 = jnp.float32
 # share their compiled prefill and decode loop.
 
 
+SEED_LIMIT = 1 << 64  # seeds are 64-bit: 0 <= seed < 2**64, never wrapped
+# The smallest float32 temperature that logits are divided by: below it (a subnormal, which XLA may
+# flush to zero, or 0 after the cast) sampling is greedy, which is what such a temperature means.
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How the next token is chosen.  temperature 0: greedy (argmax); top_k 0: no top-k limit;
-    top_p 1.0: no nucleus limit."""
+    """How the next token is chosen.  temperature 0 (or below MIN_TEMPERATURE, the smallest normal
+    float32): greedy (argmax); top_k 0: no top-k limit; top_p 1.0: no nucleus limit; seed: an int in
+    [0, 2**64), every bit of it keys the draws."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and jnp.isfinite(self.temperature)):
-            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k: must be an int >= 0 (0: off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed: must be an int, got {self.seed!r}")
+        t = self.temperature
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating)) or \
+                not (t >= 0 and np.isfinite(t)):
+            raise ValueError(f"temperature: must be a finite number >= 0, got {t!r}")
+        k = self.top_k
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"top_k: must be an int >= 0 (0: off), got {k!r}")
+        p = self.top_p
+        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)) or \
+                not 0 < p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {p!r}")
+        seed = self.seed
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or \
+                not 0 <= int(seed) < SEED_LIMIT:
+            raise ValueError(f"seed: must be an int in [0, 2**64) (64 bits, never wrapped), got {seed!r}")
+        # plain Python values: the dataclass is a static argument of jitted functions (hashed, compared)
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", int(k))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "seed", int(seed))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
+
+    def key(self) -> jax.Array:
+        """The threefry key of the 64-bit seed: words [seed >> 32, seed & 0xFFFFFFFF], which is
+        `jax.random.key(seed)` for seeds below 2**32 (so those draws are what they always were)."""
+        words = np.array([self.seed >> 32, self.seed & 0xFFFFFFFF], np.uint32)
+        return jax.random.wrap_key_data(jnp.asarray(words), impl="threefry2x32")
 
 
 def sample(logits_BV: jax.Array, position: jax.Array, s: Sampling) -> jax.Array:
-    """The next token of each row, int32 [B]; `position` (a scalar) keys the draw."""
+    """The next token of each row, int32 [B]; `position` (a scalar) keys the draw.  The logits are
+    shifted by their row maximum before the division by the temperature, so that a tiny temperature
+    gives finite logits (the best at 0, the rest very negative or -inf) and samples the best token,
+    never a row of infinities."""
     if s.greedy:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    lg = logits_BV.astype(F32) / s.temperature
+    lg = logits_BV.astype(F32)
+    lg = (lg - jnp.max(lg, axis=-1, keepdims=True)) / jnp.float32(s.temperature)
     if s.top_k:
         kth = lax.top_k(lg, min(s.top_k, lg.shape[-1]))[0][:, -1:]
         lg = jnp.where(lg < kth, -jnp.inf, lg)
@@ -69,7 +99,7 @@ def sample(logits_BV: jax.Array, position: jax.Array, s: Sampling) -> jax.Array:
         keep = before < s.top_p  # always keeps the first
         threshold = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
         lg = jnp.where(lg < threshold, -jnp.inf, lg)
-    key = jax.random.fold_in(jax.random.key(s.seed), position)
+    key = jax.random.fold_in(s.key(), position)
     return jax.random.categorical(key, lg, axis=-1).astype(jnp.int32)
 
 

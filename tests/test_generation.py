@@ -107,9 +107,50 @@ def test_sample_distribution():
     assert np.asarray(generation.sample(logits, 0, generation.Sampling())).tolist() == [0]  # greedy
 
 
+def test_seeds_are_64_bits_never_wrapped():
+    """Seeds that the old 32-bit key made equal (0 / 2**32; -1 / 2**32-1 / 2**63-1) now draw
+    differently (16 draws over 4096 tokens each: a chance collision is ~4096**-16); seeds below 2**32
+    keep jax.random.key(seed)'s draws; what is not a 64-bit unsigned int is refused by name."""
+    logits = jax.random.normal(jax.random.key(3), (1, 4096))
+    seeds = (0, 2**32, 2**32 - 1, 2**63 - 1, 2**64 - 1, 5, 5 + 2**32)
+    draws = {}
+    for seed in seeds:
+        s = generation.Sampling(temperature=1.0, seed=seed)
+        draws[seed] = tuple(np.asarray(jax.vmap(lambda i: generation.sample(logits, i, s))(jnp.arange(16)))[:, 0])
+    assert len(set(draws.values())) == len(seeds), draws
+    for seed in (0, 7, 2**32 - 1):
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(generation.Sampling(1.0, seed=seed).key())),
+                                      np.asarray(jax.random.key_data(jax.random.key(seed))))
+    assert generation.Sampling(1.0, seed=np.int64(9)).seed == 9
+    for bad in (-1, 2**64, 2**70, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="seed"):
+            generation.Sampling(temperature=1.0, seed=bad)
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-38, 1e-45, 1e-300])
+def test_tiny_temperatures_sample_the_best_token(temperature):
+    """A temperature so small that logits / T overflows float32 (or T itself is subnormal or 0 in
+    float32) samples the argmax, never token 0 from a row of infinities: below the smallest normal
+    float32 it is greedy by definition, above it the logits are shifted by their maximum first."""
+    logits = jax.random.normal(jax.random.key(1), (4, 1000)) * 3.0
+    s = generation.Sampling(temperature=temperature, seed=4)
+    assert s.greedy == (temperature < generation.MIN_TEMPERATURE)
+    got = np.asarray(jax.vmap(lambda i: generation.sample(logits, i, s))(jnp.arange(8)))
+    want = np.asarray(jnp.argmax(logits, axis=-1))
+    assert (got == want[None]).all() and (want != 0).any(), (got, want)
+
+
+def test_tiny_temperature_generates_the_greedy_tokens(models):
+    m = _model(models, "k3", 1)
+    greedy = m.generate(PROMPTS, 5).tokens
+    for t in (1e-38, 1e-300):
+        np.testing.assert_array_equal(m.generate(PROMPTS, 5, temperature=t, seed=2**40).tokens, greedy)
+
+
 def test_bad_sampling_arguments(models):
     m = _model(models, "k3", 1)
     for kw, match in ((dict(temperature=-1.0), "temperature"), (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"),
+                      (dict(seed=-1), "seed"), (dict(seed=2**64), "seed"), (dict(temperature=float("nan")), "temperature"),
                       (dict(prefill_chunk=100), "prefill_chunk"), (dict(decode_chunk=0), "decode_chunk"),
                       (dict(stop_ids=[5000]), "stop_ids"), (dict(temperature=0.5, step_by_step=True), "greedily")):
         with pytest.raises(ValueError, match=match):

@@ -112,4 +112,4 @@ def active(platform: str | None = None) -> dict[str, bool]:
     return {n: platform in k.platforms and not k.unproven for n, k in sorted(REGISTRY.items())}
 
 
-from jaxk3.kernels import attn_res_norm, kda_decode, mla_decode, moe_experts, rms_norm, router  # noqa: E402,F401,I001
+from jaxk3.kernels import attn_res_norm, gemv, kda_decode, mla_decode, moe_experts, rms_norm, router  # noqa: E402,F401,I001

@@ -20,10 +20,32 @@ from jaxk3.kernels import Kernel, interpret_only, register
 from jaxk3.layers.mla import latent_attention
 
 F32 = jnp.float32
-BLOCK_S = 64  # cache slots per inner step
-SPLIT = 1024  # cache slots per grid program (parts = ceil(S / SPLIT))
-BLOCK_H = 64  # heads per grid program (padded to a power of two >= 16 for the dots)
+BLOCK_S = 32  # cache slots per inner step (default; `tiles`)
+SPLIT = 1024  # at most this many cache slots per grid program (parts = ceil(S / split))
+BLOCK_H = 16  # heads per grid program (padded to a power of two >= 16 for the dots)
 NEG = -1e30  # a finite "minus infinity": exp(NEG - m) is 0 without inf - inf
+SMEM_BYTES = 232_448  # shared memory a block may use on an H100/H200 (sm_90)
+MIN_PROGRAMS = 264  # aim for >= 2 programs per SM (132 SMs): the context split shrinks until there are
+
+
+def smem_estimate(Hb: int, bs: int, R: int, P: int) -> int:
+    """Shared memory the Triton lowering asks for, as measured: 4 bytes x (q_latent [Hb, R] + the cache
+    tile [bs, R] staged twice (once per dot) + q_pe [Hb, P] + k_pe [bs, P] + p [Hb, bs]) + 256.  It
+    reproduces the 442,624 B that Hb = 64, bs = 64, R = 512, P = 64 asked for on an H200."""
+    return 4 * (Hb * R + 2 * bs * R + Hb * P + bs * P + Hb * bs) + 256
+
+
+def tiles(B: int, H: int, S: int, R: int, P: int, block_h: int | None = None, block_s: int | None = None,
+          split: int | None = None) -> tuple[int, int, int]:
+    """(Hb, bs, split): the head group, the slots per inner step, the slots per grid program."""
+    Hb = block_h or min(BLOCK_H, max(16, 1 << (H - 1).bit_length()))
+    bs = block_s or BLOCK_S
+    if split is None:
+        G = -(-H // Hb)
+        split = min(SPLIT, S)
+        while split > 2 * bs and split % 2 == 0 and S % (split // 2) == 0 and B * G * (S // split) < MIN_PROGRAMS:
+            split //= 2
+    return Hb, bs, split
 
 
 _HI = jax.lax.Precision.HIGHEST  # float32 dots (not TF32), as the reference
@@ -35,7 +57,7 @@ def _dot_t(a, b):
 
 
 def _kernel(len_ref, ql_ref, qpe_ref, kv_ref, m_ref, l_ref, acc_ref, *, R: int, P: int, S: int, split: int,
-            scale: float):
+            scale: float, BLOCK_S: int):
     from jax.experimental import pallas as pl
 
     b, hg, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -66,16 +88,19 @@ def _kernel(len_ref, ql_ref, qpe_ref, kv_ref, m_ref, l_ref, acc_ref, *, R: int, 
     acc_ref[b, hg, part] = acc
 
 
-def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool = False) -> jax.Array:
+def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool = False, block_h: int | None = None,
+               block_s: int | None = None, split: int | None = None, num_warps: int = 4,
+               num_stages: int = 2) -> jax.Array:
     """The same function as the reference: fp32 [B, H, R]."""
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
 
     B, H, R = ql_BHR.shape
     S, P = kv_BSR.shape[1], qpe_BHP.shape[-1]
-    Hb = min(BLOCK_H, max(16, 1 << (H - 1).bit_length()))
+    Hb, bs, split = tiles(B, H, S, R, P, block_h, block_s, split)
     G = -(-H // Hb)
-    split = min(SPLIT, S)
     parts = S // split
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
 
     def heads(x):  # [B, H, X] -> [B, G, Hb, X], padded heads score 0 and are dropped below
         x = jnp.pad(x.astype(F32), ((0, 0), (0, G * Hb - H), (0, 0)))
@@ -83,8 +108,8 @@ def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool 
 
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     m, l, acc = pl.pallas_call(
-        functools.partial(_kernel, R=R, P=P, S=S, split=split, scale=scale), grid=(B, G, parts),
-        in_specs=[any_] * 4, out_specs=[any_] * 3,
+        functools.partial(_kernel, R=R, P=P, S=S, split=split, scale=scale, BLOCK_S=bs), grid=(B, G, parts),
+        in_specs=[any_] * 4, out_specs=[any_] * 3, **kw,
         out_shape=(jax.ShapeDtypeStruct((B, G, parts, Hb), F32), jax.ShapeDtypeStruct((B, G, parts, Hb), F32),
                    jax.ShapeDtypeStruct((B, G, parts, Hb, R), F32)),
         interpret=interpret,
@@ -98,13 +123,21 @@ def reference(ql_BHR, qpe_BHP, kv_BSR, length_B, scale):
     return latent_attention(ql_BHR, qpe_BHP, kv_BSR, length_B, scale)
 
 
-def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, **_) -> str | None:
-    R, P, S = ql_BHR.shape[-1], qpe_BHP.shape[-1], kv_BSR.shape[1]
+def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, block_s: int | None = None,
+         split: int | None = None, **_) -> str | None:
+    B, H, R = ql_BHR.shape
+    P, S = qpe_BHP.shape[-1], kv_BSR.shape[1]
     for name, n in (("kv_lora_rank", R), ("qk_rope_head_dim", P)):
         if n & (n - 1) or n < 16:
             return f"mla_decode kernel needs {name} a power of two >= 16 (Triton blocks), got {n}"
-    if S % BLOCK_S or (S > SPLIT and S % SPLIT):
-        return f"mla_decode kernel needs the cache length a multiple of {BLOCK_S} (and of {SPLIT} above it), got {S}"
+    Hb, bs, split = tiles(B, H, S, R, P, block_h, block_s, split)
+    if S % bs or S % split or split % bs:
+        return (f"mla_decode kernel needs the cache length {S} a multiple of the split {split}, itself a multiple "
+                f"of the {bs}-slot block")
+    need = smem_estimate(Hb, bs, R, P)
+    if need > SMEM_BYTES:
+        return (f"mla_decode kernel: {Hb} heads x {bs} slots of a {R}+{P} latent need ~{need:,} B of shared "
+                f"memory, more than the {SMEM_BYTES:,} B a block has (smaller block_h / block_s)")
     return None
 
 

@@ -1,0 +1,170 @@
+"""Decode GEMV y[B, N] (fp32) = x[B, K] @ W^T for B <= 8 and bf16 weights, as one Pallas kernel
+beside its jnp reference (XLA's dot, `jnp.einsum('bk,nk->bn', ..., preferred_element_type=f32)`).
+
+At decode the projections are bandwidth-bound: each weight byte is read once per step, so the
+kernel's whole job is to keep enough bytes in flight.  The grid is (N / bn, splits): a program owns
+bn output rows and one of `splits` equal parts of K, and walks its part in tiles of [bn, bk]
+weights (a Triton loop that num_stages software-pipelines).  Where N is short (an o_proj-sized
+matrix, a q_a down-projection) the split over K multiplies the programs so that every SM streams;
+the `splits` partial sums [splits, Bp, N] are added by XLA in the fusion that consumes y (the add
+of the residual, the activation), so the split costs no extra kernel in the step.
+
+Two ways to multiply a tile, chosen per shape (`Config.dot`):
+  dot=False  (B = 1) the tile times x broadcast, accumulated element-wise in a [bn, bk] fp32 register
+             tile and reduced over K once at the end;
+  dot=True   x padded to 16 rows, tl.dot on the tensor cores (bf16 in, fp32 accumulate): any B <= 8.
+
+Weight layout ("serving layout", made at load): "nk" is the checkpoint's [N, K] row-major, "kn" its
+transpose [K, N].  The per-shape configurations (`CONFIGS`) come from the sweep on an H200 recorded
+in docs/PERF.md; shapes not in the table take `default_config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxk3.kernels import Kernel, register
+
+F32 = jnp.float32
+MAX_B = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    bn: int = 16  # output rows per program
+    bk: int = 256  # K elements per tile (a power of two that divides K / splits)
+    splits: int = 1  # programs along K; the partial sums are added by XLA in y's consumer
+    dot: bool = False  # tensor-core dot on x padded to 16 rows (any B) or element-wise (B = 1)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (layout, B bucket (1 or 8), N, K) -> Config, from the H200 sweep (docs/PERF.md, "GEMV").
+CONFIGS: dict[tuple[str, int, int, int], Config] = {}
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def default_config(B: int, N: int, K: int, sms: int = 132) -> Config:
+    """A tile that divides the shape, and enough programs (>= 4 per SM) for the split over K."""
+    bk = next(b for b in (256, 128, 64) if K % b == 0)
+    dot = B > 1
+    bn = next(b for b in ((32, 16) if dot else (16, 32, 64)) if N % b == 0)
+    steps = K // bk
+    splits = 1
+    for s in range(1, steps + 1):
+        if steps % s == 0:
+            splits = s
+            if (N // bn) * s >= 4 * sms:
+                break
+    return Config(bn=bn, bk=bk, splits=splits, dot=dot)
+
+
+def config_for(B: int, N: int, K: int, layout: str = "nk") -> Config:
+    return CONFIGS.get((layout, 1 if B == 1 else 8, N, K)) or default_config(B, N, K)
+
+
+def _dot_nt(a, b):
+    """a [M, K] @ b[N, K].T -> [M, N], bf16 in, fp32 out (tensor cores)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def _kernel(x_ref, w_ref, o_ref, *, layout: str, bn: int, bk: int, steps: int, dot: bool):
+    from jax.experimental import pallas as pl
+
+    n, s = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(pl.multiple_of(n * bn, bn), bn)
+    k0 = s * (steps * bk)
+
+    def tile(i):
+        cols = pl.ds(pl.multiple_of(k0 + i * bk, bk), bk)
+        w = w_ref[rows, cols] if layout == "nk" else w_ref[cols, rows]  # [bn, bk] or [bk, bn]
+        return cols, w
+
+    if dot:
+        def body(i, acc):
+            cols, w = tile(i)
+            x = x_ref[:, cols]  # [16, bk]
+            if layout == "nk":
+                return acc + _dot_nt(x, w)
+            return acc + jnp.dot(x, w, preferred_element_type=F32)
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((x_ref.shape[0], bn), F32))
+        o_ref[s, :, rows] = acc
+    else:
+        def body(i, acc):
+            cols, w = tile(i)
+            x = x_ref[0, cols].astype(F32)  # [bk]
+            if layout == "nk":
+                return acc + w.astype(F32) * x[None, :]
+            return acc + w.astype(F32) * x[:, None]
+        shape = (bn, bk) if layout == "nk" else (bk, bn)
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape, F32))
+        o_ref[s, 0, rows] = jnp.sum(acc, axis=1 if layout == "nk" else 0)
+
+
+def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
+             interpret: bool = False) -> jax.Array:
+    """The kernel's raw output: fp32 [splits, Bp, N] partial sums (Bp = 16 with dot, else 1)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    B, K = x_BK.shape
+    N = w.shape[0] if layout == "nk" else w.shape[1]
+    c = config or config_for(B, N, K, layout)
+    steps = K // c.splits // c.bk
+    Bp = 16 if c.dot else 1
+    x = x_BK.astype(w.dtype)
+    if Bp != B:
+        x = jnp.pad(x, ((0, Bp - B), (0, 0)))
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
+                                                                          num_stages=c.num_stages))
+    return pl.pallas_call(
+        functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot),
+        grid=(N // c.bn, c.splits), in_specs=[any_, any_], out_specs=any_,
+        out_shape=jax.ShapeDtypeStruct((c.splits, Bp, N), F32), interpret=interpret, **kw)(x, w)
+
+
+def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
+         interpret: bool = False) -> jax.Array:
+    """The same function as the reference: fp32 [B, N] = x @ W^T (W [N, K] for "nk", [K, N] for "kn")."""
+    p = partials(x_BK, w, layout, config, interpret)
+    y = p[0] if p.shape[0] == 1 else jnp.sum(p, axis=0)
+    return y[: x_BK.shape[0]]
+
+
+def reference(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None) -> jax.Array:
+    spec = "bk,nk->bn" if layout == "nk" else "bk,kn->bn"
+    return jnp.einsum(spec, x_BK.astype(w.dtype), w, preferred_element_type=F32)
+
+
+def fits(x_BK, w, layout: str = "nk", config: Config | None = None, **_) -> str | None:
+    if layout not in ("nk", "kn"):
+        return f"gemv kernel: layout must be 'nk' or 'kn', got {layout!r}"
+    if x_BK.ndim != 2 or w.ndim != 2:
+        return f"gemv kernel takes x [B, K] and a 2-D weight, got {x_BK.shape} and {w.shape}"
+    B, K = x_BK.shape
+    N, Kw = w.shape if layout == "nk" else w.shape[::-1]
+    if Kw != K:
+        return f"gemv kernel: x has K = {K}, the weight ({layout}) {w.shape}"
+    if B > MAX_B:
+        return f"gemv kernel is for decode (B <= {MAX_B}), got B = {B}"
+    if w.dtype != jnp.bfloat16:
+        return f"gemv kernel streams bf16 weights, got {w.dtype}"
+    c = config or config_for(B, N, K, layout)
+    if B > 1 and not c.dot:
+        return f"gemv kernel: B = {B} needs the dot variant (config {c})"
+    if not (_pow2(c.bn) and _pow2(c.bk)) or N % c.bn or K % (c.splits * c.bk) or c.bn < 16 or c.bk < 16:
+        return (f"gemv kernel: the tile bn {c.bn} x bk {c.bk} (powers of two >= 16) with {c.splits} K splits "
+                f"must divide N {N}, K {K}")
+    return None
+
+
+register(Kernel("gemv", reference, gemv, platforms=("gpu",), fits=fits,
+                unproven="checked in Pallas interpret mode only: its compiled test tests/test_gemv.py::test_gemv_kernel_on_gpu "
+                         "has not yet run on a GPU"))

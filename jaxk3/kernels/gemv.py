@@ -40,6 +40,7 @@ class Config:
     dot: bool = False  # tensor-core dot on x padded to 16 rows (any B) or element-wise (B = 1)
     num_warps: int = 4
     num_stages: int = 3
+    unroll: bool = False  # the K loop written out (all tile loads visible at once) instead of a Triton loop
 
 
 # (layout, B bucket (1 or 8), N, K) -> Config, from the H200 sweep (docs/PERF.md, "GEMV").
@@ -74,7 +75,16 @@ def _dot_nt(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, layout: str, bn: int, bk: int, steps: int, dot: bool):
+def _loop(steps: int, body, init, unroll: bool):
+    if not unroll:
+        return jax.lax.fori_loop(0, steps, body, init)
+    acc = init
+    for i in range(steps):
+        acc = body(i, acc)
+    return acc
+
+
+def _kernel(x_ref, w_ref, o_ref, *, layout: str, bn: int, bk: int, steps: int, dot: bool, unroll: bool):
     from jax.experimental import pallas as pl
 
     n, s = pl.program_id(0), pl.program_id(1)
@@ -93,7 +103,7 @@ def _kernel(x_ref, w_ref, o_ref, *, layout: str, bn: int, bk: int, steps: int, d
             if layout == "nk":
                 return acc + _dot_nt(x, w)
             return acc + jnp.dot(x, w, preferred_element_type=F32)
-        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((x_ref.shape[0], bn), F32))
+        acc = _loop(steps, body, jnp.zeros((x_ref.shape[0], bn), F32), unroll)
         o_ref[s, :, rows] = acc
     else:
         def body(i, acc):
@@ -103,7 +113,7 @@ def _kernel(x_ref, w_ref, o_ref, *, layout: str, bn: int, bk: int, steps: int, d
                 return acc + w.astype(F32) * x[None, :]
             return acc + w.astype(F32) * x[:, None]
         shape = (bn, bk) if layout == "nk" else (bk, bn)
-        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape, F32))
+        acc = _loop(steps, body, jnp.zeros(shape, F32), unroll)
         o_ref[s, 0, rows] = jnp.sum(acc, axis=1 if layout == "nk" else 0)
 
 
@@ -125,7 +135,7 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
                                                                           num_stages=c.num_stages))
     return pl.pallas_call(
-        functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot),
+        functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot, unroll=c.unroll),
         grid=(N // c.bn, c.splits), in_specs=[any_, any_], out_specs=any_,
         out_shape=jax.ShapeDtypeStruct((c.splits, Bp, N), F32), interpret=interpret, **kw)(x, w)
 

@@ -43,7 +43,10 @@ def tiles(B: int, H: int, S: int, R: int, P: int, block_h: int | None = None, bl
     if split is None:
         G = -(-H // Hb)
         split = min(SPLIT, S)
-        while split > 2 * bs and split % 2 == 0 and S % (split // 2) == 0 and B * G * (S // split) < MIN_PROGRAMS:
+        # shrink the split for parallelism while the partial sums written ([G·Hb, R] fp32 per part) stay
+        # under ~half the cache bytes read (split >= 4 x the padded heads)
+        while (split > 2 * bs and split % 2 == 0 and S % (split // 2) == 0 and B * G * (S // split) < MIN_PROGRAMS
+               and split // 2 >= 4 * G * Hb):
             split //= 2
     return Hb, bs, split
 

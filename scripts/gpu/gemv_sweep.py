@@ -55,19 +55,21 @@ def splits_for(N: int, K: int, bn: int, bk: int, target: int) -> int:
 
 def configs(B: int, N: int, K: int) -> list[tuple[str, G.Config]]:
     """(layout, config) candidates, the likeliest first."""
-    def C(bn, bk, target, dot, nw, ns, layout="nk"):
+    def C(bn, bk, target, dot, nw, ns, layout="nk", unroll=False):
         if N % bn or K % bk:
             return None
         return layout, G.Config(bn=bn, bk=bk, splits=splits_for(N, K, bn, bk, target), dot=dot, num_warps=nw,
-                                num_stages=ns)
+                                num_stages=ns, unroll=unroll)
     if B == 1:
         out = [C(16, 256, 528, False, 4, 3), C(16, 512, 528, False, 4, 3), C(32, 256, 528, False, 4, 3),
                C(8, 512, 528, False, 4, 3), C(16, 256, 1056, False, 4, 3), C(16, 256, 264, False, 4, 3),
                C(16, 256, 528, False, 4, 1), C(16, 256, 528, False, 4, 4), C(16, 256, 528, False, 8, 3),
+               C(16, 256, 528, False, 4, 3, unroll=True), C(32, 256, 264, False, 8, 3, unroll=True),
                C(32, 512, 528, False, 8, 3), C(16, 256, 528, True, 4, 3), C(16, 128, 528, True, 4, 4),
                C(64, 64, 528, False, 4, 3, "kn"), C(128, 64, 528, False, 4, 3, "kn"), C(64, 128, 528, True, 4, 3, "kn")]
     else:
         out = [C(16, 256, 528, True, 4, 3), C(32, 256, 528, True, 4, 3), C(16, 512, 528, True, 4, 3),
+               C(16, 256, 528, True, 4, 3, unroll=True),
                C(32, 128, 528, True, 4, 4), C(16, 256, 1056, True, 4, 3), C(16, 256, 528, True, 8, 3),
                C(64, 128, 528, True, 4, 3), C(64, 128, 528, True, 4, 3, "kn")]
     seen, res = set(), []
@@ -79,7 +81,8 @@ def configs(B: int, N: int, K: int) -> list[tuple[str, G.Config]]:
 
 
 def cfg_str(layout, c: G.Config) -> str:
-    return (f"{layout} bn{c.bn} bk{c.bk} s{c.splits} {'dot' if c.dot else 'ew'} w{c.num_warps} st{c.num_stages}")
+    return (f"{layout} bn{c.bn} bk{c.bk} s{c.splits} {'dot' if c.dot else 'ew'} w{c.num_warps} st{c.num_stages}"
+            + (" unroll" if c.unroll else ""))
 
 
 def chain_fn(gemv, N: int, K: int, nw: int):

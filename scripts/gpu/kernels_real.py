@@ -112,8 +112,10 @@ def main(argv=None) -> int:
                 jobs.append((kernel, preset, tp, B, path, {}))
     if a.mla_sweep:
         for preset, tp in (("k3", 1), ("k3", 8)):
-            for bh, bs in ((16, 16), (16, 64), (32, 32), (64, 16), (64, 64)):
-                jobs.append(("mla_decode", preset, tp, 1, f"kernel h{bh} s{bs}", dict(block_h=bh, block_s=bs)))
+            for bh, bs, sp in ((16, 16, None), (16, 64, None), (32, 32, None), (64, 16, None), (64, 64, None),
+                               (16, 32, 64), (16, 32, 256), (16, 32, 1024)):
+                kw = dict(block_h=bh, block_s=bs, split=sp)
+                jobs.append(("mla_decode", preset, tp, 1, f"kernel h{bh} s{bs} sp{sp}", kw))
     built = {}
 
     def prep(job):

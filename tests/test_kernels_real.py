@@ -10,7 +10,10 @@ Tolerances, per kernel (max |kernel - ref| / max |ref|):
                            relative), through rsqrt and (AttnRes) a softmax over <= 9 sources;
   kda_decode               1e-4: fp32 arithmetic, 128-term state contractions in another order;
   router_topk              ids equal, weights 1e-5 relative: the same fp32 terms (sigmoid ulps);
-  mla_decode               1e-4: fp32 online softmax over blocks vs one softmax over <= 4096 slots;
+  mla_decode               1e-3: the reference's fp32 dots run as TF32 under JAX's default matmul
+                           precision on Hopper (10-bit mantissa, 2^-11 = 4.9e-4 relative per product),
+                           measured 3-5e-4 on an H200; a missed k_pe term, a slot read past the
+                           length or a wrong part weight is off by >= 1e-2;
   moe_experts              4e-3: bf16 experts, the [B, I] intermediate rounded to bf16 on both paths
                            but from fp32 sums taken in another order, so single elements may round
                            one bf16 ulp (2^-8) apart before the 1536-3072-term down projection.
@@ -48,10 +51,11 @@ def case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, fmt: str = "d
     """(args, kwargs) of one call of `kernel` at the preset's per-rank shapes, or a str saying why
     the kernel has no such call at this preset (e.g. no AttnRes in Kimi-Linear)."""
     cfg = _cfg(preset)
-    r = np.random.default_rng(seed + 7 * B + tp)
+    r = np.random.default_rng(seed + 7 * B + tp)  # small host-side draws (ids, gates)
+    keys = iter(jax.random.split(jax.random.key(seed + 7 * B + tp), 64))  # the arrays: drawn on the device
 
     def a(*shape, s=1.0, dt=jnp.float32):
-        return jnp.asarray(r.standard_normal(shape) * s, dt)
+        return (jax.random.normal(next(keys), shape, jnp.float32) * s).astype(dt)
     if kernel == "rms_norm":  # the MLA kv_a norm (512); hidden norms do not fit the kernel (power of two)
         return (a(B, cfg.kv_lora_rank, dt=jnp.bfloat16), 1 + a(cfg.kv_lora_rank, s=0.1, dt=jnp.bfloat16),
                 cfg.rms_norm_eps), {}
@@ -90,8 +94,8 @@ def case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, fmt: str = "d
             ex = [a(E, I, L, s=0.02, dt=jnp.bfloat16), a(E, L, I, s=0.02, dt=jnp.bfloat16), a(E, I, L, s=0.02, dt=jnp.bfloat16)]
         else:
             def packed(O, In):
-                return moe.MXFP4(jnp.asarray(r.integers(0, 256, (E, O, In // 2)), jnp.uint8),
-                                 jnp.asarray(r.integers(119, 122, (E, O, In // 32)), jnp.uint8))
+                return moe.MXFP4(jax.random.randint(next(keys), (E, O, In // 2), 0, 256, jnp.int32).astype(jnp.uint8),
+                                 jax.random.randint(next(keys), (E, O, In // 32), 119, 122, jnp.int32).astype(jnp.uint8))
             ex = [packed(I, L), packed(L, I), packed(I, L)]
         w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=ex[0], experts_w2=ex[1], experts_w3=ex[2])
         ids = jnp.asarray(np.stack([r.permutation(E)[:k] for _ in range(B)]), jnp.int32)
@@ -101,7 +105,7 @@ def case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, fmt: str = "d
 
 
 KERNELS = ["rms_norm", "kda_decode", "router_topk", "attn_res_norm", "mla_decode", "moe_experts", "moe_experts_mxfp4"]
-TOL = dict(rms_norm=1e-4, kda_decode=1e-4, router_topk=1e-5, attn_res_norm=1e-4, mla_decode=1e-4, moe_experts=4e-3)
+TOL = dict(rms_norm=1e-4, kda_decode=1e-4, router_topk=1e-5, attn_res_norm=1e-4, mla_decode=1e-3, moe_experts=4e-3)
 # kernels whose shapes do not depend on TP run at one TP per preset
 TP_FREE = {"rms_norm", "router_topk", "attn_res_norm"}
 CASES = [(k, p, tp) for k in KERNELS for p, tp in PRESETS if not (k in TP_FREE and tp > 1)]

@@ -43,8 +43,33 @@ class Config:
     unroll: bool = False  # the K loop written out (all tile loads visible at once) instead of a Triton loop
 
 
-# (layout, B bucket (1 or 8), N, K) -> Config, from the H200 sweep (docs/PERF.md, "GEMV").
-CONFIGS: dict[tuple[str, int, int, int], Config] = {}
+# (layout, B bucket (1 or 8), N, K) -> the fastest Config of the H200 sweep (docs/PERF.md, "Decode GEMV").
+CONFIGS: dict[tuple[str, int, int, int], Config] = {
+    ("nk", 1, 2304, 2304): Config(bn=16, bk=256, splits=9),
+    ("nk", 1, 18432, 2304): Config(bn=16, bk=256, splits=1, num_warps=8),
+    ("nk", 1, 12288, 2304): Config(bn=32, bk=256, splits=1, num_warps=8, unroll=True),
+    ("nk", 1, 2304, 4096): Config(bn=16, bk=256, splits=4, unroll=True),
+    ("nk", 1, 1536, 7168): Config(bn=16, bk=256, splits=7),
+    ("nk", 1, 4608, 7168): Config(bn=16, bk=256, splits=2, num_warps=8),
+    ("nk", 1, 2304, 9216): Config(bn=16, bk=256, splits=4, num_warps=8),
+    ("nk", 1, 7168, 1536): Config(bn=8, bk=512, splits=1),
+    ("nk", 8, 2304, 2304): Config(bn=32, bk=128, splits=9, dot=True, num_stages=4),
+}
+# (B bucket, N, K) -> (kernel us, XLA dot us) in a dependent chain with its add, same run (H200,
+# 2026-12-01): where XLA's dot is as fast, the step should keep it (`prefer_kernel`).
+MEASURED: dict[tuple[int, int, int], tuple[float, float]] = {
+    (1, 2304, 2304): (6.05, 5.97), (1, 18432, 2304): (26.50, 29.97), (1, 12288, 2304): (17.99, 23.36),
+    (1, 2304, 4096): (8.61, 7.98), (1, 1536, 7168): (9.55, 10.17), (1, 4608, 7168): (21.54, 23.99),
+    (1, 2304, 9216): (16.0, 16.68), (1, 7168, 1536): (9.22, 15.47),
+    (8, 2304, 2304): (7.95, 11.93), (8, 18432, 2304): (32.63, 26.21), (8, 2304, 4096): (11.86, 10.29),
+    (8, 1536, 7168): (13.13, 10.56),
+}
+
+
+def prefer_kernel(B: int, N: int, K: int, margin: float = 1.03) -> bool:
+    """Whether the measured kernel beats XLA's dot at this shape by `margin` (unmeasured: False)."""
+    m = MEASURED.get((1 if B == 1 else 8, N, K))
+    return bool(m) and m[1] / m[0] >= margin
 
 
 def _pow2(n: int) -> bool:
@@ -169,9 +194,10 @@ def fits(x_BK, w, layout: str = "nk", config: Config | None = None, **_) -> str 
     c = config or config_for(B, N, K, layout)
     if B > 1 and not c.dot:
         return f"gemv kernel: B = {B} needs the dot variant (config {c})"
-    if not (_pow2(c.bn) and _pow2(c.bk)) or N % c.bn or K % (c.splits * c.bk) or c.bn < 16 or c.bk < 16:
-        return (f"gemv kernel: the tile bn {c.bn} x bk {c.bk} (powers of two >= 16) with {c.splits} K splits "
-                f"must divide N {N}, K {K}")
+    if (not (_pow2(c.bn) and _pow2(c.bk)) or N % c.bn or K % (c.splits * c.bk) or c.bn < (16 if c.dot else 8)
+            or c.bk < 16):
+        return (f"gemv kernel: the tile bn {c.bn} x bk {c.bk} (powers of two, bk >= 16, bn >= 16 with dot, >= 8 "
+                f"without) with {c.splits} K splits must divide N {N}, K {K}")
     return None
 
 

@@ -71,7 +71,9 @@ def configs(B: int, N: int, K: int) -> list[tuple[str, G.Config]]:
         out = [C(16, 256, 528, True, 4, 3), C(32, 256, 528, True, 4, 3), C(16, 512, 528, True, 4, 3),
                C(16, 256, 528, True, 4, 3, unroll=True),
                C(32, 128, 528, True, 4, 4), C(16, 256, 1056, True, 4, 3), C(16, 256, 528, True, 8, 3),
-               C(64, 128, 528, True, 4, 3), C(64, 128, 528, True, 4, 3, "kn")]
+               C(64, 128, 528, True, 4, 3), C(64, 128, 528, True, 4, 3, "kn"),
+               C(32, 128, 528, True, 4, 3), C(32, 256, 264, True, 4, 4), C(64, 256, 264, True, 8, 3),
+               C(32, 128, 1056, True, 4, 4)]
     seen, res = set(), []
     for c in out:
         if c and c not in seen:
@@ -225,6 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"), "gemv.json"))
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--no-cuda", action="store_true")
+    ap.add_argument("--batch", type=int, default=0, help="only this batch (default: all)")
     ap.add_argument("--only", default="", help="'pick': only the tuned/default config per case")
     a = ap.parse_args(argv)
     cpu = jax.devices()[0].platform == "cpu"
@@ -232,6 +235,8 @@ def main(argv=None) -> int:
     cases = CASES
     if a.cases:
         cases = [c for c in CASES if c[0] in a.cases.split(",")]
+    if a.batch:
+        cases = [c for c in cases if c[1] == a.batch]
     if cpu:
         CHAIN, INNER, REPS = 2, 1, 1
         cases = [("cpu_tiny", 1, 64, 512), ("cpu_tiny", 8, 32, 768)]

@@ -26,7 +26,7 @@ def _xw(B, N, K, seed=0):
 def test_gemv_kernel_matches_reference(B, N, K, layout, cfg):
     x, w = _xw(B, N, K)
     ww = w if layout == "nk" else w.T
-    why = G.fits(x, ww, layout, cfg)
+    why = G.fits(x, ww, layout, cfg, only_where_faster=False)
     if why:
         assert B > 1 and not cfg.dot and "dot variant" in why
         return
@@ -38,7 +38,8 @@ def test_gemv_kernel_matches_reference(B, N, K, layout, cfg):
 
 def test_gemv_fits_and_selection():
     x, w = _xw(1, 64, 512)
-    assert G.fits(x, w) is None
+    assert G.fits(x, w, only_where_faster=False) is None
+    assert "not measured" in G.fits(x, w)
     assert "B <= 8" in G.fits(jnp.zeros((9, 512), jnp.bfloat16), w)
     assert "bf16" in G.fits(x, w.astype(jnp.float32))
     assert "K = 256" in G.fits(jnp.zeros((1, 256), jnp.bfloat16), w)
@@ -47,6 +48,18 @@ def test_gemv_fits_and_selection():
     assert kernels.explain("gemv", x, w, platform="cpu").startswith("reference")
     c = G.default_config(1, 2304, 4096)
     assert (2304 // c.bn) * c.splits >= 4 * 132 and 4096 % (c.splits * c.bk) == 0
+    # auto takes the kernel only where it beat XLA's dot on the H200 (shapes only: nothing allocated)
+    s = jax.ShapeDtypeStruct
+    win, lose = (1, 18432, 2304), (1, 2304, 4096)
+    for (B, N, K), ok in ((win, True), (lose, False)):
+        xs, ws = s((B, K), jnp.bfloat16), s((N, K), jnp.bfloat16)
+        how = kernels.explain("gemv", xs, ws, platform="gpu")
+        assert how.startswith("device") if ok else "XLA's dot is as fast" in how, how
+        assert G.fits(xs, ws, only_where_faster=False) is None
+    assert kernels.active("gpu")["gemv"]
+    for (l, B, N, K), c in G.CONFIGS.items():  # every tuned config fits its shape
+        assert G.fits(s((B, K), jnp.bfloat16), s((N, K), jnp.bfloat16), only_where_faster=False) is None
+        assert (B, N, K) in G.MEASURED
 
 
 @pytest.mark.gpu
@@ -59,8 +72,8 @@ def test_gemv_kernel_on_gpu(B, N, K):
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
     x, w = _xw(B, N, K)
-    assert kernels.explain("gemv", x, w, mode="on").startswith("device")
-    f = jax.jit(lambda x, w: kernels.call("gemv", x, w, mode="on"))
+    assert kernels.explain("gemv", x, w, mode="on", only_where_faster=False).startswith("device")
+    f = jax.jit(lambda x, w: kernels.call("gemv", x, w, mode="on", only_where_faster=False))
     junk = jnp.full((1 << 27,), jnp.nan, jnp.float32).block_until_ready()
     del junk
     got = np.asarray(f(x, w))

@@ -8,6 +8,16 @@ part) walks its part in blocks of BLOCK_S slots with an online softmax (running 
 weighted sum acc of c_kv), reading each cache entry once for its head group; slots past the row's
 length are skipped.  A short jnp step merges the parts (log-sum-exp).  float32 throughout, as in
 the reference; the sums run in another order, so results agree to float32 rounding.
+
+Tiles (`tiles`, FlashMLA-style): a head group of 16 and 32 slots per step keep the staged operands
+in shared memory (`smem_estimate`, which reproduces the 442,624 B the first tiling of 64 x 64 asked
+for on an H200, where a block has 232,448 B); `fits` names a tiling that cannot fit instead of
+failing at compile time.  The context split shrinks until there are >= 2 programs per SM, while the
+partial sums it writes stay under about half the cache bytes.
+
+Measured on an H200 (2026-12-01, docs/PERF.md): compiles and matches the reference at every preset
+shape (K3 TP 1/2/8, Kimi-Linear-48B; 1.1e-6 against fp32 dots), but the float32 dots lower to
+CUDA-core FMAs: 3.3 ms against XLA's 33 us at K3 TP 1, B = 1, 4K context.  Hence `unproven`.
 """
 from __future__ import annotations
 
@@ -19,10 +29,35 @@ import jax.numpy as jnp
 from jaxk3.kernels.registry import Kernel, interpret_only, register
 
 F32 = jnp.float32
-BLOCK_S = 64  # cache slots per inner step
-SPLIT = 1024  # cache slots per grid program (parts = ceil(S / SPLIT))
-BLOCK_H = 64  # heads per grid program (padded to a power of two >= 16 for the dots)
+BLOCK_S = 32  # cache slots per inner step (default; `tiles`)
+SPLIT = 1024  # at most this many cache slots per grid program (parts = ceil(S / split))
+BLOCK_H = 16  # heads per grid program (padded to a power of two >= 16 for the dots)
 NEG = -1e30  # a finite "minus infinity": exp(NEG - m) is 0 without inf - inf
+SMEM_BYTES = 232_448  # shared memory a block may use on an H100/H200 (sm_90)
+MIN_PROGRAMS = 264  # aim for >= 2 programs per SM (132 SMs): the context split shrinks until there are
+
+
+def smem_estimate(Hb: int, bs: int, R: int, P: int) -> int:
+    """Shared memory the Triton lowering asks for, as measured: 4 bytes x (q_latent [Hb, R] + the cache
+    tile [bs, R] staged twice (once per dot) + q_pe [Hb, P] + k_pe [bs, P] + p [Hb, bs]) + 256.  It
+    reproduces the 442,624 B that Hb = 64, bs = 64, R = 512, P = 64 asked for on an H200."""
+    return 4 * (Hb * R + 2 * bs * R + Hb * P + bs * P + Hb * bs) + 256
+
+
+def tiles(B: int, H: int, S: int, R: int, P: int, block_h: int | None = None, block_s: int | None = None,
+          split: int | None = None) -> tuple[int, int, int]:
+    """(Hb, bs, split): the head group, the slots per inner step, the slots per grid program."""
+    Hb = block_h or min(BLOCK_H, max(16, 1 << (H - 1).bit_length()))
+    bs = block_s or BLOCK_S
+    if split is None:
+        G = -(-H // Hb)
+        split = min(SPLIT, S)
+        # shrink the split for parallelism while the partial sums written ([G·Hb, R] fp32 per part) stay
+        # under ~half the cache bytes read (split >= 4 x the padded heads)
+        while (split > 2 * bs and split % 2 == 0 and S % (split // 2) == 0 and B * G * (S // split) < MIN_PROGRAMS
+               and split // 2 >= 4 * G * Hb):
+            split //= 2
+    return Hb, bs, split
 
 
 def latent_attention(ql_BHR: jax.Array, qpe_BHP: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,
@@ -49,7 +84,7 @@ def _dot_t(a, b):
 
 
 def _kernel(len_ref, ql_ref, qpe_ref, kv_ref, m_ref, l_ref, acc_ref, *, R: int, P: int, S: int, split: int,
-            scale: float):
+            scale: float, BLOCK_S: int):
     from jax.experimental import pallas as pl
 
     b, hg, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -80,16 +115,19 @@ def _kernel(len_ref, ql_ref, qpe_ref, kv_ref, m_ref, l_ref, acc_ref, *, R: int, 
     acc_ref[b, hg, part] = acc
 
 
-def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool = False) -> jax.Array:
+def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool = False, block_h: int | None = None,
+               block_s: int | None = None, split: int | None = None, num_warps: int = 4,
+               num_stages: int = 2) -> jax.Array:
     """The same function as the reference: fp32 [B, H, R]."""
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
 
     B, H, R = ql_BHR.shape
     S, P = kv_BSR.shape[1], qpe_BHP.shape[-1]
-    Hb = min(BLOCK_H, max(16, 1 << (H - 1).bit_length()))
+    Hb, bs, split = tiles(B, H, S, R, P, block_h, block_s, split)
     G = -(-H // Hb)
-    split = min(SPLIT, S)
     parts = S // split
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
 
     def heads(x):  # [B, H, X] -> [B, G, Hb, X], padded heads score 0 and are dropped below
         x = jnp.pad(x.astype(F32), ((0, 0), (0, G * Hb - H), (0, 0)))
@@ -97,8 +135,8 @@ def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool 
 
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     m, l, acc = pl.pallas_call(
-        functools.partial(_kernel, R=R, P=P, S=S, split=split, scale=scale), grid=(B, G, parts),
-        in_specs=[any_] * 4, out_specs=[any_] * 3,
+        functools.partial(_kernel, R=R, P=P, S=S, split=split, scale=scale, BLOCK_S=bs), grid=(B, G, parts),
+        in_specs=[any_] * 4, out_specs=[any_] * 3, **kw,
         out_shape=(jax.ShapeDtypeStruct((B, G, parts, Hb), F32), jax.ShapeDtypeStruct((B, G, parts, Hb), F32),
                    jax.ShapeDtypeStruct((B, G, parts, Hb, R), F32)),
         interpret=interpret,
@@ -108,19 +146,28 @@ def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool 
     return out.reshape(B, G * Hb, R)[:, :H]
 
 
-def reference(ql_BHR, qpe_BHP, kv_BSR, length_B, scale):
-    return latent_attention(ql_BHR, qpe_BHP, kv_BSR, length_B, scale)
+reference = latent_attention
 
 
-def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, **_) -> str | None:
-    R, P, S = ql_BHR.shape[-1], qpe_BHP.shape[-1], kv_BSR.shape[1]
+def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, block_s: int | None = None,
+         split: int | None = None, **_) -> str | None:
+    B, H, R = ql_BHR.shape
+    P, S = qpe_BHP.shape[-1], kv_BSR.shape[1]
     for name, n in (("kv_lora_rank", R), ("qk_rope_head_dim", P)):
         if n & (n - 1) or n < 16:
             return f"mla_decode kernel needs {name} a power of two >= 16 (Triton blocks), got {n}"
-    if S % BLOCK_S or (S > SPLIT and S % SPLIT):
-        return f"mla_decode kernel needs the cache length a multiple of {BLOCK_S} (and of {SPLIT} above it), got {S}"
+    Hb, bs, split = tiles(B, H, S, R, P, block_h, block_s, split)
+    if S % bs or S % split or split % bs:
+        return (f"mla_decode kernel needs the cache length {S} a multiple of the split {split}, itself a multiple "
+                f"of the {bs}-slot block")
+    need = smem_estimate(Hb, bs, R, P)
+    if need > SMEM_BYTES:
+        return (f"mla_decode kernel: {Hb} heads x {bs} slots of a {R}+{P} latent need ~{need:,} B of shared "
+                f"memory, more than the {SMEM_BYTES:,} B a block has (smaller block_h / block_s)")
     return None
 
 
 register(Kernel("mla_decode", reference, mla_decode, platforms=("gpu",), fits=fits,
-                unproven=interpret_only("test_mla_decode_kernel_on_gpu")))
+                unproven="100x slower than XLA at real dims on an H200 (3.3 ms vs 33 us, K3 TP 1, B 1, 4K: fp32 "
+                         "dots on CUDA cores), though its compiled real-dims tests pass (tests/test_kernels_real.py; "
+                         "test_mla_decode_kernel_on_gpu in tests/test_kernels.py compares against TF32 dots)"))

@@ -1,0 +1,221 @@
+"""Decode GEMV y[B, N] (fp32) = x[B, K] @ W^T for B <= 8 and bf16 weights, as one Pallas kernel
+beside its jnp reference (XLA's dot, `jnp.einsum('bk,nk->bn', ..., preferred_element_type=f32)`).
+
+At decode the projections are bandwidth-bound: each weight byte is read once per step, so the
+kernel's whole job is to keep enough bytes in flight.  The grid is (N / bn, splits): a program owns
+bn output rows and one of `splits` equal parts of K, and walks its part in tiles of [bn, bk]
+weights (a Triton loop that num_stages software-pipelines).  Where N is short (an o_proj-sized
+matrix, a q_a down-projection) the split over K multiplies the programs so that every SM streams;
+the `splits` partial sums [splits, Bp, N] are added by XLA in the fusion that consumes y (the add
+of the residual, the activation), so the split costs no extra kernel in the step.
+
+Two ways to multiply a tile, chosen per shape (`Config.dot`):
+  dot=False  (B = 1) the tile times x broadcast, accumulated element-wise in a [bn, bk] fp32 register
+             tile and reduced over K once at the end;
+  dot=True   x padded to 16 rows, tl.dot on the tensor cores (bf16 in, fp32 accumulate): any B <= 8.
+
+Weight layout ("serving layout", made at load): "nk" is the checkpoint's [N, K] row-major, "kn" its
+transpose [K, N].  The per-shape configurations (`CONFIGS`) come from the sweep on an H200 recorded
+in docs/PERF.md; shapes not in the table take `default_config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxk3.kernels.registry import Kernel, register
+
+F32 = jnp.float32
+MAX_B = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    bn: int = 16  # output rows per program
+    bk: int = 256  # K elements per tile (a power of two that divides K / splits)
+    splits: int = 1  # programs along K; the partial sums are added by XLA in y's consumer
+    dot: bool = False  # tensor-core dot on x padded to 16 rows (any B) or element-wise (B = 1)
+    num_warps: int = 4
+    num_stages: int = 3
+    unroll: bool = False  # the K loop written out (all tile loads visible at once) instead of a Triton loop
+
+
+# (layout, B bucket (1 or 8), N, K) -> the fastest Config of the H200 sweep (docs/PERF.md, "Decode GEMV").
+CONFIGS: dict[tuple[str, int, int, int], Config] = {
+    ("nk", 1, 2304, 2304): Config(bn=16, bk=256, splits=9),
+    ("nk", 1, 18432, 2304): Config(bn=16, bk=256, splits=1, num_warps=8),
+    ("nk", 1, 12288, 2304): Config(bn=32, bk=256, splits=1, num_warps=8, unroll=True),
+    ("nk", 1, 2304, 4096): Config(bn=16, bk=256, splits=4, unroll=True),
+    ("nk", 1, 1536, 7168): Config(bn=16, bk=256, splits=7),
+    ("nk", 1, 4608, 7168): Config(bn=16, bk=256, splits=2, num_warps=8),
+    ("nk", 1, 2304, 9216): Config(bn=16, bk=256, splits=4, num_warps=8),
+    ("nk", 1, 7168, 1536): Config(bn=8, bk=512, splits=1),
+    ("nk", 8, 2304, 2304): Config(bn=32, bk=128, splits=9, dot=True, num_stages=4),
+    ("nk", 8, 18432, 2304): Config(bn=32, bk=128, splits=1, dot=True),
+    ("nk", 8, 2304, 4096): Config(bn=32, bk=128, splits=8, dot=True),
+    ("nk", 8, 1536, 7168): Config(bn=32, bk=128, splits=14, dot=True),
+}
+# (B bucket, N, K) -> (kernel us, XLA dot us): the CONFIGS entry and XLA's dot ([N, K] weights), each
+# in a dependent chain of 20 with its add, in the same run (H200, jax 0.11.2, 2026-12-01, second run;
+# docs/PERF.md).  `fits` lets `auto` take the kernel only where it won by `MARGIN`.
+MEASURED: dict[tuple[int, int, int], tuple[float, float]] = {
+    (1, 2304, 2304): (9.71, 6.14), (1, 18432, 2304): (25.33, 29.78), (1, 12288, 2304): (18.28, 22.88),
+    (1, 2304, 4096): (8.95, 7.88), (1, 1536, 7168): (9.57, 10.49), (1, 4608, 7168): (21.50, 23.43),
+    (1, 2304, 9216): (16.13, 16.83), (1, 7168, 1536): (9.72, 15.19),
+    (8, 2304, 2304): (8.26, 7.80), (8, 18432, 2304): (25.68, 26.87), (8, 2304, 4096): (9.75, 9.20),
+    (8, 1536, 7168): (11.19, 10.92),
+}
+MARGIN = 1.05  # run-to-run spread of these timings is a few per cent
+
+
+def prefer_kernel(B: int, N: int, K: int, margin: float = MARGIN) -> bool:
+    """Whether the kernel beat XLA's dot at this shape by `margin` on the H200 (unmeasured: False)."""
+    m = MEASURED.get((1 if B == 1 else 8, N, K))
+    return bool(m) and m[1] / m[0] >= margin
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def default_config(B: int, N: int, K: int, sms: int = 132) -> Config:
+    """A tile that divides the shape, and enough programs (>= 4 per SM) for the split over K."""
+    bk = next(b for b in (256, 128, 64) if K % b == 0)
+    dot = B > 1
+    bn = next(b for b in ((32, 16) if dot else (16, 32, 64)) if N % b == 0)
+    steps = K // bk
+    splits = 1
+    for s in range(1, steps + 1):
+        if steps % s == 0:
+            splits = s
+            if (N // bn) * s >= 4 * sms:
+                break
+    return Config(bn=bn, bk=bk, splits=splits, dot=dot)
+
+
+def config_for(B: int, N: int, K: int, layout: str = "nk") -> Config:
+    return CONFIGS.get((layout, 1 if B == 1 else 8, N, K)) or default_config(B, N, K)
+
+
+def _dot_nt(a, b):
+    """a [M, K] @ b[N, K].T -> [M, N], bf16 in, fp32 out (tensor cores)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def _loop(steps: int, body, init, unroll: bool):
+    if not unroll:
+        return jax.lax.fori_loop(0, steps, body, init)
+    acc = init
+    for i in range(steps):
+        acc = body(i, acc)
+    return acc
+
+
+def _kernel(x_ref, w_ref, o_ref, *, layout: str, bn: int, bk: int, steps: int, dot: bool, unroll: bool):
+    from jax.experimental import pallas as pl
+
+    n, s = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(pl.multiple_of(n * bn, bn), bn)
+    k0 = s * (steps * bk)
+
+    def tile(i):
+        cols = pl.ds(pl.multiple_of(k0 + i * bk, bk), bk)
+        w = w_ref[rows, cols] if layout == "nk" else w_ref[cols, rows]  # [bn, bk] or [bk, bn]
+        return cols, w
+
+    if dot:
+        def body(i, acc):
+            cols, w = tile(i)
+            x = x_ref[:, cols]  # [16, bk]
+            if layout == "nk":
+                return acc + _dot_nt(x, w)
+            return acc + jnp.dot(x, w, preferred_element_type=F32)
+        acc = _loop(steps, body, jnp.zeros((x_ref.shape[0], bn), F32), unroll)
+        o_ref[s, :, rows] = acc
+    else:
+        def body(i, acc):
+            cols, w = tile(i)
+            x = x_ref[0, cols].astype(F32)  # [bk]
+            if layout == "nk":
+                return acc + w.astype(F32) * x[None, :]
+            return acc + w.astype(F32) * x[:, None]
+        shape = (bn, bk) if layout == "nk" else (bk, bn)
+        acc = _loop(steps, body, jnp.zeros(shape, F32), unroll)
+        o_ref[s, 0, rows] = jnp.sum(acc, axis=1 if layout == "nk" else 0)
+
+
+def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
+             interpret: bool = False) -> jax.Array:
+    """The kernel's raw output: fp32 [splits, Bp, N] partial sums (Bp = 16 with dot, else 1)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    B, K = x_BK.shape
+    N = w.shape[0] if layout == "nk" else w.shape[1]
+    c = config or config_for(B, N, K, layout)
+    steps = K // c.splits // c.bk
+    Bp = 16 if c.dot else 1
+    x = x_BK.astype(w.dtype)
+    if Bp != B:
+        x = jnp.pad(x, ((0, Bp - B), (0, 0)))
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
+                                                                          num_stages=c.num_stages))
+    return pl.pallas_call(
+        functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot, unroll=c.unroll),
+        grid=(N // c.bn, c.splits), in_specs=[any_, any_], out_specs=any_,
+        out_shape=jax.ShapeDtypeStruct((c.splits, Bp, N), F32), interpret=interpret, **kw)(x, w)
+
+
+def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
+         interpret: bool = False, only_where_faster: bool = True) -> jax.Array:
+    """The same function as the reference: fp32 [B, N] = x @ W^T (W [N, K] for "nk", [K, N] for "kn")."""
+    p = partials(x_BK, w, layout, config, interpret)
+    y = p[0] if p.shape[0] == 1 else jnp.sum(p, axis=0)
+    return y[: x_BK.shape[0]]
+
+
+def reference(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
+              only_where_faster: bool = True) -> jax.Array:
+    spec = "bk,nk->bn" if layout == "nk" else "bk,kn->bn"
+    return jnp.einsum(spec, x_BK.astype(w.dtype), w, preferred_element_type=F32)
+
+
+def fits(x_BK, w, layout: str = "nk", config: Config | None = None, only_where_faster: bool = True,
+         **_) -> str | None:
+    """Why this call does not suit the kernel (None: it does).  With `only_where_faster` (the default)
+    a shape where the kernel did not beat XLA's dot on the H200 (`MEASURED`), or was not measured, is
+    refused with the numbers, so that kernels="auto" keeps XLA there; False: any shape that fits."""
+    if layout not in ("nk", "kn"):
+        return f"gemv kernel: layout must be 'nk' or 'kn', got {layout!r}"
+    if x_BK.ndim != 2 or w.ndim != 2:
+        return f"gemv kernel takes x [B, K] and a 2-D weight, got {x_BK.shape} and {w.shape}"
+    B, K = x_BK.shape
+    N, Kw = w.shape if layout == "nk" else w.shape[::-1]
+    if Kw != K:
+        return f"gemv kernel: x has K = {K}, the weight ({layout}) {w.shape}"
+    if B > MAX_B:
+        return f"gemv kernel is for decode (B <= {MAX_B}), got B = {B}"
+    if w.dtype != jnp.bfloat16:
+        return f"gemv kernel streams bf16 weights, got {w.dtype}"
+    c = config or config_for(B, N, K, layout)
+    if B > 1 and not c.dot:
+        return f"gemv kernel: B = {B} needs the dot variant (config {c})"
+    if (not (_pow2(c.bn) and _pow2(c.bk)) or N % c.bn or K % (c.splits * c.bk) or c.bn < (16 if c.dot else 8)
+            or c.bk < 16):
+        return (f"gemv kernel: the tile bn {c.bn} x bk {c.bk} (powers of two, bk >= 16, bn >= 16 with dot, >= 8 "
+                f"without) with {c.splits} K splits must divide N {N}, K {K}")
+    if only_where_faster and not prefer_kernel(B, N, K):
+        m = MEASURED.get((1 if B == 1 else 8, N, K))
+        return (f"gemv kernel: XLA's dot is as fast at B {B}, N {N}, K {K} on an H200 (kernel {m[0]} us, XLA "
+                f"{m[1]} us)" if m else f"gemv kernel: B {B}, N {N}, K {K} not measured against XLA's dot "
+                "(only_where_faster=False runs it)")
+    return None
+
+
+# Proven: tests/test_gemv.py::test_gemv_kernel_on_gpu passed at the 14 preset shapes on an H200
+# (2026-12-01); `auto` takes it only at the shapes where it won (`fits`).
+register(Kernel("gemv", reference, gemv, platforms=("gpu",), fits=fits))

@@ -1,0 +1,226 @@
+"""Each device kernel against its XLA (jnp reference) path at the real per-rank shapes of the presets
+(the cases of tests/test_kernels_real.py: K3 at TP 1/2/8, Kimi-Linear-48B at TP 1), B = 1 and 8.
+
+Per case and path: one jit holding a fori_loop of CHAIN dependent calls, each call's output fed back
+into its next input the way the step chains them (rms_norm / attn_res_norm: the normed row becomes
+the next input; kda_decode: the new conv window and state; mla_decode: the output becomes the next
+query; moe_experts: the output becomes the next z; router: the weights nudge the next logits).
+Time per call: the median over REPS of (wall time of INNER back-to-back calls) / (INNER * CHAIN).
+The relative error of the kernel against the reference (one call) is recorded beside.
+
+    python scripts/gpu/kernels_real.py [--json PATH] [--kernels a,b] [--mla-sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+import test_kernels_real as T  # noqa: E402
+
+from jaxk3 import kernels  # noqa: E402
+
+CHAIN, INNER, REPS = 20, 3, 9
+
+
+def chained(name: str, fn, args, kw):
+    """(jitted f, its array arguments): CHAIN dependent calls of fn in a fori_loop."""
+    if name == "rms_norm":
+        x, w, eps = args
+        return jax.jit(lambda x, w: jax.lax.fori_loop(0, CHAIN, lambda _, x: fn(x, w, eps).astype(x.dtype), x)), (x, w)
+    if name == "kda_decode":
+        cfg, u, conv, cw, f, beta, z, state, valid = args
+
+        def run(u, conv, cw, f, beta, z, state, valid):
+            def body(_, c):  # the output feeds the next token's projections
+                o, conv2, state2 = fn(cfg, c[0], c[1], cw, f, beta, z, c[2], valid)
+                return (c[0].astype(jnp.float32) + 1e-6 * o[:, None, :]).astype(c[0].dtype), conv2, state2
+            return jax.lax.fori_loop(0, CHAIN, body, (u, conv, state))
+        return jax.jit(run), (u, conv, cw, f, beta, z, state, valid)
+    if name == "router_topk":
+        cfg, logits, bias = args
+        def step(lg, b):
+            w, ids = fn(cfg, lg, b)
+            return lg + 1e-6 * w[:, :1] + 1e-9 * ids[:, :1].astype(lg.dtype)
+        return jax.jit(lambda lg, b: jax.lax.fori_loop(0, CHAIN, lambda _, lg: step(lg, b), lg)), (logits, bias)
+    if name == "attn_res_norm":
+        srcs, rn, rp, ln, eps = args
+
+        def run(srcs, rn, rp, ln):
+            def body(_, s0):
+                return fn([s0] + list(srcs[1:]), rn, rp, ln, eps).astype(s0.dtype)
+            return jax.lax.fori_loop(0, CHAIN, body, srcs[0])
+        return jax.jit(run), (srcs, rn, rp, ln)
+    if name == "mla_decode":
+        ql, qpe, kv, length, scale = args
+        return jax.jit(lambda ql, qpe, kv, length: jax.lax.fori_loop(
+            0, CHAIN, lambda _, q: fn(q, qpe, kv, length, scale, **kw), ql)), (ql, qpe, kv, length)
+    if name == "moe_experts":
+        cfg, w, z, wk, ids = args
+        return jax.jit(lambda w, z, wk, ids: jax.lax.fori_loop(
+            0, CHAIN, lambda _, z: fn(cfg, w, z, wk, ids).astype(z.dtype), z)), (w, z, wk, ids)
+    raise KeyError(name)
+
+
+def timed(c, args) -> float:
+    jax.block_until_ready(c(*args))
+    ts = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        for _ in range(INNER):
+            out = c(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / (INNER * CHAIN))
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"), "kernels_real.json"))
+    ap.add_argument("--kernels", default="")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--mla-sweep", action="store_true", help="also mla_decode tiles (block_h, block_s) at K3 TP 1/8")
+    a = ap.parse_args(argv)
+    cpu = jax.devices()[0].platform == "cpu"
+    global CHAIN, INNER, REPS
+    if cpu:  # interpret mode: plumbing only
+        CHAIN, INNER, REPS = 1, 1, 1
+    logf = open(a.json.replace(".json", ".log"), "w")
+
+    def log(s):
+        print(s, flush=True)
+        logf.write(s + "\n")
+        logf.flush()
+    dev = jax.devices()[0]
+    log(f"# kernels at real dims on {dev.platform} {dev.device_kind}, jax {jax.__version__}, chain {CHAIN}")
+    want = set(a.kernels.split(",")) if a.kernels else None
+    jobs = []  # (label, kernel, preset, tp, B, path, kw)
+    for kernel, preset, tp in T.CASES:
+        if want and kernel not in want:
+            continue
+        for B in map(int, a.batches.split(",")):
+            for path in ("xla", "kernel"):
+                jobs.append((kernel, preset, tp, B, path, {}))
+    if a.mla_sweep:
+        for preset, tp in (("k3", 1), ("k3", 8)):
+            for bh, bs, sp in ((16, 16, None), (32, 32, None), (16, 32, 64), (16, 32, 1024)):
+                kw = dict(block_h=bh, block_s=bs, split=sp)
+                jobs.append(("mla_decode", preset, tp, 1, f"kernel h{bh} s{bs} sp{sp}", kw))
+    built = {}
+
+    def prep(job):
+        kernel, preset, tp, B, path, kw = job
+        name, fmt = T.split(kernel)
+        try:
+            key = (kernel, preset, tp, B)
+            if key not in built:
+                built[key] = T.case(name, preset, tp, B, fmt=fmt)
+            args, _ = built[key]
+            if path != "xla":
+                why = kernels.REGISTRY[name].fits(*args, **kw) if not kw else None
+                if why:
+                    return job, None, None, f"does not fit: {why}"
+                fn = lambda *x, **k: kernels.REGISTRY[name].device(*x, interpret=cpu, **k)  # noqa: E731
+            else:
+                fn = kernels.REGISTRY[name].reference
+            f, fargs = chained(name, fn, args, kw)
+            return job, f.lower(*fargs).compile(), fargs, None
+        except Exception as e:  # noqa: BLE001
+            msg = str(e)
+            i = msg.find("shared memory")
+            return job, None, None, f"{type(e).__name__}: " + (msg[max(0, i - 200):i + 200] if i >= 0 else msg[:400])
+    # build the arrays serially (the RNG), compile in parallel
+    for j in jobs:
+        name, fmt = T.split(j[0])
+        key = (j[0], j[1], j[2], j[3])
+        if key not in built:
+            built[key] = T.case(name, j[1], j[2], j[3], fmt=fmt)
+    pool = cf.ThreadPoolExecutor(max_workers=max(2, min(12, (os.cpu_count() or 2) - 2)))
+    t0 = time.time()
+    import signal
+
+    def stop(*_):
+        raise SystemExit("SIGTERM")
+    signal.signal(signal.SIGTERM, stop)
+    rows, xla_us = [], {}
+    try:
+        loop(pool.map(prep, jobs), rows, xla_us, built, kw_log=log, cpu=cpu)  # timed in order as compiles finish
+    except SystemExit as e:
+        log(f"# stopped early: {e}")
+        pool.shutdown(wait=False, cancel_futures=True)
+    log(f"# {len(rows)} of {len(jobs)} jobs in {time.time() - t0:.0f} s")
+    summary(a, dev, rows, xla_us, log)
+    logf.close()
+    sys.stdout.flush()
+    os._exit(0)  # compiles still running in the pool's threads are not waited for
+
+
+def loop(compiled, rows, xla_us, built, kw_log, cpu):
+    log = kw_log
+    for job, c, fargs, err in compiled:
+        kernel, preset, tp, B, path, kw = job
+        label = f"{kernel:<18} {preset:<16} tp{tp} B{B} {path:<16}"
+        if c is None:
+            log(f"{label} FAILED {err}")
+            rows.append(dict(kernel=kernel, preset=preset, tp=tp, B=B, path=path, error=err))
+            continue
+        try:
+            us = timed(c, fargs) * 1e6
+        except Exception as e:  # noqa: BLE001
+            log(f"{label} RUN FAILED {type(e).__name__}: {str(e)[:300]}")
+            rows.append(dict(kernel=kernel, preset=preset, tp=tp, B=B, path=path, error=str(e)[:300]))
+            continue
+        rel = None
+        if path != "xla":
+            name, _ = T.split(kernel)
+            args, _ = built[(kernel, preset, tp, B)]
+            try:
+                ref = kernels.REGISTRY[name].reference(*args)
+                f1, dyn = T.bind(lambda *x: kernels.REGISTRY[name].device(*x, interpret=cpu, **kw), args)
+                got = f1(*dyn)
+                rel = T.compare(name, got, ref)
+                if name == "mla_decode":  # also against the reference's dots at full fp32 (not TF32)
+                    with jax.default_matmul_precision("highest"):
+                        ref_hi = jax.jit(lambda *x: kernels.REGISTRY[name].reference(*x[:4], x[4]),
+                                         static_argnums=(4,))(*args)
+                    log(f"    mla_decode vs the fp32-precision reference: {T.compare(name, got, ref_hi):.1e}")
+            except Exception as e:  # noqa: BLE001
+                rel = f"{type(e).__name__}: {str(e)[:200]}"
+        else:
+            xla_us[(kernel, preset, tp, B)] = us
+        base = xla_us.get((kernel, preset, tp, B))
+        ratio = base / us if base and path != "xla" else None
+        rows.append(dict(kernel=kernel, preset=preset, tp=tp, B=B, path=path, us=us, x_vs_xla=ratio, err=rel))
+        log(f"{label} {us:9.1f} us" + (f"  x{ratio:5.2f} vs xla" if ratio else "") +
+            (f"  err {rel:.1e}" if isinstance(rel, float) else (f"  err {rel}" if rel else "")))
+
+
+def summary(a, dev, rows, xla_us, log):
+    with open(a.json, "w") as f:
+        json.dump(dict(device=f"{dev.platform} {dev.device_kind}", jax=jax.__version__, rows=rows), f, indent=1)
+    log("\n# kernels vs XLA at real dims (us per call; x > 1: the kernel is faster)")
+    log(f"{'kernel':<18} {'preset':<16} {'tp':>2} {'B':>2} {'xla us':>8} {'kern us':>8} {'x':>6}  err")
+    for r in rows:
+        if r["path"] == "xla":
+            continue
+        base = xla_us.get((r["kernel"], r["preset"], r["tp"], r["B"]))
+        if "us" in r:
+            err = r["err"] if isinstance(r["err"], float) else float("nan")
+            log(f"{r['kernel']:<18} {r['preset']:<16} {r['tp']:>2} {r['B']:>2} {base or float('nan'):>8.1f} "
+                f"{r['us']:>8.1f} {r['x_vs_xla'] or float('nan'):>6.2f}  {err:.1e} {r['path'] if r['path'] != 'kernel' else ''}")
+        else:
+            log(f"{r['kernel']:<18} {r['preset']:<16} {r['tp']:>2} {r['B']:>2} {base or float('nan'):>8.1f} "
+                f"{'-':>8} {'-':>6}  {r['path']} {r['error'][:120]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The decode GEMV kernel (jaxk3.kernels.gemv) against XLA's dot.
+
+Interpret mode (the CPU) on small shapes, both layouts, both multiply variants, K splits; compiled
+on a GPU at the presets' projection shapes.  Tolerance: both paths take bf16 products summed in
+fp32; the kernel sums in another order (tiles, then K splits), so results agree to fp32 rounding of
+a K-term sum (~K·2^-24 relative to the sum of |terms|, < 1e-5 of max|y| here); a wrong tile, row or
+split is off by O(1).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxk3 import kernels
+from jaxk3.kernels import gemv as G
+
+
+def _xw(B, N, K, seed=0):
+    r = np.random.default_rng(seed + B + N + K)
+    return jnp.asarray(r.standard_normal((B, K)), jnp.bfloat16), jnp.asarray(r.standard_normal((N, K)) * 0.05, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("B,N,K", [(1, 64, 512), (3, 32, 2304), (8, 48, 384)])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("cfg", [None, G.Config(bn=16, bk=64, splits=2, dot=True), G.Config(bn=16, bk=128)])
+def test_gemv_kernel_matches_reference(B, N, K, layout, cfg):
+    x, w = _xw(B, N, K)
+    ww = w if layout == "nk" else w.T
+    why = G.fits(x, ww, layout, cfg, only_where_faster=False)
+    if why:
+        assert B > 1 and not cfg.dot and "dot variant" in why
+        return
+    got = np.asarray(G.gemv(x, ww, layout, cfg, interpret=True))
+    ref = np.asarray(G.reference(x, ww, layout))
+    assert got.shape == ref.shape == (B, N) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_gemv_fits_and_selection():
+    x, w = _xw(1, 64, 512)
+    assert G.fits(x, w, only_where_faster=False) is None
+    assert "not measured" in G.fits(x, w)
+    assert "B <= 8" in G.fits(jnp.zeros((9, 512), jnp.bfloat16), w)
+    assert "bf16" in G.fits(x, w.astype(jnp.float32))
+    assert "K = 256" in G.fits(jnp.zeros((1, 256), jnp.bfloat16), w)
+    assert "must divide" in G.fits(x, w, config=G.Config(bn=48))
+    assert "layout" in G.fits(x, w, layout="xx")
+    assert kernels.explain("gemv", x, w, platform="cpu").startswith("reference")
+    c = G.default_config(1, 2304, 4096)
+    assert (2304 // c.bn) * c.splits >= 4 * 132 and 4096 % (c.splits * c.bk) == 0
+    # auto takes the kernel only where it beat XLA's dot on the H200 (shapes only: nothing allocated)
+    s = jax.ShapeDtypeStruct
+    win, lose = (1, 18432, 2304), (1, 2304, 4096)
+    for (B, N, K), ok in ((win, True), (lose, False)):
+        xs, ws = s((B, K), jnp.bfloat16), s((N, K), jnp.bfloat16)
+        how = kernels.explain("gemv", xs, ws, platform="gpu")
+        assert how.startswith("device") if ok else "XLA's dot is as fast" in how, how
+        assert G.fits(xs, ws, only_where_faster=False) is None
+    assert kernels.active("gpu")["gemv"]
+    for (l, B, N, K), c in G.CONFIGS.items():  # every tuned config fits its shape
+        assert G.fits(s((B, K), jnp.bfloat16), s((N, K), jnp.bfloat16), only_where_faster=False) is None
+        assert (B, N, K) in G.MEASURED
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("N,K", [(2304, 2304), (18432, 2304), (2304, 4096), (1536, 7168), (4608, 7168),
+                                 (7168, 1536), (2304, 9216)])
+def test_gemv_kernel_on_gpu(B, N, K):
+    """Compiled (Triton) at the presets' projection shapes, tuned config, against XLA's dot; the
+    output is a fresh array after the allocator's free memory was filled with NaN."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    x, w = _xw(B, N, K)
+    assert kernels.explain("gemv", x, w, mode="on", only_where_faster=False).startswith("device")
+    f = jax.jit(lambda x, w: kernels.call("gemv", x, w, mode="on", only_where_faster=False))
+    junk = jnp.full((1 << 27,), jnp.nan, jnp.float32).block_until_ready()
+    del junk
+    got = np.asarray(f(x, w))
+    ref = np.asarray(G.reference(x, w))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())

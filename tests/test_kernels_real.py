@@ -1,0 +1,196 @@
+"""Every device kernel compiled (Triton) and run at the real per-rank shapes of the two presets:
+K3 at TP 1, 2 and 8 (heads, the MoE intermediate and the KDA channels split over TP) and
+Kimi-Linear-48B at TP 1.  Compiled kernel against its jnp reference on random inputs; before each
+compiled call the allocator's free memory is filled with NaN (`_poison`), so an output element the
+kernel fails to write shows up as NaN.  The case builders (`CASES`, `case`) are shared with
+scripts/gpu/kernels_real.py, which times the same cases against the XLA path.
+
+Tolerances, per kernel (max |kernel - ref| / max |ref|):
+  rms_norm, attn_res_norm  1e-4: the same fp32 expression, D-long sums in another order (~1e-7
+                           relative), through rsqrt and (AttnRes) a softmax over <= 9 sources;
+  kda_decode               1e-4: fp32 arithmetic, 128-term state contractions in another order;
+  router_topk              ids equal, weights 1e-5 relative: the same fp32 terms (sigmoid ulps);
+  mla_decode               1e-3: the reference's fp32 dots run as TF32 under JAX's default matmul
+                           precision on Hopper (10-bit mantissa, 2^-11 = 4.9e-4 relative per product),
+                           measured 3-5e-4 on an H200; a missed k_pe term, a slot read past the
+                           length or a wrong part weight is off by >= 1e-2;
+  moe_experts              4e-3: bf16 experts, the [B, I] intermediate rounded to bf16 on both paths
+                           but from fp32 sums taken in another order, so single elements may round
+                           one bf16 ulp (2^-8) apart before the 1536-3072-term down projection.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxk3 import kernels
+
+# (preset, tp): the per-rank shapes
+PRESETS = [("k3", 1), ("k3", 2), ("k3", 8), ("kimi-linear-48b", 1)]
+CTX = 4096  # MLA cache slots
+
+
+def _cfg(preset: str):
+    from jaxk3.tools.bench_decode import load_config
+
+    return load_config(preset)
+
+
+def _poison(mb: int = 512):
+    """Fill free device memory with NaN: the next allocations (a compiled call's outputs) reuse it."""
+    x = jnp.full((mb << 18,), jnp.nan, jnp.float32)
+    x.block_until_ready()
+    del x
+
+
+def case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, fmt: str = "dense"):
+    """(args, kwargs) of one call of `kernel` at the preset's per-rank shapes, or a str saying why
+    the kernel has no such call at this preset (e.g. no AttnRes in Kimi-Linear)."""
+    cfg = _cfg(preset)
+    r = np.random.default_rng(seed + 7 * B + tp)  # small host-side draws (ids, gates)
+    keys = iter(jax.random.split(jax.random.key(seed + 7 * B + tp), 64))  # the arrays: drawn on the device
+
+    def a(*shape, s=1.0, dt=jnp.float32):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * s).astype(dt)
+    if kernel == "rms_norm":  # the MLA kv_a norm (512); hidden norms do not fit the kernel (power of two)
+        return (a(B, cfg.kv_lora_rank, dt=jnp.bfloat16), 1 + a(cfg.kv_lora_rank, s=0.1, dt=jnp.bfloat16),
+                cfg.rms_norm_eps), {}
+    if kernel == "kda_decode":
+        from jaxk3.kernels import kda_decode as kda
+
+        H, Kd, K = cfg.kda_num_heads // tp, cfg.kda_head_dim, cfg.short_conv_kernel_size
+        C = H * Kd
+        cw = kda.CoreWeights(conv_3CK=a(3, C, K, s=0.3), dt_bias_C=a(C),
+                             A_log_H=jnp.log(jnp.asarray(r.uniform(1, 16, H), jnp.float32)), o_norm_K=1 + a(Kd, s=0.1))
+        valid = jnp.asarray([True] * max(B - 1, 1) + [False] * (B > 1), bool)
+        return (cfg, a(B, 3, C, dt=jnp.bfloat16), a(B, 3, C, K - 1, dt=jnp.bfloat16), cw, a(B, C),
+                jax.nn.sigmoid(a(B, H)), a(B, C), a(B, H, Kd, Kd, s=0.1), valid), {}
+    if kernel == "router_topk":
+        E = cfg.num_experts
+        return (cfg, a(B, E), a(E, s=0.01)), {}
+    if kernel == "attn_res_norm":
+        D = cfg.hidden_size
+        ln = 1 + a(D, s=0.1, dt=jnp.bfloat16)
+        if cfg.attn_res_block_size is None:
+            return ([a(B, D, dt=jnp.bfloat16)], None, None, ln, cfg.rms_norm_eps), {}
+        n = 9  # K3's most depth sources
+        srcs = [a(B, D, s=1 + i, dt=jnp.bfloat16) for i in range(n)]
+        return (srcs, 1 + a(D, s=0.1, dt=jnp.bfloat16), a(1, D, s=0.1, dt=jnp.bfloat16), ln, cfg.rms_norm_eps), {}
+    if kernel == "mla_decode":
+        H, R, P = cfg.num_attention_heads // tp, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        length = jnp.asarray(([CTX - 1, 777, 2048, 5, 4000, 1, 3000, 1234] * 2)[:B], jnp.int32)
+        return (a(B, H, R), a(B, H, P), a(B, CTX, R + P, dt=jnp.bfloat16), length, 0.07), {}
+    if kernel == "moe_experts":
+        from jaxk3.layers import moe
+
+        E = 2 * cfg.num_experts_per_token  # memory: only the selected experts are read
+        I, L, k = cfg.moe_intermediate_size // tp, cfg.moe_hidden, cfg.num_experts_per_token
+        kcfg = dataclasses.replace(cfg, num_experts=E)
+        if fmt == "dense":
+            ex = [a(E, I, L, s=0.02, dt=jnp.bfloat16), a(E, L, I, s=0.02, dt=jnp.bfloat16), a(E, I, L, s=0.02, dt=jnp.bfloat16)]
+        else:
+            def packed(O, In):
+                return moe.MXFP4(jax.random.randint(next(keys), (E, O, In // 2), 0, 256, jnp.int32).astype(jnp.uint8),
+                                 jax.random.randint(next(keys), (E, O, In // 32), 119, 122, jnp.int32).astype(jnp.uint8))
+            ex = [packed(I, L), packed(L, I), packed(I, L)]
+        w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=ex[0], experts_w2=ex[1], experts_w3=ex[2])
+        ids = jnp.asarray(np.stack([r.permutation(E)[:k] for _ in range(B)]), jnp.int32)
+        wk = jnp.asarray(r.uniform(0.05, 0.3, (B, k)), jnp.float32)
+        return (kcfg, w, a(B, L, dt=jnp.bfloat16), wk, ids), {}
+    raise KeyError(kernel)
+
+
+KERNELS = ["rms_norm", "kda_decode", "router_topk", "attn_res_norm", "mla_decode", "moe_experts", "moe_experts_mxfp4"]
+TOL = dict(rms_norm=1e-4, kda_decode=1e-4, router_topk=1e-5, attn_res_norm=1e-4, mla_decode=1e-3, moe_experts=4e-3)
+# kernels whose shapes do not depend on TP run at one TP per preset
+TP_FREE = {"rms_norm", "router_topk", "attn_res_norm"}
+CASES = [(k, p, tp) for k in KERNELS for p, tp in PRESETS if not (k in TP_FREE and tp > 1)]
+
+
+def split(kernel: str) -> tuple[str, str]:
+    return ("moe_experts", "mxfp4") if kernel == "moe_experts_mxfp4" else (kernel, "dense")
+
+
+def compare(kernel: str, got, ref) -> float:
+    """Max relative error (max |got - ref| / max |ref|) over the outputs; raises on a mismatch of ids."""
+    if kernel == "router_topk":
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
+        return float(np.max(np.abs(np.asarray(got[0]) - np.asarray(ref[0])) / np.abs(np.asarray(ref[0]))))
+    gs = got if isinstance(got, tuple) else (got,)
+    rs = ref if isinstance(ref, tuple) else (ref,)
+    err = 0.0
+    for g, r_ in zip(gs, rs):
+        g = np.asarray(jnp.asarray(g, jnp.float32))
+        r_ = np.asarray(jnp.asarray(r_, jnp.float32))
+        assert g.shape == r_.shape
+        assert np.isfinite(g).all(), "non-finite output (an element not written, or a poisoned slot read)"
+        err = max(err, float(np.max(np.abs(g - r_)) / max(float(np.max(np.abs(r_))), 1e-30)))
+    return err
+
+
+def bind(fn, args):
+    """(jit of fn over the array arguments, those arguments): configs, floats and None are closed over
+    (static), so that eps / scale stay Python constants as in the step."""
+    dyn = [i for i, x in enumerate(args) if isinstance(x, (jax.Array, list, tuple)) or hasattr(x, "experts_w1")
+           or hasattr(x, "conv_3CK")]
+
+    def f(*d):
+        full = list(args)
+        for i, x in zip(dyn, d):
+            full[i] = x
+        return fn(*full)
+    return jax.jit(f), [args[i] for i in dyn]
+
+
+def run_case(kernel: str, preset: str, tp: int, B: int):
+    """(why-not or None, relative error) of the compiled kernel against the reference at one case."""
+    name, fmt = split(kernel)
+    args, kw = case(name, preset, tp, B, fmt=fmt)
+    why = kernels.REGISTRY[name].fits(*args, **kw)
+    if why:
+        return why, None
+    ref = kernels.REGISTRY[name].reference(*args, **kw)
+    run_args = args
+    if name == "mla_decode":  # slots past each row's length hold NaN: the kernel must never read them
+        ql, qpe, kv, length, scale = args
+        pos = jnp.arange(kv.shape[1])[None, :, None]
+        run_args = (ql, qpe, jnp.where(pos > length[:, None, None], jnp.nan, kv).astype(kv.dtype), length, scale)
+    f, dyn = bind(lambda *a: kernels.call(name, *a, mode="on", **kw), run_args)
+    _poison()
+    got = f(*dyn)
+    return None, compare(name, got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("kernel,preset,tp", CASES)
+def test_kernel_real_dims_on_gpu(kernel, preset, tp, B):
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    why, err = run_case(kernel, preset, tp, B)
+    if why:
+        pytest.skip(f"does not fit at {preset} TP {tp}: {why}")
+    assert err <= TOL[split(kernel)[0]], f"{kernel} {preset} TP {tp} B {B}: rel err {err:.2e}"
+
+
+def test_real_cases_build_and_fit_on_cpu():
+    """mla_decode fits at every preset shape after its tiling (shapes only: nothing this large is
+    built on the CPU), and the old tiling is named as too large for shared memory."""
+    from jaxk3.kernels import mla_decode as M
+
+    for preset, tp in PRESETS:
+        cfg = _cfg(preset)
+        H, R, P = cfg.num_attention_heads // tp, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        for B in (1, 8):
+            s = jax.ShapeDtypeStruct
+            why = M.fits(s((B, H, R), jnp.float32), s((B, H, P), jnp.float32), s((B, CTX, R + P), jnp.bfloat16),
+                         s((B,), jnp.int32), 0.07)
+            assert why is None, why
+    # the old tiling (64 heads x 64 slots) is named as too large, not crashed on
+    why = M.fits(s((1, 96, 512), jnp.float32), s((1, 96, 64), jnp.float32), s((1, CTX, 576), jnp.bfloat16),
+                 s((1,), jnp.int32), 0.07, block_h=64, block_s=64)
+    assert "shared memory" in why and "442,624" in why

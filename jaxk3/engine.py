@@ -26,7 +26,7 @@ from jaxk3.config import KimiK3Config
 from jaxk3.layers.mla import MLACache
 from jaxk3.model import (Cache, StepOptions, Weights, abstract_weights, build_step, cache_abstract, check_impl,
                          check_kernels, dp_axis, make_mesh, put_batch, put_rows, random_hf_weights, resolve_dtype,
-                         to_host)
+                         resolve_layout, serve_weights, to_host)
 from jaxk3.params import Buffer
 from jaxk3.sharding import DP, TP as TP_AXIS
 
@@ -60,8 +60,13 @@ class Model:
     `init_random_model`, `Model.from_weights` or `jaxk3.load_model`; decode with `generate`."""
 
     def __init__(self, cfg: KimiK3Config, weights: Weights, mesh: Mesh, dtype: Any, gather: str,
-                 shard_latent: bool, psum: str = "auto", kernels: str = "auto"):
-        self.cfg, self.weights, self.mesh = cfg, weights, mesh
+                 shard_latent: bool, psum: str = "auto", kernels: str = "auto", layout: str = "auto"):
+        """`weights`: placed, in the checkpoint layout; `layout` "auto" | "serving" | "checkpoint"
+        (jaxk3.model.resolve_layout): the serving layout joins same-input projections at load."""
+        self.serving = resolve_layout(layout, mesh.devices.flat[0].platform)
+        self.layout = "serving" if self.serving else "checkpoint"
+        self.cfg, self.mesh = cfg, mesh
+        self.weights = serve_weights(weights, mesh) if self.serving else weights
         self.dtype, self.gather, self.psum, self.shard_latent = jnp.dtype(dtype), gather, psum, shard_latent
         self.kernels = check_kernels(kernels)
         self.tp = mesh.shape[TP_AXIS]
@@ -71,7 +76,7 @@ class Model:
         self.dp = mesh.shape[DP] if self.dp_axis else 1
         self.abstract = abstract_weights(cfg, self.tp)
         self.opt = StepOptions(tp_axis=TP_AXIS, gather=gather, psum=psum, shard_latent=shard_latent,
-                               kernels=kernels)
+                               kernels=kernels, serving=self.serving)
         self._step = build_step(cfg, self.opt, mesh)
         self._fns: dict = {}
 
@@ -80,13 +85,14 @@ class Model:
     def from_weights(cls, cfg: KimiK3Config, weights: Mapping[str, Any] | Weights, mesh: Mesh | None = None,
                      tp: int | None = None, dtype: Any = "bfloat16", gather: str = "auto",
                      shard_latent: bool = True, psum: str = "auto", check_finite: bool = True,
-                     experts: str | None = None, kernels: str = "auto") -> "Model":
+                     experts: str | None = None, kernels: str = "auto", layout: str = "auto") -> "Model":
         """From host arrays keyed by HF checkpoint names (or a host `Weights` pytree); every array is
         checked for NaN/Inf unless `check_finite=False` (checkpoint.NonFiniteTensorError names it).
         `experts` ("auto" | "mxfp4" | "dense", as in load_model; None: `cfg.experts_format`) picks how
         the routed experts are held."""
         check_impl("gather", gather), check_impl("psum", psum), check_kernels(kernels)
         mesh = make_mesh(mesh, tp)
+        resolve_layout(layout, mesh.devices.flat[0].platform)
         dt = resolve_dtype(dtype)
         tp_size = mesh.shape[TP_AXIS]
         source = None if isinstance(weights, Weights) else checkpoint.ArraySource(weights)
@@ -101,7 +107,7 @@ class Model:
         else:
             plan = checkpoint.build_plan(cfg, source, tp_size)
         placed = checkpoint.place_plan(plan, mesh, dt, shard_latent, check_finite=check_finite)
-        return cls(cfg, placed, mesh, dt, gather, shard_latent, psum, kernels)
+        return cls(cfg, placed, mesh, dt, gather, shard_latent, psum, kernels, layout)
 
     # -- decoding
     def init_cache(self, batch: int, max_len: int) -> Cache:
@@ -437,25 +443,26 @@ def _check_stop_ids(stop_ids: Any, cfg: KimiK3Config) -> tuple[int, ...]:
 
 def init_random_model(cfg: KimiK3Config, seed: int = 0, mesh: Mesh | None = None, tp: int | None = None,
                       dtype: Any = "bfloat16", gather: str = "auto", shard_latent: bool = True,
-                      psum: str = "auto", kernels: str = "auto") -> Model:
+                      psum: str = "auto", kernels: str = "auto", layout: str = "auto") -> Model:
     """A model with random weights (`random_hf_weights(cfg, seed)`), sharded over `mesh` (or the first
     `tp` devices); routed experts as `cfg.experts_format` says (random MXFP4 bytes for "mxfp4")."""
     check_impl("gather", gather), check_impl("psum", psum), check_kernels(kernels)
     m = make_mesh(mesh, tp)
     cfg.validate_tp(m.shape[TP_AXIS], shard_latent=shard_latent)
     return Model.from_weights(cfg, random_hf_weights(cfg, seed), mesh=m, dtype=dtype, gather=gather,
-                              shard_latent=shard_latent, psum=psum, kernels=kernels)
+                              shard_latent=shard_latent, psum=psum, kernels=kernels, layout=layout)
 
 
 def load_model(path: str | os.PathLike, mesh=None, tp: int | None = None, dtype: Any = "bfloat16",
                gather: str = "auto", shard_latent: bool = True,
                progress: Callable[[int, int], None] | None = None, psum: str = "auto", check_finite: bool = True,
-               experts: str = "auto", kernels: str = "auto"):
+               experts: str = "auto", kernels: str = "auto", layout: str = "auto"):
     """A sharded `Model` from a K3 / Kimi-Linear safetensors directory (docs/CHECKPOINTS.md).
 
     `experts`: "auto" (MXFP4 experts stay packed on the device, dense ones stay dense), "mxfp4" (the
     checkpoint's experts must be MXFP4) or "dense" (MXFP4 experts dequantised to `dtype` at load).
     `kernels`: device kernels "auto" (where the platform has them and the shapes fit), "off", "on".
+    `layout`: "auto" (the serving layout on GPUs, the checkpoint's on CPUs), "serving", "checkpoint".
 
     `progress(done_bytes, total_bytes)` is called after each weight is placed.  Raises
     `CheckpointError` (subclasses named after the problem) before reading any tensor data, except
@@ -466,5 +473,6 @@ def load_model(path: str | os.PathLike, mesh=None, tp: int | None = None, dtype:
     dt = resolve_dtype(dtype)
     checkpoint.check_experts(experts)
     mesh = make_mesh(mesh, tp)
+    resolve_layout(layout, mesh.devices.flat[0].platform)
     cfg, weights = checkpoint.load_weights(path, mesh, dt, shard_latent, progress, check_finite, experts)
-    return Model(cfg, weights, mesh, dt, gather, shard_latent, psum, kernels)
+    return Model(cfg, weights, mesh, dt, gather, shard_latent, psum, kernels, layout)

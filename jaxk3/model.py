@@ -145,6 +145,10 @@ class StepOptions:
     # decode): AttnRes then follows the global schedule, and the block snapshots completed
     # before the slice are stood in for by the embedding (same shapes, same work).
     layer_offset: int = 0
+    # The weights' layout: False, the checkpoint's (one array per declared weight); True, the
+    # serving layout (params.Fuse: same-input projections joined per rank, made at load by
+    # `serve_weights`).  The step compiles for one of them.
+    serving: bool = False
 
     @property
     def tp(self) -> TP | None:
@@ -230,7 +234,7 @@ def local_forward(cfg: KimiK3Config, opt: StepOptions, mesh: Mesh, all_logits: b
     second chunk recompiles (seen: the decode loop compiled twice per generate)."""
     batch = P(dp_axis(mesh))
     cspecs = cache_specs(cfg, dp_axis(mesh))
-    wspecs = params.partition_specs(abstract_weights(cfg, mesh.shape[TP_AXIS]), opt.shard_latent)
+    wspecs = weight_specs(cfg, mesh.shape[TP_AXIS], opt.shard_latent, opt.serving)
     local = collectives.shard_map(functools.partial(forward_local, cfg, opt, all_logits=all_logits), mesh=mesh,
                                   in_specs=(wspecs, cspecs, batch, batch), out_specs=(batch, cspecs), check_vma=False)
 
@@ -238,6 +242,30 @@ def local_forward(cfg: KimiK3Config, opt: StepOptions, mesh: Mesh, all_logits: b
         return jax.tree.map(lambda p: NamedSharding(mesh, p), tree, is_leaf=lambda x: isinstance(x, P))
 
     return local, named(wspecs), named(cspecs), NamedSharding(mesh, batch)
+
+
+def weight_specs(cfg: KimiK3Config, tp: int, shard_latent: bool, serving: bool) -> Weights:
+    """The PartitionSpec of every weight array the step takes, in the checkpoint or the serving layout."""
+    specs = params.partition_specs(abstract_weights(cfg, tp), shard_latent)
+    return params.serve_specs(specs) if serving else specs
+
+
+def serve_weights(weights: Weights, mesh: Mesh) -> Weights:
+    """Placed weights (checkpoint layout) in the serving layout: each block's Fuses joined on the devices
+    (params.serve_arrays); the members' arrays are dropped from the returned tree."""
+    return params.serve_arrays(weights, mesh)
+
+
+LAYOUTS = ("auto", "serving", "checkpoint")
+
+
+def resolve_layout(layout: Any, platform: str) -> bool:
+    """Whether the model runs the serving layout: "serving" yes, "checkpoint" no, "auto" on GPUs (the
+    fused GEMVs stream the weights in fewer launches there; on CPU the checkpoint layout keeps the
+    arithmetic the reference tests pin, since XLA's CPU dot sums a fused matrix in another order)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: must be one of {LAYOUTS}, got {layout!r}")
+    return layout == "serving" or (layout == "auto" and platform != "cpu")
 
 
 def build_step(cfg: KimiK3Config, opt: StepOptions, mesh: Mesh):

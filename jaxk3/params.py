@@ -190,7 +190,7 @@ def shard_bytes(a: jax.Array) -> int:
     return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
 
 
-def bytes_per_rank(tree, weights, *, experts_touched: int, rows: int) -> dict[str, int]:
+def bytes_per_rank(tree, weights, *, experts_touched: float, rows: int) -> dict[str, int]:
     """Bytes one rank reads per decode step, by Param.group: the largest shard of every weight
     (replicated ones in full); stacked experts only for the `experts_touched` a step can select;
     the embedding only for its `rows` looked-up rows."""
@@ -199,7 +199,7 @@ def bytes_per_rank(tree, weights, *, experts_touched: int, rows: int) -> dict[st
     def count(p: Param, a: jax.Array):
         b = shard_bytes(a)
         if p.source == "experts":
-            b = b * min(experts_touched, p.shape[0]) // p.shape[0]
+            b = int(b * min(experts_touched, p.shape[0]) / p.shape[0])
         elif p.group == "embed":
             b = min(rows, a.shape[0]) * a.sharding.shard_shape(a.shape)[1] * a.dtype.itemsize
         out[p.group] = out.get(p.group, 0) + b
@@ -236,3 +236,100 @@ def is_buffer(x) -> bool:
 
 def buffer_specs(tree, dp_axis: str | None):
     return jax.tree.map(lambda b: b.pspec(dp_axis), tree, is_leaf=is_buffer)
+
+
+# ----------------------------------------------------------------------------- serving layout
+@dataclasses.dataclass(frozen=True)
+class Fuse:
+    """A serving-layout weight made at load from weights one block declares (docs/ARCHITECTURE.md,
+    "Serving layout"): `members` (field names, in order) joined into the block's field `field`.
+
+    how "rows": each rank's local slices of the members, concatenated along their output rows, so
+        one GEMV of the block's input computes every member's output (a member that is replicated
+        contributes all its rows to every rank's block); the global array is [tp * rows, In] split
+        by rows over "tp".  With `axis` 1 (stacked experts [E, O, In], members of one spec) the
+        joined axis is the members' sharded one, and the spec is theirs.
+    how "stack": members of one local shape stacked on a new leading axis ([n, *local]), for
+        projections of different inputs that one batched product serves.
+
+    The checkpoint keeps the members' names (one `Param` each: loading, byte counts and the
+    sharding table are unchanged); a block class lists its Fuses in a class attribute `FUSE`, and
+    a Fuse applies to a block when all its members are present and its field is still empty (the
+    first that applies fills the field)."""
+    field: str
+    members: tuple[str, ...]
+    how: str = "rows"
+    axis: int = 0  # "rows": the axis the local slices are joined along (1: a stack of experts' [E, O, In])
+
+
+def _fuses(node) -> tuple[Fuse, ...]:
+    return getattr(type(node), "FUSE", ()) if dataclasses.is_dataclass(node) and not isinstance(node, type) else ()
+
+
+def serve(tree, combine):
+    """`tree` with every block's applicable Fuses applied: `combine(fuse, [member values])` makes the
+    field's value and the members become None.  Works on any tree of block dataclasses (placed arrays,
+    PartitionSpecs, host arrays), the members' values as they are in it."""
+    if isinstance(tree, (list, tuple)) and not isinstance(tree, P) and not hasattr(tree, "_fields"):
+        return type(tree)(serve(t, combine) for t in tree)
+    if not dataclasses.is_dataclass(tree) or isinstance(tree, type) or is_param(tree) or is_buffer(tree):
+        return tree
+    out = {f.name: serve(getattr(tree, f.name), combine) for f in dataclasses.fields(tree)}
+    for fz in _fuses(tree):
+        if out.get(fz.field) is None and all(out.get(m) is not None for m in fz.members):
+            out[fz.field] = combine(fz, [out[m] for m in fz.members])
+            out.update({m: None for m in fz.members})
+    return dataclasses.replace(tree, **out)
+
+
+def served_spec(fz: Fuse, specs: list) -> P:
+    """The PartitionSpec of a fused weight from its members' (resolved) specs."""
+    if fz.how == "stack":
+        return P(None, *specs[0])
+    if fz.axis:
+        if len({tuple(s) for s in specs}) != 1:
+            raise ValueError(f"Fuse {fz.field}: members along axis {fz.axis} need one spec, got {specs}")
+        return specs[0]
+    return P(TP, None) if any(TP in tuple(s) for s in specs) else P()
+
+
+def serve_specs(spec_tree):
+    """The serving layout's PartitionSpecs (`partition_specs(...)` of the checkpoint layout, fused)."""
+    def spec(fz: Fuse, members: list):
+        if dataclasses.is_dataclass(members[0]):  # MXFP4 and the like: field-wise
+            return dataclasses.replace(members[0], **{f.name: served_spec(fz, [getattr(m, f.name) for m in members])
+                                                      for f in dataclasses.fields(members[0])})
+        return served_spec(fz, members)
+    return serve(spec_tree, spec)
+
+
+def serve_arrays(weights, mesh):
+    """Placed weights in the serving layout: each Fuse's members joined per rank on the devices (each
+    member's PartitionSpec read from its NamedSharding), and the members dropped.  The joined array
+    is made under shard_map, so every rank joins its own slices."""
+    from jaxk3._compat import call_shard_map
+
+    def join(fz: Fuse, arrays: list):
+        if dataclasses.is_dataclass(arrays[0]):  # a weight of several arrays (MXFP4: packed, scale): field-wise
+            return dataclasses.replace(arrays[0], **{f.name: join(fz, [getattr(a, f.name) for a in arrays])
+                                                     for f in dataclasses.fields(arrays[0])})
+        specs = [_spec_of(a) for a in arrays]
+        local = (lambda *xs: jnp.concatenate(xs, axis=fz.axis)) if fz.how == "rows" else (lambda *xs: jnp.stack(xs, 0))
+        f = call_shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=served_spec(fz, specs),
+                           check_vma=False)
+        return jax.jit(f)(*arrays)
+
+    return serve(weights, join)
+
+
+def _spec_of(a: jax.Array) -> P:
+    sh = a.sharding
+    spec = getattr(sh, "spec", None)
+    if spec is None:
+        raise ValueError(f"serve_arrays: a weight of shape {a.shape} is not placed with a NamedSharding ({sh})")
+    return spec
+
+
+def serve_host(weights):
+    """Host (NumPy) weights of one rank (TP 1) in the serving layout: members concatenated or stacked."""
+    return serve(weights, lambda fz, xs: np.concatenate(xs, fz.axis) if fz.how == "rows" else np.stack(xs, 0))

@@ -5,11 +5,15 @@
 # benchmark the decode step of K3 layers 11-14 at real dimensions (three latent strategies).
 #
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
+#                        [gemvfused] [ktests] [kreal] [step48] [census48]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
 #   the Pallas kernels' compiled tests, `bench kernels`, and K3 layers 11-14 stock vs packed+sharded
-#   with kernels off and on.  On one GPU: `scripts/gpu_check.sh env kernels generate`)
+#   with kernels off and on; `gemvfused` the GEMV at the fused shapes vs XLA; `ktests` the compiled kernel
+#   tests at real dims; `kreal` each kernel vs XLA at real dims; `step48` the Kimi-Linear-48B step, main's
+#   (checkpoint layout, kernels off) vs the serving layout with kernels=auto; `census48` its kernel census.
+#   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
 # --no-deps, so scikit-build-core, nanobind, cmake, nvcc and jax must be installed already.
@@ -162,6 +166,49 @@ if has kernels; then
   timeout ${KDECODE_TIMEOUT:-400} $PY -m jaxk3.cli bench decode --config k3 --layers 11-14 --experts 32 --tp 1 \
     --batch 1,8 --context 4k --strategies stock,packed+sharded+one-shot --kernels off,on \
     --json "$OUT/decode_kernels.json" 2>&1 | tee "$OUT/decode_kernels.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has gemvfused; then
+  # The GEMV at the serving layout's fused shapes: XLA's dot vs the kernel's configs, same run
+  # (scripts/gpu/gemv_sweep.py; the budget bounds the sweep, XLA and the first config always run).
+  echo "== gemv, fused shapes: XLA vs kernel ($(date -u +%T))"
+  timeout -k 10 ${PICK_TIMEOUT:-150} $PY scripts/gpu/gemv_sweep.py --no-cuda --budget ${GEMV_BUDGET:-90} \
+    --cases ${GEMV_CASES:-kl_kda_in,kl_mla_in,kl_shared_gu,k3_kda_in_tp8,k3_mla_in_tp8} --json "$OUT/gemv_pick.json" \
+    > "$OUT/gemv_pick.log" 2>&1
+  echo "gemv pick rc $?"; sed -n '/# GEMV summary/,$p' "$OUT/gemv_pick.log" | cut -c1-160
+fi
+
+if has ktests; then
+  echo "== compiled kernel tests at real dims ($(date -u +%T))"
+  timeout -k 10 ${KTEST_TIMEOUT:-200} $PY -m pytest ${KTEST_FILES:-tests/test_kernels_real.py tests/test_gemv.py} -m gpu -q -rfEs \
+    -p no:cacheprovider ${KTEST_ARGS:-} > "$OUT/ktests.log" 2>&1
+  echo "ktests rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/ktests.log" | cut -c1-300 | tail -20
+fi
+
+if has kreal; then
+  echo "== kernels at real dims vs XLA ($(date -u +%T))"
+  timeout -k 10 ${KR_TIMEOUT:-150} $PY scripts/gpu/kernels_real.py --json "$OUT/kernels_real.json" ${KR_ARGS:-} \
+    > "$OUT/kernels_real.log" 2>&1
+  echo "kernels_real rc $?"; sed -n '/# kernels vs XLA/,$p' "$OUT/kernels_real.log" | cut -c1-150
+fi
+
+if has step48; then
+  # Kimi-Linear-48B, all 27 layers (64 routed experts kept for memory; a step reads its top-8 per token),
+  # TP 1, 4K: main's step (checkpoint layout, every kernel off) against the serving layout with
+  # kernels=auto, same weights, same run.
+  echo "== decode step, Kimi-Linear-48B, checkpoint/off vs serving/auto ($(date -u +%T))"
+  timeout ${STEP_TIMEOUT:-420} $PY -m jaxk3.cli bench decode --config kimi-linear-48b --layers all --experts 64 \
+    --tp 1 --batch ${STEP_BATCH:-1,8} --context 4k --strategies stock --variants ${STEP_VARIANTS:-checkpoint/off,serving/auto} \
+    --steps 20 --repeats 5 --json "$OUT/step48.json" 2>&1 | grep -v "^  \.\. " | tee "$OUT/step48.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has census48; then
+  echo "== kernel census, Kimi-Linear-48B, serving/auto ($(date -u +%T))"
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout ${CENSUS_TIMEOUT:-300} $PY -m jaxk3.cli bench decode \
+    --config kimi-linear-48b --layers all --experts 64 --tp 1 --batch 1 --context 4k --strategies stock \
+    --variants ${CENSUS_VARIANTS:-serving/auto} --steps 10 --census --json "$OUT/census48.json" 2>&1 | tee "$OUT/census48.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -2,12 +2,25 @@
 baseline in the same run."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 
 from jaxk3.cli.common import (MAX_CPU_DEVICES, choices_list, cpu_devices_arg, fail, int_in, one_line,  # noqa: F401
                               parse_ints, parse_sizes, positive, progress, write_json)
+
+
+def variants_list(text: str) -> tuple[tuple[str, str], ...]:
+    """`checkpoint/off,serving/auto` -> (("checkpoint", "off"), ("serving", "auto"))."""
+    out = []
+    for item in text.split(","):
+        lay, _, ker = item.strip().partition("/")
+        if lay not in ("auto", "serving", "checkpoint") or ker not in ("auto", "off", "on"):
+            raise argparse.ArgumentTypeError(f"{item!r}: need LAYOUT/KERNELS, LAYOUT one of auto, serving, "
+                                             "checkpoint and KERNELS one of auto, off, on (e.g. checkpoint/off)")
+        out.append((lay, ker))
+    return tuple(dict.fromkeys(out))
 
 
 def add_parser(sub) -> None:
@@ -49,6 +62,12 @@ def add_parser(sub) -> None:
                    help="timings per case; the median is reported (default 5)")
     d.add_argument("--kernels", type=choices_list(("auto", "off", "on")), default=("auto",),
                    help="device kernel modes, comma separated: each strategy runs under each (default auto)")
+    d.add_argument("--layouts", type=choices_list(("auto", "serving", "checkpoint")), default=("auto",),
+                   help="weight layouts, comma separated: each strategy runs in each (auto: serving on GPUs, "
+                   "checkpoint on CPUs; default auto)")
+    d.add_argument("--variants", type=variants_list, default=None,
+                   help="layout/kernels pairs, comma separated, e.g. checkpoint/off,serving/auto: each strategy runs "
+                   "in each pair (instead of the product of --layouts and --kernels)")
     d.add_argument("--strategies", default=None, help="subset, comma separated: stock,sharded+lax,sharded+one-shot,packed+sharded+one-shot")
     d.add_argument("--copy-mb", type=int_in(1, 1 << 20), default=1024,
                    help="per-device size of the bandwidth copy in MiB (default 1024)")
@@ -153,7 +172,10 @@ def decode(args) -> int:
         if unknown:
             return fail(cmd, f"--strategies: unknown {unknown}")
         strategies = tuple(s for s in bd.STRATEGIES if s.name in want)
-    strategies = bd.with_kernels(strategies, args.kernels)
+    if args.variants:
+        strategies = bd.with_variants(strategies, args.variants)
+    else:
+        strategies = bd.with_kernels(bd.with_layouts(strategies, args.layouts), args.kernels)
     if args.census:
         try:
             result = bd.census_decode(config=args.config, layers=layers, experts=experts,

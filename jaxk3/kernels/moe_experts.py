@@ -95,13 +95,14 @@ def expert_rows(w: jax.Array | MXFP4, ids: jax.Array) -> jax.Array:
 
 def compute_dtype(w, z: jax.Array):
     """The experts' input dtype: the dense experts' dtype, or the activations' for MXFP4."""
-    return z.dtype if isinstance(w.experts_w1, MXFP4) else w.experts_w1.dtype
+    return z.dtype if isinstance(w.experts_w2, MXFP4) else w.experts_w2.dtype
 
 
 def experts_partial(cfg: KimiK3Config, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array
                     ) -> jax.Array:
     """Σ_k w_k · W2_k act(W1_k z, W3_k z) over the local intermediate shard: fp32 [B, L] partial
-    (`w`: the block's weights, jaxk3.layers.moe.MoEWeights; only experts_w1/w2/w3 are read).
+    (`w`: the block's weights, jaxk3.layers.moe.MoEWeights; only the experts are read: w1 and w3, or
+    their serving-layout join experts_w13, and w2).
 
     Each GEMV is written as gather · multiply · sum so that XLA fuses the expert gather into the
     reduction and reads each selected expert's weights once.  As an einsum over `jnp.take(...)`
@@ -114,8 +115,12 @@ def experts_partial(cfg: KimiK3Config, w, z_BL: jax.Array, w_Bk: jax.Array, ids_
         return jnp.sum(expert_rows(w_EOI, ids_Bk) * x_BkI[:, :, None, :], axis=-1)
 
     zk = jnp.broadcast_to(z[:, None, :], (*ids_Bk.shape, z.shape[-1]))
-    h1_BkI = gemv(w.experts_w1, zk)
-    h3_BkI = gemv(w.experts_w3, zk)
+    if getattr(w, "experts_w13", None) is not None:  # the serving layout: w1 | w3 in one read of each expert
+        h_Bk2I = gemv(w.experts_w13, zk)
+        h1_BkI, h3_BkI = h_Bk2I[..., :h_Bk2I.shape[-1] // 2], h_Bk2I[..., h_Bk2I.shape[-1] // 2:]
+    else:
+        h1_BkI = gemv(w.experts_w1, zk)
+        h3_BkI = gemv(w.experts_w3, zk)
     a_BkI = act(cfg, h1_BkI, h3_BkI).astype(dt).astype(F32)
     y_BkL = gemv(w.experts_w2, a_BkI)
     return jnp.einsum("bkl,bk->bl", y_BkL, w_Bk)
@@ -304,6 +309,8 @@ reference = experts_partial
 
 
 def fits(cfg, w, z_BL, w_Bk, ids_Bk, **_) -> str | None:
+    if w.experts_w1 is None:
+        return "moe_experts kernel reads the checkpoint layout's experts_w1 / experts_w3 (not the serving layout's w13)"
     E, I, L = w.experts_w1.shape
     if z_BL.ndim != 2 or z_BL.shape[0] > 16:
         return f"moe_experts kernel is for decode (at most 16 tokens), got z {z_BL.shape}"

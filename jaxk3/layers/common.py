@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxk3 import collectives
+from jaxk3 import collectives, kernels
 
 F32 = jnp.float32
 
@@ -33,9 +33,24 @@ def as_tp(tp: TP | str | None) -> TP | None:
     return TP(tp) if isinstance(tp, str) else tp
 
 
-def linear(x_BD: jax.Array, w_FD: jax.Array) -> jax.Array:
-    """`x @ w.T` for a checkpoint weight `w [out, in]`, inputs in w's dtype, fp32 accumulate/out."""
-    return jnp.einsum("bd,fd->bf", x_BD.astype(w_FD.dtype), w_FD, preferred_element_type=F32)
+def linear(x_BD: jax.Array, w_FD: jax.Array, tp: TP | str | None = None) -> jax.Array:
+    """`x @ w.T` for a weight `w [out, in]` (the checkpoint's and the serving layout's), inputs in w's
+    dtype, fp32 accumulate/out: the `gemv` kernel where the kernel mode of `tp` and the shape allow
+    (decode rows, bf16 weights, a shape where it beat XLA's dot: jaxk3.kernels.gemv), else XLA's dot."""
+    if x_BD.ndim != 2:
+        return jnp.einsum("...d,fd->...f", x_BD.astype(w_FD.dtype), w_FD, preferred_element_type=F32)
+    return kernels.call("gemv", x_BD, w_FD, mode=kernel_mode(tp))
+
+
+def split(y_NX: jax.Array, widths) -> list[jax.Array]:
+    """The columns of a fused projection's output, one part per member (`widths` in member order)."""
+    out, off = [], 0
+    for n in widths:
+        out.append(y_NX[..., off:off + n])
+        off += n
+    if off != y_NX.shape[-1]:
+        raise ValueError(f"split: parts {list(widths)} add up to {off}, the fused output has {y_NX.shape[-1]}")
+    return out
 
 
 def psum(x: jax.Array, tp: TP | str | None) -> jax.Array:

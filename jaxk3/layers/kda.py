@@ -31,8 +31,8 @@ from jaxk3 import kernels
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels.kda_decode import CoreWeights, kda_gate, l2norm
 from jaxk3.kernels.rms_norm import gated_rms_norm
-from jaxk3.layers.common import F32, TP, kernel_mode, linear, psum
-from jaxk3.params import COL, REP, ROW, Buffer, Param, weight
+from jaxk3.layers.common import F32, TP, kernel_mode, linear, psum, split
+from jaxk3.params import COL, REP, ROW, Buffer, Fuse, Param, weight
 
 
 @jax.tree_util.register_dataclass
@@ -55,6 +55,13 @@ class KDAWeights:
     g_proj: jax.Array | None = None  # [C, D]   K3 full-rank output gate
     g_a_proj: jax.Array | None = None  # [d, D]   Kimi-Linear low-rank output gate (replicated)
     g_b_proj: jax.Array | None = None  # [C, d]
+    # the serving layout (params.Fuse, made at load; the checkpoint keeps the members above)
+    in_proj: jax.Array | None = None  # per rank [q | k | v | f_a | b | g or g_a] rows, [*, D]
+    gate_b_proj: jax.Array | None = None  # [2, C, d]  f_b and g_b stacked (Kimi-Linear)
+
+    FUSE = (Fuse("in_proj", ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_proj")),
+            Fuse("in_proj", ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")),
+            Fuse("gate_b_proj", ("f_b_proj", "g_b_proj"), "stack"))
 
 
 def abstract(cfg: KimiK3Config, prefix: str) -> KDAWeights:
@@ -98,27 +105,35 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array, conv_B3CW: jax.A
     """One KDA decode step.  Returns (out_BD fp32 summed over TP, new conv_B3CW, new state_BHKV)."""
     dt = x_BD.dtype
     # -- projections (GEMVs); the rest of the step is `decode_core` (one device kernel where it runs)
-    u_B3C, f_BC, beta_BH, z_BC = projections(cfg, w, x_BD)
+    u_B3C, f_BC, beta_BH, z_BC = projections(cfg, w, x_BD, tp)
     o_BC, new_conv, new_state = kernels.call(
         "kda_decode", cfg, u_B3C, conv_B3CW, core_weights(w), f_BC, beta_BH, z_BC, state_BHKV, valid_B,
         mode=kernel_mode(tp))
-    out_BD = psum(linear(o_BC.astype(dt), w.o_proj), tp)
+    out_BD = psum(linear(o_BC.astype(dt), w.o_proj, tp), tp)
     return out_BD, new_conv, new_state
 
 
-def projections(cfg: KimiK3Config, w: KDAWeights, x_ND: jax.Array
+def projections(cfg: KimiK3Config, w: KDAWeights, x_ND: jax.Array, tp: TP | str | None = None
                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The layer's GEMVs on N tokens (decode: the batch; prefill: B·T): (u_N3C the raw q|k|v
     projections in x's dtype, f_NC the forget-gate input without dt_bias, beta_NH, z_NC the output
-    gate), fp32 except u."""
+    gate), fp32 except u.  In the serving layout one GEMV (`in_proj`) computes every projection of x
+    and one batched product (`gate_b_proj`) the two low-rank second halves; in the checkpoint layout,
+    one GEMV per weight (the same values; the sums of a fused product may run in another order)."""
     dt = x_ND.dtype
-    u_N3C = jnp.stack([linear(x_ND, w.q_proj), linear(x_ND, w.k_proj), linear(x_ND, w.v_proj)], 1).astype(dt)
-    f_NC = linear(linear(x_ND, w.f_a_proj).astype(dt), w.f_b_proj)
-    beta_NH = jax.nn.sigmoid(linear(x_ND, w.b_proj))
-    if cfg.use_full_rank_gate:
-        z_NC = linear(x_ND, w.g_proj)
+    if w.in_proj is not None:
+        c, h, d = w.dt_bias.shape[0], w.A_log.shape[0], cfg.kda_head_dim  # local channels and heads
+        q, k, v, fa, b, g = split(linear(x_ND, w.in_proj, tp), (c, c, c, d, h, c if cfg.use_full_rank_gate else d))
     else:
-        z_NC = linear(linear(x_ND, w.g_a_proj).astype(dt), w.g_b_proj)
+        q, k, v, fa, b, g = (linear(x_ND, m, tp) for m in (w.q_proj, w.k_proj, w.v_proj, w.f_a_proj, w.b_proj,
+                                                          w.g_proj if cfg.use_full_rank_gate else w.g_a_proj))
+    u_N3C = jnp.stack([q, k, v], 1).astype(dt)
+    beta_NH = jax.nn.sigmoid(b)
+    if w.gate_b_proj is not None:  # f_b and g_b: one batched product of [f_a(x), g_a(x)]
+        fg = jnp.einsum("njd,jcd->njc", jnp.stack([fa, g], 1).astype(dt), w.gate_b_proj, preferred_element_type=F32)
+        return u_N3C, fg[:, 0], beta_NH, fg[:, 1]
+    f_NC = linear(fa.astype(dt), w.f_b_proj, tp)
+    z_NC = g if cfg.use_full_rank_gate else linear(g.astype(dt), w.g_b_proj, tp)
     return u_N3C, f_NC, beta_NH, z_NC
 
 
@@ -204,7 +219,7 @@ def kda_prefill(cfg: KimiK3Config, w: KDAWeights, x_BTD: jax.Array, conv_B3CW: j
     x = x_BTD.reshape(B * T, D)
     keep = valid_BT.astype(bool)
     # -- projections; the short causal conv over [conv state | chunk] (pads zeroed: a fresh state's zeros)
-    u, f, beta, z = projections(cfg, w, x)
+    u, f, beta, z = projections(cfg, w, x, tp)
     u_BT3C = jnp.where(keep[..., None, None], u.reshape(B, T, 3, -1), jnp.zeros((), dt))
     X = jnp.concatenate([jnp.moveaxis(conv_B3CW, -1, 1), u_BT3C], axis=1).astype(F32)  # [B, W+T, 3, C]
     w_3CK = core_weights(w).conv_3CK
@@ -221,5 +236,5 @@ def kda_prefill(cfg: KimiK3Config, w: KDAWeights, x_BTD: jax.Array, conv_B3CW: j
     o_BTHV = jnp.moveaxis(o, 2, 1)
     # -- output gate, per-head norm, row-parallel o_proj
     o_BTHV = gated_rms_norm(o_BTHV, w.o_norm, z.reshape(o_BTHV.shape), cfg.rms_norm_eps)
-    out = psum(linear(o_BTHV.reshape(B * T, -1).astype(dt), w.o_proj), tp)
+    out = psum(linear(o_BTHV.reshape(B * T, -1).astype(dt), w.o_proj, tp), tp)
     return out.reshape(B, T, -1), new_conv, S

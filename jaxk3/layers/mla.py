@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jaxk3 import collectives, kernels
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels.rms_norm import rms_norm
-from jaxk3.layers.common import F32, TP, as_tp, kernel_mode, linear, psum
-from jaxk3.params import COL, LATENT, REP, ROW, Buffer, weight
+from jaxk3.layers.common import F32, TP, as_tp, kernel_mode, linear, psum, split
+from jaxk3.params import COL, LATENT, REP, ROW, Buffer, Fuse, weight
 
 
 @jax.tree_util.register_dataclass
@@ -44,6 +44,13 @@ class MLAWeights:
     q_b_proj: jax.Array | None = None  # [H*(nope+rope), q_lora]   column-parallel
     q_proj: jax.Array | None = None  # [H*(nope+rope), D]   Kimi-Linear, column-parallel
     g_proj: jax.Array | None = None  # [H*v, D]   K3 output gate, column-parallel
+    # the serving layout (params.Fuse, made at load): per rank [latent rows | q_proj | g_proj] rows
+    in_proj: jax.Array | None = None
+
+    FUSE = tuple(Fuse("in_proj", m) for m in (("q_a_proj", "kv_a_proj_with_mqa", "g_proj"),
+                                              ("q_a_proj", "kv_a_proj_with_mqa"),
+                                              ("kv_a_proj_with_mqa", "q_proj", "g_proj"),
+                                              ("kv_a_proj_with_mqa", "q_proj")))
 
 
 def abstract(cfg: KimiK3Config, prefix: str) -> MLAWeights:
@@ -80,28 +87,45 @@ def cache_abstract(cfg: KimiK3Config, batch: int, max_len: int) -> MLACache:
     return MLACache(kv=Buffer((batch, max_len, cfg.latent_dim), "compute"))
 
 
-def latent_projection(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp: TP | str | None,
-                      shard_latent: bool, gather: str | None = None) -> tuple[jax.Array | None, jax.Array]:
-    """Returns (c_q_BQ or None, ckv_BR = [c_kv | k_pe]) as full vectors, in the activation dtype."""
+def input_projections(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp: TP | str | None,
+                      shard_latent: bool, gather: str | None = None
+                      ) -> tuple[jax.Array | None, jax.Array, jax.Array | None, jax.Array | None]:
+    """Every projection of the layer's input x: (c_q_BQ or None (K3), ckv_BR = [c_kv | k_pe], both full
+    vectors in the activation dtype; q_BF (Kimi-Linear's q_proj) or None; g_BF (K3's output-gate
+    logits) or None; the last two fp32 and local).  In the serving layout one GEMV (`in_proj`) computes
+    them all; in the checkpoint layout one GEMV per weight.  Under `shard_latent` each rank computes
+    its rows of the latent projections and one gather rebuilds the full vectors."""
     dt = x_BD.dtype
+    tp = as_tp(tp)
+    n, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    h = w.kv_b_proj.shape[0] // (n + v)  # local heads
+    split_latent = shard_latent and tp is not None
     parts = [w.q_a_proj] if w.q_a_proj is not None else []
     parts.append(w.kv_a_proj_with_mqa)
-    local = [linear(x_BD, p).astype(dt) for p in parts]
-    tp = as_tp(tp)
-    if not (shard_latent and tp is not None):
-        return (local[0] if len(local) == 2 else None), local[-1]
-    # each rank holds rows [r·n/tp, (r+1)·n/tp) of each weight: one gather of the concatenation
-    widths = [p.shape[0] for p in parts]
+    if w.in_proj is not None:
+        rows = cfg.num_attention_heads // h if split_latent else 1  # the latent projections' row split
+        lat = ([cfg.q_lora_rank // rows] if cfg.q_lora_rank is not None else []) + [cfg.latent_dim // rows]
+        rest = ([h * (n + r)] if cfg.q_lora_rank is None else []) + ([h * v] if cfg.mla_use_output_gate else [])
+        outs = split(linear(x_BD, w.in_proj, tp), lat + rest)
+        local = [o.astype(dt) for o in outs[:len(lat)]]
+        q_BF = outs[len(lat)] if cfg.q_lora_rank is None else None
+        g_BF = outs[-1] if cfg.mla_use_output_gate else None
+        widths = lat
+    else:
+        local = [linear(x_BD, p, tp).astype(dt) for p in parts]
+        q_BF = linear(x_BD, w.q_proj, tp) if w.q_proj is not None else None
+        g_BF = linear(x_BD, w.g_proj, tp) if cfg.mla_use_output_gate else None
+        widths = [p.shape[0] for p in parts]
+    if not split_latent:
+        return (local[0] if len(local) == 2 else None), local[-1], q_BF, g_BF
+    # each rank holds rows [r·n/tp, (r+1)·n/tp) of each latent weight: one gather of the concatenation
     full_BTX = collectives.padded_all_gather(jnp.concatenate(local, -1), tp.axis, axis=-1, tiled=True,
                                              impl=gather or tp.gather)
     B = x_BD.shape[0]
     full_BTX = full_BTX.reshape(B, -1, sum(widths))  # [B, tp, local widths]
-    tp = full_BTX.shape[1]
-    outs, off = [], 0
-    for n in widths:
-        outs.append(full_BTX[:, :, off:off + n].reshape(B, tp * n))
-        off += n
-    return (outs[0] if len(outs) == 2 else None), outs[-1]
+    n_tp = full_BTX.shape[1]
+    outs = [o.reshape(B, n_tp * k) for o, k in zip(split(full_BTX, widths), widths)]
+    return (outs[0] if len(outs) == 2 else None), outs[-1], q_BF, g_BF
 
 
 def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,
@@ -114,11 +138,9 @@ def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Arra
     B, S = x_BD.shape[0], kv_BSR.shape[1]
     dt = x_BD.dtype
     n, r, v, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    cq_BQ, ckv_BR = latent_projection(cfg, w, x_BD, tp, shard_latent, gather)
+    cq_BQ, ckv_BR, q_BF, g_BF = input_projections(cfg, w, x_BD, tp, shard_latent, gather)
     if cq_BQ is not None:
-        q_BF = linear(rms_norm(cq_BQ, w.q_a_layernorm, cfg.rms_norm_eps).astype(dt), w.q_b_proj)
-    else:
-        q_BF = linear(x_BD, w.q_proj)
+        q_BF = linear(rms_norm(cq_BQ, w.q_a_layernorm, cfg.rms_norm_eps).astype(dt), w.q_b_proj, tp)
     q_BHX = q_BF.astype(dt).astype(F32).reshape(B, -1, n + r)
     qn_BHN, qpe_BHP = q_BHX[..., :n], q_BHX[..., n:]
     entry_BR = jnp.concatenate(
@@ -134,9 +156,9 @@ def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Arra
     olat_BHR = kernels.call("mla_decode", ql_BHR, qpe_BHP, kv_BSR, length_B, (n + r) ** -0.5, mode=kernel_mode(tp))
     o_BHV = jnp.einsum("bhr,hvr->bhv", olat_BHR, wkvb_HXR[:, n:])
     o_BF = o_BHV.reshape(B, -1)
-    if cfg.mla_use_output_gate:
-        o_BF = o_BF * jax.nn.sigmoid(linear(x_BD, w.g_proj))
-    return psum(linear(o_BF.astype(dt), w.o_proj), tp), kv_BSR
+    if g_BF is not None:
+        o_BF = o_BF * jax.nn.sigmoid(g_BF)
+    return psum(linear(o_BF.astype(dt), w.o_proj, tp), tp), kv_BSR
 
 
 def mla_prefill(cfg: KimiK3Config, w: MLAWeights, x_BTD: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,
@@ -152,9 +174,9 @@ def mla_prefill(cfg: KimiK3Config, w: MLAWeights, x_BTD: jax.Array, kv_BSR: jax.
     dt = x_BTD.dtype
     n, r, v, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     x = x_BTD.reshape(B * T, D)
-    cq, ckv = latent_projection(cfg, w, x, tp, shard_latent, gather)  # T rows per row: the prefill gather
-    q = linear(rms_norm(cq, w.q_a_layernorm, cfg.rms_norm_eps).astype(dt), w.q_b_proj) if cq is not None \
-        else linear(x, w.q_proj)
+    cq, ckv, q, g = input_projections(cfg, w, x, tp, shard_latent, gather)  # T rows per row: the prefill gather
+    if cq is not None:
+        q = linear(rms_norm(cq, w.q_a_layernorm, cfg.rms_norm_eps).astype(dt), w.q_b_proj, tp)
     q_BTHX = q.astype(dt).astype(F32).reshape(B, T, -1, n + r)
     entry = jnp.concatenate([rms_norm(ckv[:, :R], w.kv_a_layernorm, cfg.rms_norm_eps).astype(dt), ckv[:, R:]], -1)
     # -- write the valid tokens' latents at their slots (invalid ones: dropped, out of range)
@@ -173,6 +195,6 @@ def mla_prefill(cfg: KimiK3Config, w: MLAWeights, x_BTD: jax.Array, kv_BSR: jax.
     p = jax.nn.softmax(jnp.where(mask[:, :, None, :], score, -jnp.inf), axis=-1)
     o = jnp.einsum("bthr,hvr->bthv", jnp.einsum("bths,bsr->bthr", p, c[..., :R]), wkvb_HXR[:, n:])
     o_NF = o.reshape(B * T, -1)
-    if cfg.mla_use_output_gate:
-        o_NF = o_NF * jax.nn.sigmoid(linear(x, w.g_proj))
-    return psum(linear(o_NF.astype(dt), w.o_proj), tp).reshape(B, T, -1), kv_BSR
+    if g is not None:
+        o_NF = o_NF * jax.nn.sigmoid(g)
+    return psum(linear(o_NF.astype(dt), w.o_proj, tp), tp).reshape(B, T, -1), kv_BSR

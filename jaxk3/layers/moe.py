@@ -37,17 +37,21 @@ from jaxk3.kernels.moe_experts import (MXFP4, act, compute_dtype, dequantize, e8
                                        expert_rows, experts_partial)
 from jaxk3.kernels.rms_norm import rms_norm
 from jaxk3.kernels.router import select_experts
-from jaxk3.layers.common import F32, TP, as_tp, kernel_mode, linear, psum
-from jaxk3.params import COL, LATENT, LATENT_ROW, REP, ROW, Param, weight
+from jaxk3.layers.common import F32, TP, as_tp, kernel_mode, linear, psum, split
+from jaxk3.params import COL, LATENT, LATENT_ROW, REP, ROW, Fuse, Param, weight
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MLPWeights:
     """HF `mlp.<field>.weight` (layer 0) or `block_sparse_moe.shared_experts.<field>.weight`."""
-    gate_proj: jax.Array  # [I, D]  column-parallel
-    up_proj: jax.Array  # [I, D]  column-parallel
+    gate_proj: jax.Array | None  # [I, D]  column-parallel
+    up_proj: jax.Array | None  # [I, D]  column-parallel
     down_proj: jax.Array  # [D, I]  row-parallel
+    # the serving layout (params.Fuse, made at load): per rank [gate | up] rows
+    gate_up_proj: jax.Array | None = None
+
+    FUSE = (Fuse("gate_up_proj", ("gate_proj", "up_proj")),)
 
 
 def mlp_abstract(prefixes: str | tuple[str, ...], hidden: int, intermediate: int,
@@ -66,13 +70,17 @@ class MoEWeights:
     """HF `model.layers.{l}.block_sparse_moe.*` (names in the comments)."""
     gate: jax.Array  # [E, D]       gate.weight, replicated
     e_score_correction_bias: jax.Array  # [E] fp32 gate.e_score_correction_bias
-    experts_w1: jax.Array | MXFP4  # [E, I, L]    experts.{e}.w1.weight stacked (gate), column over I
+    experts_w1: jax.Array | MXFP4 | None  # [E, I, L]    experts.{e}.w1.weight stacked (gate), column over I
     experts_w2: jax.Array | MXFP4  # [E, L, I]    experts.{e}.w2.weight stacked (down), row over I
-    experts_w3: jax.Array | MXFP4  # [E, I, L]    experts.{e}.w3.weight stacked (up)
+    experts_w3: jax.Array | MXFP4 | None  # [E, I, L]    experts.{e}.w3.weight stacked (up)
     shared_experts: MLPWeights | None = None
     routed_expert_down_proj: jax.Array | None = None  # [L, D]  LATENT: rows split or replicated (K3)
     routed_expert_norm: jax.Array | None = None  # [L]  replicated
     routed_expert_up_proj: jax.Array | None = None  # [D, L]  LATENT_ROW: columns split or replicated
+    # the serving layout (params.Fuse, made at load): per rank [w1 | w3] along the intermediate axis
+    experts_w13: jax.Array | MXFP4 | None = None  # [E, 2I, L]
+
+    FUSE = (Fuse("experts_w13", ("experts_w1", "experts_w3"), axis=1),)
 
 
 def moe_abstract(cfg: KimiK3Config, prefix: str) -> MoEWeights:
@@ -106,15 +114,19 @@ def moe_abstract(cfg: KimiK3Config, prefix: str) -> MoEWeights:
     return MoEWeights(**out)
 
 
-def mlp_partial(cfg: KimiK3Config, w: MLPWeights, x_BD: jax.Array) -> jax.Array:
-    """Row-parallel partial of the GLU MLP, fp32 [B, D] (sum over TP ranks = MLP(x))."""
-    h_BI = act(cfg, linear(x_BD, w.gate_proj), linear(x_BD, w.up_proj))
-    return linear(h_BI.astype(x_BD.dtype), w.down_proj)
+def mlp_partial(cfg: KimiK3Config, w: MLPWeights, x_BD: jax.Array, tp: TP | str | None = None) -> jax.Array:
+    """Row-parallel partial of the GLU MLP, fp32 [B, D] (sum over TP ranks = MLP(x)); gate and up as
+    one GEMV in the serving layout."""
+    if w.gate_up_proj is not None:
+        a_BI, b_BI = split(linear(x_BD, w.gate_up_proj, tp), (w.down_proj.shape[1],) * 2)
+    else:
+        a_BI, b_BI = linear(x_BD, w.gate_proj, tp), linear(x_BD, w.up_proj, tp)
+    return linear(act(cfg, a_BI, b_BI).astype(x_BD.dtype), w.down_proj, tp)
 
 
 def mlp(cfg: KimiK3Config, w: MLPWeights, x_BD: jax.Array, tp: TP | str | None) -> jax.Array:
     """Dense MLP, fp32 out, summed over TP."""
-    return psum(mlp_partial(cfg, w, x_BD), tp)
+    return psum(mlp_partial(cfg, w, x_BD, tp), tp)
 
 
 def route(cfg: KimiK3Config, gate_ED: jax.Array, bias_E: jax.Array, x_BD: jax.Array
@@ -134,6 +146,12 @@ def dense_experts(w: jax.Array | MXFP4, dtype) -> jax.Array:
     return dequantize(w).astype(dtype) if isinstance(w, MXFP4) else w
 
 
+def split_gate_up(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The gate and up halves of a fused w1|w3 product's last axis."""
+    i = h.shape[-1] // 2
+    return h[..., :i], h[..., i:]
+
+
 _RAGGED = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
                                        rhs_group_dimensions=[0])
 
@@ -144,8 +162,8 @@ def experts_grouped(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax
     run as grouped GEMMs (`lax.ragged_dot_general`), so each expert's weights are read once per call
     whatever the number of tokens.  fp32 [N, L] partial over the local intermediate shard."""
     N, k = ids_Nk.shape
-    E, dt = w.experts_w1.shape[0], compute_dtype(w, z_NL)
-    w1, w2, w3 = (dense_experts(x, dt) for x in (w.experts_w1, w.experts_w2, w.experts_w3))
+    E, dt = w.experts_w2.shape[0], compute_dtype(w, z_NL)
+    w2 = dense_experts(w.experts_w2, dt)
     flat = ids_Nk.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
@@ -155,7 +173,11 @@ def experts_grouped(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax
     def gemm(x, w_EOI):
         return lax.ragged_dot_general(x, w_EOI, sizes, _RAGGED, preferred_element_type=F32)
 
-    a = act(cfg, gemm(xs, w1), gemm(xs, w3)).astype(dt)
+    if w.experts_w13 is not None:
+        h1, h3 = split_gate_up(gemm(xs, dense_experts(w.experts_w13, dt)))
+    else:
+        h1, h3 = gemm(xs, dense_experts(w.experts_w1, dt)), gemm(xs, dense_experts(w.experts_w3, dt))
+    a = act(cfg, h1, h3).astype(dt)
     y = gemm(a, w2) * w_Nk.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(y, token, num_segments=N)
 
@@ -167,17 +189,19 @@ def experts_dense(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax.A
     grouped form, but plain batched matrix products.  Measured on an H200 (Kimi-Linear-48B dims,
     512 tokens, 64 experts): XLA's GPU `ragged_dot` took 6.0 ms per layer, far above this form's
     FLOPs.  Tokens go in blocks whose fp32 [n, E, I] activations fit DENSE_MOE_BYTES (lax.map)."""
-    N, (E, I) = z_NL.shape[0], w.experts_w1.shape[:2]
+    N, (E, _, I) = z_NL.shape[0], w.experts_w2.shape
     dt = compute_dtype(w, z_NL)
-    w1, w2, w3 = (dense_experts(x, dt) for x in (w.experts_w1, w.experts_w2, w.experts_w3))
+    w2 = dense_experts(w.experts_w2, dt)
+    fused = w.experts_w13 is not None
+    w13 = (dense_experts(w.experts_w13, dt),) if fused else (dense_experts(w.experts_w1, dt),
+                                                              dense_experts(w.experts_w3, dt))
     weights_NE = jnp.zeros((N, E), F32).at[jnp.arange(N)[:, None], ids_Nk].add(w_Nk.astype(F32))
 
     def block(args):
         z, weights = args
         z = z.astype(dt)
-        h1 = jnp.einsum("nl,eil->nei", z, w1, preferred_element_type=F32)
-        h3 = jnp.einsum("nl,eil->nei", z, w3, preferred_element_type=F32)
-        a = act(cfg, h1, h3).astype(dt)
+        h = [jnp.einsum("nl,eil->nei", z, m, preferred_element_type=F32) for m in w13]
+        a = act(cfg, *(split_gate_up(h[0]) if fused else h)).astype(dt)
         y_NEL = jnp.einsum("nei,eli->nel", a, w2, preferred_element_type=F32)
         return jnp.einsum("nel,ne->nl", y_NEL, weights)
 
@@ -209,7 +233,7 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, 
     experts = experts_dense if grouped else functools.partial(_experts_decode, mode=mode)
     w_Bk, ids_Bk = kernels.call("router_topk", cfg, router_logits(w.gate, x_BD), w.e_score_correction_bias,
                                 mode=mode)
-    shared_BD = mlp_partial(cfg, w.shared_experts, x_BD) if w.shared_experts is not None else 0.0
+    shared_BD = mlp_partial(cfg, w.shared_experts, x_BD, tp) if w.shared_experts is not None else 0.0
     if w.routed_expert_down_proj is None:  # Kimi-Linear: experts on x, one psum for both partials
         return psum(experts(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp)
     L, tp = cfg.moe_hidden, as_tp(tp)
@@ -217,7 +241,7 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, 
     if sharded != (w.routed_expert_up_proj.shape[1] != L):
         raise ValueError(f"routed_expert_down_proj {w.routed_expert_down_proj.shape} and routed_expert_up_proj "
                          f"{w.routed_expert_up_proj.shape} (per rank): both split over TP (shard_latent) or both whole")
-    z_BL = linear(x_BD, w.routed_expert_down_proj).astype(dt)
+    z_BL = linear(x_BD, w.routed_expert_down_proj, tp).astype(dt)
     if sharded:  # one gather rebuilds z [B, L] from every rank's L/tp features
         z_BL = collectives.padded_all_gather(z_BL, tp.axis, axis=-1, tiled=True, impl=tp.gather)
     y_BL = psum(experts(cfg, w, z_BL, w_Bk, ids_Bk), tp)
@@ -225,7 +249,7 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, 
         y_BL = rms_norm(y_BL, w.routed_expert_norm, cfg.rms_norm_eps)
     y_BL = y_BL.astype(dt)
     if not sharded:
-        return linear(y_BL, w.routed_expert_up_proj) + psum(shared_BD, tp)
+        return linear(y_BL, w.routed_expert_up_proj, tp) + psum(shared_BD, tp)
     n = w.routed_expert_up_proj.shape[1]  # this rank's L/tp input columns of the up projection
     y_local = lax.dynamic_slice_in_dim(y_BL, lax.axis_index(tp.axis) * n, n, axis=-1)
-    return psum(linear(y_local, w.routed_expert_up_proj) + shared_BD, tp)
+    return psum(linear(y_local, w.routed_expert_up_proj, tp) + shared_BD, tp)

@@ -12,8 +12,8 @@ compiles both.  Reported, each beside its baseline measured in the same process:
     loop_vs_b2b       step_us_b2b / (decode time per token): >= 0.95 means the host costs <= 5 %
     token_by_token_s  the old prompt path, estimated as P steps at the back-to-back rate
     prefill_speedup   token_by_token_s / ttft
-    floor_us          weight bytes one rank reads per step (experts: the min(E, B·k) a step can
-                      touch) + cache bytes, over the measured copy bandwidth
+    floor_us          weight bytes one rank reads per step (experts: the distinct ones a step is
+                      expected to touch, E·(1-(1-k/E)^B)) + cache bytes, over the copy bandwidth
 
 Weights are random, generated on the devices in their final sharding (`--experts N` keeps N routed
 experts per MoE layer, for memory; the per-token work is the same while N >= B·k).
@@ -28,11 +28,10 @@ import time
 import jax
 import numpy as np
 
-from jaxk3.tools import bench_decode as bd
-from jaxk3 import params
 from jaxk3.engine import Model
 from jaxk3.model import StepOptions, build_step, put_batch
 from jaxk3.sharding import TP
+from jaxk3.tools import bench_decode as bd
 
 
 def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: int = 4096, new: int = 256,
@@ -50,7 +49,7 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
     weights = bd.random_weights(cfg, mesh, dtype, shard_latent=True)
     jax.block_until_ready(weights)
     init_s = time.perf_counter() - t0
-    model = Model(cfg, weights, mesh, dtype, gather, True, psum)
+    model = Model(cfg, weights, mesh, dtype, gather, True, psum)  # the serving layout on GPUs (layout="auto")
     rows = []
     for B in batches:
         rng = np.random.default_rng(B)
@@ -64,7 +63,7 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
         ttft, dec = out.prompt_time_s, out.decode_time_s
         compiled = {k[0]: f._cache_size() for k, f in model._fns.items()}
         # the device's own step rate: the decode step back to back, greedy token fed back on the device
-        step = build_step(cfg, StepOptions(gather=gather, psum=psum), mesh)
+        step = build_step(cfg, StepOptions(gather=gather, psum=psum, serving=model.serving), mesh)
         cache = bd.random_cache(cfg, mesh, dtype, B, -(-(prompt + new) // 64) * 64)
         ids = put_batch(np.arange(B, dtype=np.int32) % cfg.vocab_size, mesh)
         valid = put_batch(np.ones((B,), bool), mesh)
@@ -79,8 +78,7 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
             ids.block_until_ready()
             per.append((time.perf_counter() - t0) / 20 * 1e6)
         b2b = statistics.median(per)
-        wbytes = sum(params.bytes_per_rank(model.abstract, model.weights, experts_touched=B * cfg.num_experts_per_token,
-                                           rows=B).values())
+        wbytes = sum(bd.weight_bytes_per_rank(cfg, weights, B).values())  # checkpoint-layout arrays: the same bytes
         cbytes = bd.cache_bytes_per_rank(cfg, cache)
         del cache
         floor = (wbytes + cbytes) / bw * 1e6
@@ -96,7 +94,7 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
             f"decode {row['decode_tok_s']:.1f} tok/s ({per_tok:.0f} us/token vs {b2b:.0f} us back to back: "
             f"x{row['loop_vs_b2b']:.3f}), floor {floor:.0f} us")
     return {"kind": "generate", "config": config, "layers": cfg.num_hidden_layers, "experts": cfg.num_experts, "tp": tp,
-            "dtype": dtype, "gather": gather, "psum": psum, "prefill_chunk": prefill_chunk,
+            "dtype": dtype, "gather": gather, "psum": psum, "layout": model.layout, "prefill_chunk": prefill_chunk,
             "decode_chunk": decode_chunk, "platform": jax.devices()[0].platform,
             "device_kind": jax.devices()[0].device_kind, "copy_bandwidth_GBps": bw / 1e9, "weights_init_s": init_s,
             "versions": bd._versions(), "rows": rows}

@@ -39,6 +39,11 @@ CASES = [
     ("kl_sq", 1, 2304, 2304), ("kl_gateup", 1, 18432, 2304), ("kl_qkv", 1, 12288, 2304), ("kl_oproj", 1, 2304, 4096),
     ("k3_qa", 1, 1536, 7168), ("k3_qkv_tp8", 1, 4608, 7168), ("kl_down", 1, 2304, 9216), ("k3_o_tp8", 1, 7168, 1536),
     ("kl_sq", 8, 2304, 2304), ("kl_gateup", 8, 18432, 2304), ("kl_oproj", 8, 2304, 4096), ("k3_qa", 8, 1536, 7168),
+    # the serving layout's fused projections (jaxk3.layers: Fuse): Kimi-Linear KDA q|k|v|f_a|b|g_a, MLA
+    # kv_a|q_proj, shared experts gate|up; K3 at TP 8: KDA q|k|v|f_a|b|g, MLA q_a|kv_a|g
+    ("kl_kda_in", 1, 12576, 2304), ("kl_mla_in", 1, 6720, 2304), ("kl_shared_gu", 1, 2048, 2304),
+    ("kl_kda_in", 8, 12576, 2304), ("kl_mla_in", 8, 6720, 2304), ("kl_shared_gu", 8, 2048, 2304),
+    ("k3_kda_in_tp8", 1, 6284, 7168), ("k3_mla_in_tp8", 1, 1800, 7168),
 ]
 
 

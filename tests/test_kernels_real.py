@@ -10,6 +10,7 @@ Tolerances, per kernel (max |kernel - ref| / max |ref|):
                            relative), through rsqrt and (AttnRes) a softmax over <= 9 sources;
   kda_decode               1e-4: fp32 arithmetic, 128-term state contractions in another order;
   router_topk              ids equal, weights 1e-5 relative: the same fp32 terms (sigmoid ulps);
+                           run at every preset (only_where_faster=False), not only where auto takes it;
   mla_decode               1e-3: the reference's fp32 dots run as TF32 under JAX's default matmul
                            precision on Hopper (10-bit mantissa, 2^-11 = 4.9e-4 relative per product),
                            measured 3-5e-4 on an H200; a missed k_pe term, a slot read past the
@@ -69,9 +70,9 @@ def case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, fmt: str = "d
         valid = jnp.asarray([True] * max(B - 1, 1) + [False] * (B > 1), bool)
         return (cfg, a(B, 3, C, dt=jnp.bfloat16), a(B, 3, C, K - 1, dt=jnp.bfloat16), cw, a(B, C),
                 jax.nn.sigmoid(a(B, H)), a(B, C), a(B, H, Kd, Kd, s=0.1), valid), {}
-    if kernel == "router_topk":
+    if kernel == "router_topk":  # at every preset, also where auto keeps XLA (Kimi-Linear)
         E = cfg.num_experts
-        return (cfg, a(B, E), a(E, s=0.01)), {}
+        return (cfg, a(B, E), a(E, s=0.01)), {"only_where_faster": False}
     if kernel == "attn_res_norm":
         D = cfg.hidden_size
         ln = 1 + a(D, s=0.1, dt=jnp.bfloat16)
@@ -179,8 +180,10 @@ def test_kernel_real_dims_on_gpu(kernel, preset, tp, B):
 
 def test_real_cases_build_and_fit_on_cpu():
     """mla_decode fits at every preset shape after its tiling (shapes only: nothing this large is
-    built on the CPU), and the old tiling is named as too large for shared memory."""
+    built on the CPU), and the old tiling is named as too large for shared memory.  The router gate:
+    auto takes the kernel at K3, not Kimi-Linear."""
     from jaxk3.kernels import mla_decode as M
+    from jaxk3.kernels import router
 
     for preset, tp in PRESETS:
         cfg = _cfg(preset)
@@ -190,6 +193,9 @@ def test_real_cases_build_and_fit_on_cpu():
             why = M.fits(s((B, H, R), jnp.float32), s((B, H, P), jnp.float32), s((B, CTX, R + P), jnp.bfloat16),
                          s((B,), jnp.int32), 0.07)
             assert why is None, why
+            E = cfg.num_experts
+            why = router.fits(cfg, s((B, E), jnp.float32), s((E,), jnp.float32))
+            assert (why is None) == (preset == "k3"), why
     # the old tiling (64 heads x 64 slots) is named as too large, not crashed on
     why = M.fits(s((1, 96, 512), jnp.float32), s((1, 96, 64), jnp.float32), s((1, CTX, 576), jnp.bfloat16),
                  s((1,), jnp.int32), 0.07, block_h=64, block_s=64)

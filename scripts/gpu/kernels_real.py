@@ -7,6 +7,7 @@ the next input; kda_decode: the new conv window and state; mla_decode: the outpu
 query; moe_experts: the output becomes the next z; router: the weights nudge the next logits).
 Time per call: the median over REPS of (wall time of INNER back-to-back calls) / (INNER * CHAIN).
 The relative error of the kernel against the reference (one call) is recorded beside.
+router_topk is timed at every preset (only_where_faster=False).
 
     python scripts/gpu/kernels_real.py [--json PATH] [--kernels a,b] [--mla-sweep]
 """
@@ -124,9 +125,9 @@ def main(argv=None) -> int:
             key = (kernel, preset, tp, B)
             if key not in built:
                 built[key] = T.case(name, preset, tp, B, fmt=fmt)
-            args, _ = built[key]
+            args, ckw = built[key]
             if path != "xla":
-                why = kernels.REGISTRY[name].fits(*args, **kw) if not kw else None
+                why = kernels.REGISTRY[name].fits(*args, **{**ckw, **kw})
                 if why:
                     return job, None, None, f"does not fit: {why}"
                 fn = lambda *x, **k: kernels.REGISTRY[name].device(*x, interpret=cpu, **k)  # noqa: E731

@@ -2,9 +2,9 @@
 (the cases of tests/test_kernels_real.py: K3 at TP 1/2/8, Kimi-Linear-48B at TP 1), B = 1 and 8.
 
 Per case and path: one jit holding a fori_loop of CHAIN dependent calls, each call's output fed back
-into its next input the way the step chains them (rms_norm / attn_res_norm: the normed row becomes
-the next input; kda_decode: the new conv window and state; mla_decode: the output becomes the next
-query; moe_experts: the output becomes the next z; router: the weights nudge the next logits).
+into its next input the way the step chains them (rms_norm: the normed row becomes the next input;
+kda_decode: the new conv window and state; mla_decode: the output becomes the next query;
+moe_experts: the output becomes the next z; router: the weights nudge the next logits).
 Time per call: the median over REPS of (wall time of INNER back-to-back calls) / (INNER * CHAIN).
 The relative error of the kernel against the reference (one call) is recorded beside.
 router_topk is timed at every preset (only_where_faster=False).
@@ -53,14 +53,6 @@ def chained(name: str, fn, args, kw):
             w, ids = fn(cfg, lg, b)
             return lg + 1e-6 * w[:, :1] + 1e-9 * ids[:, :1].astype(lg.dtype)
         return jax.jit(lambda lg, b: jax.lax.fori_loop(0, CHAIN, lambda _, lg: step(lg, b), lg)), (logits, bias)
-    if name == "attn_res_norm":
-        srcs, rn, rp, ln, eps = args
-
-        def run(srcs, rn, rp, ln):
-            def body(_, s0):
-                return fn([s0] + list(srcs[1:]), rn, rp, ln, eps).astype(s0.dtype)
-            return jax.lax.fori_loop(0, CHAIN, body, srcs[0])
-        return jax.jit(run), (srcs, rn, rp, ln)
     if name == "mla_decode":
         ql, qpe, kv, length, scale = args
         return jax.jit(lambda ql, qpe, kv, length: jax.lax.fori_loop(

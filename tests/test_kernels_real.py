@@ -6,14 +6,16 @@ kernel fails to write shows up as NaN.  The case builders (`CASES`, `case`) are 
 scripts/gpu/kernels_real.py, which times the same cases against the XLA path.
 
 Tolerances, per kernel (max |kernel - ref| / max |ref|):
-  rms_norm, attn_res_norm  1e-4: the same fp32 expression, D-long sums in another order (~1e-7
-                           relative), through rsqrt and (AttnRes) a softmax over <= 9 sources;
+  rms_norm                 1e-4: the same fp32 expression, D-long sums in another order (~1e-7
+                           relative), through an rsqrt;
   kda_decode               1e-4: fp32 arithmetic, 128-term state contractions in another order;
   router_topk              ids equal, weights 1e-5 relative: the same fp32 terms (sigmoid ulps);
-  mla_decode               1e-3: the reference's fp32 dots run as TF32 under JAX's default matmul
-                           precision on Hopper (10-bit mantissa, 2^-11 = 4.9e-4 relative per product),
-                           measured 3-5e-4 on an H200; a missed k_pe term, a slot read past the
-                           length or a wrong part weight is off by >= 1e-2;
+                           run at every preset (only_where_faster=False), not only where auto takes it;
+  mla_decode               1e-2 against the reference at full fp32 precision (its dots would be TF32
+                           under JAX's default precision on Hopper): the kernel's dots take q and p
+                           rounded to bf16 (u = 2^-8), which moves the output by up to ~u of its size
+                           (measured 0.4-1.3 u in emulation at these shapes); the derivation and the
+                           bugs it still catches are at MLA_TOL in tests/test_kernels.py;
   moe_experts              4e-3: bf16 experts, the [B, I] intermediate rounded to bf16 on both paths
                            but from fp32 sums taken in another order, so single elements may round
                            one bf16 ulp (2^-8) apart before the 1536-3072-term down projection.
@@ -69,17 +71,9 @@ def case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, fmt: str = "d
         valid = jnp.asarray([True] * max(B - 1, 1) + [False] * (B > 1), bool)
         return (cfg, a(B, 3, C, dt=jnp.bfloat16), a(B, 3, C, K - 1, dt=jnp.bfloat16), cw, a(B, C),
                 jax.nn.sigmoid(a(B, H)), a(B, C), a(B, H, Kd, Kd, s=0.1), valid), {}
-    if kernel == "router_topk":
+    if kernel == "router_topk":  # at every preset, also where auto keeps XLA (Kimi-Linear)
         E = cfg.num_experts
-        return (cfg, a(B, E), a(E, s=0.01)), {}
-    if kernel == "attn_res_norm":
-        D = cfg.hidden_size
-        ln = 1 + a(D, s=0.1, dt=jnp.bfloat16)
-        if cfg.attn_res_block_size is None:
-            return ([a(B, D, dt=jnp.bfloat16)], None, None, ln, cfg.rms_norm_eps), {}
-        n = 9  # K3's most depth sources
-        srcs = [a(B, D, s=1 + i, dt=jnp.bfloat16) for i in range(n)]
-        return (srcs, 1 + a(D, s=0.1, dt=jnp.bfloat16), a(1, D, s=0.1, dt=jnp.bfloat16), ln, cfg.rms_norm_eps), {}
+        return (cfg, a(B, E), a(E, s=0.01)), {"only_where_faster": False}
     if kernel == "mla_decode":
         H, R, P = cfg.num_attention_heads // tp, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         length = jnp.asarray(([CTX - 1, 777, 2048, 5, 4000, 1, 3000, 1234] * 2)[:B], jnp.int32)
@@ -104,10 +98,10 @@ def case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, fmt: str = "d
     raise KeyError(kernel)
 
 
-KERNELS = ["rms_norm", "kda_decode", "router_topk", "attn_res_norm", "mla_decode", "moe_experts", "moe_experts_mxfp4"]
-TOL = dict(rms_norm=1e-4, kda_decode=1e-4, router_topk=1e-5, attn_res_norm=1e-4, mla_decode=1e-3, moe_experts=4e-3)
+KERNELS = ["rms_norm", "kda_decode", "router_topk", "mla_decode", "moe_experts", "moe_experts_mxfp4"]
+TOL = dict(rms_norm=1e-4, kda_decode=1e-4, router_topk=1e-5, mla_decode=1e-2, moe_experts=4e-3)
 # kernels whose shapes do not depend on TP run at one TP per preset
-TP_FREE = {"rms_norm", "router_topk", "attn_res_norm"}
+TP_FREE = {"rms_norm", "router_topk"}
 CASES = [(k, p, tp) for k in KERNELS for p, tp in PRESETS if not (k in TP_FREE and tp > 1)]
 
 
@@ -146,6 +140,14 @@ def bind(fn, args):
     return jax.jit(f), [args[i] for i in dyn]
 
 
+def reference(name: str, args, kw=None):
+    """The kernel's jnp reference on `args`; mla_decode's at full fp32 dot precision (not TF32)."""
+    if name == "mla_decode":
+        with jax.default_matmul_precision("highest"):
+            return kernels.REGISTRY[name].reference(*args, **(kw or {}))
+    return kernels.REGISTRY[name].reference(*args, **(kw or {}))
+
+
 def run_case(kernel: str, preset: str, tp: int, B: int):
     """(why-not or None, relative error) of the compiled kernel against the reference at one case."""
     name, fmt = split(kernel)
@@ -153,7 +155,7 @@ def run_case(kernel: str, preset: str, tp: int, B: int):
     why = kernels.REGISTRY[name].fits(*args, **kw)
     if why:
         return why, None
-    ref = kernels.REGISTRY[name].reference(*args, **kw)
+    ref = reference(name, args, kw)
     run_args = args
     if name == "mla_decode":  # slots past each row's length hold NaN: the kernel must never read them
         ql, qpe, kv, length, scale = args
@@ -179,18 +181,27 @@ def test_kernel_real_dims_on_gpu(kernel, preset, tp, B):
 
 def test_real_cases_build_and_fit_on_cpu():
     """mla_decode fits at every preset shape after its tiling (shapes only: nothing this large is
-    built on the CPU), and the old tiling is named as too large for shared memory."""
+    built on the CPU): bf16 tiles of 16 heads x 32 slots (89,344 B of shared memory), and >= 2
+    programs per SM (264) wherever a part of two blocks allows it; a tiling too large for shared
+    memory is named, not crashed on.  The router gate: auto takes the kernel at K3, not Kimi-Linear."""
     from jaxk3.kernels import mla_decode as M
+    from jaxk3.kernels import router
 
+    s = jax.ShapeDtypeStruct
     for preset, tp in PRESETS:
         cfg = _cfg(preset)
         H, R, P = cfg.num_attention_heads // tp, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         for B in (1, 8):
-            s = jax.ShapeDtypeStruct
             why = M.fits(s((B, H, R), jnp.float32), s((B, H, P), jnp.float32), s((B, CTX, R + P), jnp.bfloat16),
                          s((B,), jnp.int32), 0.07)
             assert why is None, why
-    # the old tiling (64 heads x 64 slots) is named as too large, not crashed on
+            Hb, bs, split = M.tiles(B, H, CTX, R, P)
+            assert (Hb, bs) == (16, 32) and M.smem_estimate(Hb, bs, R, P) == 89_344
+            programs = B * -(-H // Hb) * (CTX // split)
+            assert programs >= M.MIN_PROGRAMS or split == 2 * bs, (preset, tp, B, programs, split)
+            E = cfg.num_experts
+            why = router.fits(cfg, s((B, E), jnp.float32), s((E,), jnp.float32))
+            assert (why is None) == (preset == "k3"), why
     why = M.fits(s((1, 96, 512), jnp.float32), s((1, 96, 64), jnp.float32), s((1, CTX, 576), jnp.bfloat16),
-                 s((1,), jnp.int32), 0.07, block_h=64, block_s=64)
-    assert "shared memory" in why and "442,624" in why
+                 s((1,), jnp.int32), 0.07, block_h=128, block_s=64, num_warps=16)
+    assert "shared memory" in why and "303,360" in why

@@ -3,21 +3,37 @@ as a Pallas kernel beside its jnp reference `latent_attention`.
 
 The reference scores every cache slot of every head at once ([B, H, S] scores, a softmax, a second
 pass over the cache); at long contexts XLA runs that as a few kernels with little parallelism over S.
-Here the cache's S slots are cut into `splits` parts, and a grid program per (row, head group,
-part) walks its part in blocks of BLOCK_S slots with an online softmax (running max m, sum l,
+Here the cache's S slots are cut into parts of `split` slots, and a grid program per (row, head
+group, part) walks its part in blocks of `bs` slots with an online softmax (running max m, sum l,
 weighted sum acc of c_kv), reading each cache entry once for its head group; slots past the row's
-length are skipped.  A short jnp step merges the parts (log-sum-exp).  float32 throughout, as in
-the reference; the sums run in another order, so results agree to float32 rounding.
+length are masked out of the loads (never read) and out of the softmax.  A short jnp step merges
+the parts (log-sum-exp).
 
-Tiles (`tiles`, FlashMLA-style): a head group of 16 and 32 slots per step keep the staged operands
-in shared memory (`smem_estimate`, which reproduces the 442,624 B the first tiling of 64 x 64 asked
-for on an H200, where a block has 232,448 B); `fits` names a tiling that cannot fit instead of
-failing at compile time.  The context split shrinks until there are >= 2 programs per SM, while the
-partial sums it writes stay under about half the cache bytes.
+The dots run on the tensor cores: bf16 operands, float32 accumulation.  The cache tile is used
+as stored (bf16); q_latent and q_pe are rounded to bf16 once (in the wrapper), the probabilities p
+per block (after the exp, before the p·c_kv dot).  The softmax statistics (m, l: l sums the fp32
+p), the rescaling of acc and the merge stay float32.  The rounding of q and p (unit roundoff 2^-8)
+is the only departure from the float32 reference; its size is worked out in tests/test_kernels.py
+(test_mla_decode_kernel_matches_reference).  The cache must be bf16 (`fits`).
 
-Measured on an H200 (2026-12-01, docs/PERF.md): compiles and matches the reference at every preset
-shape (K3 TP 1/2/8, Kimi-Linear-48B; 1.1e-6 against fp32 dots), but the float32 dots lower to
-CUDA-core FMAs: 3.3 ms against XLA's 33 us at K3 TP 1, B = 1, 4K context.  Hence `unproven`.
+Tiles (`tiles`): a head group of Hb = 16 heads (the dots' M; padded heads score 0 and are dropped)
+and bs = 32 slots per step, so the three dots are [16, R]·[R, 32], [16, P]·[P, 32] and
+[16, 32]·[32, R]: M, N, K >= 16 and multiples of 16 (tl.dot's minimum) at R = 512, P = 64.  Shared
+memory (`smem_estimate`, the fp32 formula that reproduced 442,624 B for the first 64 x 64 tiling on
+an H200, with 2-byte tiles; an estimate until the GPU run, which names the real figure where a
+tiling exceeds it): 89,344 B at every preset (Hb 16, bs 32, R 512, P 64), under the 232,448 B a
+block may have; `fits` names a tiling that cannot fit, and one whose fp32 accumulator [Hb, R] would
+not fit in the registers of `num_warps` warps.  The context split halves (from 1024) until there
+are >= 2 programs per SM (264 on an H200) or a part is down to two blocks (at 4K context: 384
+programs at K3 TP 1, 192 at TP 2, 64 at TP 8, 128 at Kimi-Linear for B = 1; 384-512 for B = 8).
+The partial sums this writes ([Hb, R] fp32 per program, up to 17 MB, 2.7x the cache bytes at K3
+TP 1, B = 1) are small enough to stay mostly in the H200's L2 for the merge, and parallelism is
+what the latency-bound B = 1 step lacks; scripts/gpu/kernels_real.py --mla-sweep times longer parts.
+
+Measured on an H200 (2026-12-01, docs/PERF.md), the former float32 version: correct at every preset
+shape but its fp32 dots lowered to CUDA-core FMAs, 3.3 ms against XLA's 33 us at K3 TP 1, B = 1,
+4K context.  This bf16 tensor-core version has not yet run on a GPU: `unproven` until it does and
+beats XLA (tests/test_kernels_real.py, scripts/gpu/kernels_real.py).
 """
 from __future__ import annotations
 
@@ -26,36 +42,38 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels.registry import Kernel, interpret_only, register
+from jaxk3.kernels.registry import Kernel, register
 
 F32 = jnp.float32
-BLOCK_S = 32  # cache slots per inner step (default; `tiles`)
-SPLIT = 1024  # at most this many cache slots per grid program (parts = ceil(S / split))
-BLOCK_H = 16  # heads per grid program (padded to a power of two >= 16 for the dots)
+BF16 = jnp.bfloat16
+BLOCK_S = 32  # cache slots per inner step (default; `tiles`): N of the score dots, K of p·c_kv
+BLOCK_H = 16  # heads per grid program: M of the dots (tl.dot needs >= 16)
+SPLIT = 1024  # at most this many cache slots per grid program (parts = S / split)
 NEG = -1e30  # a finite "minus infinity": exp(NEG - m) is 0 without inf - inf
 SMEM_BYTES = 232_448  # shared memory a block may use on an H100/H200 (sm_90)
 MIN_PROGRAMS = 264  # aim for >= 2 programs per SM (132 SMs): the context split shrinks until there are
+ACC_REGS = 128  # at most this many 32-bit registers per thread for the fp32 accumulator [Hb, R]
 
 
-def smem_estimate(Hb: int, bs: int, R: int, P: int) -> int:
-    """Shared memory the Triton lowering asks for, as measured: 4 bytes x (q_latent [Hb, R] + the cache
-    tile [bs, R] staged twice (once per dot) + q_pe [Hb, P] + k_pe [bs, P] + p [Hb, bs]) + 256.  It
-    reproduces the 442,624 B that Hb = 64, bs = 64, R = 512, P = 64 asked for on an H200."""
-    return 4 * (Hb * R + 2 * bs * R + Hb * P + bs * P + Hb * bs) + 256
+def smem_estimate(Hb: int, bs: int, R: int, P: int, itemsize: int = 2) -> int:
+    """Shared memory the Triton lowering asks for: itemsize x (q_latent [Hb, R] + the cache tile
+    [bs, R] staged twice (once per dot) + q_pe [Hb, P] + k_pe [bs, P] + p [Hb, bs]) + 256.  With
+    itemsize 4 (the former fp32 tiles) it reproduces the 442,624 B that Hb = 64, bs = 64, R = 512,
+    P = 64 asked for on an H200; the kernel's tiles are bf16 (itemsize 2): 89,344 B at Hb 16, bs 32."""
+    return itemsize * (Hb * R + 2 * bs * R + Hb * P + bs * P + Hb * bs) + 256
 
 
 def tiles(B: int, H: int, S: int, R: int, P: int, block_h: int | None = None, block_s: int | None = None,
           split: int | None = None) -> tuple[int, int, int]:
     """(Hb, bs, split): the head group, the slots per inner step, the slots per grid program."""
-    Hb = block_h or min(BLOCK_H, max(16, 1 << (H - 1).bit_length()))
+    Hb = block_h or BLOCK_H
     bs = block_s or BLOCK_S
     if split is None:
         G = -(-H // Hb)
         split = min(SPLIT, S)
-        # shrink the split for parallelism while the partial sums written ([G·Hb, R] fp32 per part) stay
-        # under ~half the cache bytes read (split >= 4 x the padded heads)
-        while (split > 2 * bs and split % 2 == 0 and S % (split // 2) == 0 and B * G * (S // split) < MIN_PROGRAMS
-               and split // 2 >= 4 * G * Hb):
+        # halve the split for parallelism (>= MIN_PROGRAMS programs) while a part keeps >= 2 blocks
+        while (split // 2 >= 2 * bs and split % 2 == 0 and S % (split // 2) == 0 and (split // 2) % bs == 0
+               and B * G * (S // split) < MIN_PROGRAMS):
             split //= 2
     return Hb, bs, split
 
@@ -75,38 +93,38 @@ def latent_attention(ql_BHR: jax.Array, qpe_BHP: jax.Array, kv_BSR: jax.Array, l
     return jnp.einsum("bhs,bsr->bhr", p_BHS, c_BSR[..., :R])
 
 
-_HI = jax.lax.Precision.HIGHEST  # float32 dots (not TF32), as the reference
-
-
 def _dot_t(a, b):
-    """a [M, K] @ b[N, K].T -> [M, N] in float32."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI, preferred_element_type=F32)
+    """a [M, K] @ b[N, K].T -> [M, N], float32 accumulation (bf16 operands: tensor cores)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
 def _kernel(len_ref, ql_ref, qpe_ref, kv_ref, m_ref, l_ref, acc_ref, *, R: int, P: int, S: int, split: int,
             scale: float, BLOCK_S: int):
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
 
     b, hg, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    length = len_ref[b]
-    ql, qpe = ql_ref[b, hg], qpe_ref[b, hg]  # [Hb, R], [Hb, P]
+    end = jnp.minimum(len_ref[b] + 1, S)  # this row's slots are [0, end)
+    ql, qpe = ql_ref[b, hg], qpe_ref[b, hg]  # bf16 [Hb, R], [Hb, P]
     Hb = ql.shape[0]
     start = part * split
-    steps = jnp.clip((jnp.minimum(length + 1, S) - start + BLOCK_S - 1) // BLOCK_S, 0, split // BLOCK_S)
+    # only blocks that hold a slot below `end`: every block walked has >= 1 valid slot, so m is finite after it
+    steps = jnp.clip((end - start + BLOCK_S - 1) // BLOCK_S, 0, split // BLOCK_S)
 
     def body(i, carry):
         m, l, acc = carry
         pos = start + i * BLOCK_S
-        c = kv_ref[b, pl.ds(pos, BLOCK_S), pl.ds(0, R)].astype(F32)  # [BS, R]
-        kpe = kv_ref[b, pl.ds(pos, BLOCK_S), pl.ds(R, P)].astype(F32)  # [BS, P]
-        s = (_dot_t(ql, c) + _dot_t(qpe, kpe)) * scale  # [Hb, BS]
-        ok = (pos + jnp.arange(BLOCK_S))[None, :] <= length
-        s = jnp.where(ok, s, NEG)
-        c = jnp.where(ok.reshape(BLOCK_S, 1), c, 0.0)  # slots past the length: never part of the sum
+        ok = pos + jnp.arange(BLOCK_S) < end  # [BS]
+        # slots past the length are not read (masked loads give 0): they may hold anything, NaN included
+        c = plgpu.load(kv_ref.at[b, pl.ds(pos, BLOCK_S), pl.ds(0, R)], mask=ok[:, None], other=0.0)  # bf16 [BS, R]
+        kpe = plgpu.load(kv_ref.at[b, pl.ds(pos, BLOCK_S), pl.ds(R, P)], mask=ok[:, None], other=0.0)  # [BS, P]
+        s = (_dot_t(ql, c) + _dot_t(qpe, kpe)) * scale  # fp32 [Hb, BS]
+        s = jnp.where(ok[None, :], s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+        p = jnp.exp(s - m_new[:, None])  # fp32; masked slots: exp(NEG - m_new) = 0
         corr = jnp.exp(m - m_new)
-        return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + jnp.dot(p, c, precision=_HI)
+        pc = jax.lax.dot_general(p.astype(c.dtype), c, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+        return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pc
 
     init = (jnp.full((Hb,), NEG, F32), jnp.zeros((Hb,), F32), jnp.zeros((Hb, R), F32))
     m, l, acc = jax.lax.fori_loop(0, steps, body, init)
@@ -118,7 +136,7 @@ def _kernel(len_ref, ql_ref, qpe_ref, kv_ref, m_ref, l_ref, acc_ref, *, R: int, 
 def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool = False, block_h: int | None = None,
                block_s: int | None = None, split: int | None = None, num_warps: int = 4,
                num_stages: int = 2) -> jax.Array:
-    """The same function as the reference: fp32 [B, H, R]."""
+    """The reference's function with bf16 dot operands (q, p; the bf16 cache): fp32 [B, H, R]."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -129,8 +147,8 @@ def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool 
     parts = S // split
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
 
-    def heads(x):  # [B, H, X] -> [B, G, Hb, X], padded heads score 0 and are dropped below
-        x = jnp.pad(x.astype(F32), ((0, 0), (0, G * Hb - H), (0, 0)))
+    def heads(x):  # [B, H, X] -> bf16 [B, G, Hb, X]; padded heads score 0 and are dropped below
+        x = jnp.pad(x.astype(kv_BSR.dtype), ((0, 0), (0, G * Hb - H), (0, 0)))
         return x.reshape(B, G, Hb, x.shape[-1])
 
     any_ = pl.BlockSpec(memory_space=pl.ANY)
@@ -149,14 +167,24 @@ def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool 
 reference = latent_attention
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
 def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, block_s: int | None = None,
-         split: int | None = None, **_) -> str | None:
+         split: int | None = None, num_warps: int = 4, **_) -> str | None:
     B, H, R = ql_BHR.shape
     P, S = qpe_BHP.shape[-1], kv_BSR.shape[1]
+    if kv_BSR.dtype != BF16:
+        return (f"mla_decode kernel runs its dots on the tensor cores over the bf16 cache as stored, got a "
+                f"{jnp.dtype(kv_BSR.dtype).name} cache")
     for name, n in (("kv_lora_rank", R), ("qk_rope_head_dim", P)):
-        if n & (n - 1) or n < 16:
-            return f"mla_decode kernel needs {name} a power of two >= 16 (Triton blocks), got {n}"
+        if not _pow2(n) or n < 16:
+            return f"mla_decode kernel needs {name} a power of two >= 16 (Triton blocks, tl.dot), got {n}"
     Hb, bs, split = tiles(B, H, S, R, P, block_h, block_s, split)
+    if not (_pow2(Hb) and _pow2(bs)) or Hb < 16 or bs < 16:
+        return (f"mla_decode kernel: the head group {Hb} and the slot block {bs} are the dots' M and N/K: powers "
+                "of two >= 16 (tl.dot's minimum)")
     if S % bs or S % split or split % bs:
         return (f"mla_decode kernel needs the cache length {S} a multiple of the split {split}, itself a multiple "
                 f"of the {bs}-slot block")
@@ -164,10 +192,15 @@ def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, b
     if need > SMEM_BYTES:
         return (f"mla_decode kernel: {Hb} heads x {bs} slots of a {R}+{P} latent need ~{need:,} B of shared "
                 f"memory, more than the {SMEM_BYTES:,} B a block has (smaller block_h / block_s)")
+    regs = Hb * R // (32 * num_warps)
+    if regs > ACC_REGS:
+        return (f"mla_decode kernel: the fp32 accumulator of {Hb} heads x {R} takes {regs} registers per thread "
+                f"with {num_warps} warps, over {ACC_REGS} (fewer heads per group or more warps)")
     return None
 
 
 register(Kernel("mla_decode", reference, mla_decode, platforms=("gpu",), fits=fits,
-                unproven="100x slower than XLA at real dims on an H200 (3.3 ms vs 33 us, K3 TP 1, B 1, 4K: fp32 "
-                         "dots on CUDA cores), though its compiled real-dims tests pass (tests/test_kernels_real.py; "
-                         "test_mla_decode_kernel_on_gpu in tests/test_kernels.py compares against TF32 dots)"))
+                unproven="rewritten for bf16 tensor-core dots (q and p rounded to bf16, fp32 accumulation), not yet "
+                         "run on a GPU: the former fp32-dot version was 100x slower than XLA at real dims on an "
+                         "H200 (3.3 ms vs 33 us, K3 TP 1, B 1, 4K); the compiled real-dims tests "
+                         "(tests/test_kernels_real.py) and the timing (scripts/gpu/kernels_real.py) decide"))

@@ -2,13 +2,17 @@
 (the cases of tests/test_kernels_real.py: K3 at TP 1/2/8, Kimi-Linear-48B at TP 1), B = 1 and 8.
 
 Per case and path: one jit holding a fori_loop of CHAIN dependent calls, each call's output fed back
-into its next input the way the step chains them (rms_norm / attn_res_norm: the normed row becomes
-the next input; kda_decode: the new conv window and state; mla_decode: the output becomes the next
-query; moe_experts: the output becomes the next z; router: the weights nudge the next logits).
+into its next input the way the step chains them (rms_norm: the normed row becomes the next input;
+kda_decode: the new conv window and state; mla_decode: the output becomes the next query;
+moe_experts: the output becomes the next z; router: the weights nudge the next logits).
 Time per call: the median over REPS of (wall time of INNER back-to-back calls) / (INNER * CHAIN).
-The relative error of the kernel against the reference (one call) is recorded beside.
+The relative error of the kernel against the reference (one call; mla_decode's at full fp32
+precision) is recorded beside.  router_topk is timed at every preset (only_where_faster=False).
 
-    python scripts/gpu/kernels_real.py [--json PATH] [--kernels a,b] [--mla-sweep]
+--mla-sweep adds mla_decode tilings (`MLA_SWEEP`: head group, slot block, split, warps, stages) at
+K3 TP 1 (B 1 and 8) and TP 8 (B 1), beside the default tiling's row, to pick the default from.
+
+    python scripts/gpu/kernels_real.py [--json PATH] [--kernels a,b] [--batches 1,8] [--mla-sweep]
 """
 from __future__ import annotations
 
@@ -30,6 +34,14 @@ import test_kernels_real as T  # noqa: E402
 from jaxk3 import kernels  # noqa: E402
 
 CHAIN, INNER, REPS = 20, 3, 9
+# mla_decode tilings for --mla-sweep: (block_h, block_s, split (None: `tiles` picks), num_warps, num_stages)
+MLA_SWEEP = [
+    (16, 32, 128, 4, 2), (16, 32, 256, 4, 2),  # fewer, longer parts: fewer partial sums to write and merge
+    (16, 64, None, 4, 2), (16, 16, None, 4, 2),  # the slot block (the dots' N, and K of p·c_kv)
+    (16, 32, None, 4, 3), (16, 32, None, 8, 2),  # deeper pipelining, more warps
+    (32, 32, None, 4, 2), (64, 32, None, 8, 2), (64, 64, None, 8, 2),  # larger head groups: the cache read fewer times
+]
+MLA_SWEEP_AT = [("k3", 1, 1), ("k3", 1, 8), ("k3", 8, 1)]
 
 
 def chained(name: str, fn, args, kw):
@@ -52,14 +64,6 @@ def chained(name: str, fn, args, kw):
             w, ids = fn(cfg, lg, b)
             return lg + 1e-6 * w[:, :1] + 1e-9 * ids[:, :1].astype(lg.dtype)
         return jax.jit(lambda lg, b: jax.lax.fori_loop(0, CHAIN, lambda _, lg: step(lg, b), lg)), (logits, bias)
-    if name == "attn_res_norm":
-        srcs, rn, rp, ln, eps = args
-
-        def run(srcs, rn, rp, ln):
-            def body(_, s0):
-                return fn([s0] + list(srcs[1:]), rn, rp, ln, eps).astype(s0.dtype)
-            return jax.lax.fori_loop(0, CHAIN, body, srcs[0])
-        return jax.jit(run), (srcs, rn, rp, ln)
     if name == "mla_decode":
         ql, qpe, kv, length, scale = args
         return jax.jit(lambda ql, qpe, kv, length: jax.lax.fori_loop(
@@ -88,7 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"), "kernels_real.json"))
     ap.add_argument("--kernels", default="")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--mla-sweep", action="store_true", help="also mla_decode tiles (block_h, block_s) at K3 TP 1/8")
+    ap.add_argument("--mla-sweep", action="store_true", help="also the mla_decode tilings of MLA_SWEEP at K3 TP 1/8")
     a = ap.parse_args(argv)
     cpu = jax.devices()[0].platform == "cpu"
     global CHAIN, INNER, REPS
@@ -111,10 +115,10 @@ def main(argv=None) -> int:
             for path in ("xla", "kernel"):
                 jobs.append((kernel, preset, tp, B, path, {}))
     if a.mla_sweep:
-        for preset, tp in (("k3", 1), ("k3", 8)):
-            for bh, bs, sp in ((16, 16, None), (32, 32, None), (16, 32, 64), (16, 32, 1024)):
-                kw = dict(block_h=bh, block_s=bs, split=sp)
-                jobs.append(("mla_decode", preset, tp, 1, f"kernel h{bh} s{bs} sp{sp}", kw))
+        for preset, tp, B in MLA_SWEEP_AT:
+            for bh, bs, sp, nw, ns in MLA_SWEEP:
+                kw = dict(block_h=bh, block_s=bs, split=sp, num_warps=nw, num_stages=ns)
+                jobs.append(("mla_decode", preset, tp, B, f"kernel h{bh} s{bs} sp{sp} w{nw} st{ns}", kw))
     built = {}
 
     def prep(job):
@@ -124,9 +128,9 @@ def main(argv=None) -> int:
             key = (kernel, preset, tp, B)
             if key not in built:
                 built[key] = T.case(name, preset, tp, B, fmt=fmt)
-            args, _ = built[key]
+            args, ckw = built[key]
             if path != "xla":
-                why = kernels.REGISTRY[name].fits(*args, **kw) if not kw else None
+                why = kernels.REGISTRY[name].fits(*args, **{**ckw, **kw})
                 if why:
                     return job, None, None, f"does not fit: {why}"
                 fn = lambda *x, **k: kernels.REGISTRY[name].device(*x, interpret=cpu, **k)  # noqa: E731
@@ -184,15 +188,10 @@ def loop(compiled, rows, xla_us, built, kw_log, cpu):
             name, _ = T.split(kernel)
             args, _ = built[(kernel, preset, tp, B)]
             try:
-                ref = kernels.REGISTRY[name].reference(*args)
+                ref = T.reference(name, args)  # mla_decode: at full fp32 precision (not TF32)
                 f1, dyn = T.bind(lambda *x: kernels.REGISTRY[name].device(*x, interpret=cpu, **kw), args)
                 got = f1(*dyn)
                 rel = T.compare(name, got, ref)
-                if name == "mla_decode":  # also against the reference's dots at full fp32 (not TF32)
-                    with jax.default_matmul_precision("highest"):
-                        ref_hi = jax.jit(lambda *x: kernels.REGISTRY[name].reference(*x[:4], x[4]),
-                                         static_argnums=(4,))(*args)
-                    log(f"    mla_decode vs the fp32-precision reference: {T.compare(name, got, ref_hi):.1e}")
             except Exception as e:  # noqa: BLE001
                 rel = f"{type(e).__name__}: {str(e)[:200]}"
         else:

@@ -39,6 +39,7 @@ from jaxk3.layers.common import TP
 from jaxk3.layers.kda import KDACache, KDAWeights, kda_prefill, kda_step
 from jaxk3.layers.mla import MLACache, MLAWeights, mla_prefill, mla_step
 from jaxk3.layers.moe import MLPWeights, MoEWeights, mlp, moe
+from jaxk3.kernels.attn_res_norm import mix_norm
 from jaxk3.kernels.rms_norm import rms_norm
 from jaxk3.params import REP, Buffer, weight
 from jaxk3.sharding import DP, TP as TP_AXIS
@@ -180,10 +181,10 @@ def ffn_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: MLPWeights | MoEWe
     return moe(cfg, w, xn_ND, opt.tp, grouped=many)
 
 
-def _mix_norm(opt: StepOptions, sources, res_norm, res_proj, ln_w, eps: float) -> jax.Array:
-    """A block's normed input (fp32): AttnRes over `sources` then RMSNorm, through the `attn_res_norm`
-    device kernel where `opt.kernels` and the platform allow (res.mix_norm is its reference)."""
-    return kernels.call("attn_res_norm", list(sources), res_norm, res_proj, ln_w, eps, mode=opt.kernels)
+def _mix_norm(sources, res_norm, res_proj, ln_w, eps: float) -> jax.Array:
+    """A block's normed input (fp32): AttnRes over `sources` then RMSNorm (jaxk3.kernels.attn_res_norm's
+    math; its Pallas kernel lost to XLA at every AttnRes preset on the H200 and was removed)."""
+    return mix_norm(list(sources), res_norm, res_proj, ln_w, eps)
 
 
 def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache, tokens: jax.Array,
@@ -206,13 +207,13 @@ def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache,
         g = opt.layer_offset + l  # the layer's global index (AttnRes schedule)
         with jax.named_scope(f"layer{g}_{cfg.layer_attn[l]}"):
             srcs, st = res.attention_sources(st, g, Bs)
-            xn = _mix_norm(opt, srcs, lw.self_attention_res_norm, lw.self_attention_res_proj, lw.input_layernorm,
+            xn = _mix_norm(srcs, lw.self_attention_res_norm, lw.self_attention_res_proj, lw.input_layernorm,
                            eps).astype(dt).reshape(shape)
             a, c = attention_block(cfg, opt, l, lw.attn, xn, cache.layers[l], cache.length, valid)
             new_caches.append(c)
         with jax.named_scope(f"layer{g}_{cfg.layer_ffn[l]}"):
             srcs, st = res.ffn_sources(st, a.reshape(B * T, -1), g, Bs)
-            xn = _mix_norm(opt, srcs, lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attention_layernorm, eps).astype(dt)
+            xn = _mix_norm(srcs, lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attention_layernorm, eps).astype(dt)
             f = ffn_block(cfg, opt, l, lw.ffn, xn, prefill)
             st = res.ffn_done(st, f, Bs)
     with jax.named_scope("head"):

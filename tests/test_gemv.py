@@ -58,9 +58,9 @@ def test_gemv_fits_and_selection():
         assert G.fits(xs, ws, only_where_faster=False) is None
     assert kernels.active("gpu")["gemv"]
     # a fused projection a few rows longer than a measured shape takes that shape's verdict and config
-    near = G.measured(1, 12400, 2304)
-    assert near[0] == (1, 12288, 2304) and G.prefer_kernel(1, 12400, 2304)
-    assert G.config_for(1, 12400, 2304).bn == G.CONFIGS[("nk", 1, 12288, 2304)].bn
+    near = G.measured(1, 12352, 2304)
+    assert near[0] == (1, 12288, 2304) and G.prefer_kernel(1, 12352, 2304)
+    assert G.config_for(1, 12352, 2304).bn == G.CONFIGS[("nk", 1, 12288, 2304)].bn == 32
     assert G.measured(1, 3000, 2304) is None and not G.prefer_kernel(1, 3000, 2304)
     assert G.prefer_kernel(1, 6720, 2304) and not G.prefer_kernel(1, 2048, 2304) and G.prefer_kernel(8, 2048, 2304)
     for (l, B, N, K), c in G.CONFIGS.items():  # every tuned config fits its shape

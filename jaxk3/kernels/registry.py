@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -55,6 +56,7 @@ def explain(name: str, *args, mode: str = "auto", platform: str | None = None, *
     platform = platform or _platform()
     if mode == "off":
         return "reference: kernels='off'"
+    kwargs = _on_runs_anywhere(k, mode, kwargs)
     if platform not in k.platforms:
         return f"reference: no {name} kernel for platform {platform!r} (has {k.platforms})"
     why = k.fits(*args, **kwargs)
@@ -65,10 +67,19 @@ def explain(name: str, *args, mode: str = "auto", platform: str | None = None, *
     return f"device: {name} on {platform}"
 
 
+def _on_runs_anywhere(k: Kernel, mode: str, kwargs: dict) -> dict:
+    """mode "on" runs a speed-gated kernel (its `fits` takes `only_where_faster`: auto takes it only at
+    the shapes where it beat XLA) at every shape it fits, unless the caller said otherwise."""
+    if mode == "on" and "only_where_faster" in inspect.signature(k.fits).parameters:
+        return {"only_where_faster": False, **kwargs}
+    return kwargs
+
+
 def call(name: str, *args, mode: str = "auto", **kwargs):
     """Run kernel `name` through the path `explain` chooses (statically, at trace time)."""
     how = explain(name, *args, mode=mode, **kwargs)
     k = REGISTRY[name]
+    kwargs = _on_runs_anywhere(k, mode, kwargs)
     if how.startswith("device"):
         return k.device(*args, **kwargs)
     if mode == "on":

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxk3 import collectives, kernels
+from jaxk3.kernels import gemv
 
 F32 = jnp.float32
 
@@ -39,7 +40,10 @@ def linear(x_BD: jax.Array, w_FD: jax.Array, tp: TP | str | None = None) -> jax.
     (decode rows, bf16 weights, a shape where it beat XLA's dot: jaxk3.kernels.gemv), else XLA's dot."""
     if x_BD.ndim != 2:
         return jnp.einsum("...d,fd->...f", x_BD.astype(w_FD.dtype), w_FD, preferred_element_type=F32)
-    return kernels.call("gemv", x_BD, w_FD, mode=kernel_mode(tp))
+    mode = kernel_mode(tp)
+    if mode == "on" and (x_BD.shape[0] > gemv.MAX_B or w_FD.dtype != jnp.bfloat16):
+        mode = "auto"  # the kernel is for decode rows of bf16 weights: prefill and fp32 models keep XLA's dot
+    return kernels.call("gemv", x_BD, w_FD, mode=mode)
 
 
 def split(y_NX: jax.Array, widths) -> list[jax.Array]:

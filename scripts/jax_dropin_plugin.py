@@ -5,6 +5,7 @@ Configured by environment variables (the script sets them):
 - JAXK3_DROPIN_OPS: comma-separated ops, of ``all_gather`` and ``psum``; only the test cases
   whose function source mentions one of them (the substring: ``lax.all_gather(``, but also
   ``all_gather_invariant`` or ``psum_scatter``) are kept;
+- JAXK3_DROPIN_PATTERN: a regular expression that replaces the mention test (optional);
 - JAXK3_DROPIN_IMPL: ``ours`` (``jax.lax.<op> = jaxk3.collectives.<op>``) or ``lax`` (nothing
   replaced: the baseline);
 - JAXK3_DROPIN_JSON: where to write the per-test outcomes and FFI counts (optional).
@@ -30,12 +31,14 @@ JSON = os.environ.get("JAXK3_DROPIN_JSON")
 
 # The op's name anywhere in the test's source (as the earlier measurements selected them: so
 # psum_scatter and all_gather_invariant count as mentions; such cases pass either way).
-_MENTION = re.compile("|".join(re.escape(op) for op in OPS))
+# JAXK3_DROPIN_PATTERN (a regular expression) replaces it.
+_MENTION = re.compile(os.environ.get("JAXK3_DROPIN_PATTERN") or "|".join(re.escape(op) for op in OPS))
 
 _outcomes: dict[str, str] = {}
 _ffi: dict[str, int] = {}
 _bound: dict[str, int] = {}
 _binds = [0]
+_uncollected: list[str] = []  # test files that failed to import (jax API drift): none of their cases ran
 _emitted = None
 
 
@@ -117,6 +120,11 @@ def pytest_collection_modifyitems(config, items):
     items[:] = keep
 
 
+def pytest_collectreport(report):
+    if report.failed:
+        _uncollected.append(report.nodeid)
+
+
 def _total() -> int:
     return sum(_emitted.values()) if _emitted is not None else 0
 
@@ -147,14 +155,17 @@ def pytest_terminal_summary(terminalreporter):
     line = (f"jaxk3 drop-in: jax {jax.__version__}, ops={','.join(OPS)}, impl={IMPL}: "
             f"{len(_outcomes)} selected, {counts['passed']} passed, {counts['failed']} failed, "
             f"{counts['error']} errors, {counts['skipped']} skipped; FFI path in {ffi} "
-            f"({ffi_passed} of them passed); jaxk3 primitive bound in {bound}")
+            f"({ffi_passed} of them passed); jaxk3 primitive bound in {bound}"
+            + (f"; {len(_uncollected)} file(s) not collected" if _uncollected else ""))
     terminalreporter.write_sep("=", line)
+    for n in _uncollected:
+        terminalreporter.write_line(f"  NOT COLLECTED (import error): {n}")
     for n, o in sorted(_outcomes.items()):
         if o in ("failed", "error"):
             terminalreporter.write_line(f"  {o.upper()}: {n}")
     if JSON:
         with open(JSON, "w") as f:
             json.dump({"jax": jax.__version__, "ops": list(OPS), "impl": IMPL, "counts": counts,
-                       "ffi_tests": ffi, "bound_tests": bound,
+                       "ffi_tests": ffi, "bound_tests": bound, "not_collected": _uncollected,
                        "tests": {n: {"outcome": o, "ffi_calls": _ffi.get(n, 0), "binds": _bound.get(n, 0)}
                                                     for n, o in sorted(_outcomes.items())}}, f, indent=1)

@@ -13,6 +13,7 @@
 #   --impl ours|lax   ours: lax's ops replaced (default); lax: nothing replaced (the baseline)
 #   --files "F ..."   test files relative to JAX_CHECKOUT (default: every tests/*_test.py that
 #                     mentions an op)
+#   --pattern RE      keep the cases whose source matches RE instead (default: an op's name)
 #   --json FILE       per-test outcomes and FFI-call counts
 # The summary line starts with "jaxk3 drop-in:". Needs absl-py (jax's test utilities); installs
 # it into PY's environment with pip if it is missing.
@@ -20,7 +21,7 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(dirname "$here")"
-[[ $# -ge 1 ]] || { sed -n '2,20p' "${BASH_SOURCE[0]}"; exit 2; }
+[[ $# -ge 1 ]] || { sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 2; }
 checkout="$(cd "$1" && pwd)"; shift
 py="$repo/.venv/bin/python"; ops="all_gather"; impl="ours"; files=""; json=""
 while [[ $# -gt 0 ]]; do
@@ -30,6 +31,7 @@ while [[ $# -gt 0 ]]; do
     --impl) impl="$2"; shift 2 ;;
     --files) files="$2"; shift 2 ;;
     --json) json="$(realpath -m "$2")"; shift 2 ;;
+    --pattern) export JAXK3_DROPIN_PATTERN="$2"; shift 2 ;;
     --) shift; break ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
@@ -54,4 +56,5 @@ export PYTHONPATH="$here:$repo${PYTHONPATH:+:$PYTHONPATH}"
 cd "$checkout"
 # shellcheck disable=SC2086
 exec "$py" -m pytest -p jax_dropin_plugin "${config[@]}" --rootdir="$checkout" -q -rfE \
-  -p no:cacheprovider $files "$@"
+  -p no:cacheprovider \
+  --continue-on-collection-errors $files "$@"

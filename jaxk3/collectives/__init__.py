@@ -22,7 +22,8 @@ The package, by concern:
 - ``lowering``: the lowering rule the primitives share (the final decision, with devices);
 - one module per op: ``gather`` (``all_gather``), ``padded`` (``padded_all_gather``),
   ``logits`` (``gather_logits``), ``allreduce`` (``psum``); ``floor`` (``local_tile``, the
-  benchmark floor).
+  benchmark floor); ``roofline``: rules that make ``jax.experimental.roofline`` count them as
+  lax's collectives.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from jaxk3.collectives.logits import gather_logits
 from jaxk3.collectives.padded import padded_all_gather
 from jaxk3.collectives.planning import explain, plan
 from jaxk3.collectives.allreduce import psum
+from jaxk3.collectives import roofline as _roofline
 from jaxk3.collectives.registry import extension, extension_error
 from jaxk3.collectives.rules import GATHER_DTYPES as SUPPORTED_DTYPES
 from jaxk3.collectives.rules import ALL_REDUCE_TARGET, ONE_SHOT_TARGET, PADDED_TARGET, TRANSPORT_ALIGN
@@ -51,6 +53,9 @@ from jaxk3.collectives.settings import (
     max_bytes,
     max_rows,
 )
+
+# JAX's roofline cost model counts our collectives as lax's (a no-op where jax has no such module).
+_roofline.register()
 
 __all__ = [
     "ENV_DEBUG", "ENV_IMPL", "ENV_MAX_BYTES", "ENV_MAX_ROWS", "ENV_TIMEOUT", "IMPLS",

@@ -8,6 +8,7 @@ inlined several times (a nested jax.jit) is safe on every device order.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import Callable
 
@@ -20,6 +21,10 @@ from jaxk3.collectives.base import GatherUnavailableError, Plan
 from jaxk3.collectives.planning import plan
 
 _site_ids = itertools.count(1)
+
+# FFI custom calls emitted so far, by target: diagnostics (scripts/jax_dropin_tests.sh counts the
+# tests of JAX's own suite that take the FFI path with it).
+emitted: collections.Counter = collections.Counter()
 
 
 def ffi_attributes(p: Plan) -> dict:
@@ -45,4 +50,5 @@ def lower_collective(ctx, x, *, op: str, names: tuple, padded: bool, strict: boo
         if strict:
             raise GatherUnavailableError(f"impl='ffi' but the FFI {op} does not apply: {p.reason}")
         return mlir.lower_fun(fallback, multiple_results=False)(ctx, x)
+    emitted[p.target] += 1
     return mlir.lower_fun(lambda v: emit(v, p), multiple_results=False)(ctx, x)

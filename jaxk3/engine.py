@@ -60,13 +60,16 @@ class Model:
     `init_random_model`, `Model.from_weights` or `jaxk3.load_model`; decode with `generate`."""
 
     def __init__(self, cfg: KimiK3Config, weights: Weights, mesh: Mesh, dtype: Any, gather: str,
-                 shard_latent: bool, psum: str = "auto", kernels: str = "auto", layout: str = "auto"):
+                 shard_latent: bool, psum: str = "auto", kernels: str = "auto", layout: str = "auto",
+                 donate_weights: bool = False):
         """`weights`: placed, in the checkpoint layout; `layout` "auto" | "serving" | "checkpoint"
-        (jaxk3.model.resolve_layout): the serving layout joins same-input projections at load."""
+        (jaxk3.model.resolve_layout): the serving layout joins same-input projections at load.
+        `donate_weights`: the joined members' arrays are deleted as they are joined (peak memory: the
+        weights plus one fused array); the caller must not use `weights` again."""
         self.serving = resolve_layout(layout, mesh.devices.flat[0].platform)
         self.layout = "serving" if self.serving else "checkpoint"
         self.cfg, self.mesh = cfg, mesh
-        self.weights = serve_weights(weights, mesh) if self.serving else weights
+        self.weights = serve_weights(weights, mesh, donate_weights) if self.serving else weights
         self.dtype, self.gather, self.psum, self.shard_latent = jnp.dtype(dtype), gather, psum, shard_latent
         self.kernels = check_kernels(kernels)
         self.tp = mesh.shape[TP_AXIS]
@@ -107,7 +110,8 @@ class Model:
         else:
             plan = checkpoint.build_plan(cfg, source, tp_size)
         placed = checkpoint.place_plan(plan, mesh, dt, shard_latent, check_finite=check_finite)
-        return cls(cfg, placed, mesh, dt, gather, shard_latent, psum, kernels, layout)
+        # donate what place_plan made from host arrays; a Weights tree may hold the caller's device arrays
+        return cls(cfg, placed, mesh, dt, gather, shard_latent, psum, kernels, layout, donate_weights=source is not None)
 
     # -- decoding
     def init_cache(self, batch: int, max_len: int) -> Cache:
@@ -475,4 +479,4 @@ def load_model(path: str | os.PathLike, mesh=None, tp: int | None = None, dtype:
     mesh = make_mesh(mesh, tp)
     resolve_layout(layout, mesh.devices.flat[0].platform)
     cfg, weights = checkpoint.load_weights(path, mesh, dt, shard_latent, progress, check_finite, experts)
-    return Model(cfg, weights, mesh, dt, gather, shard_latent, psum, kernels, layout)
+    return Model(cfg, weights, mesh, dt, gather, shard_latent, psum, kernels, layout, donate_weights=True)

@@ -251,10 +251,11 @@ def weight_specs(cfg: KimiK3Config, tp: int, shard_latent: bool, serving: bool) 
     return params.serve_specs(specs) if serving else specs
 
 
-def serve_weights(weights: Weights, mesh: Mesh) -> Weights:
+def serve_weights(weights: Weights, mesh: Mesh, donate: bool = False) -> Weights:
     """Placed weights (checkpoint layout) in the serving layout: each block's Fuses joined on the devices
-    (params.serve_arrays); the members' arrays are dropped from the returned tree."""
-    return params.serve_arrays(weights, mesh)
+    (params.serve_arrays); the members' arrays are dropped from the returned tree, and with `donate`
+    deleted as they are joined (the caller must not use `weights` again)."""
+    return params.serve_arrays(weights, mesh, donate)
 
 
 LAYOUTS = ("auto", "serving", "checkpoint")

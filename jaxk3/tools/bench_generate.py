@@ -49,7 +49,9 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
     weights = bd.random_weights(cfg, mesh, dtype, shard_latent=True)
     jax.block_until_ready(weights)
     init_s = time.perf_counter() - t0
-    model = Model(cfg, weights, mesh, dtype, gather, True, psum)  # the serving layout on GPUs (layout="auto")
+    wbytes_of = {B: sum(bd.weight_bytes_per_rank(cfg, weights, B).values()) for B in batches}  # either layout's
+    model = Model(cfg, weights, mesh, dtype, gather, True, psum, donate_weights=True)  # serving layout on GPUs
+    del weights
     rows = []
     for B in batches:
         rng = np.random.default_rng(B)
@@ -78,7 +80,7 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
             ids.block_until_ready()
             per.append((time.perf_counter() - t0) / 20 * 1e6)
         b2b = statistics.median(per)
-        wbytes = sum(bd.weight_bytes_per_rank(cfg, weights, B).values())  # checkpoint-layout arrays: the same bytes
+        wbytes = wbytes_of[B]
         cbytes = bd.cache_bytes_per_rank(cfg, cache)
         del cache
         floor = (wbytes + cbytes) / bw * 1e6

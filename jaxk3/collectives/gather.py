@@ -5,6 +5,18 @@ The FFI path is a primitive, ``jaxk3_all_gather``, typed like lax's all_gather; 
 (lowering.py) resolves the devices and emits the custom call, or lax's all-gather.  Its tangent
 is the same gather, its transpose lax's (a reduce-scatter), and under vmap it gathers the
 batched operand.
+
+One form for both transports.  Every gather the FFI path could serve is computed as the rank-major
+stack ``[n, *x.shape]`` (the custom call's output, or ``lax.all_gather(x, axis=0)`` when lax
+serves it), then laid out by the same jnp ops (``layout.arrange``).  Gathering along another axis
+directly lets XLA give lax's all-gather a layout of its choosing (on CPU, for a tiled gather along
+the last axis: ``{0,1}``, column-major, the operand transposed before the exchange), while the
+custom call's output is row-major and rank-major: the same values in two physical layouts, and
+XLA's code for the ops that read them differs.  Reductions in them can round differently (XLA's
+CPU emitter marks reduction adds ``reassoc`` and LLVM vectorises the sum by the loads' strides):
+seen as float32 logits 1e-6..1e-5 apart at TP 2 between gather="ffi" and "lax" (issue 20; docs/
+COLLECTIVES.md, traps).  A gather along axis 0 is already major-most, so XLA keeps lax's output
+row-major, and both transports hand the consumers one buffer layout and one graph.
 """
 from __future__ import annotations
 
@@ -72,9 +84,13 @@ def gather_leaf(x, axis_name, *, axis: int, tiled: bool, impl: str, padded: bool
     """One array's gather (impl already resolved): lax's, or the FFI primitive."""
     extra = {"to": to} if to != "varying" else {}
 
-    def by_lax(p: Plan):
+    def strict(p: Plan) -> None:
         if impl == "ffi" and p.path == "lax":
             raise GatherUnavailableError(f"impl='ffi' but the FFI gather does not apply: {p.reason}")
+
+    def by_lax(p: Plan):
+        """lax with every argument: the forms the FFI path does not serve, and a group of one."""
+        strict(p)
         return _compat.lax_all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, **extra)
 
     refused = interface.refusal("all_gather", x, axis_name, axis_index_groups=axis_index_groups, to=to)
@@ -87,8 +103,9 @@ def gather_leaf(x, axis_name, *, axis: int, tiled: bool, impl: str, padded: bool
     p = plan(x.shape, x.dtype, axis_name, padded=padded, impl=impl)
     if p.path == "identity":
         return by_lax(p)  # lax's result and type for a group of one
-    if p.path == "lax":
-        return by_lax(p)
+    if p.path == "lax":  # a form the FFI path serves, through lax: the same rank-major form (module doc)
+        strict(p)
+        return arrange(_compat.lax_all_gather(x, axis_name, axis=0, tiled=False), a, bool(tiled))
     names = axis_names(axis_name)
     if _compat.vma_checked():
         missing = tuple(n for n in names if n not in _compat.varying_axes(x))
@@ -96,8 +113,9 @@ def gather_leaf(x, axis_name, *, axis: int, tiled: bool, impl: str, padded: bool
             return by_lax(Plan("lax", "operand not varying and auto_pcast off: lax's error"))
         if missing:
             x = _compat.make_varying(x, missing)  # as lax's all_gather casts it
-    return all_gather_p.bind(x, axis_name=names, axis=a, tiled=bool(tiled), axis_size=p.group_size,
-                             padded=bool(padded), strict=impl == "ffi")
+    stacked = all_gather_p.bind(x, axis_name=names, axis=0, tiled=False, axis_size=p.group_size,
+                                padded=bool(padded), strict=impl == "ffi")
+    return arrange(stacked, a, bool(tiled))
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bool = False,

@@ -306,9 +306,10 @@ def serve_specs(spec_tree):
 def serve_arrays(weights, mesh, donate: bool = False):
     """Placed weights in the serving layout: each Fuse's members joined per rank on the devices (each
     member's PartitionSpec read from its NamedSharding), and the members dropped.  The joined array
-    is made under shard_map, so every rank joins its own slices.  `donate`: the members' buffers are
-    donated to the join (deleted as it runs), so the peak memory is the weights plus one fused array,
-    not twice the fused members (Kimi-Linear-48B's w1|w3 alone are 63 GB)."""
+    is made under shard_map, so every rank joins its own slices.  `donate`: each member is deleted once
+    its join has run, so the peak memory is the weights plus one fused array, not twice the fused
+    members (Kimi-Linear-48B's w1|w3 alone are 63 GB; seen on an H200: jit donation does not free them,
+    since XLA cannot alias them to the larger output)."""
     from jaxk3._compat import call_shard_map
 
     def join(fz: Fuse, arrays: list):
@@ -319,7 +320,12 @@ def serve_arrays(weights, mesh, donate: bool = False):
         local = (lambda *xs: jnp.concatenate(xs, axis=fz.axis)) if fz.how == "rows" else (lambda *xs: jnp.stack(xs, 0))
         f = call_shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=served_spec(fz, specs),
                            check_vma=False)
-        return jax.jit(f, donate_argnums=tuple(range(len(arrays))) if donate else ())(*arrays)
+        out = jax.jit(f)(*arrays)
+        if donate:  # free the members now (XLA cannot reuse them for the larger output: donation would not)
+            out.block_until_ready()
+            for a in arrays:
+                a.delete()
+        return out
 
     return serve(weights, join)
 

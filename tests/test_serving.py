@@ -85,3 +85,22 @@ def test_fuse_applies_once_and_only_with_every_member():
     s = params.serve(w, lambda fz, xs: (fz.how, tuple(xs)))
     assert s.in_proj == ("rows", (1, 2, 3, 4, 6, 7)) and s.gate_b_proj == ("stack", (5, 8))
     assert s.q_proj is None and s.g_a_proj is None and s.o_proj == 0
+
+
+def test_owned_weights_are_freed_as_they_are_joined():
+    """from_weights of host arrays owns its placed arrays: the members are deleted once joined (the 48B's
+    w1|w3 would not fit twice on an H200), while a caller's own device arrays are left alone."""
+    from jaxk3 import checkpoint
+    from jaxk3.engine import Model
+    from jaxk3.model import abstract_weights, make_mesh, random_hf_weights
+
+    cfg = KimiK3Config.tiny_kimi_linear()
+    mesh = make_mesh(tp=2)
+    placed = checkpoint.place_plan(checkpoint.build_plan(cfg, checkpoint.ArraySource(random_hf_weights(cfg)), 2),
+                                   mesh, np.float32, True)
+    q = placed.layers[1].attn.q_proj
+    Model(cfg, placed, mesh, np.float32, "auto", True, layout="serving", donate_weights=False)
+    assert not q.is_deleted()
+    m = Model(cfg, placed, mesh, np.float32, "auto", True, layout="serving", donate_weights=True)
+    assert q.is_deleted() and not m.weights.layers[1].attn.in_proj.is_deleted()
+    assert abstract_weights(cfg, 2).layers[1].attn.q_proj is not None

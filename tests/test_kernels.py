@@ -429,4 +429,6 @@ def test_info_lists_the_kernels(capsys):
     out = capsys.readouterr().out
     assert "device kernels with kernels='auto'" in out and all(n in out for n in kernels.REGISTRY)
     assert cli.main(["info", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["kernels_auto"] == kernels.status("cpu")
+    info = json.loads(capsys.readouterr().out)
+    assert info["kernels_auto"] == kernels.status("cpu")
+    assert info["kernels_measured"] == kernels.speeds() and all("x" in v for v in info["kernels_measured"].values())

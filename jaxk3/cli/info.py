@@ -67,6 +67,7 @@ def run(args) -> int:
         "gather_max_rows": collectives.max_rows(),
         "gather_max_bytes": collectives.max_bytes(devices[0].platform if devices[0].platform == "cpu" else "CUDA"),
         "kernels_auto": kernels.status(devices[0].platform),
+        "kernels_measured": kernels.speeds(),
     }
     if args.json:
         print(json.dumps(info, indent=1))
@@ -85,4 +86,5 @@ def run(args) -> int:
     print("device kernels with kernels='auto' (shapes permitting):")
     for name, how in info["kernels_auto"].items():
         print(f"  {name:<14} {how}")
+        print(f"  {'':<14} measured: {info['kernels_measured'][name]}")
     return 0

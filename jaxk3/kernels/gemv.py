@@ -254,4 +254,6 @@ def fits(x_BK, w, layout: str = "nk", config: Config | None = None, only_where_f
 
 # Proven: tests/test_gemv.py::test_gemv_kernel_on_gpu passed at the 14 preset shapes on an H200
 # (2026-12-01); `auto` takes it only at the shapes where it won (`fits`).
-register(Kernel("gemv", reference, gemv, platforms=("gpu",), fits=fits))
+register(Kernel("gemv", reference, gemv, platforms=("gpu",), fits=fits,
+                measured="B=1: 1.04-1.71x XLA's dot at the fused and >= 22 MB projections, 0.8-0.9x at <= 19 MB "
+                         "(auto keeps XLA there); B=8: 0.95-1.30x (H200, jax 0.11.2, 2026-12-01; MEASURED)"))

@@ -25,6 +25,8 @@ class Kernel:
     # Why `auto` must not select the device path yet (None: it may).  A kernel tested only in
     # interpret mode says so here until its compiled test has passed on the device.
     unproven: str | None = None
+    # Its speed against the XLA path it replaces at the presets' real dims, as measured (docs/PERF.md).
+    measured: str = "not measured"
 
 
 REGISTRY: dict[str, Kernel] = {}
@@ -100,6 +102,11 @@ def status(platform: str | None = None) -> dict[str, str]:
         else:
             out[n] = "device"
     return out
+
+
+def speeds() -> dict[str, str]:
+    """Per registered kernel, its measured speed against its XLA path (`Kernel.measured`)."""
+    return {n: k.measured for n, k in sorted(REGISTRY.items())}
 
 
 def active(platform: str | None = None) -> dict[str, bool]:

@@ -57,4 +57,6 @@ def fits(x_BD, w_D, eps, **_) -> str | None:
     return None
 
 
-register(Kernel("rms_norm", reference, rms_norm_pallas, platforms=("gpu",), fits=fits))
+register(Kernel("rms_norm", reference, rms_norm_pallas, platforms=("gpu",), fits=fits,
+                measured="1.04-1.06x XLA at D 512 (the MLA kv_a norm); the hidden sizes do not fit (H200, jax "
+                         "0.11.2, 2026-12-01)"))

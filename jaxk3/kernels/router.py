@@ -128,4 +128,6 @@ def fits(cfg, logits_BE, bias_E, only_where_faster: bool = True, **_) -> str | N
 
 # Proven: tests/test_kernels_real.py passed compiled at K3's and Kimi-Linear's router shapes, B 1 and 8, on
 # an H200 (2026-12-01); `auto` takes it only at the shapes where it won (`fits`).
-register(Kernel("router_topk", reference, router_topk, platforms=("gpu",), fits=fits))
+register(Kernel("router_topk", reference, router_topk, platforms=("gpu",), fits=fits,
+                measured="K3 (896 experts, k 16): 1.30-1.36x XLA; Kimi-Linear (256, k 8): 0.56-0.65x, where auto "
+                         "keeps XLA (H200, jax 0.11.2, 2026-12-01)"))

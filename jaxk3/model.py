@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxk3 import collectives, kernels, params
+from jaxk3 import collectives, params
 from jaxk3.config import KimiK3Config
 from jaxk3.layers import attn_res as res
 from jaxk3.layers import embed as embed_lib

@@ -7,7 +7,6 @@ import time
 from fractions import Fraction
 
 import jax
-import numpy as np
 import pytest
 
 import jaxk3

@@ -28,7 +28,6 @@ Kimi-Linear (no block size):  h += Attn(RMSNorm(h));  h += MLP(RMSNorm(h)).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import jax
 

@@ -66,7 +66,12 @@ def test_readme_quickstart_runs_as_written(tmp_path):
            if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "VIRTUAL_ENV", "PYTHONPATH", "PYTEST_CURRENT_TEST")}
     env.update(PIP_CONSTRAINT=str(pins), PIP_DISABLE_PIP_VERSION_CHECK="1", JAXK3_CUDA="OFF")
     script = "set -euxo pipefail\n" + "\n".join(lines) + "\n"
-    r = subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    try:
+        r = subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        cfg = work / ".venv" / "pyvenv.cfg"
+        fresh = cfg.exists() and sys.prefix not in cfg.read_text()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the new venv holds ~1 GB (jaxlib): not kept in pytest's tmp
     log = f"--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-6000:]}"
     assert r.returncode == 0, log
     assert re.search(r"^FFI handlers: cpu=yes", r.stdout, re.M), log  # jaxk3 info: the extension imported
@@ -74,4 +79,4 @@ def test_readme_quickstart_runs_as_written(tmp_path):
     new = re.search(r"^new ids: ([0-9,]+)$", r.stdout, re.M)
     assert new and len(new.group(1).split(",")) == 8, log
     assert "Traceback" not in r.stderr, log
-    assert sys.prefix not in open(work / ".venv" / "pyvenv.cfg").read()  # the fresh venv, not this one
+    assert fresh  # the venv the lines made, not this one

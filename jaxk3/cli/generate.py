@@ -26,13 +26,16 @@ tokenizer_config.json, needs `pip install tiktoken`) as plain text: "[BOS]" type
 characters, not the special token, unless --allow-special-tokens is given. --prompt-ids 1,2,3 gives
 token ids directly.
 
-Checked before any weight is read (exit 2, one line on stderr): prompt length + --max-new-tokens
-against the checkpoint's max_position_embeddings, the decode cache against the device memory,
-token ids against the vocabulary, and --gather ffi against the rules of the FFI gather.
+Checked before any weight is read (exit 2, one line on stderr): every field of config.json, prompt
+length + --max-new-tokens against the checkpoint's max_position_embeddings, the decode cache against
+the device memory, token ids against the vocabulary, and --gather ffi / --psum ffi against the rules
+of the FFI collectives (the prompt tokens of one prefill dispatch and the prompts per rank, against
+JAXK3_GATHER_MAX_ROWS).
 
-Output: the new token ids on stdout, up to and including a stop id (and their text when the
-checkpoint has a tokenizer);
-progress bars and the tokens-per-second summary on stderr.
+Output: the new token ids on stdout, up to and including a stop id (any id of the config's
+eos_token_id, one id or a list), and their text when the checkpoint has a tokenizer; progress bars
+and the tokens-per-second summary on stderr. Ctrl-C prints the tokens generated so far and exits
+with 130; a closed stdout (`| head -1`) ends with one line on stderr and 141.
 """
 
 EXAMPLES = """\

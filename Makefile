@@ -26,7 +26,7 @@ $(VENV)/bin/python:
 	$(PY) -m venv $(VENV)
 
 $(VENV)/.deps: $(VENV)/bin/python pyproject.toml
-	$(PIP) "$(JAX_SPEC)" numpy ml_dtypes "scikit-build-core>=0.10" "nanobind>=2.4" "pytest>=8" safetensors matplotlib tqdm tiktoken absl-py
+	$(PIP) "$(JAX_SPEC)" numpy ml_dtypes "scikit-build-core>=0.10" "nanobind>=2.4" cmake "pytest>=8" safetensors matplotlib tqdm tiktoken absl-py
 ifeq ($(ORACLES),1)
 	@# torch: the CPU build that lies on local disk (Python 3.11); else PyPI's CPU index is not
 	@# reachable here, so the oracle tests need ORACLES=0 on other Pythons.

@@ -47,7 +47,7 @@ import jax
 
 from jaxk3 import mxfp4, params
 from jaxk3.model import Weights, abstract_weights
-from jaxk3.config import KimiK3Config
+from jaxk3.config import KimiK3Config, json_type
 from jaxk3.params import Param
 from jaxk3.sharding import TP
 
@@ -105,16 +105,21 @@ class TensorInfo:
 def read_header(path: str) -> dict[str, TensorInfo]:
     """Parse and check one safetensors header (8-byte little-endian length + JSON) without reading data."""
     fname = os.path.basename(path)
-    size = os.path.getsize(path)
-    if size < 8:
-        raise CorruptCheckpointError(f"{fname}: {size} bytes, too short for a safetensors file (truncated?)")
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > size - 8:
-            raise CorruptCheckpointError(
-                f"{fname}: header length field says {n} bytes but the file has only {size - 8} after it "
-                "(truncated or not a safetensors file)")
-        raw = f.read(n)
+    if os.path.isdir(path):
+        raise CorruptCheckpointError(f"{path}: is a directory, not a safetensors file")
+    try:
+        size = os.path.getsize(path)
+        if size < 8:
+            raise CorruptCheckpointError(f"{fname}: {size} bytes, too short for a safetensors file (truncated?)")
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise CorruptCheckpointError(
+                    f"{fname}: header length field says {n} bytes but the file has only {size - 8} after it "
+                    "(truncated or not a safetensors file)")
+            raw = f.read(n)
+    except OSError as e:  # no permission, a dangling link, an I/O error
+        raise CorruptCheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
     try:
         hdr = json.loads(raw.decode("utf-8"))
         if not isinstance(hdr, dict):
@@ -237,25 +242,36 @@ def _check_quantization(q: Any) -> bool:
 
 
 def load_config(path: str) -> KimiK3Config:
-    """`KimiK3Config` from `path/config.json`, with every unsupported field reported as UnsupportedConfigError."""
+    """`KimiK3Config` from `path/config.json`; every problem (not JSON, not an object, an unsupported
+    or invalid field) is a CheckpointError naming the file and the field."""
     cpath = os.path.join(path, "config.json")
     if not os.path.exists(cpath):
         raise CheckpointError(f"checkpoint: no config.json in {path}")
     try:
         with open(cpath) as f:
             raw = json.load(f)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"config.json: not valid JSON ({e})") from None
+    except OSError as e:  # a directory named config.json, no permission
+        raise CheckpointError(f"{cpath}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CorruptCheckpointError(f"{cpath}: not valid JSON ({e})") from None
+    if not isinstance(raw, Mapping):
+        raise CorruptCheckpointError(f"{cpath}: must be a JSON object, got {json_type(raw)}")
     text = raw.get("text_config") if isinstance(raw.get("text_config"), Mapping) else raw
     mt = text.get("model_type")
     if mt not in (None, "kimi_linear", "kimi_k3"):
-        raise _config_error(f"model_type = {mt!r} is not supported (the text model must be 'kimi_linear')")
-    _check_quantization(text.get("quantization_config", raw.get("quantization_config")))
+        raise UnsupportedConfigError(f"{cpath}: model_type = {mt!r} is not supported (the text model must be "
+                                     "'kimi_linear')")
+    try:
+        _check_quantization(text.get("quantization_config", raw.get("quantization_config")))
+    except UnsupportedConfigError as e:
+        raise UnsupportedConfigError(f"{cpath}: {str(e).removeprefix('config.json: ')}") from None
+    except (AttributeError, TypeError) as e:  # a part of it that is not an object where one belongs
+        raise UnsupportedConfigError(f"{cpath}: quantization_config is malformed ({e})") from None
     # num_nextn_predict_layers (MTP) only adds tensors the decode step never reads: ignored.
     try:
         return KimiK3Config.from_pretrained(raw)
     except ValueError as e:
-        raise _config_error(str(e)) from None
+        raise UnsupportedConfigError(f"{cpath}: {str(e).removeprefix('config: ')}") from None
 
 
 # ------------------------------------------------------------------------- the load plan

@@ -212,13 +212,9 @@ class Model:
     def _layout(self, rows: list[list[int]], chunk: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Left-padded [Bp, T_total] tokens and valid mask: T_total a multiple of the prefill chunk
         (or of 64, for prompts shorter than a chunk; or T itself up to 64: the KDA chunk)."""
-        T = max(len(r) for r in rows)
-        if T > chunk:
-            Tt = -(-T // chunk) * chunk
-        else:
-            Tt = T if T <= 64 else -(-T // 64) * 64
+        Tt, per_dispatch = prefill_layout(max(len(r) for r in rows), chunk)
         toks, valid = self._left_pad(rows, Tt)
-        return toks, valid, min(chunk, Tt)
+        return toks, valid, per_dispatch
 
     def _left_pad(self, rows: list[list[int]], T: int) -> tuple[np.ndarray, np.ndarray]:
         """[Bp, T] tokens and valid mask, each row's tokens at the end (rows added to split the batch
@@ -273,7 +269,7 @@ class Model:
         Ragged prompts are left-padded; pad tokens do not touch a row's caches, so each row gets the
         tokens of running it alone.  Sampling: greedy by default; `temperature`, `top_k`, `top_p`,
         `seed` (see jaxk3.generation.Sampling).  A row stops after producing one of `stop_ids`
-        (default: the config's eos_token_id, if any); its later tokens are the config's pad id (else
+        (default: every id of the config's eos_token_ids, HF's eos_token_id, one id or a list); its later tokens are the config's pad id (else
         -1) and `lengths` counts its tokens.  `on_tokens(tokens [B, n])` streams each chunk of new
         tokens as it arrives; `progress(phase, done, total)` reports "prompt" tokens and "decode"
         tokens.  `step_by_step=True` runs the prompt and the decode one token per dispatch (the
@@ -432,9 +428,24 @@ def _check_chunk(chunk: Any) -> int:
     return int(chunk)
 
 
+def prefill_layout(prompt_len: int, prefill_chunk: int | None = None) -> tuple[int, int]:
+    """(the padded prompt length, the prompt tokens per row of one prefill dispatch) for a longest
+    prompt of `prompt_len` tokens: a multiple of the prefill chunk, or of 64 for prompts shorter than
+    a chunk, or the prompt itself up to 64 tokens (the KDA chunk).  The second figure is what the
+    prefill's collectives carry per row (jaxk3 generate checks it against the FFI's row limit)."""
+    chunk = _check_chunk(prefill_chunk)
+    T = prompt_len
+    if T > chunk:
+        Tt = -(-T // chunk) * chunk
+    else:
+        Tt = T if T <= 64 else -(-T // 64) * 64
+    return Tt, min(chunk, Tt)
+
+
 def _check_stop_ids(stop_ids: Any, cfg: KimiK3Config) -> tuple[int, ...]:
+    """The ids that end a row: `stop_ids`, or by default every one of the config's eos_token_ids."""
     if stop_ids is None:
-        return () if cfg.eos_token_id is None else (int(cfg.eos_token_id),)
+        return tuple(int(i) for i in cfg.eos_token_ids)
     try:
         ids = tuple(int(i) for i in stop_ids)
     except (TypeError, ValueError):

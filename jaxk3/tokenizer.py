@@ -29,7 +29,11 @@ CONFIG_FILE = "tokenizer_config.json"
 
 
 class TokenizerError(ValueError):
-    pass
+    """The checkpoint's tokenizer files are missing or unreadable (the message names the file)."""
+
+
+class TokenizerUnavailableError(TokenizerError):
+    """The `tiktoken` package is not installed: text cannot be encoded, token ids still work."""
 
 
 class KimiTokenizer:
@@ -50,7 +54,7 @@ class KimiTokenizer:
             import tiktoken
             from tiktoken.load import load_tiktoken_bpe
         except ImportError:
-            raise TokenizerError("tokenizer: text prompts need the `tiktoken` package (pip install tiktoken); "
+            raise TokenizerUnavailableError("tokenizer: text prompts need the `tiktoken` package (pip install tiktoken); "
                                  "or pass token ids with --prompt-ids") from None
         try:
             ranks = load_tiktoken_bpe(ranks_path)
@@ -59,12 +63,7 @@ class KimiTokenizer:
         special: dict[str, int] = {}
         cpath = os.path.join(path, CONFIG_FILE)
         if os.path.exists(cpath):
-            with open(cpath) as f:
-                conf = json.load(f)
-            for i, tok in (conf.get("added_tokens_decoder") or {}).items():
-                content = tok.get("content") if isinstance(tok, dict) else tok
-                if content is not None and int(i) not in ranks.values():
-                    special[str(content)] = int(i)
+            special = _special_tokens(cpath, set(ranks.values()))
         enc = tiktoken.Encoding(name=os.path.basename(os.path.abspath(path)) or "kimi", pat_str=KIMI_PAT_STR,
                                 mergeable_ranks=ranks, special_tokens=special)
         return cls(enc, special)
@@ -94,6 +93,33 @@ class KimiTokenizer:
         if run:
             out.append(self.encoding.decode(run, errors="replace"))
         return "".join(out)
+
+
+def _special_tokens(cpath: str, ranked: set[int]) -> dict[str, int]:
+    """The special tokens of tokenizer_config.json (`added_tokens_decoder`: id -> {"content": ...}),
+    text -> id, leaving out ids that are BPE ranks; TokenizerError naming the file for anything else."""
+    try:
+        with open(cpath, encoding="utf-8") as f:
+            conf = json.load(f)
+    except OSError as e:
+        raise TokenizerError(f"tokenizer: cannot read {cpath} ({e.strerror or e})") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise TokenizerError(f"tokenizer: {cpath} is not valid JSON ({e})") from None
+    if not isinstance(conf, dict):
+        raise TokenizerError(f"tokenizer: {cpath} must be a JSON object, got {type(conf).__name__}")
+    added = conf.get("added_tokens_decoder") or {}
+    if not isinstance(added, dict):
+        raise TokenizerError(f"tokenizer: {cpath}: added_tokens_decoder must be an object (id -> token), got "
+                             f"{type(added).__name__}")
+    special: dict[str, int] = {}
+    for i, tok in added.items():
+        content = tok.get("content") if isinstance(tok, dict) else tok
+        if not str(i).isdigit() or not isinstance(content, (str, type(None))):
+            raise TokenizerError(f"tokenizer: {cpath}: added_tokens_decoder entry {i!r}: need a token id and "
+                                 f"{{\"content\": text}}, got {tok!r}"[:300])
+        if content is not None and int(i) not in ranked:
+            special[content] = int(i)
+    return special
 
 
 def has_tokenizer(path: str | os.PathLike) -> bool:

@@ -106,3 +106,47 @@ def test_generate_bad_arguments(tmp_path, capsys, argv, msg):
         cli.main(["generate", "--checkpoint", str(tmp_path)] + argv)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ init-checkpoint
+@pytest.mark.parametrize("preset, mxfp4, layout", [("tiny", False, "k3"), ("tiny", True, "k3"),
+                                                   ("tiny-kimi-linear", False, "flat")])
+def test_init_checkpoint_writes_what_the_loader_reads(tmp_path, capsys, preset, mxfp4, layout):
+    """init-checkpoint's checkpoint in the hub layout: info reports it from its headers, load_model
+    places it (the README's quick start runs generate on it: tests/test_quickstart.py)."""
+    import jaxk3
+    from jaxk3 import checkpoint as ck
+
+    d = tmp_path / "ckpt"
+    argv = ["init-checkpoint", "--config", preset, str(d), "--seed", "3"] + (["--mxfp4"] if mxfp4 else [])
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {d}" in out and f"jaxk3 generate --checkpoint {d}" in out
+    raw = json.loads((d / "config.json").read_text())
+    assert ("text_config" in raw) == (layout == "k3")
+    assert ("quantization_config" in raw) == mxfp4
+    names = ck.scan_checkpoint(str(d))
+    assert any(n.startswith("language_model.") for n in names) == (layout == "k3")
+    assert any(n.endswith("weight_packed") for n in names) == mxfp4
+    assert names[next(n for n in names if n.endswith("embed_tokens.weight"))].dtype == "BF16"
+    assert cli.main(["info", "--checkpoint", str(d), "--tp", "2"]) == 0
+    assert f"routed experts {'mxfp4' if mxfp4 else 'dense'}" in capsys.readouterr().out
+    cfg = ck.load_config(str(d))
+    want = KimiK3Config.tiny_k3() if preset == "tiny" else KimiK3Config.tiny_kimi_linear()
+    assert cfg == want
+    m = jaxk3.load_model(str(d), tp=2, dtype="float32")
+    assert m.cfg.experts_format == ("mxfp4" if mxfp4 else "dense")
+
+
+def test_init_checkpoint_force_replaces_and_seeds_differ(tmp_path, capsys):
+    from jaxk3 import checkpoint as ck
+
+    d = tmp_path / "ckpt"
+    assert cli.main(["init-checkpoint", "--config", "tiny", str(d), "--dtype", "float32"]) == 0
+    (d / "model-00001-of-00002.safetensors").write_bytes(b"stale")  # an older sharded write: removed
+    (d / "notes.txt").write_text("kept")
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(KimiK3Config.tiny_kimi_linear().to_hf_dict()))
+    assert cli.main(["init-checkpoint", "--config", str(tmp_path), str(d), "--force", "--seed", "1"]) == 0
+    assert sorted(os.listdir(d)) == ["config.json", "model.safetensors", "notes.txt"]
+    assert ck.load_config(str(d)) == KimiK3Config.tiny_kimi_linear()

@@ -12,6 +12,7 @@ import pytest
 from jaxk3 import cli
 
 COMMANDS = [["info"], ["bench", "gather"], ["bench", "decode"], ["bench", "kernels"], ["demo"], ["generate"], ["bench"], [],
+            ["init-checkpoint"], ["bench", "generate"],
             ["nope"], ["bench", "nope"], ["-x"], ["--help-me"]]
 
 VALUES = ["0", "1", "2", "8", "-1", "-3", "65", "1e9", "1.5", "0x10", "+1", " 1", "1 ", "1_0", "٣", "²", "nan",
@@ -97,8 +98,10 @@ def test_fuzz_argument_parser():
     rng = random.Random(15)
     by_cmd = _options()
     every = _all_options(by_cmd)
-    assert set(by_cmd) >= {("info",), ("bench", "gather"), ("bench", "decode"), ("demo",), ("generate",)}
-    assert {"--max-new-tokens", "--chain", "--copy-mb", "--cpu-devices", "--allow-special-tokens"} <= set(every)
+    assert set(by_cmd) >= {("info",), ("bench", "gather"), ("bench", "decode"), ("demo",), ("generate",),
+                           ("init-checkpoint",)}
+    assert {"--max-new-tokens", "--chain", "--copy-mb", "--cpu-devices", "--allow-special-tokens", "--force",
+            "--mxfp4"} <= set(every)
     seen: dict[str, int] = {}
     deadline = time.monotonic() + 30
     n = 0
@@ -127,6 +130,9 @@ def test_fuzz_argument_parser():
     ["generate", "--checkpoint", "d", "--prompt-ids", "1,,2"],
     ["generate", "--checkpoint", "d", "--prompt-ids", "1", "--max-new-tokens", "1000000000000"],
     ["info", "a\nb"], ["generate", "--checkpoint", "d", "--prompt", "x", "--gather", "\udcff"],
+    ["init-checkpoint", "--config", "tiny", "/tmp"], ["init-checkpoint", "--config", "nope", "/no/such/dir/x"],
+    ["init-checkpoint", "--config", "tiny", "d", "--seed", "-1"], ["init-checkpoint", "d"],
+    ["info", "--config", "nope"], ["bench", "kernels", "--config", "/no/such/config.json"],
 ])
 def test_known_misuse_is_one_line(argv):
     kind, out, err = _outcome(argv)
@@ -138,13 +144,14 @@ def test_valid_command_lines_parse():
                  ["bench", "decode", "--config", "tiny", "--steps", "2", "--copy-mb", "1"],
                  ["demo", "--cpu-devices", "8"],
                  ["generate", "--checkpoint", "d", "--prompt-ids", "1, 2;3", "--max-new-tokens", "8", "--tp", "2"],
-                 ["generate", "--checkpoint", "d", "--prompt", "[BOS]x", "--allow-special-tokens"]):
+                 ["generate", "--checkpoint", "d", "--prompt", "[BOS]x", "--allow-special-tokens"],
+                 ["init-checkpoint", "--config", "tiny-kimi-linear", "/tmp/jaxk3-fuzz-never-written", "--seed", "3", "--mxfp4"]):
         kind, out, err = _outcome(argv)
         assert kind == "parsed" and err == "", (argv, err)
 
 
 @pytest.mark.parametrize("cmd", [[], ["info"], ["bench"], ["bench", "gather"], ["bench", "decode"], ["demo"],
-                                 ["generate"]])
+                                 ["generate"], ["init-checkpoint"], ["bench", "generate"], ["bench", "kernels"]])
 def test_help_of_every_command(cmd):
     kind, out, err = _outcome(cmd + ["--help"])
     assert kind == "exit 0" and err == "" and "usage:" in out

@@ -3,6 +3,7 @@ before any weight is read where it can be.  In-process and without compiling a m
 is replaced where a test only needs to know whether loading was reached."""
 import json
 import os
+import re
 import sys
 import types
 
@@ -360,3 +361,333 @@ def test_experts_and_kernels_flags(tmp_path, capsys):
     assert rc == 2 and "does not apply: no" in err and "kernel for platform 'cpu'" in err
     rc, out, err = run_cli(["info", "--checkpoint", str(tmp_path), "--tp", "2"], capsys)
     assert rc == 0 and "dense" in out
+
+
+# ================================================================ issue 20: a new user's probe
+def checkpoint_dir(tmp_path, cfg=None, **overrides) -> str:
+    """A real tiny checkpoint (config.json + model.safetensors, float32), written by init-checkpoint's code."""
+    from jaxk3 import checkpoint as ck
+    from jaxk3.model import random_hf_weights
+
+    cfg = cfg or KimiK3Config.tiny_k3(**overrides)
+    ck.save_checkpoint(tmp_path, cfg, random_hf_weights(cfg, 0), k3_layout=True)
+    return str(tmp_path)
+
+
+def edit_config(path, **changes):
+    cpath = os.path.join(path, "config.json")
+    with open(cpath) as f:
+        raw = json.load(f)
+    (raw.get("text_config") or raw).update(changes)
+    with open(cpath, "w") as f:
+        json.dump(raw, f)
+
+
+@pytest.mark.parametrize("cmd", [GEN + ["--prompt-ids", "1,2"], ["info"]])
+def test_config_json_that_is_an_array(tmp_path, capsys, no_load, cmd):
+    """Was: AttributeError: 'list' object has no attribute 'get' (generate, info --checkpoint)."""
+    (tmp_path / "config.json").write_text("[1, 2]")
+    rc, out, err = run_cli(cmd + ["--checkpoint", str(tmp_path)], capsys)
+    assert rc == 2 and out == ""
+    one_error_line(err, f"{tmp_path}/config.json: must be a JSON object, got an array")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_experts_per_token", 0, "num_experts_per_token: must be >= 1, got 0"),
+    ("hidden_size", 256.5, "hidden_size: must be an integer, got 256.5 (not rounded)"),
+    ("tie_word_embeddings", "false", 'tie_word_embeddings: must be true or false, got "false"'),
+    ("num_expert_group", 3, "num_expert_group: 3 groups do not divide num_experts 16"),
+])
+@pytest.mark.parametrize("cmd", ["generate", "info"])
+def test_config_validation_names_file_and_field(tmp_path, capsys, no_load, field, value, message, cmd):
+    """Was: num_experts_per_token 0 loaded and changed the tokens; hidden_size 256.5 ran as 256."""
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": KimiK3Config.tiny_k3().to_hf_dict()}))
+    edit_config(str(tmp_path), **{field: value})
+    argv = (GEN + ["--prompt-ids", "1,2"] if cmd == "generate" else ["info"]) + ["--checkpoint", str(tmp_path)]
+    rc, _, err = run_cli(argv, capsys)
+    assert rc == 2
+    one_error_line(err, f"{tmp_path}/config.json: {message}")
+
+
+@pytest.mark.parametrize("ids", [False, True])
+def test_corrupt_tokenizer_config(tok_dir, capsys, no_load, ids):
+    """Was: JSONDecodeError traceback (--prompt); with --prompt-ids the broken file was silently ignored."""
+    with open(os.path.join(tok_dir, "tokenizer_config.json"), "w") as f:
+        f.write('{"added_tokens_decoder": {')
+    src = ["--prompt-ids", "1,2"] if ids else ["--prompt", "hi"]
+    rc, _, err = run_cli(GEN + ["--checkpoint", tok_dir] + src, capsys)
+    assert rc == 2
+    one_error_line(err, f"tokenizer: {tok_dir}/tokenizer_config.json is not valid JSON")
+
+
+def test_tokenizer_config_with_wrong_shapes(tok_dir, capsys, no_load):
+    with open(os.path.join(tok_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"added_tokens_decoder": [1, 2]}, f)
+    rc, _, err = run_cli(GEN + ["--checkpoint", tok_dir, "--prompt", "hi"], capsys)
+    assert rc == 2
+    one_error_line(err, "tokenizer_config.json: added_tokens_decoder must be an object")
+
+
+@pytest.mark.parametrize("cmd", [GEN + ["--prompt-ids", "1,2"], ["info"]])
+def test_directory_named_model_safetensors(tmp_path, capsys, monkeypatch, cmd):
+    """Was: IsADirectoryError traceback.  The real loader runs; it must fail before any tensor is read."""
+    from jaxk3 import checkpoint as ck
+
+    monkeypatch.setattr(ck, "safe_open", lambda *a, **k: pytest.fail("a tensor was read"))
+    (tmp_path / "config.json").write_text(json.dumps(KimiK3Config.tiny_k3().to_hf_dict()))
+    (tmp_path / "model.safetensors").mkdir()
+    rc, _, err = run_cli(cmd + ["--checkpoint", str(tmp_path)], capsys)
+    assert rc == 2
+    one_error_line(err, f"{tmp_path}/model.safetensors: is a directory, not a safetensors file",
+                   after_progress=cmd[0] == "generate")
+
+
+@pytest.mark.parametrize("argv", [["bench", "kernels"], ["bench", "generate"], ["bench", "decode"], ["info"]])
+def test_config_that_does_not_exist(capsys, argv):
+    """Was: FileNotFoundError traceback (bench kernels --config nope)."""
+    rc, out, err = run_cli(argv + ["--config", "nope"], capsys)
+    assert rc == 2 and out == ""
+    one_error_line(err, f"jaxk3 {' '.join(argv)}: error: --config 'nope': not k3, kimi-linear-48b, tiny, "
+                        "a config.json file or a directory holding one")
+
+
+def test_bench_kernels_config_with_bad_contents(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(dict(KimiK3Config.tiny_k3().to_hf_dict(), hidden_size=256.5)))
+    rc, _, err = run_cli(["bench", "kernels", "--config", str(tmp_path)], capsys)
+    assert rc == 2
+    one_error_line(err, f"{tmp_path}/config.json: hidden_size: must be an integer, got 256.5")
+
+
+def test_demo_picks_the_largest_tp_that_divides():
+    """Was: ValueError: kda num_heads = 8 is not divisible by the TP size 3 (demo --cpu-devices 3)."""
+    from jaxk3.tools.demo import pick_tp
+
+    tiny = KimiK3Config.tiny_k3()
+    assert pick_tp(tiny, 8) == (8, None)
+    assert pick_tp(tiny, 3) == (2, "kda num_heads = 8 is not divisible by the TP size 3")
+    assert pick_tp(tiny, 7) == (4, "kda num_heads = 8 is not divisible by the TP size 7")
+    assert pick_tp(tiny, 1) == (1, None)
+
+
+def test_demo_on_three_devices_says_which_tp(capsys, monkeypatch):
+    """The demo's own run on 3 devices (the model run and the gather bench stubbed: no compile here)."""
+    import jax
+
+    from jaxk3.tools import bench_gather, demo
+
+    three = jax.devices()[:3]
+    seen = {}
+
+    def run_demo(tp, **kw):
+        seen["tp"] = tp
+        return dict(tokens_equal=True, new_tokens=16, fast_median_ms=1.0, lax_median_ms=1.0, speedup=1.0)
+
+    rows = [dict(bytes_per_rank=s, impl=i, us_per_gather=1.0) for s in (64, 1024, 4096) for i in ("lax", "ffi")]
+    monkeypatch.setattr(jax, "devices", lambda *a: three)
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    monkeypatch.setattr(bench_gather, "bench_gather", lambda **kw: {"rows": rows})
+    monkeypatch.setattr(bench_gather, "gather_table", lambda res: "table")
+    rc, out, err = run_cli(["demo"], capsys)
+    assert rc == 0 and seen["tp"] == 2, err
+    assert "model: TP 2 on 2 of the 3 devices (the largest TP that divides the tiny model: kda num_heads = 8 " \
+           "is not divisible by the TP size 3)" in out
+
+
+ENV_CASES = [("JAXK3_GATHER", "foo", "environment: JAXK3_GATHER='foo': expected one of ('auto', 'ffi', 'lax')"),
+             ("JAXK3_GATHER_MAX_ROWS", "abc", "environment: JAXK3_GATHER_MAX_ROWS='abc' is not an integer"),
+             ("JAXK3_GATHER_MAX_BYTES", "-5", "environment: JAXK3_GATHER_MAX_BYTES=-5 must be >= 0"),
+             ("JAXK3_GATHER_TIMEOUT_S", "0", "environment: JAXK3_GATHER_TIMEOUT_S=0.0 must be a finite number")]
+
+
+@pytest.mark.parametrize("var, value, message", ENV_CASES)
+@pytest.mark.parametrize("argv", [["info"], ["info", "--config", "tiny"], ["demo"], ["bench", "gather"],
+                                  ["bench", "decode", "--config", "tiny"], ["bench", "kernels", "--config", "tiny"],
+                                  ["bench", "generate", "--config", "tiny"],
+                                  ["generate", "--checkpoint", "/no/such/dir", "--prompt-ids", "1"],
+                                  ["init-checkpoint", "--config", "tiny", "/tmp/jaxk3-never-written"]])
+def test_bad_environment_is_one_line_for_every_command(capsys, monkeypatch, no_load, var, value, message, argv):
+    """Was: the collectives' named ValueError, but as a traceback from wherever the variable was first read."""
+    monkeypatch.setenv(var, value)
+    rc, out, err = run_cli(argv, capsys)
+    assert rc == 2 and out == ""
+    one_error_line(err, f"{' '.join(['jaxk3'] + argv[:2 if argv[0] == 'bench' else 1])}: error: {message}")
+    assert not os.path.exists("/tmp/jaxk3-never-written")
+
+
+def test_bench_generate_defaults_refused_on_a_small_machine(capsys, monkeypatch):
+    """Was: the Kimi-Linear-48B preset ran on a CPU-only machine with no word that it needs ~92 GiB."""
+    from jaxk3.tools import memory
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: (24 << 30, "host memory"))
+    rc, out, err = run_cli(["bench", "generate"], capsys)
+    assert rc == 2 and out == ""
+    one_error_line(err, "jaxk3 bench generate: error: --config kimi-linear-48b at TP 1 (27 layers, 256 routed "
+                        "experts, bfloat16) needs 92.1 GiB per rank (weights 91.5 GiB + decode cache",
+                   "batch 8 x 4608 positions", "more than the 24.0 GiB of host memory", "run it on one, or try --config tiny")
+
+
+def test_bench_generate_counts_every_cpu_rank(capsys, monkeypatch):
+    from jaxk3.tools import memory
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: (24 << 30, "host memory"))
+    rc, _, err = run_cli(["bench", "generate", "--tp", "4"], capsys)
+    assert rc == 2
+    one_error_line(err, "--config kimi-linear-48b at TP 4", "x 4 CPU ranks", "24.0 GiB of host memory")
+
+
+@pytest.mark.parametrize("option, noun", [("--gather", "gather"), ("--psum", "all-reduce")])
+def test_ffi_collectives_and_a_long_prompt_before_loading(tmp_path, capsys, no_load, option, noun):
+    """Was: a prompt over 64 tokens refused with --gather ffi / --psum ffi only after the weights were loaded."""
+    prompt = ",".join(str(i) for i in range(1, 66))
+    rc, _, err = run_cli(GEN + ["--checkpoint", config_dir(tmp_path), "--prompt-ids", prompt, option, "ffi"], capsys)
+    assert rc == 2
+    one_error_line(err, f"{option} ffi: the FFI {noun} cannot serve the prompt of 65 tokens (1 x 128 rows per "
+                        f"prefill step): 128 rows > JAXK3_GATHER_MAX_ROWS=64", f"use {option} auto or lax")
+
+
+def test_ffi_collectives_and_a_short_prompt_still_load(tmp_path, capsys, fake_load):
+    prompt = ",".join(str(i) for i in range(1, 65))
+    rc, _, err = run_cli(GEN + ["--checkpoint", config_dir(tmp_path), "--prompt-ids", prompt, "--gather", "ffi",
+                                "--psum", "ffi"], capsys)
+    assert rc == 0, err
+    assert len(fake_load.rows[0]) == 64
+
+
+def test_eos_list_second_id_stops_generation_end_to_end(tmp_path, capsys):
+    """Was: config.py kept eos_token_id[0] of a list.  A real tiny checkpoint: generate 6 tokens, then
+    make the third one the second id of an eos list; `jaxk3 generate` stops there (the CLI passes no stop ids: Model.generate's default stops it)."""
+    from jaxk3.checkpoint import load_config
+
+    ckpt = checkpoint_dir(tmp_path)
+    base = GEN + ["--checkpoint", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--tp", "1",
+                  "--dtype", "float32"]
+    rc, out, err = run_cli(base, capsys)
+    assert rc == 0, err
+    new = [int(t) for t in out.split("new ids: ")[1].split()[0].split(",")]
+    assert len(new) == 6
+    stop = new[2]
+    first = next(i for i in range(1000) if i not in new)  # an eos id that never comes
+    edit_config(ckpt, eos_token_id=[first, stop])
+    rc, out, err = run_cli(base, capsys)
+    assert rc == 0, err
+    assert f"new ids: {','.join(map(str, new[:new.index(stop) + 1]))}\n" in out
+    cfg = load_config(ckpt)
+    assert cfg.eos_token_ids == (first, stop) and cfg.eos_token_id == first
+    # the CLI passes no stop ids: the stop came from Model.generate's default (engine._check_stop_ids)
+    assert jaxk3.engine._check_stop_ids(None, cfg) == (first, stop)
+
+
+# ---------------------------------------------------------------- Ctrl-C and a closed pipe (subprocesses)
+def _cli_process(argv, **kw):
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.Popen([sys.executable, "-m", "jaxk3.cli"] + argv, env=env, **kw)
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_the_tokens_so_far_and_exits_130(tmp_path):
+    """Was: a 23-57-line KeyboardInterrupt traceback, the tokens generated so far lost.  SIGINT once the
+    decode progress shows new tokens: the tokens so far on stdout, one line on stderr, exit 130.
+    (One compile of the tiny model in the subprocess: about a minute on the 2-core machine.)"""
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    ckpt = checkpoint_dir(tmp_path)
+    p = _cli_process(["generate", "--checkpoint", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "2000",
+                      "--dtype", "float32", "--cpu-devices", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = bytearray()
+    reader = threading.Thread(target=lambda: [err.extend(b) for b in iter(lambda: p.stderr.read1(1 << 16), b"")])
+    reader.start()
+    deadline = time.monotonic() + 400
+    try:
+        while not re.search(rb"generating:[^\r\n]*\| *[1-9][0-9]*/2000", bytes(err)):
+            assert p.poll() is None and time.monotonic() < deadline, bytes(err).decode()
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        out = p.stdout.read().decode()
+        rc = p.wait(timeout=120)
+    finally:
+        p.kill()
+        reader.join()
+    text = bytes(err).decode()
+    assert rc == 130, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    last = text.rstrip("\n").splitlines()[-1]
+    assert re.fullmatch(r"jaxk3 generate: interrupted \(Ctrl-C\) after ([0-9]+) new tokens; the tokens so far are "
+                        r"on stdout", last), last
+    n = int(re.search(r"after ([0-9]+) new tokens", last).group(1))
+    lines = out.splitlines()
+    assert lines[0] == "prompt ids: 1,2,3" and lines[1].startswith("new ids: "), out
+    new = lines[1][len("new ids: "):].split(",")
+    assert 1 <= len(new) == n < 2000 and all(t.isdigit() for t in new)
+
+
+@pytest.mark.slow
+def test_closed_pipe_ends_quietly_with_141(tmp_path):
+    """Was: a BrokenPipeError traceback (`jaxk3 generate ... | head`).  The reader closes its end before
+    any output: one line on stderr, exit 141, no 'Exception ignored' at exit."""
+    import subprocess
+
+    ckpt = checkpoint_dir(tmp_path)
+    for argv, cmd in ((["info"], "jaxk3 info"),
+                      (["generate", "--checkpoint", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
+                        "--dtype", "float32", "--cpu-devices", "1", "--no-progress"], "jaxk3 generate")):
+        r, w = os.pipe()
+        p = _cli_process(argv, stdout=w, stderr=subprocess.PIPE)
+        os.close(w)
+        os.close(r)  # the reader is gone before the command writes anything
+        _, err = p.communicate(timeout=400)
+        text = err.decode()
+        assert p.returncode == 141, text
+        assert "Traceback" not in text and "Exception ignored" not in text, text
+        assert text.rstrip("\n").splitlines()[-1] == \
+            f"{cmd}: stdout was closed before the output was written (broken pipe)", text
+
+
+# ---------------------------------------------------------------- init-checkpoint
+@pytest.mark.parametrize("setup, argv, needle", [
+    (lambda d: (d / "x").write_text("x"), [], "is not empty (--force writes into it"),
+    (lambda d: None, ["--config", "nope"], "--config 'nope': not tiny, tiny-kimi-linear, a config.json file"),
+    (lambda d: None, ["--config", "k3"], "--config 'k3': not tiny, tiny-kimi-linear"),
+    (lambda d: None, ["--seed", "-1"], "--seed: need a seed in 0..2147483647"),
+    (lambda d: None, ["--dtype", "int8"], "--dtype: invalid choice"),
+])
+def test_init_checkpoint_misuse(tmp_path, capsys, setup, argv, needle):
+    setup(tmp_path)
+    config = [] if "--config" in argv else ["--config", "tiny"]
+    rc, out, err = run_cli(["init-checkpoint", str(tmp_path)] + config + argv, capsys)
+    assert rc == 2 and out == ""
+    one_error_line(err, "jaxk3 init-checkpoint: error:", needle)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_init_checkpoint_dir_is_a_file(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    rc, _, err = run_cli(["init-checkpoint", "--config", "tiny", str(tmp_path / "f")], capsys)
+    assert rc == 2
+    one_error_line(err, f"{tmp_path}/f: exists and is not a directory")
+
+
+def test_init_checkpoint_bad_config_contents(tmp_path, capsys):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(dict(KimiK3Config.tiny_k3().to_hf_dict(), num_experts_per_token=0)))
+    rc, _, err = run_cli(["init-checkpoint", "--config", str(cfg), str(tmp_path / "out")], capsys)
+    assert rc == 2
+    one_error_line(err, f"{cfg}: num_experts_per_token: must be >= 1, got 0")
+    assert not (tmp_path / "out").exists()
+
+
+def test_init_checkpoint_mxfp4_needs_experts_and_group_widths(tmp_path, capsys):
+    dense_only = tmp_path / "dense.json"
+    dense_only.write_text(json.dumps(KimiK3Config.tiny_k3(first_k_dense_replace=8).to_hf_dict()))
+    rc, _, err = run_cli(["init-checkpoint", "--config", str(dense_only), str(tmp_path / "a"), "--mxfp4"], capsys)
+    assert rc == 2
+    one_error_line(err, "--mxfp4: --config", "has no MoE layer")
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps(KimiK3Config.tiny_k3(moe_intermediate_size=48).to_hf_dict()))
+    rc, _, err = run_cli(["init-checkpoint", "--config", str(odd), str(tmp_path / "b"), "--mxfp4"], capsys)
+    assert rc == 2
+    one_error_line(err, "experts_format: 'mxfp4': moe_intermediate_size = 48 is not a multiple of the MXFP4 group 32")

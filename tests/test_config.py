@@ -138,7 +138,7 @@ def test_wrong_json_types_are_value_errors():
 
 def test_config_json_that_is_not_an_object(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="must be a JSON object, got list"):
+    with pytest.raises(ValueError, match="config.json: must be a JSON object, got an array"):
         KimiK3Config.from_pretrained(tmp_path)
 
 
@@ -186,3 +186,108 @@ def test_cache_bytes_per_rank_matches_the_model_cache():
                         shape[b.tp_dim] //= tp
                     total += int(np.prod(shape)) * b.np_dtype(dtype).itemsize
                 assert cfg.cache_bytes_per_rank(3, 128, tp, np.dtype(dtype).itemsize) == total, (cfg, dtype, tp)
+
+
+# ------------------------------------------------------- issue 20: every field checked, named, before loading
+_LAC = dict(full_attn_layers=[4, 7, 8], kda_layers=[1, 2, 3, 5, 6], num_heads=8, head_dim=32,
+            short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True)
+
+
+@pytest.mark.parametrize("change, message", [
+    # types: bools are not ints, floats are refused (not truncated), strings are not numbers
+    (dict(hidden_size=256.5), "hidden_size: must be an integer, got 256.5 (not rounded)"),
+    (dict(hidden_size=256.0), "hidden_size: must be an integer, got 256.0 (write 256)"),
+    (dict(vocab_size=True), "vocab_size: must be an integer, got true (a bool)"),
+    (dict(num_experts="16"), 'num_experts: must be an integer, got "16"'),
+    (dict(num_experts_per_tok=4.0, num_experts_per_token=None), "num_experts_per_tok: must be an integer"),
+    (dict(rms_norm_eps="1e-5"), 'rms_norm_eps: must be a number, got "1e-5"'),
+    (dict(routed_scaling_factor=False), "routed_scaling_factor: must be a number, got false"),
+    (dict(tie_word_embeddings=1), "tie_word_embeddings: must be true or false, got 1"),
+    (dict(moe_renormalize="yes"), 'moe_renormalize: must be true or false, got "yes"'),
+    (dict(hidden_act=3), "hidden_act: must be a string, got 3"),
+    (dict(linear_attn_config=[1, 2]), "linear_attn_config: must be a JSON object, got an array"),
+    (dict(linear_attn_config=dict(_LAC, kda_layers=[1, 2, 3, 5, 6.0])),
+     "linear_attn_config.kda_layers: must be an integer, got 6.0"),
+    (dict(text_config=[1]), "text_config: must be a JSON object, got an array"),
+    # ranges
+    (dict(num_experts_per_token=0), "num_experts_per_token: must be >= 1, got 0"),
+    (dict(hidden_size=0), "hidden_size: must be >= 1, got 0"),
+    (dict(num_attention_heads=-8), "num_attention_heads: must be >= 1, got -8"),
+    (dict(qk_rope_head_dim=0), "qk_rope_head_dim: must be >= 1, got 0"),
+    (dict(v_head_dim=-1), "v_head_dim: must be >= 1, got -1"),
+    (dict(linear_attn_config=dict(_LAC, num_heads=0)), "linear_attn_config.num_heads: must be >= 1, got 0"),
+    (dict(linear_attn_config=dict(_LAC, head_dim=-32)), "linear_attn_config.head_dim: must be >= 1, got -32"),
+    (dict(linear_attn_config=dict(_LAC, gate_lower_bound=2.0)), "linear_attn_config.gate_lower_bound: "),
+    (dict(q_lora_rank=0), "q_lora_rank: must be >= 1 or null, got 0"),
+    (dict(rms_norm_eps=0), "rms_norm_eps: must be a finite number > 0, got 0.0"),
+    (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor: must be a finite number > 0, got nan"),
+    (dict(num_shared_experts=-1), "num_shared_experts: must be >= 0, got -1"),
+    (dict(moe_layer_freq=0), "moe_layer_freq: must be >= 1, got 0"),
+    (dict(first_k_dense_replace=-1), "first_k_dense_replace: must be >= 0, got -1"),
+    (dict(num_hidden_layers=0), "num_hidden_layers: must be >= 1, got 0"),
+    (dict(pad_token_id=1000), r"pad_token_id: 1000 is outside the vocabulary \[0, 1000\)"),
+    (dict(eos_token_id=[5, -1]), r"eos_token_id: -1 is outside the vocabulary"),
+    (dict(eos_token_id=[5, True]), "eos_token_id: must be an integer, got true"),
+    # consistency: top-k <= experts, groups dividing experts, group-limited top-k able to fill k
+    (dict(num_experts_per_token=17), "num_experts_per_token: 17 > num_experts 16"),
+    (dict(num_expert_group=3), "num_expert_group: 3 groups do not divide num_experts 16"),
+    (dict(n_group=5, num_expert_group=None), "n_group: 5 groups do not divide num_experts 16"),
+    (dict(num_expert_group=2, topk_group=3), "topk_group: 3 > num_expert_group 2"),
+    (dict(num_expert_group=16), "num_expert_group: 16 groups of num_experts 16 leave 1 expert"),
+    (dict(num_expert_group=8, topk_group=1), "topk_group: 1 groups of 2 experts hold fewer than num_experts_per_token 4"),
+])
+def test_every_field_is_checked_and_named(change, message):
+    """Was: `num_experts_per_token: 0` loaded and changed the tokens, `hidden_size: 256.5` ran as 256, a
+    0 in linear_attn_config.num_heads became the default 32, moe_layer_freq 0 a ZeroDivisionError."""
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       if "\\" not in message else message):
+        KimiK3Config.tiny_k3(**change)
+
+
+def test_errors_name_the_file(tmp_path):
+    d = KimiK3Config.tiny_k3().to_hf_dict()
+    d["hidden_size"] = 256.5
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": d}))
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/config.json: hidden_size: must be an integer, got 256.5"):
+        KimiK3Config.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/config.json: not valid JSON"):
+        KimiK3Config.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"^/no/such/config.json: cannot read the config \(No such file"):
+        KimiK3Config.from_pretrained("/no/such/config.json")
+
+
+def test_direct_construction_is_checked_too():
+    """dataclasses.replace and the constructor run the same checks (bench slices, experts formats)."""
+    cfg = KimiK3Config.tiny_k3()
+    with pytest.raises(ValueError, match="num_experts_per_token: 4 > num_experts 2"):
+        dataclasses.replace(cfg, num_experts=2)
+    with pytest.raises(ValueError, match="hidden_size: must be an integer, got 256.5"):
+        dataclasses.replace(cfg, hidden_size=256.5)
+    same = dataclasses.replace(cfg, hidden_size=np.int64(256), rms_norm_eps=np.float64(1e-5),
+                               routed_scaling_factor=1)
+    assert type(same.hidden_size) is int and type(same.routed_scaling_factor) is float
+    assert type(same.rms_norm_eps) is float
+    assert same == cfg and hash(same) == hash(cfg)
+
+
+def test_eos_token_id_list_keeps_every_id():
+    """Was: config.py kept eos[0] of a list.  eos_token_ids has them all; eos_token_id is the first."""
+    cfg = KimiK3Config.tiny_k3(eos_token_id=[7, 9, 11])
+    assert cfg.eos_token_ids == (7, 9, 11) and cfg.eos_token_id == 7
+    assert cfg.to_hf_dict()["eos_token_id"] == [7, 9, 11]
+    assert KimiK3Config.from_pretrained(cfg.to_hf_dict()) == cfg
+    one = KimiK3Config.tiny_k3(eos_token_id=9)
+    assert one.eos_token_ids == (9,) and one.eos_token_id == 9 and one.to_hf_dict()["eos_token_id"] == 9
+    none = KimiK3Config.tiny_k3()
+    assert none.eos_token_ids == () and none.eos_token_id is None
+    assert KimiK3Config.tiny_k3(eos_token_id=[]).eos_token_ids == ()
+
+
+def test_presets_pass_their_own_checks():
+    from jaxk3.tools.bench_decode import load_config
+
+    for name in ("k3", "kimi-linear-48b", "tiny"):
+        cfg = load_config(name)
+        assert KimiK3Config.from_pretrained(cfg.to_hf_dict()) == cfg
+    assert KimiK3Config.tiny_kimi_linear() == KimiK3Config.from_pretrained(KimiK3Config.tiny_kimi_linear().to_hf_dict())

@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
-from jaxk3.cli.common import (MAX_CPU_DEVICES, choices_list, cpu_devices_arg, fail, int_in, one_line,  # noqa: F401
-                              parse_ints, parse_sizes, positive, progress, write_json)
+from jaxk3.cli.common import (MAX_CPU_DEVICES, choices_list, config_problem, cpu_devices_arg, fail, int_in,  # noqa: F401
+                              one_line, parse_ints, parse_sizes, positive, progress, write_json)
 
 
 def variants_list(text: str) -> tuple[tuple[str, str], ...]:
@@ -116,11 +116,9 @@ def add_parser(sub) -> None:
 
 def check_args(args) -> str | None:
     """What argparse's per-option types cannot see in `jaxk3 bench ...`: the problem, one line, or None."""
+    if getattr(args, "config", None) is not None and (problem := config_problem(args.config)):
+        return problem  # decode, generate, kernels
     if args.bench_cmd == "decode":
-        c = args.config
-        if c not in ("k3", "kimi-linear-48b", "tiny") and not (os.path.isfile(c)
-                                                               or os.path.isfile(os.path.join(c, "config.json"))):
-            return f"--config {c!r}: not k3, kimi-linear-48b, tiny, a config.json file or a directory holding one"
         if args.census and args.plot:
             return "--plot: not with --census (the census is a table; --json keeps it)"
         if args.hlo_dir is not None and os.path.exists(args.hlo_dir) and not os.path.isdir(args.hlo_dir):
@@ -224,9 +222,13 @@ def kernels(args) -> int:
         return fail("jaxk3 bench kernels", e)
     print(bench_kernels.format_rows(res))
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(res, f, indent=1)
+        return write_json(_dump_json, res, args.json_path, "jaxk3 bench kernels")
     return 0
+
+
+def _dump_json(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def run(args) -> int:
@@ -236,6 +238,39 @@ def run(args) -> int:
         return decode(args)
     if args.bench_cmd == "kernels":
         return kernels(args)
-    from jaxk3.tools import bench_generate
+    return generate(args)
 
-    return bench_generate.main(args)
+
+def generate(args) -> int:
+    """`jaxk3 bench generate`: refused up front (exit 2) when the run cannot fit this machine."""
+    import jax
+
+    from jaxk3.tools import bench_generate as bg
+
+    cmd = "jaxk3 bench generate"
+    if args.prefill_chunk % 64:
+        return fail(cmd, f"--prefill-chunk {args.prefill_chunk}: must be a multiple of 64")
+    if args.tp > len(jax.devices()):
+        return fail(cmd, f"--tp {args.tp}: only {len(jax.devices())} devices present")
+    shape = dict(config=args.config, tp=args.tp, batches=tuple(args.batch), prompt=args.prompt, new=args.new,
+                 experts=args.experts, dtype=args.dtype)
+    try:
+        problem = bg.memory_problem(**shape, prefill_chunk=args.prefill_chunk, decode_chunk=args.decode_chunk)
+        if problem is not None:
+            return fail(cmd, problem)
+        res = bg.run(**shape, gather="auto", psum=args.psum, prefill_chunk=args.prefill_chunk,
+                     decode_chunk=args.decode_chunk, progress=progress)
+    except ValueError as e:  # --config contents, --tp not dividing, --experts below top-k, ...
+        return fail(cmd, e)
+    print(bg.table(res))
+    if args.json_path and write_json(_dump_json, res, args.json_path, cmd):
+        return 2
+    if args.plot:
+        try:
+            bg.plot(res, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError as e:
+            print(f"jaxk3: --plot needs matplotlib ({one_line(e)}); the table and JSON are complete", file=sys.stderr)
+        except OSError as e:
+            return fail(cmd, f"--plot {args.plot}: cannot write ({e.strerror or e})")
+    return 0

@@ -9,6 +9,9 @@ import sys
 
 
 MAX_CPU_DEVICES = 1024  # fake CPU devices: XLA makes each one up front
+USAGE = 2  # exit status of a misuse: a bad argument, input file or environment variable (one line on stderr)
+INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as a shell reports a command killed by it
+BROKEN_PIPE = 141  # stdout closed by its reader (128 + SIGPIPE), e.g. `jaxk3 generate ... | head -1`
 _DIGITS = re.compile(r"[0-9]+")  # ASCII digits only: int() would also take "٣", "1_0", "+1", " 1"
 
 
@@ -20,7 +23,34 @@ def one_line(message: object) -> str:
 def fail(prog: str, message: object) -> int:
     """Prints `prog: error: message` (one line) on stderr; returns the exit status 2."""
     print(f"{prog}: error: {one_line(message)}", file=sys.stderr, flush=True)
-    return 2
+    return USAGE
+
+
+def environment_problem() -> str | None:
+    """A bad JAXK3_* variable of the collectives (JAXK3_GATHER=foo, JAXK3_GATHER_MAX_ROWS=abc, ...),
+    named with its value, or None.  Checked before a command starts, so that no subcommand meets it
+    later as a traceback from inside a trace."""
+    from jaxk3.collectives import settings
+
+    try:
+        settings.default_impl()
+        settings.max_rows()
+        settings.max_bytes("cpu")
+        settings.timeout_s()
+    except ValueError as e:
+        return f"environment: {e}"
+    return None
+
+
+def quiet_stdout() -> None:
+    """After a broken pipe: stdout goes to /dev/null, so that the interpreter's last flush at exit
+    finds nothing to write and prints no second error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (captured)
+        pass
 
 
 class Parser(argparse.ArgumentParser):
@@ -131,6 +161,24 @@ def choices_list(allowed: tuple[str, ...]):
 def command(args) -> str:
     """`jaxk3 bench gather`, `jaxk3 generate`, ...: the prefix of this command's error lines."""
     return " ".join(["jaxk3", args.cmd] + ([args.bench_cmd] if getattr(args, "bench_cmd", None) else []))
+
+
+CONFIG_PRESETS = ("k3", "kimi-linear-48b", "tiny")
+
+
+def config_problem(value: str, option: str = "--config", presets: tuple[str, ...] = CONFIG_PRESETS) -> str | None:
+    """What is wrong with a `--config` value (a preset name, a config.json file or a directory holding
+    one), or None.  Only whether the file is there: its contents are checked when it is read."""
+    if value in presets:
+        return None
+    path = os.path.join(value, "config.json") if os.path.isdir(value) else value
+    if not os.path.exists(path):
+        what = "a config.json file or a directory holding one"
+        return f"{option} {value!r}: not {', '.join(presets)}, {what}" if not os.path.isdir(value) else \
+            f"{option} {value!r}: the directory has no config.json"
+    if not os.path.isfile(path):
+        return f"{option} {value!r}: {path} is not a file"
+    return None
 
 
 def writable_file(path: str, option: str) -> str | None:

@@ -24,7 +24,13 @@ def run(args) -> int:
     except ImportError:
         model_demo = None
     if model_demo is not None and not args.gather_only:
-        res = model_demo.run_demo(tp=len(devices))
+        from jaxk3.config import KimiK3Config
+
+        tp, why = model_demo.pick_tp(KimiK3Config.tiny_k3(), len(devices))
+        if why is not None:
+            print(f"model: TP {tp} on {tp} of the {len(devices)} devices (the largest TP that divides the tiny "
+                  f"model: {why})", flush=True)
+        res = model_demo.run_demo(tp=tp)
         if not res["tokens_equal"]:
             print("FAIL: the one-shot-collectives model and the lax model chose different tokens")
             status = 1

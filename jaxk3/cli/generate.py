@@ -9,7 +9,9 @@ import time
 
 import numpy as np
 
-from jaxk3.cli.common import cpu_devices_arg, fail, positive
+from jaxk3.cli.common import INTERRUPTED, cpu_devices_arg, fail, positive
+from jaxk3.tools.memory import device_memory  # noqa: F401  (tests replace it here)
+from jaxk3.tools.memory import human_bytes as _bytes
 
 CMD = "jaxk3 generate"
 _ID = re.compile(r"[0-9]+")
@@ -24,13 +26,16 @@ tokenizer_config.json, needs `pip install tiktoken`) as plain text: "[BOS]" type
 characters, not the special token, unless --allow-special-tokens is given. --prompt-ids 1,2,3 gives
 token ids directly.
 
-Checked before any weight is read (exit 2, one line on stderr): prompt length + --max-new-tokens
-against the checkpoint's max_position_embeddings, the decode cache against the device memory,
-token ids against the vocabulary, and --gather ffi against the rules of the FFI gather.
+Checked before any weight is read (exit 2, one line on stderr): every field of config.json, prompt
+length + --max-new-tokens against the checkpoint's max_position_embeddings, the decode cache against
+the device memory, token ids against the vocabulary, and --gather ffi / --psum ffi against the rules
+of the FFI collectives (the prompt tokens of one prefill dispatch and the prompts per rank, against
+JAXK3_GATHER_MAX_ROWS).
 
-Output: the new token ids on stdout, up to and including a stop id (and their text when the
-checkpoint has a tokenizer);
-progress bars and the tokens-per-second summary on stderr.
+Output: the new token ids on stdout, up to and including a stop id (any id of the config's
+eos_token_id, one id or a list), and their text when the checkpoint has a tokenizer; progress bars
+and the tokens-per-second summary on stderr. Ctrl-C prints the tokens generated so far and exits
+with 130; a closed stdout (`| head -1`) ends with one line on stderr and 141.
 """
 
 EXAMPLES = """\
@@ -138,28 +143,6 @@ def check_args(args) -> str | None:
     return None
 
 
-def _bytes(n: int) -> str:
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
-def device_memory(device) -> tuple[int | None, str]:
-    """(bytes, what) the decode cache of one rank must fit in: the accelerator's
-    `memory_stats()["bytes_limit"]`, else (CPU) the host's physical memory; (None, ...) if unknown."""
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # a backend without memory statistics
-        stats = {}
-    if stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"{device.platform} device memory"
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
-    except (ValueError, OSError, AttributeError):
-        return None, "unknown memory"
-
-
 def cache_len(prompt_len: int, max_new_tokens: int) -> int:
     """Positions `Model.generate` allocates: prompt + new tokens, rounded up to the model's cache
     bucket (at least; the prefill may pad the prompt further)."""
@@ -170,7 +153,7 @@ def cache_len(prompt_len: int, max_new_tokens: int) -> int:
 
 
 def check_run(cfg, rows: list[list[int]], max_new_tokens: int, *, tp: int, dp: int, dtype_bytes: int, dtype: str,
-              devices: list, mesh=None, gather: str = "auto") -> str | None:
+              devices: list, mesh=None, gather: str = "auto", psum: str = "auto") -> str | None:
     """What is wrong with decoding `rows` (+ max_new_tokens) with `cfg` on `devices` (this process's
     ranks), before a weight is read: the problem, one line, or None."""
     try:
@@ -202,16 +185,33 @@ def check_run(cfg, rows: list[list[int]], max_new_tokens: int, *, tp: int, dp: i
             return (f"the decode cache needs {_bytes(per_rank)} per rank (batch {batch} x {length} positions, "
                     f"{dtype}){times}, more than the {_bytes(limit)} of {where}: use fewer prompts or a smaller "
                     f"--max-new-tokens than {max_new_tokens}")
-    if gather == "ffi" and mesh is not None:
-        from jaxk3 import collectives
-        from jaxk3.sharding import TP
+    return ffi_problem(rows, batch, gather=gather, psum=psum, mesh=mesh)
 
-        # Every gather of a decode step has one row per prompt of this rank's shard (logits, MLA
-        # latent); if a one-column probe of that many rows cannot take the FFI path, none can.
-        p = collectives.plan((batch, 1), "float32", TP, padded=True, impl="ffi", mesh=mesh)
-        if p.path == "lax":
-            return f"--gather ffi: the FFI gather cannot serve {batch} prompts per rank: {p.reason} " \
-                   "(use --gather auto or lax)"
+
+def ffi_problem(rows: list[list[int]], batch: int, *, gather: str, psum: str, mesh) -> str | None:
+    """What `--gather ffi` / `--psum ffi` cannot serve, before a weight is read: the problem, or None.
+
+    Every collective of a decode step has one row per prompt of this rank's shard (`batch`: logits,
+    MLA latent, the row-parallel sums); those of the prefill have `batch` x the prompt tokens of one
+    prefill dispatch (engine.prefill_layout).  If a one-column probe of that many rows cannot take
+    the FFI path (JAXK3_GATHER_MAX_ROWS, the platform, ...), the model's own collectives cannot."""
+    if mesh is None or "ffi" not in (gather, psum):
+        return None
+    from jaxk3 import collectives, engine
+    from jaxk3.sharding import TP
+
+    T = max(len(r) for r in rows)
+    _, per_dispatch = engine.prefill_layout(T)
+    for option, impl, op, padded, noun in (("--gather", gather, "all_gather", True, "gather"),
+                                           ("--psum", psum, "psum", False, "all-reduce")):
+        if impl != "ffi":
+            continue
+        for shape, what in (((batch, per_dispatch, 1), f"the prompt of {T} tokens ({batch} x {per_dispatch} "
+                             "rows per prefill step)" if T > 1 else f"{batch} prompts per rank"),
+                            ((batch, 1), f"{batch} prompts per rank")):
+            p = collectives.plan(shape, "float32", TP, padded=padded, impl="ffi", mesh=mesh, op=op)
+            if p.path == "lax":
+                return f"{option} ffi: the FFI {noun} cannot serve {what}: {p.reason} (use {option} auto or lax)"
     return None
 
 
@@ -220,7 +220,7 @@ def run(args) -> int:
     from jaxk3.engine import load_model
     from jaxk3.collectives import GatherUnavailableError
     from jaxk3.kernels import KernelUnavailableError
-    from jaxk3.tokenizer import KimiTokenizer, TokenizerError, has_tokenizer
+    from jaxk3.tokenizer import KimiTokenizer, TokenizerError, TokenizerUnavailableError, has_tokenizer
 
     from jaxk3 import distributed
 
@@ -241,7 +241,7 @@ def run(args) -> int:
             if has_tokenizer(args.checkpoint):
                 try:
                     tok = KimiTokenizer.from_dir(args.checkpoint)
-                except TokenizerError:
+                except TokenizerUnavailableError:  # no tiktoken: ids still work, without their text
                     tok = None
     except TokenizerError as e:
         return fail(CMD, e)
@@ -270,7 +270,8 @@ def run(args) -> int:
         return fail(CMD, e)
     local_ranks = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     problem = check_run(cfg, rows, args.max_new_tokens, tp=tp, dp=dp, dtype_bytes=jax.numpy.dtype(args.dtype).itemsize,
-                        dtype=args.dtype, devices=local_ranks, mesh=mesh, gather=args.gather)
+                        dtype=args.dtype, devices=local_ranks, mesh=mesh, gather=args.gather,
+                        psum=args.psum)
     if problem is not None:
         return fail(CMD, problem)
 
@@ -311,17 +312,23 @@ def run(args) -> int:
 
     # one prompt on a terminal with a tokenizer: the text is printed as each chunk of tokens arrives
     stream = tok is not None and len(rows) == 1 and sys.stdout.isatty()
-    streamed: list[int] = []
+    stops = {int(i) for i in getattr(getattr(model, "cfg", None), "eos_token_ids", ())}
+    got: list[list[int]] = [[] for _ in rows]  # each row's new tokens so far, up to its stop id
+    ended = [False] * len(rows)
 
     def on_tokens(chunk) -> None:
-        new = [int(t) for t in chunk[0]]
-        stops = () if model.cfg.eos_token_id is None else (int(model.cfg.eos_token_id),)
-        for t in new:
-            if streamed and streamed[-1] in stops:
-                return
-            streamed.append(t)
-        sys.stdout.write(tok.decode(streamed[len(streamed) - len(new):]) if new else "")
-        sys.stdout.flush()
+        fresh = []
+        for i, row in enumerate(chunk[:len(rows)]):
+            for t in map(int, row):
+                if ended[i]:
+                    break
+                got[i].append(t)
+                ended[i] = t in stops
+                if i == 0:
+                    fresh.append(t)
+        if stream and fresh:
+            sys.stdout.write(tok.decode(fresh))
+            sys.stdout.flush()
 
     n_prompt = max(len(r) for r in rows)
     print(f"prompt: {len(rows)} x up to {n_prompt} tokens (the first step compiles the model) ...",
@@ -330,22 +337,37 @@ def run(args) -> int:
     try:
         if stream:
             sys.stdout.write("streaming: ")
-        out = model.generate(rows, args.max_new_tokens, progress=on_gen, on_tokens=on_tokens if stream else None)
+        out = model.generate(rows, args.max_new_tokens, progress=on_gen, on_tokens=on_tokens)
         if stream:
             sys.stdout.write("\n")
     except (ValueError, GatherUnavailableError, FloatingPointError, KernelUnavailableError) as e:
         return fail(CMD, e)  # FloatingPointError: NaN/Inf logits; KernelUnavailableError: --kernels on
     except (MemoryError, jax.errors.JaxRuntimeError) as e:
         return _runtime_failure(e)
+    except KeyboardInterrupt:  # Ctrl-C: what was generated is printed, then one line, exit 130
+        for bar in bars.values():
+            bar.close()
+        if stream:
+            sys.stdout.write("\n")
+        _print_rows(rows, got, tok)
+        sys.stdout.flush()
+        print(f"{CMD}: interrupted (Ctrl-C) after {sum(map(len, got))} new tokens; the tokens so far are on "
+              "stdout", file=sys.stderr, flush=True)
+        return INTERRUPTED
     lengths = getattr(out, "lengths", None)  # a row that produced a stop id ends there (then pad ids)
-    for i, (ids, toks) in enumerate(zip(rows, out.tokens)):
-        new = [int(t) for t in toks[:None if lengths is None else int(lengths[i])]]
-        print("prompt ids: " + ",".join(map(str, ids)))
-        print("new ids: " + ",".join(map(str, new)))
-        if tok is not None:
-            print("text: " + tok.decode(new))
+    _print_rows(rows, [[int(t) for t in toks[:None if lengths is None else int(lengths[i])]]
+                       for i, toks in enumerate(out.tokens)], tok)
+    sys.stdout.flush()  # a closed pipe shows here, inside the command (exit 141), not at exit
     print(_summary(out, n_prompt, len(rows), args.max_new_tokens), file=sys.stderr)
     return 0
+
+
+def _print_rows(rows: list[list[int]], new: list[list[int]], tok) -> None:
+    for ids, ids_new in zip(rows, new):
+        print("prompt ids: " + ",".join(map(str, ids)))
+        print("new ids: " + ",".join(map(str, ids_new)))
+        if tok is not None:
+            print("text: " + tok.decode(ids_new))
 
 
 def _summary(out, n_prompt: int, batch: int, max_new_tokens: int) -> str:

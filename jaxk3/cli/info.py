@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from jaxk3.cli.common import cpu_devices_arg, fail, positive
+from jaxk3.cli.common import config_problem, cpu_devices_arg, fail, positive
 
 
 def add_parser(sub) -> None:
@@ -24,6 +24,15 @@ def add_parser(sub) -> None:
     mem.add_argument("--batch", type=positive, default=1, help="rows decoded at once, split over DP (default 1)")
     mem.add_argument("--context", type=positive, default=8192, help="positions per row the cache holds (default 8192)")
     cpu_devices_arg(info)
+
+
+def check_args(args) -> str | None:
+    """What `jaxk3 info` can see in its arguments alone (cli.check_args calls this)."""
+    if args.checkpoint is not None and args.config is not None:
+        return "--checkpoint and --config: give one of them"
+    if args.config is not None:
+        return config_problem(args.config)
+    return None
 
 
 def run(args) -> int:

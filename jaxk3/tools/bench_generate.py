@@ -142,26 +142,31 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main(args) -> int:
-    """`jaxk3 bench generate` (arguments parsed and bounded by jaxk3.cli)."""
-    try:
-        if args.prefill_chunk % 64:
-            raise ValueError(f"--prefill-chunk {args.prefill_chunk}: must be a multiple of 64")
-        if args.tp > len(jax.devices()):
-            raise ValueError(f"--tp {args.tp}: only {len(jax.devices())} devices present")
-        res = run(args.config, args.tp, tuple(args.batch), args.prompt, args.new, args.experts, args.dtype, "auto",
-                  args.psum,
-                  args.prefill_chunk, args.decode_chunk,
-                  progress=lambda m: print(f"  .. {m}", file=sys.stderr, flush=True))
-    except ValueError as e:
-        print(f"jaxk3: {e}", file=sys.stderr)
-        return 2
-    print(table(res))
-    if args.json_path:
-        with open(args.json_path, "w") as fh:
-            json.dump(res, fh, indent=1)
-        print(f"wrote {args.json_path}")
-    if args.plot:
-        plot(res, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+def memory_problem(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: int = 4096,
+                   new: int = 256, experts: int | None = None, dtype: str = "bfloat16", prefill_chunk: int = 512,
+                   decode_chunk: int = 64, devices: list | None = None) -> str | None:
+    """Whether `run(...)` fits this machine, before anything is allocated: the problem (what the run
+    needs per rank, weights + the decode cache of the largest batch, and what the devices have:
+    device memory, or the host's memory shared by every CPU device), or None."""
+    from jaxk3 import engine
+    from jaxk3.tools import memory
+
+    full = bd.load_config(config)
+    cfg = bd.slice_config(full, 0, full.num_hidden_layers - 1, experts)
+    cfg.validate_tp(tp)
+    devices = list(devices if devices is not None else jax.devices()[:tp])
+    weights = sum(memory.weight_bytes_per_rank(cfg, tp, dtype).values())
+    padded, _ = engine.prefill_layout(prompt, prefill_chunk)
+    bucket = engine.CACHE_BUCKET
+    positions = -(-(padded + new + decode_chunk) // bucket) * bucket
+    B = max(batches)
+    cache = memory.cache_bytes(cfg, B, positions, tp, dtype)
+    what = f"--config {config} at TP {tp} ({cfg.num_hidden_layers} layers, {cfg.num_experts} routed experts, {dtype})"
+    detail = (f"weights {memory.human_bytes(weights)} + decode cache {memory.human_bytes(cache)} for batch {B} x "
+              f"{positions} positions")
+    problem = memory.fit_problem(weights + cache, what, devices, detail)
+    if problem is None:
+        return None
+    hint = ("it is sized for a GPU: run it on one, or try --config tiny here" if devices[0].platform == "cpu"
+            else "use a larger --tp, fewer --experts or a smaller --batch / --prompt")
+    return f"{problem}; {hint}"

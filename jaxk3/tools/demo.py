@@ -22,6 +22,19 @@ def _ffi_available() -> tuple[bool, str | None]:
     return err is None, err
 
 
+def pick_tp(cfg: KimiK3Config, devices: int) -> tuple[int, str | None]:
+    """The largest TP size <= `devices` that divides every sharded dimension of `cfg`, and why a
+    larger one does not (None when it is `devices` itself)."""
+    why = None
+    for tp in range(devices, 0, -1):
+        try:
+            cfg.validate_tp(tp)
+            return tp, why
+        except ValueError as e:
+            why = why or str(e)
+    raise AssertionError("TP 1 always divides")  # pragma: no cover
+
+
 def _timed_generate(model, prompts, new_tokens: int, runs: int = 3):
     """Tokens, and the decode time per token (ms) of `runs` calls after a warm-up call: the decode
     loop on the device, all new tokens in one dispatch."""

@@ -460,6 +460,45 @@ def cli_info(*, checkpoint: str | None = None, config: str | None = None, tp: in
     return info(config_for(config, experts), tp, batch=batch, context=context, **kw)
 
 
-__all__ = ["GROUPS", "H200_HBM_BYTES", "DEFAULT_RESERVE", "Layout", "weight_bytes_per_rank", "step_bytes_per_rank",
+# ------------------------------------------------------------------------------ this machine
+def device_memory(device) -> tuple[int | None, str]:
+    """(bytes, what) a rank on `device` can use: the accelerator's `memory_stats()["bytes_limit"]`,
+    else (CPU) the host's physical memory, which every CPU device of the process shares; (None, ...)
+    if unknown."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a backend without memory statistics
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.platform} device memory"
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown memory"
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def fit_problem(per_rank: int, what: str, devices: list, detail: str = "") -> str | None:
+    """Whether `per_rank` bytes fit each of `devices` (this process's ranks): the problem, or None.
+    Fake CPU devices share the host's memory, so there every rank counts against it."""
+    limit, where = device_memory(devices[0])
+    if limit is None:
+        return None
+    ranks = len(devices) if devices[0].platform == "cpu" else 1
+    need = per_rank * ranks
+    if need <= limit:
+        return None
+    times = f" x {ranks} CPU ranks = {human_bytes(need)}" if ranks > 1 else ""
+    return (f"{what} needs {human_bytes(per_rank)} per rank{f' ({detail})' if detail else ''}{times}, more than "
+            f"the {human_bytes(limit)} of {where}")
+
+
+__all__ = ["device_memory", "human_bytes", "fit_problem", "GROUPS", "H200_HBM_BYTES", "DEFAULT_RESERVE", "Layout", "weight_bytes_per_rank", "step_bytes_per_rank",
            "cache_bytes", "usable_bytes", "layout", "layouts", "min_gpus", "fewest", "info", "format_report",
            "report", "checkpoint_config", "checkpoint_report", "config_for", "cli_info"]

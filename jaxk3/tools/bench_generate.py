@@ -20,9 +20,7 @@ experts per MoE layer, for memory; the per-token work is the same while N >= B·
 """
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import time
 
 import jax

@@ -168,6 +168,10 @@ NB_MODULE(_ffi, m) {
   // Test hooks.
   m.def("_set_poison_outputs", &SetPoisonOutputs);
   m.def("_set_match_by_site", &SetMatchBySite);
+  m.def("_set_wait_mode", [](const std::string& mode) {  // "auto", "yield" or "sleep"
+    if (mode != "auto" && mode != "yield" && mode != "sleep") throw nb::value_error("wait mode: auto, yield or sleep");
+    SetWaitModeForTest(mode == "yield" ? WaitMode::kYield : mode == "sleep" ? WaitMode::kSleep : WaitMode::kAuto);
+  });
   m.def("_host_gather_for_test", &HostGatherForTest, nb::arg("devices"), nb::arg("site"), nb::arg("rank"),
         nb::arg("payload"), nb::arg("dtype"), nb::arg("align"));
 }

@@ -7,9 +7,9 @@
 namespace jaxk3 {
 namespace {
 
-// A yield this long gave the core to another task for (most of) a time slice; among this
-// process's own threads a yield comes back in 10-50 us (docs/PERF.md).
-constexpr auto kSlowYield = std::chrono::milliseconds(1);
+// A yield this long gave the core to another task for (most of) a time slice (0.7-8 ms); among
+// this process's own threads a yield comes back in 10-50 us (docs/PERF.md).
+constexpr auto kSlowYield = std::chrono::microseconds(500);
 // This many slow yields in a row on one thread mean that other processes' threads share the run
 // queue: each yield hands them the core.  (One slow yield now and then is only the scheduler
 // serving another session or cgroup, which a sleeping waiter would not get back any sooner.)

@@ -46,7 +46,8 @@ struct HostComm::Round {
   std::optional<ffi::Error> error;  // written before any rank is released
 };
 
-HostComm::HostComm(std::vector<int64_t> devices) : devices_(std::move(devices)) {}
+HostComm::HostComm(std::vector<int64_t> devices)
+    : devices_(std::move(devices)), slow_yields_(new std::atomic<int>[devices_.size()]()) {}
 HostComm::~HostComm() = default;
 
 namespace {
@@ -153,7 +154,7 @@ ffi::Future HostComm::Run(const RankArgs& a) {
   }
   // Wait briefly on this thread; the last rank either releases us here or, once we have
   // given up, completes our future from a worker thread.
-  if (!AwaitRelease(round->wait[a.rank], Clock::now() + kPollWindow)) return future;
+  if (!AwaitRelease(round->wait[a.rank], Clock::now() + kPollWindow, slow_yields_[a.rank])) return future;
   Settlement{promise, round->error}.Run();
   return future;
 }

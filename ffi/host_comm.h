@@ -104,6 +104,7 @@ class HostComm {
   std::optional<xla::ffi::Error> Refusal(std::pair<int64_t, uint64_t> key);
 
   const std::vector<int64_t> devices_;
+  const std::unique_ptr<std::atomic<int>[]> slow_yields_;  // per rank, in a row (yield_gauge.h)
   std::mutex mu_;
   std::unordered_map<int64_t, std::vector<uint64_t>> next_gen_;  // call -> per-rank generation
   std::map<std::pair<int64_t, uint64_t>, std::shared_ptr<Round>> pending_;  // (call, gen)

@@ -17,28 +17,36 @@ bool GiveUp(std::atomic<int>& w, int from) {
   return !w.compare_exchange_strong(from, kAsync, std::memory_order_acq_rel);
 }
 
-// Whether to yield (rather than sleep) now.
-bool Yield(Clock::time_point now) {
+WaitHow How(Clock::time_point now) {
   switch (WaitModeForTest()) {
-    case WaitMode::kYield: return true;
-    case WaitMode::kSleep: return false;
-    default: return YieldsPay(now);
+    case WaitMode::kYield: return WaitHow::kYield;
+    case WaitMode::kSleep: return WaitHow::kSleep;
+    default: return HowToWait(now);
   }
+}
+
+// One sched_yield; returns how long it took and sets `now` to its end.
+std::chrono::nanoseconds TimedYield(Clock::time_point& now) {
+  sched_yield();
+  const auto then = Clock::now();
+  const auto took = then - now;
+  now = then;
+  return took;
 }
 
 }  // namespace
 
-bool AwaitRelease(std::atomic<int>& w, Clock::time_point until) {
+bool AwaitRelease(std::atomic<int>& w, Clock::time_point until, std::atomic<int>& slow_yields) {
   // Yield while that hands the core to this process's own threads (the peers to come).
   auto now = Clock::now();
-  while (Yield(now)) {
+  WaitHow how;
+  while ((how = How(now)) == WaitHow::kYield) {
     if (w.load(std::memory_order_acquire) == kReleased) return true;
     if (now >= until) return GiveUp(w, kWaiting);
-    sched_yield();
-    const auto then = Clock::now();
-    RecordYield(then - now, then);
-    now = then;
+    const auto took = TimedYield(now);
+    RecordYield(slow_yields, took, now);
   }
+  if (how == WaitHow::kProbe && w.load(std::memory_order_acquire) != kReleased) RecordProbe(TimedYield(now));
   // Otherwise sleep, so the core goes to whoever the scheduler finds next: a peer to come.
   int expected = kWaiting;
   if (!w.compare_exchange_strong(expected, kSleeping, std::memory_order_acq_rel)) return true;  // released

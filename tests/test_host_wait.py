@@ -138,3 +138,21 @@ def test_chain_beside_busy_processes(wait_mode):
         got = f(x)
         got.block_until_ready()
     np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_yield_gauge_sleeps_after_slow_yields_and_probes_its_way_back():
+    """The policy of ffi/yield_gauge.h on made-up yields and times (microseconds): three slow
+    (>= 0.5 ms) yields in a row on a rank put waiters to sleep, fewer do not; while asleep, one
+    probe per 100 ms; sixteen fast probes in a row and waiters yield again, a slow one starts
+    the count over."""
+    g = ext._yield_gauge_for_test
+    slow, fast = 3000.0, 30.0
+    assert g([("yield", slow, 0), ("yield", slow, 1e3), ("yield", 499.0, 2e3), ("yield", slow, 3e3),
+              ("yield", slow, 4e3), ("how", 0, 5e3)]) == ["yield"]
+    asleep = [("yield", slow, 0), ("yield", slow, 1e3), ("yield", slow, 2e3)]
+    assert g(asleep + [("how", 0, 3e3), ("how", 0, 90e3), ("how", 0, 102e3), ("how", 0, 150e3),
+                       ("how", 0, 203e3)]) == ["sleep", "sleep", "probe", "sleep", "probe"]
+    probes = [("probe", fast, 0)] * 15 + [("probe", slow, 0)] + [("probe", fast, 0)] * 15
+    assert g(asleep + probes + [("how", 0, 3e3)]) == ["sleep"]
+    assert g(asleep + probes + [("probe", fast, 0), ("how", 0, 3e3)]) == ["yield"]
+    assert g([("how", 0, 0)]) == ["yield"]  # each call starts, and leaves, a fresh gauge

@@ -129,7 +129,8 @@ def bench_gather(sizes=DEFAULT_SIZES, chain: int = 100, repeats: int = 15, devic
 
 # A busy process: pure CPU, no memory traffic.  Every 2**20 turns (about 0.1 s) it checks that
 # the process that started it is still there, and leaves if not (that one was killed outright).
-_SPINNER = "import os, sys\nparent, i = int(sys.argv[1]), 1\nwhile i or os.getppid() == parent:\n    i = (i + 1) & 0xFFFFF"
+_SPINNER = ("import os, sys\nparent, i = int(sys.argv[1]), 1\n"
+            "while i or os.getppid() == parent:\n    i = (i + 1) & 0xFFFFF")
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 // XLA FFI handler for platform "cpu": the all-reduce sum through HostComm.
 //
-// The last rank to arrive sums every rank's operand in rank order (0, 1, ..., n-1), bfloat16
+// The last rank to arrive sums every rank's operand in rank order (+0, then ranks 0, 1, ..., n-1:
+// XLA's init value first, so signed zeros come out as lax.psum's), bfloat16
 // and float16 in a float32 accumulator rounded once, float32 and float64 in their own type,
 // integers modulo 2^bits, and writes the one result into every rank's output: the result is
 // bit-identical on every rank and does not depend on arrival order.
@@ -45,16 +46,16 @@ struct Half {
   static uint16_t Store(Acc a) { return FloatToHalf(a); }
 };
 
-// out[0] = sum over ranks in rank order; then copied to every other rank's output.
+// out[0] = +0 + the sum over ranks in rank order; then copied to every other rank's output.
 template <typename T, typename Conv>
 void SumInRankOrder(const RoundBuffers& r) {
   using Acc = typename Conv::Acc;
   const size_t count = r.bytes / sizeof(T);
   thread_local std::vector<Acc> acc;
-  acc.resize(count);
-  const T* first = static_cast<const T*>(r.in[0]);
-  for (size_t i = 0; i < count; ++i) acc[i] = Conv::Load(first[i]);
-  for (int s = 1; s < r.n; ++s) {
+  // From the init value +0 as XLA's reduction does, not from rank 0's value: ranks that all
+  // hold -0.0 sum to +0.0, like lax.psum (0 + x is x for every other x).
+  acc.assign(count, Acc{});
+  for (int s = 0; s < r.n; ++s) {
     const T* in = static_cast<const T*>(r.in[s]);
     for (size_t i = 0; i < count; ++i) acc[i] += Conv::Load(in[i]);
   }

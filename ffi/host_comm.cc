@@ -1,8 +1,6 @@
 // The rounds of a HostComm: join, complete, release, expire (host_comm.h).
 #include "host_comm.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -10,6 +8,7 @@
 
 #include "common.h"
 #include "completer.h"
+#include "rank_wait.h"
 #include "settings.h"
 
 namespace ffi = xla::ffi;
@@ -19,14 +18,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// How long a rank polls (yielding the core) for its round to complete before it returns a
-// pending future instead.  Polling keeps the common case on the device's own thread (no
-// hand-off); the bound keeps a rank from holding a thread that another device needs.
+// How long a rank waits on its own thread (yielding or asleep, rank_wait.h) for its round to
+// complete before it returns a pending future instead.  Waiting keeps the common case on the
+// device's own thread (no hand-off); the bound keeps a rank from holding a thread that another
+// device needs.
 constexpr auto kPollWindow = std::chrono::microseconds(200);
-
-// Per rank: kWaiting while it polls on its own thread, kAsync once it returned a pending
-// future, kReleased once the last rank handed the round back to a rank still polling.
-enum Wait : int { kWaiting = 0, kAsync = 1, kReleased = 2 };
 
 // Failed rounds kept for the ranks that reach them late; beyond this many, ranks are not late but
 // gone, and the communicator gives up until reset().
@@ -50,7 +46,8 @@ struct HostComm::Round {
   std::optional<ffi::Error> error;  // written before any rank is released
 };
 
-HostComm::HostComm(std::vector<int64_t> devices) : devices_(std::move(devices)) {}
+HostComm::HostComm(std::vector<int64_t> devices)
+    : devices_(std::move(devices)), slow_yields_(new std::atomic<int>[devices_.size()]()) {}
 HostComm::~HostComm() = default;
 
 namespace {
@@ -155,31 +152,20 @@ ffi::Future HostComm::Run(const RankArgs& a) {
     Complete(*round, a.rank);
     return future;
   }
-  // Poll briefly on this thread; the last rank either releases us here or, once we have
+  // Wait briefly on this thread; the last rank either releases us here or, once we have
   // given up, completes our future from a worker thread.
-  std::atomic<int>& w = round->wait[a.rank];
-  const auto until = Clock::now() + kPollWindow;
-  int polls = 0;
-  while (w.load(std::memory_order_acquire) != kReleased) {
-    if ((++polls & 15) == 0 && Clock::now() > until) {
-      int expected = kWaiting;
-      if (w.compare_exchange_strong(expected, kAsync, std::memory_order_acq_rel)) return future;
-      break;  // released meanwhile
-    }
-    sched_yield();
-  }
+  if (!AwaitRelease(round->wait[a.rank], Clock::now() + kPollWindow, slow_yields_[a.rank])) return future;
   Settlement{promise, round->error}.Run();
   return future;
 }
 
-// Hands every present rank but `skip` its result: a rank still polling is released to finish
+// Hands every present rank but `skip` its result: a rank still waiting is released to finish
 // on its own thread; one that returned a pending future is completed by a worker thread.
 void HostComm::Release(Round& round, std::optional<ffi::Error> error, int skip) {
   round.error = std::move(error);
   for (int r = 0; r < size(); ++r) {
     if (r == skip || !round.entries[r].present) continue;
-    int expected = kWaiting;
-    if (round.wait[r].compare_exchange_strong(expected, kReleased, std::memory_order_acq_rel)) continue;
+    if (ReleaseWaiter(round.wait[r])) continue;
     SettleLater(Settlement{round.entries[r].promise, round.error});
   }
 }

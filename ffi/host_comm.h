@@ -11,10 +11,11 @@
 // independent collectives (or two inlined copies of one call site) that XLA runs in a
 // different order on different devices.
 //
-// No thread blocks for long: each rank registers its operand, its output and a promise, polls
-// (yielding the core) for up to 200 us, and then returns its ffi::Future.  The last rank to
+// No thread blocks for long: each rank registers its operand, its output and a promise, waits
+// for up to 200 us (yielding the core, or asleep while other processes' busy threads share the
+// run queue: rank_wait.h, yield_gauge.h), and then returns its ffi::Future.  The last rank to
 // arrive runs the round's Combine (every operand into every output) and releases the ranks
-// still polling, which finish on their own threads; the futures of ranks that already returned
+// still waiting, which finish on their own threads; the futures of ranks that already returned
 // are completed by worker threads (completer.h).  Blocking would deadlock: XLA's CPU runtime
 // may run independent custom calls of one device on a small shared thread pool, in any order.
 //
@@ -103,6 +104,7 @@ class HostComm {
   std::optional<xla::ffi::Error> Refusal(std::pair<int64_t, uint64_t> key);
 
   const std::vector<int64_t> devices_;
+  const std::unique_ptr<std::atomic<int>[]> slow_yields_;  // per rank, in a row (yield_gauge.h)
   std::mutex mu_;
   std::unordered_map<int64_t, std::vector<uint64_t>> next_gen_;  // call -> per-rank generation
   std::map<std::pair<int64_t, uint64_t>, std::shared_ptr<Round>> pending_;  // (call, gen)

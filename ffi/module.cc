@@ -3,19 +3,24 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "host_comm.h"
 #include "settings.h"
 #include "targets.h"
 #include "transport.h"
+#include "yield_gauge.h"
 #ifdef JAXK3_WITH_CUDA
 #include "cuda_comm.h"
 #endif
@@ -86,6 +91,26 @@ nb::bytes HostGatherForTest(std::vector<int64_t> devices, int64_t site, int rank
   }
   if (error) throw std::runtime_error(*error);
   return nb::bytes(out.data(), out.size());
+}
+
+// Drives the yield gauge with made-up yields and times, from a fresh gauge, leaving a fresh one
+// behind.  Steps: ("yield", took_us, at_us), one rank's yield; ("probe", took_us, 0); ("how", 0,
+// at_us), whose answer ("yield", "sleep" or "probe") is returned in order.
+std::vector<std::string> YieldGaugeForTest(const std::vector<std::tuple<std::string, double, double>>& steps) {
+  const auto us = [](double v) { return std::chrono::nanoseconds(static_cast<int64_t>(v * 1e3)); };
+  const GaugeClock::time_point t0 = GaugeClock::now();
+  std::atomic<int> slow_in_a_row{0};
+  std::vector<std::string> out;
+  ResetGaugeForTest();
+  for (const auto& [what, took, at] : steps) {
+    if (what == "yield") RecordYield(slow_in_a_row, us(took), t0 + us(at));
+    if (what == "probe") RecordProbe(us(took));
+    if (what != "how") continue;
+    const WaitHow how = HowToWait(t0 + us(at));
+    out.push_back(how == WaitHow::kYield ? "yield" : how == WaitHow::kSleep ? "sleep" : "probe");
+  }
+  ResetGaugeForTest();
+  return out;
 }
 
 nb::dict BuildInfo() {
@@ -168,6 +193,11 @@ NB_MODULE(_ffi, m) {
   // Test hooks.
   m.def("_set_poison_outputs", &SetPoisonOutputs);
   m.def("_set_match_by_site", &SetMatchBySite);
+  m.def("_set_wait_mode", [](const std::string& mode) {  // "auto", "yield" or "sleep"
+    if (mode != "auto" && mode != "yield" && mode != "sleep") throw nb::value_error("wait mode: auto, yield or sleep");
+    SetWaitModeForTest(mode == "yield" ? WaitMode::kYield : mode == "sleep" ? WaitMode::kSleep : WaitMode::kAuto);
+  });
+  m.def("_yield_gauge_for_test", &YieldGaugeForTest, nb::arg("steps"));
   m.def("_host_gather_for_test", &HostGatherForTest, nb::arg("devices"), nb::arg("site"), nb::arg("rank"),
         nb::arg("payload"), nb::arg("dtype"), nb::arg("align"));
 }

@@ -13,6 +13,7 @@ std::atomic<size_t> g_cuda_capacity{size_t{1} << 20};
 std::atomic<bool> g_verbose{false};
 std::atomic<bool> g_poison{false};
 std::atomic<bool> g_match_by_site{false};
+std::atomic<WaitMode> g_wait_mode{WaitMode::kAuto};
 
 }  // namespace
 
@@ -32,6 +33,9 @@ void SetVerbose(bool on) { g_verbose.store(on, std::memory_order_relaxed); }
 
 bool MatchBySite() { return g_match_by_site.load(std::memory_order_relaxed); }
 void SetMatchBySite(bool on) { g_match_by_site.store(on, std::memory_order_relaxed); }
+
+WaitMode WaitModeForTest() { return g_wait_mode.load(std::memory_order_relaxed); }
+void SetWaitModeForTest(WaitMode mode) { g_wait_mode.store(mode, std::memory_order_relaxed); }
 
 bool PoisonOutputs() { return g_poison.load(std::memory_order_relaxed); }
 void SetPoisonOutputs(bool on) { g_poison.store(on, std::memory_order_relaxed); }

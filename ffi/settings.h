@@ -28,6 +28,12 @@ void SetVerbose(bool on);
 bool MatchBySite();
 void SetMatchBySite(bool on);
 
+// Test hook: how a rank of the host transport waits for its round (rank_wait.h): as the yield
+// gauge says (kAuto), always yielding the core, or always asleep.
+enum class WaitMode : int { kAuto = 0, kYield = 1, kSleep = 2 };
+WaitMode WaitModeForTest();
+void SetWaitModeForTest(WaitMode mode);
+
 // Test hook: handlers fill their output with 0xA5 first, so a byte a collective fails to write
 // shows up in a bitwise comparison.
 bool PoisonOutputs();

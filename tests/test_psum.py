@@ -1,6 +1,7 @@
 """collectives.psum against its specification: the sum over the group in rank order, bfloat16 and
 float16 accumulated in float32 and rounded once, the same bits on every rank; against an fp64
-sum and lax.psum within that rounding; on random data (never zeros) with poisoned outputs."""
+sum and lax.psum within that rounding; on random data (never zeros) with poisoned outputs; and signed
+zeros bitwise equal to lax.psum."""
 from __future__ import annotations
 
 import threading
@@ -40,12 +41,12 @@ def per_rank_sums(mesh, x, impl, axis_name="tp", spec=P("tp")):
 
 
 def rank_order_sum(parts: np.ndarray, dtype) -> np.ndarray:
-    """The specification: parts[0] + parts[1] + ... in float32 (int: wrapping), rounded once."""
+    """The specification: +0 + parts[0] + parts[1] + ... in float32 (int: wrapping), rounded once."""
     dtype = np.dtype(dtype)
     if np.issubdtype(dtype, np.integer):
         return parts.astype(np.int64).sum(0).astype(dtype)
-    acc = parts[0].astype(np.float32)
-    for p in parts[1:]:
+    acc = np.zeros(parts.shape[1:], np.float32)
+    for p in parts:
         acc = acc + p.astype(np.float32)
     return acc.astype(dtype)
 
@@ -79,6 +80,41 @@ def test_rank_order_sum_bit_identical_on_every_rank(n, order, dtype):
         assert np.all(np.abs(got[0].astype(np.float64) - exact) <= ours_bound * (1 + 1e-9)), shape
         lax_bound = ours_bound + n * eps * mag
         assert np.all(np.abs(got[0].astype(np.float64) - ref[0].astype(np.float64)) <= lax_bound * (1 + 1e-9)), shape
+
+
+# Per column, the eight ranks' values (rows): every pattern of signed zeros a sum can meet.
+_Z = -0.0
+SIGNED_ZERO_COLUMNS = [
+    [_Z] * 8,                          # all -0.0: lax sums from XLA's init +0.0, so +0.0
+    [0.0] * 8,                         # all +0.0
+    [_Z] + [0.0] * 7,                  # the first rank -0.0
+    [0.0] + [_Z] * 7,                  # the first rank +0.0, the rest -0.0
+    [_Z, 0.0] * 4,                     # alternating
+    [0.0] * 7 + [_Z],                  # the last rank -0.0
+    [_Z] * 7 + [1.5],                  # -0.0s and one value
+    [_Z] * 7 + [-1.5],
+    [1.5, -1.5] + [_Z] * 6,            # an exact cancellation, then -0.0s
+    [_Z] * 6 + [-2.0, 2.0],
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64],
+                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("order", ORDERS[8], ids=lambda o: "in-order" if list(o) == sorted(o) else "permuted")
+def test_signed_zeros_are_lax_bits(dtype, order):
+    """Signed zeros, every rank holding -0.0 included: the same bits as lax.psum (XLA's CPU
+    all-reduce sums from the init value +0.0, so all -0.0 gives +0.0), on every rank; outputs
+    poisoned first (autouse fixture)."""
+    with jax.enable_x64(np.dtype(dtype) == np.float64):
+        mesh = make_mesh(order)
+        cols = np.asarray(SIGNED_ZERO_COLUMNS, np.float64).T  # [8 ranks, columns]
+        x = np.concatenate([cols, cols[:, ::-1]], axis=1).astype(dtype)  # [8, 20], one row per rank
+        assert np.signbit(x).any() and np.count_nonzero(x) < x.size
+        x = jax.device_put(x, NamedSharding(mesh, P("tp")))
+        got, ref = per_rank_sums(mesh, x, "ffi"), per_rank_sums(mesh, x, "lax")
+        assert got.dtype == ref.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(bits(got), bits(ref))
+        assert not np.signbit(got[:, 0]).any()  # the all -0.0 column
 
 
 @pytest.mark.parametrize("names", [("a", "b"), ("b", "a"), "a", "b"])

@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
                    help="comma list: gather, allreduce (default both)")
     g.add_argument("--forms", type=choices_list(("unrolled", "scan")), default=("unrolled", "scan"),
                    help="comma list: unrolled (a chain unrolled in one jit), scan (the chain in lax.scan); default both")
+    g.add_argument("--load", type=int_in(0, 64), default=0,
+                   help="busy processes (pure CPU spinners) to run beside the chains while they are measured, "
+                   "0..64; killed after (default 0)")
     g.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
     cpu_devices_arg(g)
 
@@ -140,7 +143,8 @@ def gather(args) -> int:
     sizes = args.sizes or bench.DEFAULT_SIZES
 
     result = bench.bench_collectives(sizes=sizes, chain=args.chain, repeats=args.repeats, devices=devices,
-                                     dtype=jnp.dtype(args.dtype), progress=progress, ops=args.ops, forms=args.forms)
+                                     dtype=jnp.dtype(args.dtype), progress=progress, ops=args.ops, forms=args.forms,
+                                     load=args.load)
     print(bench.gather_table(result))
     if args.json_path:
         return write_json(bench.write_json, result, args.json_path, "jaxk3 bench gather")

@@ -19,13 +19,18 @@ Two floors run the same chain without communication:
                CUDA) followed by the same re-layout and slice: one FFI call + the same slice
                kernel, no exchange.  ffi / ffi_floor is what the exchange itself costs on top
                of being a separate op.
+
+``load``       N busy processes (pure CPU spinners, :func:`busy_load`) run beside the chains while
+               they are compiled and timed: the figures of a machine that other work shares.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform as _platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -122,14 +127,42 @@ def bench_gather(sizes=DEFAULT_SIZES, chain: int = 100, repeats: int = 15, devic
     return bench_collectives(sizes, chain, repeats, devices, dtype, impls, progress, ops=ops, forms=forms)
 
 
+# A busy process: pure CPU, no memory traffic.  Every 2**20 turns (about 0.1 s) it checks that
+# the process that started it is still there, and leaves if not (that one was killed outright).
+_SPINNER = ("import os, sys\nparent, i = int(sys.argv[1]), 1\n"
+            "while i or os.getppid() == parent:\n    i = (i + 1) & 0xFFFFF")
+
+
+@contextlib.contextmanager
+def busy_load(n: int):
+    """`n` busy processes beside the caller, started on entry, killed and reaped on exit (an error
+    or Ctrl-C included); yields their pids.  They are this process's children, in its session (and
+    so its scheduler autogroup): they compete with XLA's device threads thread for thread, as busy
+    jobs started from the same shell do."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", _SPINNER, str(os.getpid())],
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
 def bench_collectives(sizes=DEFAULT_SIZES, chain: int = 100, repeats: int = 15, devices=None,
-                      dtype=jnp.float32, impls=IMPLS, progress=None, ops=OPS, forms=FORMS) -> dict:
-    """Every op in every form at every size, {xla_floor, ffi_floor, lax, ffi} each, one run."""
+                      dtype=jnp.float32, impls=IMPLS, progress=None, ops=OPS, forms=FORMS, load: int = 0) -> dict:
+    """Every op in every form at every size, {xla_floor, ffi_floor, lax, ffi} each, one run;
+    `load` busy processes beside it throughout (:func:`busy_load`)."""
     # Measure the FFI path at every size asked, past the default cap that `auto` applies.
     saved = os.environ.get(collectives.ENV_MAX_BYTES)
     os.environ[collectives.ENV_MAX_BYTES] = str(max(sizes))
     try:
-        return _bench(sizes, chain, repeats, devices, dtype, impls, progress, ops, forms)
+        with busy_load(load) as pids:
+            result = _bench(sizes, chain, repeats, devices, dtype, impls, progress, ops, forms)
+        return {**result, "load": load, "load_pids": pids}
     finally:
         if saved is None:
             os.environ.pop(collectives.ENV_MAX_BYTES, None)
@@ -222,7 +255,7 @@ def gather_table(result: dict) -> str:
     lines = [
         f"collective chains: {result['devices']} x {result['device_kind']} ({result['platform']}), "
         f"chain {result['chain']}, median of {result['repeats']}, {result['dtype']}, "
-        f"jax {result['versions']['jax']}  (us per dependent step)",
+        f"jax {result['versions']['jax']}, load {result.get('load', 0)} busy processes  (us per dependent step)",
     ]
     nan = float("nan")
     for (op, form), by in groups.items():

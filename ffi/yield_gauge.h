@@ -1,0 +1,41 @@
+// How a waiting rank of the host transport passes the time: yielding the core, or asleep.
+//
+// A yield is cheap when the threads it hands the core to are this process's own device threads:
+// they are the peers the waiter waits for, and they yield back within microseconds.  When busy
+// threads of another process share the scheduler's run queue with them (the same session or
+// cgroup), a yield often hands one of those a whole time slice (milliseconds): then a waiter
+// must sleep, so that the core goes to the peers still to come.
+//
+// Every rank counts its slow yields in a row (per rank, not per thread: a rank's waits run on
+// whichever thread XLA or a completion worker gives it).  A few in a row put every waiter of the
+// process to sleep.  While they sleep, one waiter now and then yields once, timed (a probe);
+// enough fast probes in a row, and waiters yield again.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+
+namespace jaxk3 {
+
+using GaugeClock = std::chrono::steady_clock;
+
+enum class WaitHow {
+  kYield,  // poll, yielding the core
+  kSleep,  // sleep on the wait word
+  kProbe,  // sleep, after one timed yield (RecordProbe)
+};
+
+// How a waiter should wait now.
+WaitHow HowToWait(GaugeClock::time_point now);
+
+// Records one yield of a waiter that took `took`, ending at `now`; `slow_in_a_row` is its rank's
+// count of slow yields in a row.
+void RecordYield(std::atomic<int>& slow_in_a_row, std::chrono::nanoseconds took, GaugeClock::time_point now);
+
+// Records the yield of a probe (HowToWait returned kProbe).
+void RecordProbe(std::chrono::nanoseconds took);
+
+// Test hook: back to the start (waiters yield).
+void ResetGaugeForTest();
+
+}  // namespace jaxk3

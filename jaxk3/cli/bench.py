@@ -202,15 +202,20 @@ def decode(args) -> int:
         return fail(cmd, e)
     if jax.process_index() != 0:  # every process measured its own ranks; process 0 reports
         return 0
-    print(bd.decode_table(result))
-    if args.json_path and write_json(bd.write_json, result, args.json_path, cmd):
+    return report(args, cmd, bd.decode_table(result), result, bd.write_json, bd.plot)
+
+
+def report(args, cmd: str, table: str, result: dict, write, plot) -> int:
+    """Prints a bench's table, then writes --json and --plot where asked (one-line errors, exit 2)."""
+    print(table)
+    if args.json_path and write_json(write, result, args.json_path, cmd):
         return 2
     if args.plot:
         try:
-            bd.plot(result, args.plot)
+            plot(result, args.plot)
             print(f"wrote {args.plot}")
         except ImportError as e:
-            print(f"jaxk3: --plot needs matplotlib ({one_line(e)}); table and JSON are complete", file=sys.stderr)
+            print(f"jaxk3: --plot needs matplotlib ({one_line(e)}); the table and JSON are complete", file=sys.stderr)
         except OSError as e:
             return fail(cmd, f"--plot {args.plot}: cannot write ({e.strerror or e})")
     return 0
@@ -266,15 +271,4 @@ def generate(args) -> int:
                      decode_chunk=args.decode_chunk, progress=progress)
     except ValueError as e:  # --config contents, --tp not dividing, --experts below top-k, ...
         return fail(cmd, e)
-    print(bg.table(res))
-    if args.json_path and write_json(_dump_json, res, args.json_path, cmd):
-        return 2
-    if args.plot:
-        try:
-            bg.plot(res, args.plot)
-            print(f"wrote {args.plot}")
-        except ImportError as e:
-            print(f"jaxk3: --plot needs matplotlib ({one_line(e)}); the table and JSON are complete", file=sys.stderr)
-        except OSError as e:
-            return fail(cmd, f"--plot {args.plot}: cannot write ({e.strerror or e})")
-    return 0
+    return report(args, cmd, bg.table(res), res, _dump_json, bg.plot)

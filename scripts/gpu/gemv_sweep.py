@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
 from jaxk3.kernels import gemv as G  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -103,15 +105,7 @@ def chain_fn(gemv, N: int, K: int, nw: int):
 
 
 def time_compiled(c, args) -> float:
-    jax.block_until_ready(c(*args))
-    ts = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        for _ in range(INNER):
-            out = c(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / (INNER * CHAIN))
-    return statistics.median(ts)
+    return timing.per_call(c, args, reps=REPS, inner=INNER, chain=CHAIN)
 
 
 # ------------------------------------------------------------------------------- CUDA ceiling
@@ -245,12 +239,7 @@ def main(argv=None) -> int:
     if cpu:
         CHAIN, INNER, REPS = 2, 1, 1
         cases = [("cpu_tiny", 1, 64, 512), ("cpu_tiny", 8, 32, 768)]
-    logf = open(a.json.replace(".json", ".log"), "w")
-
-    def log(s):
-        print(s, flush=True)
-        logf.write(s + "\n")
-        logf.flush()
+    log = timing.logger(a.json)
     dev = jax.devices()[0]
     log(f"# gemv sweep on {dev.platform} {dev.device_kind}, jax {jax.__version__}, chain {CHAIN}, inner {INNER}, reps {REPS}")
     t_start = time.time()

@@ -20,7 +20,6 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -28,6 +27,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 import test_kernels_real as T  # noqa: E402
 
@@ -76,15 +77,7 @@ def chained(name: str, fn, args, kw):
 
 
 def timed(c, args) -> float:
-    jax.block_until_ready(c(*args))
-    ts = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        for _ in range(INNER):
-            out = c(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / (INNER * CHAIN))
-    return statistics.median(ts)
+    return timing.per_call(c, args, reps=REPS, inner=INNER, chain=CHAIN)
 
 
 def main(argv=None) -> int:
@@ -98,12 +91,7 @@ def main(argv=None) -> int:
     global CHAIN, INNER, REPS
     if cpu:  # interpret mode: plumbing only
         CHAIN, INNER, REPS = 1, 1, 1
-    logf = open(a.json.replace(".json", ".log"), "w")
-
-    def log(s):
-        print(s, flush=True)
-        logf.write(s + "\n")
-        logf.flush()
+    log = timing.logger(a.json)
     dev = jax.devices()[0]
     log(f"# kernels at real dims on {dev.platform} {dev.device_kind}, jax {jax.__version__}, chain {CHAIN}")
     want = set(a.kernels.split(",")) if a.kernels else None
@@ -163,7 +151,6 @@ def main(argv=None) -> int:
         pool.shutdown(wait=False, cancel_futures=True)
     log(f"# {len(rows)} of {len(jobs)} jobs in {time.time() - t0:.0f} s")
     summary(a, dev, rows, xla_us, log)
-    logf.close()
     sys.stdout.flush()
     os._exit(0)  # compiles still running in the pool's threads are not waited for
 

@@ -5,14 +5,16 @@
 # benchmark the decode step of K3 layers 11-14 at real dimensions (three latent strategies).
 #
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
-#                        [gemvfused] [ktests] [kreal] [step48] [census48]
+#                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
 #   the Pallas kernels' compiled tests, `bench kernels`, and K3 layers 11-14 stock vs packed+sharded
 #   with kernels off and on; `gemvfused` the GEMV at the fused shapes vs XLA; `ktests` the compiled kernel
 #   tests at real dims; `kreal` each kernel vs XLA at real dims; `step48` the Kimi-Linear-48B step, main's
-#   (checkpoint layout, kernels off) vs the serving layout with kernels=auto; `census48` its kernel census.
+#   (checkpoint layout, kernels off) vs the serving layout with kernels=auto; `census48` its kernel census;
+#   `grouped` the prefill MoE's grouped-GEMM kernels (compiled tests, then timed against the dense form,
+#   ragged_dot and a GEMM of the same FLOPs at Kimi-Linear-48B dims).
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -191,6 +193,17 @@ if has kreal; then
   timeout -k 10 ${KR_TIMEOUT:-150} $PY scripts/gpu/kernels_real.py --json "$OUT/kernels_real.json" ${KR_ARGS:-} \
     > "$OUT/kernels_real.log" 2>&1
   echo "kernels_real rc $?"; sed -n '/# kernels vs XLA/,$p' "$OUT/kernels_real.log" | cut -c1-150
+fi
+
+if has grouped; then
+  # The prefill MoE's grouped-GEMM kernels: compiled tests (tiny and real dims), then the kernel against
+  # the dense form, ragged_dot and a plain GEMM of the same FLOPs at Kimi-Linear-48B dims, 256 experts.
+  echo "== moe_grouped: compiled tests, then vs dense / ragged_dot / GEMM peak ($(date -u +%T))"
+  timeout -k 10 ${GT_TIMEOUT:-150} $PY -m pytest tests/test_kernels.py tests/test_kernels_real.py -m gpu -k grouped -q -rfEs \
+    -p no:cacheprovider > "$OUT/grouped_tests.log" 2>&1
+  echo "grouped tests rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/grouped_tests.log" | cut -c1-300 | tail -20
+  timeout -k 10 ${GB_TIMEOUT:-240} $PY scripts/gpu/moe_grouped.py --json "$OUT/moe_grouped.json" ${GB_ARGS:-} 2>&1 | cut -c1-200
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if has step48; then

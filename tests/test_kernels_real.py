@@ -18,7 +18,8 @@ Tolerances, per kernel (max |kernel - ref| / max |ref|):
                            bugs it still catches are at MLA_TOL in tests/test_kernels.py;
   moe_experts              4e-3: bf16 experts, the [B, I] intermediate rounded to bf16 on both paths
                            but from fp32 sums taken in another order, so single elements may round
-                           one bf16 ulp (2^-8) apart before the 1536-3072-term down projection.
+                           one bf16 ulp (2^-8) apart before the 1536-3072-term down projection;
+  moe_grouped              4e-3: the same argument for a prefill chunk's [N, I] intermediate.
 """
 from __future__ import annotations
 
@@ -95,11 +96,24 @@ def case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, fmt: str = "d
         ids = jnp.asarray(np.stack([r.permutation(E)[:k] for _ in range(B)]), jnp.int32)
         wk = jnp.asarray(r.uniform(0.05, 0.3, (B, k)), jnp.float32)
         return (kcfg, w, a(B, L, dt=jnp.bfloat16), wk, ids), {}
+    if kernel == "moe_grouped":  # a prefill chunk of PREFILL_TOKENS * B tokens over GROUPED_EXPERTS experts
+        from jaxk3.layers import moe
+
+        E = min(cfg.num_experts, GROUPED_EXPERTS)
+        I, L, k, N = cfg.moe_intermediate_size // tp, cfg.moe_hidden, cfg.num_experts_per_token, PREFILL_TOKENS * B
+        kcfg = dataclasses.replace(cfg, num_experts=E)
+        w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=None, experts_w3=None,
+                           experts_w2=a(E, L, I, s=0.02, dt=jnp.bfloat16), experts_w13=a(E, 2 * I, L, s=0.02, dt=jnp.bfloat16))
+        ids = jnp.asarray(np.stack([r.permutation(E)[:k] for _ in range(N)]), jnp.int32)
+        wk = jnp.asarray(r.uniform(0.05, 0.3, (N, k)), jnp.float32)
+        return (kcfg, w, a(N, L, dt=jnp.bfloat16), wk, ids), {}
     raise KeyError(kernel)
 
 
-KERNELS = ["rms_norm", "kda_decode", "router_topk", "mla_decode", "moe_experts", "moe_experts_mxfp4"]
-TOL = dict(rms_norm=1e-4, kda_decode=1e-4, router_topk=1e-5, mla_decode=1e-2, moe_experts=4e-3)
+PREFILL_TOKENS = 64  # moe_grouped: 64 and 512 tokens (B = 1, 8): few and many rows per expert
+GROUPED_EXPERTS = 64  # moe_grouped: the local experts kept (memory: K3's 896 at TP 1 would be 59 GB)
+KERNELS = ["rms_norm", "kda_decode", "router_topk", "mla_decode", "moe_experts", "moe_experts_mxfp4", "moe_grouped"]
+TOL = dict(rms_norm=1e-4, kda_decode=1e-4, router_topk=1e-5, mla_decode=1e-2, moe_experts=4e-3, moe_grouped=4e-3)
 # kernels whose shapes do not depend on TP run at one TP per preset
 TP_FREE = {"rms_norm", "router_topk"}
 CASES = [(k, p, tp) for k in KERNELS for p, tp in PRESETS if not (k in TP_FREE and tp > 1)]

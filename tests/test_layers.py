@@ -283,8 +283,10 @@ def test_prefill_blocks_equal_their_decode_steps(mode, monkeypatch):
     w_Nk, ids_Nk = moe_lib.route(cfg, wf.gate, wf.e_score_correction_bias, xs)
     z = xs if wf.routed_expert_down_proj is None else xs @ wf.routed_expert_down_proj.T
     ref = moe_lib.experts_partial(cfg, wf, z, w_Nk, ids_Nk)
-    for form in (moe_lib.experts_grouped, moe_lib.experts_dense):
+    from jaxk3.kernels import moe_grouped as grouped
+
+    for form in (grouped.experts_grouped, grouped.experts_dense):
         close(form(cfg, wf, z, w_Nk, ids_Nk), ref, 1e-5)
     E, I = wf.experts_w1.shape[:2]
-    monkeypatch.setattr(moe_lib, "DENSE_MOE_BYTES", 10 * E * I * 4)  # token blocks of 10 (37 tokens: 4 blocks)
-    close(moe_lib.experts_dense(cfg, wf, z, w_Nk, ids_Nk), ref, 1e-5)
+    monkeypatch.setattr(grouped, "DENSE_MOE_BYTES", 10 * E * I * 4)  # token blocks of 10 (37 tokens: 4 blocks)
+    close(grouped.experts_dense(cfg, wf, z, w_Nk, ids_Nk), ref, 1e-5)

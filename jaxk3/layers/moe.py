@@ -140,97 +140,25 @@ def router_logits(gate_ED: jax.Array, x_BD: jax.Array) -> jax.Array:
     return jnp.einsum("bd,ed->be", x_BD.astype(F32), gate_ED.astype(F32))
 
 
-def dense_experts(w: jax.Array | MXFP4, dtype) -> jax.Array:
-    """Every local expert's matrix in `dtype` [E, O, In] (the prefill's dense form; for MXFP4 a
-    transient copy per layer: exact in bfloat16, whose exponent range is float32's)."""
-    return dequantize(w).astype(dtype) if isinstance(w, MXFP4) else w
-
-
-def split_gate_up(h: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The gate and up halves of a fused w1|w3 product's last axis."""
-    i = h.shape[-1] // 2
-    return h[..., :i], h[..., i:]
-
-
-_RAGGED = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
-                                       rhs_group_dimensions=[0])
-
-
-def experts_grouped(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.Array
-                    ) -> jax.Array:
-    """`experts_partial` for many tokens (prefill): the N·k (token, expert) pairs sorted by expert and
-    run as grouped GEMMs (`lax.ragged_dot_general`), so each expert's weights are read once per call
-    whatever the number of tokens.  fp32 [N, L] partial over the local intermediate shard."""
-    N, k = ids_Nk.shape
-    E, dt = w.experts_w2.shape[0], compute_dtype(w, z_NL)
-    w2 = dense_experts(w.experts_w2, dt)
-    flat = ids_Nk.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    xs = z_NL.astype(dt)[token]  # [N·k, L], grouped by expert
-
-    def gemm(x, w_EOI):
-        return lax.ragged_dot_general(x, w_EOI, sizes, _RAGGED, preferred_element_type=F32)
-
-    if w.experts_w13 is not None:
-        h1, h3 = split_gate_up(gemm(xs, dense_experts(w.experts_w13, dt)))
-    else:
-        h1, h3 = gemm(xs, dense_experts(w.experts_w1, dt)), gemm(xs, dense_experts(w.experts_w3, dt))
-    a = act(cfg, h1, h3).astype(dt)
-    y = gemm(a, w2) * w_Nk.reshape(-1)[order][:, None]
-    return jax.ops.segment_sum(y, token, num_segments=N)
-
-
-def experts_dense(cfg: KimiK3Config, w: MoEWeights, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.Array
-                  ) -> jax.Array:
-    """`experts_partial` for many tokens as dense GEMMs over every local expert, each token's
-    unselected experts weighted 0 (their terms add exactly 0): E/k times the FLOPs of the exact
-    grouped form, but plain batched matrix products.  Measured on an H200 (Kimi-Linear-48B dims,
-    512 tokens, 64 experts): XLA's GPU `ragged_dot` took 6.0 ms per layer, far above this form's
-    FLOPs.  Tokens go in blocks whose fp32 [n, E, I] activations fit DENSE_MOE_BYTES (lax.map)."""
-    N, (E, _, I) = z_NL.shape[0], w.experts_w2.shape
-    dt = compute_dtype(w, z_NL)
-    w2 = dense_experts(w.experts_w2, dt)
-    fused = w.experts_w13 is not None
-    w13 = (dense_experts(w.experts_w13, dt),) if fused else (dense_experts(w.experts_w1, dt),
-                                                              dense_experts(w.experts_w3, dt))
-    weights_NE = jnp.zeros((N, E), F32).at[jnp.arange(N)[:, None], ids_Nk].add(w_Nk.astype(F32))
-
-    def block(args):
-        z, weights = args
-        z = z.astype(dt)
-        h = [jnp.einsum("nl,eil->nei", z, m, preferred_element_type=F32) for m in w13]
-        a = act(cfg, *(split_gate_up(h[0]) if fused else h)).astype(dt)
-        y_NEL = jnp.einsum("nei,eli->nel", a, w2, preferred_element_type=F32)
-        return jnp.einsum("nel,ne->nl", y_NEL, weights)
-
-    nb = max(1, DENSE_MOE_BYTES // (E * I * 4))
-    if N <= nb:
-        return block((z_NL, weights_NE))
-    n = -(-N // nb)
-    pad = n * nb - N
-    z = jnp.pad(z_NL, ((0, pad), (0, 0))).reshape(n, nb, -1)
-    wts = jnp.pad(weights_NE, ((0, pad), (0, 0))).reshape(n, nb, E)
-    return lax.map(block, (z, wts)).reshape(n * nb, -1)[:N]
-
-
 def _experts_decode(cfg, w, z_BL, w_Bk, ids_Bk, mode: str) -> jax.Array:
     """`experts_partial`, through the `moe_experts` device kernel where `mode` and the platform allow."""
     return kernels.call("moe_experts", cfg, w, z_BL, w_Bk, ids_Bk, mode=mode)
 
 
-DENSE_MOE_BYTES = 1 << 30  # the dense prefill form's fp32 [n, E, I] activations per rank per block, at most
+def _experts_prefill(cfg, w, z_NL, w_Nk, ids_Nk, mode: str) -> jax.Array:
+    """`experts_partial` for many tokens: the `moe_grouped` kernel (grouped GEMMs over the pairs sorted by
+    expert) where `mode` and the platform allow, else the dense form (jaxk3.kernels.moe_grouped)."""
+    return kernels.call("moe_grouped", cfg, w, z_NL, w_Nk, ids_Nk, mode=mode)
 
 
 def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, grouped: bool = False) -> jax.Array:
     """The MoE block on B tokens: fp32 [B, D], summed over TP.  `grouped` (prefill): the experts
     over all tokens at once (dense GEMMs over the local experts, in token blocks) instead of
-    per-token GEMVs (decode).  `experts_grouped` (ragged_dot) is the exact-FLOP form, kept and
-    tested for when a grouped GEMM kernel makes it pay."""
+    per-token GEMVs (decode): jaxk3.kernels.moe_grouped has the forms (dense GEMMs over the local
+    experts in token blocks, today's path; the grouped-GEMM kernel; `experts_grouped`, ragged_dot)."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
-    experts = experts_dense if grouped else functools.partial(_experts_decode, mode=mode)
+    experts = functools.partial(_experts_prefill if grouped else _experts_decode, mode=mode)
     w_Bk, ids_Bk = kernels.call("router_topk", cfg, router_logits(w.gate, x_BD), w.e_score_correction_bias,
                                 mode=mode)
     shared_BD = mlp_partial(cfg, w.shared_experts, x_BD, tp) if w.shared_experts is not None else 0.0

@@ -73,6 +73,10 @@ def chained(name: str, fn, args, kw):
         cfg, w, z, wk, ids = args
         return jax.jit(lambda w, z, wk, ids: jax.lax.fori_loop(
             0, CHAIN, lambda _, z: fn(cfg, w, z, wk, ids).astype(z.dtype), z)), (w, z, wk, ids)
+    if name == "moe_grouped":
+        cfg, w, z, wk, ids = args
+        return jax.jit(lambda w, z, wk, ids: jax.lax.fori_loop(
+            0, CHAIN, lambda _, z: fn(cfg, w, z, wk, ids).astype(z.dtype), z)), (w, z, wk, ids)
     raise KeyError(name)
 
 

@@ -1,0 +1,276 @@
+"""The routed experts of a prefill chunk (many tokens) as a grouped GEMM: two Pallas (Triton)
+kernels over the (token, expert) pairs sorted by expert into block-aligned groups, beside the jnp
+forms that run today (`experts_dense`, the reference and CPU path; `experts_grouped`, the exact-FLOP
+form through `lax.ragged_dot_general`).
+
+The N·k pairs of a chunk are sorted by expert, and each expert's group is padded to a multiple of
+`bm` rows (`align`), so that every block of bm rows belongs to one expert (vLLM's fused MoE has the
+same layout).  Then
+
+    kernel 1 (gate-up, activation fused)   a[r] = act(W1_e x[r], W3_e x[r])    [M, I]   rows r of block b, e = expert[b]
+    kernel 2 (down)                        y[r] = W2_e a[r]                      [M, L]   fp32
+    out[n] = Σ_slot w[n, slot] · y[pos[n, slot]]                                 (jnp: a gather and a k-term sum)
+
+A grid program owns bm rows of one block and bn output columns, and walks the input in bk-wide
+tiles with `tl.dot` (bf16 in, fp32 accumulate).  Each selected expert's weights are read once per
+block of its rows (once per chunk where an expert has at most bm rows), and only the selected
+FLOPs are done: unused blocks (expert -1, the padding of the static block count) return at once.
+Rows of unused blocks are left unwritten and never read back; padded rows inside a block are zeros.
+
+Weights are bf16 [E, O, In] (the checkpoint's layout, or the serving layout's w1|w3 stack [E, 2I, L]);
+MXFP4 experts are dequantised to bf16 once per call first (`dense_experts`, as the dense form does):
+dequantising in registers is still to do (issue 23).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxk3.config import KimiK3Config
+from jaxk3.kernels.moe_experts import MXFP4, act, compute_dtype, dequantize, glu
+from jaxk3.kernels.registry import Kernel, interpret_only, register
+
+F32 = jnp.float32
+DENSE_MOE_BYTES = 1 << 30  # the dense prefill form's fp32 [n, E, I] activations per rank per block, at most
+
+
+# ---------------------------------------------------------------- the jnp forms (reference and CPU path)
+def dense_experts(w: jax.Array | MXFP4, dtype) -> jax.Array:
+    """Every local expert's matrix in `dtype` [E, O, In] (the prefill's dense form; for MXFP4 a
+    transient copy per layer: exact in bfloat16, whose exponent range is float32's)."""
+    return dequantize(w).astype(dtype) if isinstance(w, MXFP4) else w
+
+
+def split_gate_up(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The gate and up halves of a fused w1|w3 product's last axis."""
+    i = h.shape[-1] // 2
+    return h[..., :i], h[..., i:]
+
+
+_RAGGED = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+                                       rhs_group_dimensions=[0])
+
+
+def experts_grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.Array) -> jax.Array:
+    """`experts_partial` for many tokens (prefill): the N·k (token, expert) pairs sorted by expert and
+    run as grouped GEMMs (`lax.ragged_dot_general`), so each expert's weights are read once per call
+    whatever the number of tokens.  fp32 [N, L] partial over the local intermediate shard."""
+    N, k = ids_Nk.shape
+    E, dt = w.experts_w2.shape[0], compute_dtype(w, z_NL)
+    w2 = dense_experts(w.experts_w2, dt)
+    flat = ids_Nk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    xs = z_NL.astype(dt)[token]  # [N·k, L], grouped by expert
+
+    def gemm(x, w_EOI):
+        return lax.ragged_dot_general(x, w_EOI, sizes, _RAGGED, preferred_element_type=F32)
+
+    if w.experts_w13 is not None:
+        h1, h3 = split_gate_up(gemm(xs, dense_experts(w.experts_w13, dt)))
+    else:
+        h1, h3 = gemm(xs, dense_experts(w.experts_w1, dt)), gemm(xs, dense_experts(w.experts_w3, dt))
+    a = act(cfg, h1, h3).astype(dt)
+    y = gemm(a, w2) * w_Nk.reshape(-1)[order][:, None]
+    return jax.ops.segment_sum(y, token, num_segments=N)
+
+
+def experts_dense(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.Array, **_) -> jax.Array:
+    """`experts_partial` for many tokens as dense GEMMs over every local expert, each token's
+    unselected experts weighted 0 (their terms add exactly 0): E/k times the FLOPs of the exact
+    grouped form, but plain batched matrix products.  Measured on an H200 (Kimi-Linear-48B dims,
+    512 tokens, 64 experts): XLA's GPU `ragged_dot` took 6.0 ms per layer, far above this form's
+    FLOPs.  Tokens go in blocks whose fp32 [n, E, I] activations fit DENSE_MOE_BYTES (lax.map)."""
+    N, (E, _, I) = z_NL.shape[0], w.experts_w2.shape
+    dt = compute_dtype(w, z_NL)
+    w2 = dense_experts(w.experts_w2, dt)
+    fused = w.experts_w13 is not None
+    w13 = (dense_experts(w.experts_w13, dt),) if fused else (dense_experts(w.experts_w1, dt),
+                                                              dense_experts(w.experts_w3, dt))
+    weights_NE = jnp.zeros((N, E), F32).at[jnp.arange(N)[:, None], ids_Nk].add(w_Nk.astype(F32))
+
+    def block(args):
+        z, weights = args
+        z = z.astype(dt)
+        h = [jnp.einsum("nl,eil->nei", z, m, preferred_element_type=F32) for m in w13]
+        a = act(cfg, *(split_gate_up(h[0]) if fused else h)).astype(dt)
+        y_NEL = jnp.einsum("nei,eli->nel", a, w2, preferred_element_type=F32)
+        return jnp.einsum("nel,ne->nl", y_NEL, weights)
+
+    nb = max(1, DENSE_MOE_BYTES // (E * I * 4))
+    if N <= nb:
+        return block((z_NL, weights_NE))
+    n = -(-N // nb)
+    pad = n * nb - N
+    z = jnp.pad(z_NL, ((0, pad), (0, 0))).reshape(n, nb, -1)
+    wts = jnp.pad(weights_NE, ((0, pad), (0, 0))).reshape(n, nb, E)
+    return lax.map(block, (z, wts)).reshape(n * nb, -1)[:N]
+
+
+# ---------------------------------------------------------------- the block-aligned layout
+@dataclasses.dataclass(frozen=True)
+class Config:
+    bm: int = 64  # rows per block: each expert's group is padded to a multiple of bm
+    bn: int = 128  # output columns per program
+    bk: int = 64  # input columns per tile
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
+    """bm near the mean rows per expert (pairs / experts), a power of two in [16, 128]: blocks of
+    mostly real rows when experts get few tokens, large tiles when they get many; bn and bk the
+    largest of Config's defaults and their halves (down to 16) that divide both I and L."""
+    mean = max(1, pairs // max(1, num_experts))
+    bm = min(128, max(16, 1 << (mean - 1).bit_length()))
+    d = Config()
+    bn = next((b for b in (d.bn, d.bn // 2, d.bn // 4, 16) if I % b == 0 and L % b == 0), d.bn)
+    bk = next((b for b in (d.bk, d.bk // 2, 16) if I % b == 0 and L % b == 0), d.bk)
+    return Config(bm=bm, bn=bn, bk=bk)
+
+
+def num_blocks(pairs: int, num_experts: int, bm: int) -> int:
+    """A static bound on the blocks `align` fills: Σ_e ceil(n_e / bm) <= pairs / bm + (experts with rows)."""
+    return -(-pairs // bm) + min(num_experts, pairs)
+
+
+def align(ids_Nk: jax.Array, num_experts: int, bm: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The block-aligned layout of the N·k pairs: (pos_Nk int32, the row of pair (n, slot) in the
+    sorted, padded [M, ·] operands; src_M int32, the token of each row, N for a padding row;
+    expert_B int32, the expert of each bm-row block, -1 for an unused block), M = blocks · bm."""
+    N, k = ids_Nk.shape
+    P, E = N * k, num_experts
+    nb = num_blocks(P, E, bm)
+    flat = ids_Nk.reshape(-1).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    blocks = (sizes + bm - 1) // bm
+    end_block = jnp.cumsum(blocks)
+    first_row = (end_block - blocks) * bm  # each expert's first row in the padded layout
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    e_sorted = flat[order]
+    rank = jnp.arange(P, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[e_sorted]
+    pos = jnp.zeros((P,), jnp.int32).at[order].set(first_row[e_sorted] + rank)
+    src = jnp.full((nb * bm,), N, jnp.int32).at[pos].set(jnp.arange(P, dtype=jnp.int32) // k)
+    b = jnp.arange(nb, dtype=jnp.int32)
+    expert = jnp.searchsorted(end_block, b, side="right").astype(jnp.int32)
+    expert = jnp.where(b < end_block[-1], expert, -1)
+    return pos.reshape(N, k), src, expert
+
+
+# ---------------------------------------------------------------- the kernels
+def _dot_nt(a, b):
+    """a [M, K] @ b[N, K].T -> [M, N], fp32 accumulate (tensor cores for bf16)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def _gate_up_kernel(expert_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Config, steps: int, off1: int, off3: int,
+                    act_fn):
+    from jax.experimental import pallas as pl
+
+    b, n = pl.program_id(0), pl.program_id(1)
+    e = expert_ref[b]
+
+    @pl.when(e >= 0)
+    def _():
+        rows = pl.ds(pl.multiple_of(b * c.bm, c.bm), c.bm)
+        g_rows = pl.ds(pl.multiple_of(off1 + n * c.bn, c.bn), c.bn)
+        u_rows = pl.ds(pl.multiple_of(off3 + n * c.bn, c.bn), c.bn)
+
+        def body(i, acc):
+            ks = pl.ds(pl.multiple_of(i * c.bk, c.bk), c.bk)
+            x = x_ref[rows, ks]
+            return acc[0] + _dot_nt(x, w1_ref[e, g_rows, ks]), acc[1] + _dot_nt(x, w3_ref[e, u_rows, ks])
+
+        zero = jnp.zeros((c.bm, c.bn), F32)
+        h1, h3 = lax.fori_loop(0, steps, body, (zero, zero))
+        a_ref[rows, pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)] = act_fn(h1, h3).astype(a_ref.dtype)
+
+
+def _down_kernel(expert_ref, a_ref, w2_ref, y_ref, *, c: Config, steps: int):
+    from jax.experimental import pallas as pl
+
+    b, n = pl.program_id(0), pl.program_id(1)
+    e = expert_ref[b]
+
+    @pl.when(e >= 0)
+    def _():
+        rows = pl.ds(pl.multiple_of(b * c.bm, c.bm), c.bm)
+        cols = pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)
+
+        def body(i, acc):
+            ks = pl.ds(pl.multiple_of(i * c.bk, c.bk), c.bk)
+            return acc + _dot_nt(a_ref[rows, ks], w2_ref[e, cols, ks])
+
+        y_ref[rows, cols] = lax.fori_loop(0, steps, body, jnp.zeros((c.bm, c.bn), F32))
+
+
+def _gate_up_weights(w, dt) -> tuple[jax.Array, jax.Array, int, int]:
+    """(w1 ref, w3 ref, row offset of the gate rows, of the up rows) over [E, ·, L] bf16 stacks."""
+    if w.experts_w13 is not None:
+        w13 = dense_experts(w.experts_w13, dt)
+        return w13, w13, 0, w13.shape[1] // 2
+    return dense_experts(w.experts_w1, dt), dense_experts(w.experts_w3, dt), 0, 0
+
+
+def _shapes(w) -> tuple[int, int, int]:
+    """(E, I, L) of the local experts."""
+    E, L, I = w.experts_w2.shape
+    return E, I, L
+
+
+def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.Array, config: Config | None = None,
+            interpret: bool = False) -> jax.Array:
+    """The same function as the reference: fp32 [N, L] = Σ_slot w · W2_e act(W1_e z, W3_e z) over the local
+    intermediate shard, through the two grouped-GEMM kernels."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    N, k = ids_Nk.shape
+    E, I, L = _shapes(w)
+    dt = compute_dtype(w, z_NL)
+    c = config or config_for(N * k, E, I, L)
+    pos, src, expert = align(ids_Nk, E, c.bm)
+    M, nb = src.shape[0], expert.shape[0]
+    xs = jnp.concatenate([z_NL.astype(dt), jnp.zeros((1, L), dt)])[src]  # [M, L], padding rows 0
+    w1, w3, off1, off3 = _gate_up_weights(w, dt)
+    w2 = dense_experts(w.experts_w2, dt)
+    act_fn = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
+                               linear_beta=cfg.activation_situ_linear_beta)
+    raw = pl.BlockSpec(memory_space=pl.ANY)
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
+                                                                          num_stages=c.num_stages))
+    a = pl.pallas_call(
+        functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off1=off1, off3=off3, act_fn=act_fn),
+        grid=(nb, I // c.bn), in_specs=[raw] * 4, out_specs=raw,
+        out_shape=jax.ShapeDtypeStruct((M, I), dt), interpret=interpret, **kw)(expert, xs, w1, w3)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, c=c, steps=I // c.bk),
+        grid=(nb, L // c.bn), in_specs=[raw] * 3, out_specs=raw,
+        out_shape=jax.ShapeDtypeStruct((M, L), F32), interpret=interpret, **kw)(expert, a, w2)
+    return jnp.einsum("nkl,nk->nl", y[pos], w_Nk.astype(F32))
+
+
+def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str | None:
+    """Why this call does not suit the kernels (None: it does)."""
+    if z_NL.ndim != 2 or ids_Nk.ndim != 2 or z_NL.shape[0] != ids_Nk.shape[0]:
+        return f"moe_grouped kernel takes z [N, L] and ids [N, k], got {z_NL.shape} and {ids_Nk.shape}"
+    E, I, L = _shapes(w)
+    dt = compute_dtype(w, z_NL)
+    if dt != jnp.bfloat16:
+        return f"moe_grouped kernel multiplies bf16 on the tensor cores, got {jnp.dtype(dt).name} experts"
+    c = config or config_for(ids_Nk.size, E, I, L)
+    for name, n, d in (("I", I, c.bn), ("L", L, c.bn), ("L", L, c.bk), ("I", I, c.bk)):
+        if n % d:
+            return f"moe_grouped kernel: tiles bn {c.bn} / bk {c.bk} must divide the experts' {name} = {n}"
+    if c.bm < 16 or c.bm & (c.bm - 1):
+        return f"moe_grouped kernel: bm = {c.bm} must be a power of two >= 16 (tl.dot)"
+    return None
+
+
+register(Kernel("moe_grouped", experts_dense, grouped, platforms=("gpu",), fits=fits,
+                unproven=interpret_only("test_moe_grouped_kernel_on_gpu")))

@@ -5,7 +5,8 @@
 #   make build  rebuild the C++/CUDA extension after editing ffi/
 # Variables: PY (interpreter for the venv), VENV (its folder), ORACLES=1|0 (torch, transformers
 # and fla-core for the reference tests; 0 skips those tests with their reason), JAXK3_CUDA
-# (AUTO|ON|OFF: build the CUDA handlers when nvcc is found / require it / never).
+# (AUTO|ON|OFF: build the CUDA handlers when nvcc is found / require it / never), PYTEST_ARGS (more
+# pytest arguments, e.g. a -k filter).
 
 PY ?= python3
 VENV ?= .venv
@@ -46,7 +47,7 @@ build:
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PYBIN) -m pytest -q -rs --durations=15
+	$(PYBIN) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/jaxk3 demo --cpu-devices 8

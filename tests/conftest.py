@@ -11,3 +11,23 @@ os.environ.setdefault("JAXK3_GATHER_TIMEOUT_S", "20")
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+# JAXK3_TEST_LOG=PATH: one line per finished test (seconds, RSS MiB, id), written as it ends, so that a
+# run that dies (a crash, a CI time limit) still says which tests took the time and where memory went.
+_test_log = os.environ.get("JAXK3_TEST_LOG")
+if _test_log:
+    import resource
+    import time
+
+    _t0 = {}
+
+    def pytest_runtest_logstart(nodeid, location):
+        _t0[nodeid] = time.monotonic()
+        with open(_test_log, "a") as fh:
+            fh.write(f"start {nodeid}\n")
+
+    def pytest_runtest_logfinish(nodeid, location):
+        rss = open("/proc/self/statm").read().split()[1]
+        mib = int(rss) * resource.getpagesize() / 2**20
+        with open(_test_log, "a") as fh:
+            fh.write(f"{time.monotonic() - _t0.pop(nodeid, time.monotonic()):8.2f} s {mib:8.0f} MiB {nodeid}\n")

@@ -28,8 +28,11 @@ def _pair(cfg, tp, shard_latent=True):
             jaxk3.init_random_model(cfg, layout="serving", **kw))
 
 
-@pytest.mark.parametrize("mode, tp, shard_latent", [("k3", 1, True), ("k3", 4, True), ("k3", 2, False),
-                                                    ("kl", 1, True), ("kl", 4, True)])
+# Both models, one device and TP > 1, both latent strategies: each case builds two models and compiles
+# generate and score for both (40-60 s on the 2-core CI machine), so K3 at TP 1 and Kimi-Linear at TP 4
+# are not run here; Kimi-Linear's per-rank fused blocks at TP 4 are checked bitwise by
+# test_each_ranks_block_is_its_member_slices.
+@pytest.mark.parametrize("mode, tp, shard_latent", [("k3", 4, True), ("k3", 2, False), ("kl", 1, True)])
 def test_serving_layout_gives_the_checkpoint_layouts_tokens(mode, tp, shard_latent):
     cfg = KimiK3Config.tiny_k3() if mode == "k3" else KimiK3Config.tiny_kimi_linear()
     a, b = _pair(cfg, tp, shard_latent)

@@ -273,3 +273,24 @@ def test_bench_decode_kernel_modes(tmp_path, capsys):
     assert cli.main(base + ["--kernels", "on"]) == 2
     err = capsys.readouterr().err
     assert "kernels='on' but" in err and "platform 'cpu'" in err
+
+
+def test_prefill_work_counts_the_active_weights_and_the_causal_pairs():
+    """`bench generate`'s TTFT floor: Kimi-Linear-48B-A3B multiplies ~3 B active parameters a token (the
+    hub's name says A3B: 2.73 B here without the embedding lookup, plus the 0.38 B head once per row),
+    so a 4K prompt is ~24 TFLOP (issue 23: 2 x 3 B x 4096 ~ 25); the chunking moves no FLOP (causal
+    pairs sum to T(T+1)/2 in any chunking) and the head counts once per row, in the last chunk."""
+    from jaxk3.tools import bench_decode as bd
+    from jaxk3.tools import bench_generate as bg
+
+    cfg = bd.load_config("kimi-linear-48b")
+    tok, head = bg.matmul_elements(cfg)
+    assert 2.6e9 < tok < 2.9e9 and 0.3e9 < head < 0.45e9
+    one = bg.prefill_work(cfg, 2, 4096, 4096)
+    eight = bg.prefill_work(cfg, 2, 4096, 512)
+    assert len(one) == 1 and len(eight) == 8 and [c["tokens"] for c in eight] == [1024] * 8
+    total = sum(c["flops"] for c in eight)
+    assert total == pytest.approx(one[0]["flops"], rel=1e-12) and 22e12 < total / 2 < 26e12
+    assert eight[-1]["flops"] - eight[-2]["flops"] > 2 * 2 * head * 0.99  # the head, and later positions' pairs
+    short = bg.prefill_work(cfg, 1, 700, 512, bytes_of_chunk=lambda n: 10 * n)
+    assert [c["tokens"] for c in short] == [512, 188] and [c["bytes"] for c in short] == [5120, 1880]

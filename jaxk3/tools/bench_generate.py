@@ -14,6 +14,9 @@ compiles both.  Reported, each beside its baseline measured in the same process:
     prefill_speedup   token_by_token_s / ttft
     floor_us          weight bytes one rank reads per step (experts: the distinct ones a step is
                       expected to touch, E·(1-(1-k/E)^B)) + cache bytes, over the copy bandwidth
+    ttft_floor_s      the prefill's floor (`prefill_work`): per chunk the larger of its weight bytes
+                      over the copy bandwidth and its exact FLOPs over the GEMM peak measured in
+                      the same run (`gemm_peak`), summed over the chunks
 
 Weights are random, generated on the devices in their final sharding (`--experts N` keeps N routed
 experts per MoE layer, for memory; the per-token work is the same while N >= B·k).
@@ -24,10 +27,11 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxk3.engine import Model
-from jaxk3.model import StepOptions, build_step, put_batch
+from jaxk3.model import StepOptions, abstract_weights, build_step, put_batch
 from jaxk3.sharding import TP
 from jaxk3.tools import bench_decode as bd
 
@@ -40,14 +44,17 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
     cfg = bd.slice_config(full, 0, full.num_hidden_layers - 1, experts)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:tp]), (TP,))
     cfg.validate_tp(tp)
-    say(f"copy bandwidth ({copy_bytes >> 20} MiB per device)")
+    say(f"copy bandwidth ({copy_bytes >> 20} MiB per device), GEMM peak")
     bw = bd.copy_bandwidth(mesh, copy_bytes)
+    peak = gemm_peak(mesh)
     say("random weights on the devices")
     t0 = time.perf_counter()
     weights = bd.random_weights(cfg, mesh, dtype, shard_latent=True)
     jax.block_until_ready(weights)
     init_s = time.perf_counter() - t0
     wbytes_of = {B: sum(bd.weight_bytes_per_rank(cfg, weights, B).values()) for B in batches}  # either layout's
+    work_of = {B: prefill_work(cfg, B, prompt, prefill_chunk, tp, (abstract_weights(cfg, tp), weights),
+                               lambda n: sum(bd.weight_bytes_per_rank(cfg, weights, n).values())) for B in batches}
     model = Model(cfg, weights, mesh, dtype, gather, True, psum, donate_weights=True)  # serving layout on GPUs
     del weights
     rows = []
@@ -83,36 +90,123 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
         del cache
         floor = (wbytes + cbytes) / bw * 1e6
         per_tok = dec / max(new - 1, 1) * 1e6
+        work = work_of[B]
+        ttft_floor = sum(max(c["bytes"] / bw, c["flops"] / peak) for c in work)
         row = dict(batch=B, prompt=prompt, new=new, ttft_s=ttft, prefill_tok_s=B * prompt / ttft,
                    decode_tok_s=B * (new - 1) / dec if dec > 0 else float("nan"), loop_us_per_token=per_tok,
                    step_us_b2b=b2b, loop_vs_b2b=b2b / per_tok, token_by_token_s=prompt * b2b / 1e6,
                    prefill_speedup=prompt * b2b / 1e6 / ttft, floor_us=floor, b2b_vs_floor=b2b / floor,
                    weight_bytes=wbytes, cache_bytes=cbytes, compile_s=compile_s,
+                   ttft_floor_s=ttft_floor, ttft_vs_floor=ttft / ttft_floor,
+                   prefill_flops=sum(c["flops"] for c in work), prefill_bytes=sum(c["bytes"] for c in work),
+                   ttft_compute_s=sum(c["flops"] for c in work) / peak,
+                   ttft_bytes_s=sum(c["bytes"] for c in work) / bw,
                    stopped_rows=int((out.lengths < new).sum()), compiled_variants=compiled)
         rows.append(row)
-        say(f"   -> TTFT {ttft:.3f} s ({row['prefill_tok_s']:.0f} tok/s, {row['prefill_speedup']:.1f}x token by token), "
+        say(f"   -> TTFT {ttft:.3f} s ({row['prefill_tok_s']:.0f} tok/s, {row['prefill_speedup']:.1f}x token by token; "
+            f"floor {ttft_floor:.3f} s: {row['prefill_flops'] / 1e12:.2f} TFLOP, {row['prefill_bytes'] / 1e9:.1f} GB), "
             f"decode {row['decode_tok_s']:.1f} tok/s ({per_tok:.0f} us/token vs {b2b:.0f} us back to back: "
             f"x{row['loop_vs_b2b']:.3f}), floor {floor:.0f} us")
     return {"kind": "generate", "config": config, "layers": cfg.num_hidden_layers, "experts": cfg.num_experts, "tp": tp,
             "dtype": dtype, "gather": gather, "psum": psum, "layout": model.layout, "prefill_chunk": prefill_chunk,
             "decode_chunk": decode_chunk, "platform": jax.devices()[0].platform,
-            "device_kind": jax.devices()[0].device_kind, "copy_bandwidth_GBps": bw / 1e9, "weights_init_s": init_s,
+            "device_kind": jax.devices()[0].device_kind, "copy_bandwidth_GBps": bw / 1e9,
+            "gemm_peak_TFLOPs": peak / 1e12, "weights_init_s": init_s,
             "versions": bd._versions(), "rows": rows}
+
+
+def matmul_elements(cfg, tree=None) -> tuple[float, float]:
+    """(the weight elements one token multiplies in the matmuls, the lm_head's), per rank: every Param
+    of two or more dims but the embedding (a lookup), the routed experts at k of E (the token's own),
+    MXFP4 codes at two per byte (their scales are not multiplied).  `tree`: the Params with the
+    per-rank arrays beside them (`(params, arrays)`), else the whole model's shapes (TP 1)."""
+    from jaxk3 import params
+
+    k, E = cfg.num_experts_per_token, cfg.num_experts
+    tok = head = 0.0
+    abstract, arrays = tree if tree is not None else (abstract_weights(cfg, 1), None)
+
+    def count(p, a=None):
+        nonlocal tok, head
+        if len(p.shape) < 2 or p.group == "embed" or p.init == "e8m0":
+            return p
+        n = float(np.prod(a.sharding.shard_shape(a.shape))) if a is not None else float(np.prod(p.shape))
+        n *= 2 if p.init == "e2m1" else 1
+        if p.source == "experts":
+            n *= k / E
+        if p.group == "lm_head":
+            head += n
+        else:
+            tok += n
+        return p
+
+    if arrays is None:
+        jax.tree.map(count, abstract, is_leaf=params.is_param)
+    else:
+        jax.tree.map(count, abstract, arrays, is_leaf=params.is_param)
+    return tok, head
+
+
+def attention_flops(cfg, tp: int, start: int, n: int) -> float:
+    """FLOPs per row, per rank, of the token mixing for positions [start, start + n) over their prefix:
+    MLA causal attention 2·H·(d_qk + d_v) per (query, key) pair, KDA's recurrent form 6·H·d² per token
+    (q·S, k·S, the outer update; the chunk form does more but this is the work the tokens need)."""
+    pairs = n * start + n * (n + 1) / 2
+    mla = len(cfg.mla_layers) * 2 * (cfg.num_attention_heads / tp) * (cfg.qk_head_dim + cfg.v_head_dim) * pairs
+    kda = len(cfg.kda_layers) * 6 * (cfg.kda_num_heads / tp) * cfg.kda_head_dim ** 2 * n
+    return float(mla + kda)
+
+
+def prefill_work(cfg, batch: int, prompt: int, chunk: int, tp: int = 1, tree=None,
+                 bytes_of_chunk=None) -> list[dict]:
+    """Per prefill chunk of `chunk` tokens per row (the last one may be shorter): its exact FLOPs per
+    rank (2 x the matmul weights each token multiplies, `matmul_elements`, + `attention_flops`, + the
+    head on the last position of each row in the last chunk) and, with `bytes_of_chunk(tokens)`, the
+    weight bytes it reads (each distinct expert its tokens touch once)."""
+    tok, head = matmul_elements(cfg, tree)
+    out = []
+    for c0 in range(0, prompt, chunk):
+        n = min(chunk, prompt - c0)
+        flops = batch * (2 * tok * n + attention_flops(cfg, tp, c0, n))
+        if c0 + n >= prompt:
+            flops += 2 * head * batch
+        out.append(dict(tokens=batch * n, flops=flops,
+                        bytes=bytes_of_chunk(batch * n) if bytes_of_chunk else None))
+    return out
+
+
+def gemm_peak(mesh, n: int | None = None, dtype=jnp.bfloat16) -> float:
+    """FLOP/s per device of one [n, n] x [n, n] GEMM (fp32 accumulate), the median of 5 rounds of 5 calls:
+    the compute rate the TTFT floor divides by (n = 8192 on GPUs, 512 on the CPU)."""
+    n = n or (512 if mesh.devices.flat[0].platform == "cpu" else 8192)
+    a = jax.device_put(jnp.ones((n, n), dtype) * 0.5, mesh.devices.flat[0])
+    f = jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32))
+    jax.block_until_ready(f(a))
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(5):
+            y = f(a)
+        jax.block_until_ready(y)
+        ts.append((time.perf_counter() - t0) / 5)
+    return 2.0 * n ** 3 / statistics.median(ts)
 
 
 def table(res: dict) -> str:
     head = (f"{'B':>3} | {'prompt':>6} | {'new':>4} | {'TTFT s':>7} | {'prefill tok/s':>13} | {'x tok-by-tok':>12} | "
             f"{'decode tok/s':>12} | {'us/tok loop':>11} | {'us/step b2b':>11} | {'b2b/loop':>8} | {'floor us':>8} | "
-            f"{'b2b/floor':>9}")
+            f"{'b2b/floor':>9} | {'TTFT floor s':>12} | {'TTFT/floor':>10}")
     lines = [f"generate: {res['config']} ({res['layers']} layers, {res['experts']} routed experts), TP {res['tp']} x "
              f"{res['device_kind']}, {res['dtype']}, prefill chunk {res['prefill_chunk']}, decode chunk "
-             f"{res['decode_chunk']}, jax {res['versions']['jax']}; copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s",
+             f"{res['decode_chunk']}, jax {res['versions']['jax']}; copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s, "
+             f"GEMM peak {res['gemm_peak_TFLOPs']:.1f} TFLOP/s",
              head, "-" * len(head)]
     for r in res["rows"]:
         lines.append(f"{r['batch']:>3} | {r['prompt']:>6} | {r['new']:>4} | {r['ttft_s']:>7.3f} | "
                      f"{r['prefill_tok_s']:>13.0f} | {r['prefill_speedup']:>12.1f} | {r['decode_tok_s']:>12.1f} | "
                      f"{r['loop_us_per_token']:>11.0f} | {r['step_us_b2b']:>11.0f} | {r['loop_vs_b2b']:>8.3f} | "
-                     f"{r['floor_us']:>8.0f} | {r['b2b_vs_floor']:>9.2f}")
+                     f"{r['floor_us']:>8.0f} | {r['b2b_vs_floor']:>9.2f} | {r['ttft_floor_s']:>12.3f} | "
+                     f"{r['ttft_vs_floor']:>10.2f}")
     return "\n".join(lines)
 
 

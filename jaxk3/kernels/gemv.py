@@ -4,7 +4,9 @@ beside its jnp reference (XLA's dot, `jnp.einsum('bk,nk->bn', ..., preferred_ele
 At decode the projections are bandwidth-bound: each weight byte is read once per step, so the
 kernel's whole job is to keep enough bytes in flight.  The grid is (N / bn, splits): a program owns
 bn output rows and one of `splits` equal parts of K, and walks its part in tiles of [bn, bk]
-weights (a Triton loop that num_stages software-pipelines).  Where N is short (an o_proj-sized
+weights (a Triton loop that num_stages software-pipelines); where bn does not divide N (K3's fused
+KDA rows at TP 8, 6284) the last program takes the last bn rows, overlapping its neighbour, which
+computes the same values for the rows they share.  Where N is short (an o_proj-sized
 matrix, a q_a down-projection) the split over K multiplies the programs so that every SM streams;
 the `splits` partial sums [splits, Bp, N] are added by XLA in the fusion that consumes y (the add
 of the residual, the activation), so the split costs no extra kernel in the step.
@@ -150,11 +152,14 @@ def _loop(steps: int, body, init, unroll: bool):
     return acc
 
 
-def _kernel(x_ref, w_ref, o_ref, *, layout: str, bn: int, bk: int, steps: int, dot: bool, unroll: bool):
+def _kernel(x_ref, w_ref, o_ref, *, layout: str, bn: int, bk: int, steps: int, dot: bool, unroll: bool, N: int):
     from jax.experimental import pallas as pl
 
     n, s = pl.program_id(0), pl.program_id(1)
-    rows = pl.ds(pl.multiple_of(n * bn, bn), bn)
+    if N % bn:  # the last program's rows end at N: it overlaps its neighbour, writing the same values there
+        rows = pl.ds(jnp.minimum(n * bn, N - bn), bn)
+    else:
+        rows = pl.ds(pl.multiple_of(n * bn, bn), bn)
     k0 = s * (steps * bk)
 
     def tile(i):
@@ -201,8 +206,8 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
                                                                           num_stages=c.num_stages))
     return pl.pallas_call(
-        functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot, unroll=c.unroll),
-        grid=(N // c.bn, c.splits), in_specs=[any_, any_], out_specs=any_,
+        functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot, unroll=c.unroll, N=N),
+        grid=(-(-N // c.bn), c.splits), in_specs=[any_, any_], out_specs=any_,
         out_shape=jax.ShapeDtypeStruct((c.splits, Bp, N), F32), interpret=interpret, **kw)(x, w)
 
 
@@ -240,10 +245,10 @@ def fits(x_BK, w, layout: str = "nk", config: Config | None = None, only_where_f
     c = config or config_for(B, N, K, layout)
     if B > 1 and not c.dot:
         return f"gemv kernel: B = {B} needs the dot variant (config {c})"
-    if (not (_pow2(c.bn) and _pow2(c.bk)) or N % c.bn or K % (c.splits * c.bk) or c.bn < (16 if c.dot else 8)
+    if (not (_pow2(c.bn) and _pow2(c.bk)) or N < c.bn or K % (c.splits * c.bk) or c.bn < (16 if c.dot else 8)
             or c.bk < 16):
         return (f"gemv kernel: the tile bn {c.bn} x bk {c.bk} (powers of two, bk >= 16, bn >= 16 with dot, >= 8 "
-                f"without) with {c.splits} K splits must divide N {N}, K {K}")
+                f"without) with {c.splits} K splits must divide K {K} and bn fit in N {N}")
     if only_where_faster and not prefer_kernel(B, N, K):
         m = measured(B, N, K)
         return (f"gemv kernel: XLA's dot is as fast at B {B}, N {N}, K {K} on an H200 (measured at N {m[0][1]}: "

@@ -42,20 +42,20 @@ def test_local_tile_target_matches_tile():
 def test_bench_decode_strategies_agree(tmp_path):
     from jaxk3.tools import bench_decode as bd
 
-    res = bd.bench_decode(config="tiny", layers="2-5", experts=None, tp=2, batches=(1, 2), contexts=(64,),
+    # one batch size (2: each strategy compiles its step once per batch; ~70 s for the four on the CI machine)
+    res = bd.bench_decode(config="tiny", layers="2-5", experts=None, tp=2, batches=(2,), contexts=(64,),
                           steps=2, repeats=1, check_tokens=3, copy_bytes=1 << 20)
     path = tmp_path / "decode.json"
     bd.write_json(res, str(path))
     back = json.loads(path.read_text())
     assert back["kind"] == "decode" and back["layers"] == [2, 5]
-    assert {(r["strategy"], r["batch"]) for r in back["rows"]} == {
-        (s.name, b) for s in bd.STRATEGIES for b in (1, 2)}
-    for b in (1, 2):
+    assert {(r["strategy"], r["batch"]) for r in back["rows"]} == {(s.name, 2) for s in bd.STRATEGIES}
+    for b in (2,):
         toks = {r["strategy"]: r["tokens"] for r in back["rows"] if r["batch"] == b}
         assert len(toks["stock"]) == 3 and all(len(t) == b for t in toks["stock"])
         assert toks["stock"] == toks["sharded+lax"] == toks["sharded+one-shot"], toks
     assert not back["notes"]
-    rows = {r["strategy"]: r for r in back["rows"] if r["batch"] == 1}
+    rows = {r["strategy"]: r for r in back["rows"] if r["batch"] == 2}
     # the sharded latent reads half the latent rows per rank at TP 2; everything else is equal
     st, sh = rows["stock"]["census"]["weight_bytes_by_part"], rows["sharded+one-shot"]["census"]["weight_bytes_by_part"]
     assert sh["mla_latent"] * 2 == st["mla_latent"]
@@ -90,14 +90,14 @@ def test_layer_offset_follows_the_global_attn_res_schedule():
     ids = jax.device_put(np.array([5, 9], np.int32), rep)
     valid = jax.device_put(np.ones(2, bool), rep)
     logits = {}
-    for off in (0, 1, 3):
+    for off in (0, 1):
         step = build_step(cfg, StepOptions(layer_offset=off), mesh)
         logits[off] = np.asarray(step(w, bd.random_cache(cfg, mesh, "float32", 2, 64), ids, valid)[0])
     model = Model(cfg, w, mesh, jnp.float32, "auto", True)
     ref = np.asarray(model._step(w, bd.random_cache(cfg, mesh, "float32", 2, 64), ids, valid)[0])
     np.testing.assert_array_equal(logits[0], ref)
     assert all(np.isfinite(v).all() for v in logits.values())
-    assert not np.array_equal(logits[0], logits[1]) and not np.array_equal(logits[0], logits[3])
+    assert not np.array_equal(logits[0], logits[1])
 
 
 def test_slice_config_keeps_kinds():

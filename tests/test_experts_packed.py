@@ -192,13 +192,13 @@ def test_latent_projection_specs_and_bytes():
 
 
 def test_sharded_latent_projections_match_replicated():
-    """TP 1/2/4/8, float32: split MoE (and MLA) latent projections at TP 2/4/8 and replicated ones at
+    """TP 1/2/8, float32: split MoE (and MLA) latent projections at TP 2/8 and replicated ones at
     TP 2 give the TP-1 tokens; logits within 1e-4 (module docstring).  (The bf16 golden test checks
     the split default at TP 2/4/8 bitwise against its recorded digests.)"""
     cfg = KimiK3Config.tiny_k3()
     flat = random_hf_weights(cfg, 1)
     ref = Model.from_weights(cfg, flat, tp=1, dtype="float32").generate(PROMPTS, 4, return_logits=True)
-    for tp, shard in ((2, True), (4, True), (8, True), (2, False)):
+    for tp, shard in ((2, True), (8, True), (2, False)):  # TP 4: the golden and bitwise tests
         m = Model.from_weights(cfg, flat, tp=tp, dtype="float32", shard_latent=shard)
         out = m.generate(PROMPTS, 4, return_logits=True)
         np.testing.assert_array_equal(out.tokens, ref.tokens)

@@ -6,13 +6,15 @@
 # Variables: PY (interpreter for the venv), VENV (its folder), ORACLES=1|0 (torch, transformers
 # and fla-core for the reference tests; 0 skips those tests with their reason), JAXK3_CUDA
 # (AUTO|ON|OFF: build the CUDA handlers when nvcc is found / require it / never), PYTEST_ARGS (more
-# pytest arguments, e.g. a -k filter).
+# pytest arguments, e.g. a -k filter), TEST_WORKERS (pytest-xdist processes, a test file each at a
+# time; 2 for the 2-core CI machine, where one suite alone keeps about 1.3 cores busy).
 
 PY ?= python3
 VENV ?= .venv
 ORACLES ?= 1
 JAX_SPEC ?= jax
 JAXK3_CUDA ?= AUTO
+TEST_WORKERS ?= 2
 export JAXK3_CUDA
 PYBIN := $(VENV)/bin/python
 STAMP := $(VENV)/.jaxk3-installed
@@ -27,7 +29,7 @@ $(VENV)/bin/python:
 	$(PY) -m venv $(VENV)
 
 $(VENV)/.deps: $(VENV)/bin/python pyproject.toml
-	$(PIP) "$(JAX_SPEC)" numpy ml_dtypes "scikit-build-core>=0.10" "nanobind>=2.4" cmake "pytest>=8" safetensors matplotlib tqdm tiktoken absl-py
+	$(PIP) "$(JAX_SPEC)" numpy ml_dtypes "scikit-build-core>=0.10" "nanobind>=2.4" cmake "pytest>=8" "pytest-xdist>=3.5" safetensors matplotlib tqdm tiktoken absl-py
 ifeq ($(ORACLES),1)
 	@# torch: the CPU build that lies on local disk (Python 3.11); else PyPI's CPU index is not
 	@# reachable here, so the oracle tests need ORACLES=0 on other Pythons.
@@ -47,7 +49,7 @@ build:
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PYBIN) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
+	$(PYBIN) -m pytest -q -rs --durations=15 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/jaxk3 demo --cpu-devices 8

@@ -34,13 +34,21 @@ if _test_log:
     import time
 
     _t0 = {}
+    _here = [True]  # False in pytest-xdist's controller: its workers write the lines
+
+    def pytest_configure(config):
+        if "PYTEST_XDIST_WORKER" not in os.environ and getattr(config.option, "numprocesses", None):
+            _here[0] = False
 
     def pytest_runtest_logstart(nodeid, location):
-        _t0[nodeid] = time.monotonic()
-        with open(_test_log, "a") as fh:
-            fh.write(f"start {nodeid}\n")
+        if _here[0]:
+            _t0[nodeid] = time.monotonic()
+            with open(_test_log, "a") as fh:
+                fh.write(f"start {nodeid}\n")
 
     def pytest_runtest_logfinish(nodeid, location):
+        if not _here[0]:
+            return
         rss = open("/proc/self/statm").read().split()[1]
         mib = int(rss) * resource.getpagesize() / 2**20
         with open(_test_log, "a") as fh:

@@ -39,6 +39,7 @@ def test_local_tile_target_matches_tile():
     np.testing.assert_array_equal(np.asarray(f(x)), want)
 
 
+@pytest.mark.slow
 def test_bench_decode_strategies_agree(tmp_path):
     from jaxk3.tools import bench_decode as bd
 

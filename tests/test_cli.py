@@ -52,6 +52,7 @@ def test_tokenizer_encodes_with_merges_and_specials(ckpt):
     assert tok.decode([256 + 3, 999]) == "hello<999>"  # ids past the tokenizer print as <id>
 
 
+@pytest.mark.slow
 def test_generate_fresh_process_text_prompt(ckpt):
     """`python -m jaxk3.cli generate` in a new process: loads the sharded MXFP4 K3 checkpoint on 2 CPU devices,
     encodes the text prompt, shows progress, prints ids + text + tokens/s; ids equal load_model().generate."""

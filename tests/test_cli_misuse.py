@@ -553,6 +553,7 @@ def test_ffi_collectives_and_a_short_prompt_still_load(tmp_path, capsys, fake_lo
     assert len(fake_load.rows[0]) == 64
 
 
+@pytest.mark.slow
 def test_eos_list_second_id_stops_generation_end_to_end(tmp_path, capsys):
     """Was: config.py kept eos_token_id[0] of a list.  A real tiny checkpoint: generate 6 tokens, then
     make the third one the second id of an eos list; `jaxk3 generate` stops there (the CLI passes no stop ids: Model.generate's default stops it)."""

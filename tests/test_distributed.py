@@ -75,6 +75,7 @@ def test_dp2_tp4_matches_single_process(reference, tmp_path):
         assert r["tokens"] == reference["dp"]
 
 
+@pytest.mark.slow
 def test_tp8_spanning_processes_falls_back_and_matches(reference, tmp_path):
     procs, logs, results, _ = run_pair("tp8", tmp_path)
     for p, log in zip(procs, logs):
@@ -93,6 +94,7 @@ def test_dead_process_fails_the_other_in_bounded_time(tmp_path):
     assert any(w in logs[0].lower() for w in ("heartbeat", "unavailable", "failed", "error")), logs[0][-3000:]
 
 
+@pytest.mark.slow
 def test_generate_cli_two_processes_matches_one(tmp_path):
     """`jaxk3 generate` with --coordinator/--num-processes/--process-id: a batch of 3 prompts split
     over dp=2 (TP 4 inside each process) prints the tokens of the same checkpoint in one process."""
@@ -123,6 +125,7 @@ def test_generate_cli_two_processes_matches_one(tmp_path):
     assert outs[0] == outs[1] == ref.tolist()
 
 
+@pytest.mark.slow
 def test_bench_decode_two_processes(tmp_path):
     """`jaxk3 bench decode` on jax.distributed: mesh (dp=2, tp=4), batch split over dp; process 0
     writes the JSON, and the three strategies choose the same greedy tokens."""

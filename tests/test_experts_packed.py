@@ -191,6 +191,7 @@ def test_latent_projection_specs_and_bytes():
         assert got == n_moe * 2 * cfg.moe_hidden * cfg.hidden_size * 2 // div
 
 
+@pytest.mark.slow
 def test_sharded_latent_projections_match_replicated():
     """TP 1/2/8, float32: split MoE (and MLA) latent projections at TP 2/8 and replicated ones at
     TP 2 give the TP-1 tokens; logits within 1e-4 (module docstring).  (The bf16 golden test checks

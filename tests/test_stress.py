@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 import jaxk3
 from jaxk3.config import KimiK3Config
@@ -42,6 +43,7 @@ def test_threads_with_models_equal_serial_runs():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_prefill_on_two_cpu_devices_finishes():
     """A 2-device process: the KDA prefill once used XLA's CPU triangular solve (a LAPACK custom
     call), which starved the 2-thread runtime and hung forever; `jaxk3 bench generate` runs the

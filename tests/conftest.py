@@ -26,7 +26,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
-# JAXK3_TEST_LOG=PATH: one line per finished test (seconds, RSS MiB, id), written as it ends, so that a
+# JAXK3_TEST_LOG=PATH: one line per finished test (seconds, RSS MiB, id, outcome), written as it ends, so that a
 # run that dies (a crash, a CI time limit) still says which tests took the time and where memory went.
 _test_log = os.environ.get("JAXK3_TEST_LOG")
 if _test_log:
@@ -46,10 +46,17 @@ if _test_log:
             with open(_test_log, "a") as fh:
                 fh.write(f"start {nodeid}\n")
 
+    _outcome = {}
+
+    def pytest_runtest_logreport(report):
+        if _here[0] and (report.when == "call" or report.outcome != "passed"):
+            _outcome.setdefault(report.nodeid, report.outcome)
+
     def pytest_runtest_logfinish(nodeid, location):
         if not _here[0]:
             return
         rss = open("/proc/self/statm").read().split()[1]
         mib = int(rss) * resource.getpagesize() / 2**20
         with open(_test_log, "a") as fh:
-            fh.write(f"{time.monotonic() - _t0.pop(nodeid, time.monotonic()):8.2f} s {mib:8.0f} MiB {nodeid}\n")
+            fh.write(f"{time.monotonic() - _t0.pop(nodeid, time.monotonic()):8.2f} s {mib:8.0f} MiB {nodeid} "
+                     f"{_outcome.pop(nodeid, '?')}\n")

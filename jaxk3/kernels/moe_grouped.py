@@ -32,6 +32,7 @@ from jax import lax
 
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels.moe_experts import MXFP4, act, compute_dtype, dequantize, glu
+from jaxk3.kernels.gemv import _dot_nt
 from jaxk3.kernels.registry import Kernel, interpret_only, register
 
 F32 = jnp.float32
@@ -163,12 +164,7 @@ def align(ids_Nk: jax.Array, num_experts: int, bm: int) -> tuple[jax.Array, jax.
 
 
 # ---------------------------------------------------------------- the kernels
-def _dot_nt(a, b):
-    """a [M, K] @ b[N, K].T -> [M, N], fp32 accumulate (tensor cores for bf16)."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-
-
-def _gate_up_kernel(expert_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Config, steps: int, off1: int, off3: int,
+def _gate_up_kernel(expert_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Config, steps: int, off3: int,
                     act_fn):
     from jax.experimental import pallas as pl
 
@@ -178,7 +174,7 @@ def _gate_up_kernel(expert_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Config, step
     @pl.when(e >= 0)
     def _():
         rows = pl.ds(pl.multiple_of(b * c.bm, c.bm), c.bm)
-        g_rows = pl.ds(pl.multiple_of(off1 + n * c.bn, c.bn), c.bn)
+        g_rows = pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)
         u_rows = pl.ds(pl.multiple_of(off3 + n * c.bn, c.bn), c.bn)
 
         def body(i, acc):
@@ -209,12 +205,12 @@ def _down_kernel(expert_ref, a_ref, w2_ref, y_ref, *, c: Config, steps: int):
         y_ref[rows, cols] = lax.fori_loop(0, steps, body, jnp.zeros((c.bm, c.bn), F32))
 
 
-def _gate_up_weights(w, dt) -> tuple[jax.Array, jax.Array, int, int]:
-    """(w1 ref, w3 ref, row offset of the gate rows, of the up rows) over [E, ·, L] bf16 stacks."""
+def _gate_up_weights(w, dt) -> tuple[jax.Array, jax.Array, int]:
+    """(w1 ref, w3 ref, row offset of the up rows in w3) over [E, ·, L] bf16 stacks."""
     if w.experts_w13 is not None:
         w13 = dense_experts(w.experts_w13, dt)
-        return w13, w13, 0, w13.shape[1] // 2
-    return dense_experts(w.experts_w1, dt), dense_experts(w.experts_w3, dt), 0, 0
+        return w13, w13, w13.shape[1] // 2
+    return dense_experts(w.experts_w1, dt), dense_experts(w.experts_w3, dt), 0
 
 
 def _shapes(w) -> tuple[int, int, int]:
@@ -237,7 +233,7 @@ def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.
     pos, src, expert = align(ids_Nk, E, c.bm)
     M, nb = src.shape[0], expert.shape[0]
     xs = jnp.concatenate([z_NL.astype(dt), jnp.zeros((1, L), dt)])[src]  # [M, L], padding rows 0
-    w1, w3, off1, off3 = _gate_up_weights(w, dt)
+    w1, w3, off3 = _gate_up_weights(w, dt)
     w2 = dense_experts(w.experts_w2, dt)
     act_fn = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
                                linear_beta=cfg.activation_situ_linear_beta)
@@ -245,7 +241,7 @@ def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
                                                                           num_stages=c.num_stages))
     a = pl.pallas_call(
-        functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off1=off1, off3=off3, act_fn=act_fn),
+        functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn),
         grid=(nb, I // c.bn), in_specs=[raw] * 4, out_specs=raw,
         out_shape=jax.ShapeDtypeStruct((M, I), dt), interpret=interpret, **kw)(expert, xs, w1, w3)
     y = pl.pallas_call(

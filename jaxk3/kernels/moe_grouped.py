@@ -33,7 +33,7 @@ from jax import lax
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels.moe_experts import MXFP4, act, compute_dtype, dequantize, glu
 from jaxk3.kernels.gemv import _dot_nt
-from jaxk3.kernels.registry import Kernel, interpret_only, register
+from jaxk3.kernels.registry import Kernel, register
 
 F32 = jnp.float32
 DENSE_MOE_BYTES = 1 << 30  # the dense prefill form's fp32 [n, E, I] activations per rank per block, at most
@@ -124,11 +124,13 @@ class Config:
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
-    """bm near the mean rows per expert (pairs / experts), a power of two in [16, 128]: blocks of
-    mostly real rows when experts get few tokens, large tiles when they get many; bn and bk the
-    largest of Config's defaults and their halves (down to 16) that divide both I and L."""
+    """bm near the mean rows per expert (pairs / experts), a power of two in [16, 64]: blocks of
+    mostly real rows when experts get few tokens, larger tiles when they get many; bn and bk the
+    largest of Config's defaults and their halves (down to 16) that divide both I and L.  Measured on
+    an H200 at Kimi-Linear-48B dims, 256 experts (docs/PERF.md): 512 tokens bm 16 1.33 ms, bm 32 1.35,
+    bm 64 1.61; 4096 tokens bm 64 2.58 ms, bm 128 4.61 (8 warps: 2.63), so bm stops at 64 with 4 warps."""
     mean = max(1, pairs // max(1, num_experts))
-    bm = min(128, max(16, 1 << (mean - 1).bit_length()))
+    bm = min(64, max(16, 1 << (mean - 1).bit_length()))
     d = Config()
     bn = next((b for b in (d.bn, d.bn // 2, d.bn // 4, 16) if I % b == 0 and L % b == 0), d.bn)
     bk = next((b for b in (d.bk, d.bk // 2, 16) if I % b == 0 and L % b == 0), d.bk)
@@ -269,4 +271,5 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
 
 
 register(Kernel("moe_grouped", experts_dense, grouped, platforms=("gpu",), fits=fits,
-                unproven=interpret_only("test_moe_grouped_kernel_on_gpu")))
+                measured="Kimi-Linear-48B dims, 256 experts, top-8: 2.47x the dense form at 512 tokens, 10.5x at "
+                         "4096 (180 TFLOP/s exact; ragged_dot 0.15x) (H200, jax 0.11.2, 2026-12-01)"))

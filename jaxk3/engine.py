@@ -8,6 +8,7 @@ prefill, sampling and the decode loop (jaxk3.generation), and the checkpoint rea
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import os
@@ -30,7 +31,13 @@ from jaxk3.model import (Cache, StepOptions, Weights, abstract_weights, build_st
 from jaxk3.params import Buffer
 from jaxk3.sharding import DP, TP as TP_AXIS
 
-DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per row per prefill dispatch
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per row per prefill dispatch: the least `auto_prefill_chunk` picks
+MAX_PREFILL_TOKENS = 8192  # rows x chunk of one prefill dispatch, at most, when the chunk is chosen (activations)
+# A GPU's bf16 GEMM rate over its copy bandwidth (FLOP per byte read): where a prefill chunk turns from
+# reading weights to computing.  H200: 660 TFLOP/s (the MoE's GEMM shape) / 4.0 TB/s, measured (docs/PERF.md);
+# other GPUs are taken as alike.
+GPU_FLOP_PER_BYTE = {"H200": 165.0}
+DEFAULT_GPU_FLOP_PER_BYTE = 165.0
 # generate/score round the latent cache's length up to this: one compiled prefill and decode loop
 # serve every prompt + max_new_tokens within a bucket (each new cache shape is a new compile)
 CACHE_BUCKET = 512
@@ -82,6 +89,16 @@ class Model:
                                kernels=kernels, serving=self.serving)
         self._step = build_step(cfg, self.opt, mesh)
         self._fns: dict = {}
+
+    def with_kernels(self, kernels: str) -> "Model":
+        """The same model (the same weight arrays, not copied) with another `kernels` mode ("auto" | "on"
+        | "off"), its own compiled functions: a baseline beside the model in one process (benches)."""
+        other = copy.copy(self)
+        other.kernels = check_kernels(kernels)
+        other.opt = dataclasses.replace(self.opt, kernels=other.kernels)
+        other._step = build_step(self.cfg, other.opt, self.mesh)
+        other._fns = {}
+        return other
 
     # -- constructors
     @classmethod
@@ -209,6 +226,18 @@ class Model:
             self._fns[key] = build()
         return self._fns[key]
 
+    def prefill_chunk_for(self, batch: int, prompt_len: int) -> int:
+        """The prefill chunk `generate` and `score` take for `batch` prompts of at most `prompt_len` tokens
+        when `prefill_chunk` is None (`auto_prefill_chunk`, per DP group of rows)."""
+        dev = self.mesh.devices.flat[0]
+        return auto_prefill_chunk(self.cfg, -(-batch // self.dp), prompt_len,
+                                  "cpu" if dev.platform == "cpu" else dev.device_kind, self.dtype.itemsize)
+
+    def _chunk(self, prefill_chunk: Any, rows: list[list[int]]) -> int:
+        if prefill_chunk is None:
+            return self.prefill_chunk_for(len(rows), max(len(r) for r in rows))
+        return _check_chunk(prefill_chunk)
+
     def _layout(self, rows: list[list[int]], chunk: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Left-padded [Bp, T_total] tokens and valid mask: T_total a multiple of the prefill chunk
         (or of 64, for prompts shorter than a chunk; or T itself up to 64: the KDA chunk)."""
@@ -248,8 +277,7 @@ class Model:
         """float32 logits at every position, [B, T, vocab], through the prefill path (what a
         transformers forward pass returns).  Ragged rows: row i's logits are out[i, :len_i], the rest NaN."""
         rows = self._check_prompts(token_ids)
-        chunk = _check_chunk(prefill_chunk)
-        toks, valid, chunk = self._layout(rows, chunk)
+        toks, valid, chunk = self._layout(rows, self._chunk(prefill_chunk, rows))
         cache = self.init_cache(toks.shape[0], -(-toks.shape[1] // CACHE_BUCKET) * CACHE_BUCKET)
         outs, _, _, _ = self._prefill(cache, toks, valid, chunk, True, None)
         full = np.concatenate([to_host(o) for o in outs], axis=1)
@@ -294,10 +322,9 @@ class Model:
                 raise ValueError("step_by_step=True decodes greedily: leave temperature at 0")
             return self._generate_step_by_step(rows, max_new_tokens, return_logits, progress)
         self._check_length(rows, max_new_tokens)
-        chunk = _check_chunk(prefill_chunk)
         pad_id = self.cfg.pad_token_id if self.cfg.pad_token_id is not None else -1
         B = len(rows)
-        toks, valid, chunk = self._layout(rows, chunk)
+        toks, valid, chunk = self._layout(rows, self._chunk(prefill_chunk, rows))
         Bp, Tt = toks.shape
         K = int(min(decode_chunk, max(max_new_tokens - 1, 1)))  # the last chunk runs K steps too (unused ones dropped)
         cache = self.init_cache(Bp, -(-(Tt + max_new_tokens + K) // CACHE_BUCKET) * CACHE_BUCKET)
@@ -420,6 +447,35 @@ def _raise_if_not_finite(bad_B: np.ndarray, where: str) -> None:
             "the weights or inputs hold NaN/Inf (jaxk3.load_model(..., check_finite=True) names a bad tensor)")
 
 
+def auto_prefill_chunk(cfg: KimiK3Config, rows: int, prompt_len: int, device_kind: str = "cpu",
+                       dtype_bytes: int = 2) -> int:
+    """The prefill chunk (prompt tokens per row per dispatch) that `Model.generate` and `Model.score` use
+    when none is given: the power of two in [DEFAULT_PREFILL_CHUNK, MAX_PREFILL_TOKENS / rows] that
+    minimises the prefill's estimated time, Σ over its chunks of max(weight bytes, FLOPs / f), with f
+    the device's FLOP per byte (GPU_FLOP_PER_BYTE): each chunk reads every weight once (a chunk's
+    tokens touch nearly all experts) and multiplies its tokens by the active ones.  Small chunks
+    re-read the weights per chunk; past the balance point more tokens per chunk only add padding of
+    the last one and activation memory; ties go to the smaller chunk.  On a CPU: DEFAULT_PREFILL_CHUNK
+    (few FLOPs per byte: the balance lies below it)."""
+    if device_kind == "cpu":
+        return DEFAULT_PREFILL_CHUNK
+    f = next((v for k, v in GPU_FLOP_PER_BYTE.items() if k in device_kind), DEFAULT_GPU_FLOP_PER_BYTE)
+    tree = abstract_weights(cfg, 1)
+    tok, _ = params.matmul_elements(tree, expert_fraction=cfg.num_experts_per_token / cfg.num_experts)
+    weight_bytes = params.declared_bytes(tree, dtype_bytes, skip=("embed", "lm_head"))
+    best, best_cost = DEFAULT_PREFILL_CHUNK, None
+    c = DEFAULT_PREFILL_CHUNK
+    while c * rows <= max(MAX_PREFILL_TOKENS, DEFAULT_PREFILL_CHUNK * rows):
+        padded, per = prefill_layout(prompt_len, c)
+        cost = (padded // per) * max(weight_bytes, 2 * tok * rows * per / f)
+        if best_cost is None or cost < best_cost * (1 - 1e-9):
+            best, best_cost = c, cost
+        if per < c:  # the whole prompt fits one chunk: larger ones are the same dispatch
+            break
+        c *= 2
+    return best
+
+
 def _check_chunk(chunk: Any) -> int:
     if chunk is None:
         return DEFAULT_PREFILL_CHUNK
@@ -430,15 +486,20 @@ def _check_chunk(chunk: Any) -> int:
 
 def prefill_layout(prompt_len: int, prefill_chunk: int | None = None) -> tuple[int, int]:
     """(the padded prompt length, the prompt tokens per row of one prefill dispatch) for a longest
-    prompt of `prompt_len` tokens: a multiple of the prefill chunk, or of 64 for prompts shorter than
-    a chunk, or the prompt itself up to 64 tokens (the KDA chunk).  The second figure is what the
-    prefill's collectives carry per row (jaxk3 generate checks it against the FFI's row limit)."""
+    prompt of `prompt_len` tokens: a multiple of the prefill chunk; for prompts shorter than a chunk
+    a multiple of 64 · max(1, chunk // 512) (64 up to 512-token chunks, 512 for 4096: at most 8 padded
+    lengths, so 8 compiles, per chunk size past 512), at most the chunk; or the prompt itself up to 64
+    tokens (the KDA chunk).  The second figure is what the prefill's collectives carry per row
+    (jaxk3 generate checks it against the FFI's row limit)."""
     chunk = _check_chunk(prefill_chunk)
     T = prompt_len
     if T > chunk:
         Tt = -(-T // chunk) * chunk
+    elif T <= 64:
+        Tt = T
     else:
-        Tt = T if T <= 64 else -(-T // 64) * 64
+        step = 64 * max(1, chunk // 512)
+        Tt = min(chunk, -(-T // step) * step)
     return Tt, min(chunk, Tt)
 
 

@@ -209,6 +209,42 @@ def bytes_per_rank(tree, weights, *, experts_touched: float, rows: int) -> dict[
     return out
 
 
+def matmul_elements(tree, arrays=None, *, expert_fraction: float) -> tuple[float, float]:
+    """(the weight elements one token multiplies in the matmuls, the lm_head's), per rank: every Param
+    of two or more dims but the embedding (a lookup), the routed experts at `expert_fraction` (k of E:
+    the token's own), MXFP4 codes at two per byte (their scales are not multiplied).  `arrays`: the
+    per-rank arrays beside `tree` (their shard shapes), else the declared shapes (the whole model)."""
+    tok = head = 0.0
+
+    def count(p: Param, a=None):
+        nonlocal tok, head
+        if len(p.shape) < 2 or p.group == "embed" or p.init == "e8m0":
+            return p
+        n = float(math.prod(a.sharding.shard_shape(a.shape))) if a is not None else float(math.prod(p.shape))
+        n *= 2 if p.init == "e2m1" else 1
+        if p.source == "experts":
+            n *= expert_fraction
+        if p.group == "lm_head":
+            head += n
+        else:
+            tok += n
+        return p
+
+    if arrays is None:
+        jax.tree.map(count, tree, is_leaf=is_param)
+    else:
+        jax.tree.map(count, tree, arrays, is_leaf=is_param)
+    return tok, head
+
+
+def declared_bytes(tree, compute_bytes: int, skip: tuple[str, ...] = ()) -> int:
+    """Bytes of every declared weight at its declared shape (the whole model; `compute_bytes` per
+    element of the "compute" dtype class), but those of the groups in `skip`."""
+    size = {"compute": compute_bytes, "fp32": 4, "uint8": 1}
+    return sum(math.prod(p.shape) * size[p.dtype] for p in jax.tree.leaves(tree, is_leaf=is_param)
+               if p.group not in skip)
+
+
 @dataclasses.dataclass(frozen=True)
 class Buffer:
     """One per-row decode-state array (a cache), declared by its block: global shape with the batch

@@ -96,8 +96,12 @@ def add_parser(sub) -> None:
     gen.add_argument("--experts", type=int_in(1, 1 << 16), default=None,
                      help="routed experts kept per MoE layer (memory; per-token work unchanged while >= B*k)")
     gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    gen.add_argument("--prefill-chunk", type=int_in(64, 1 << 16), default=512,
-                     help="prompt tokens per row per prefill dispatch, a multiple of 64 (default 512)")
+    gen.add_argument("--prefill-chunk", type=int_in(64, 1 << 16), default=None,
+                     help="prompt tokens per row per prefill dispatch, a multiple of 64 (default: the chunk "
+                          "Model.generate picks, by the balance of weight bytes and FLOPs)")
+    gen.add_argument("--baseline-chunk", type=int_in(64, 1 << 16), default=None,
+                     help="also time the prefill with every device kernel off at this chunk, same weights, same "
+                          "run (512: the path before the grouped-GEMM MoE and the chunk choice)")
     gen.add_argument("--decode-chunk", type=int_in(1, 1 << 16), default=64,
                      help="new tokens per decode dispatch (default 64)")
     gen.add_argument("--psum", default="lax", choices=["auto", "ffi", "lax"], help="row-parallel sums (default lax)")
@@ -257,8 +261,9 @@ def generate(args) -> int:
     from jaxk3.tools import bench_generate as bg
 
     cmd = "jaxk3 bench generate"
-    if args.prefill_chunk % 64:
-        return fail(cmd, f"--prefill-chunk {args.prefill_chunk}: must be a multiple of 64")
+    for opt, v in (("--prefill-chunk", args.prefill_chunk), ("--baseline-chunk", args.baseline_chunk)):
+        if v is not None and v % 64:
+            return fail(cmd, f"{opt} {v}: must be a multiple of 64")
     if args.tp > len(jax.devices()):
         return fail(cmd, f"--tp {args.tp}: only {len(jax.devices())} devices present")
     shape = dict(config=args.config, tp=args.tp, batches=tuple(args.batch), prompt=args.prompt, new=args.new,
@@ -268,7 +273,7 @@ def generate(args) -> int:
         if problem is not None:
             return fail(cmd, problem)
         res = bg.run(**shape, gather="auto", psum=args.psum, prefill_chunk=args.prefill_chunk,
-                     decode_chunk=args.decode_chunk, progress=progress)
+                     decode_chunk=args.decode_chunk, progress=progress, baseline_chunk=args.baseline_chunk)
     except ValueError as e:  # --config contents, --tp not dividing, --experts below top-k, ...
         return fail(cmd, e)
     return report(args, cmd, bg.table(res), res, _dump_json, bg.plot)

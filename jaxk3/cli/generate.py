@@ -184,15 +184,16 @@ def check_run(cfg, rows: list[list[int]], max_new_tokens: int, *, tp: int, dp: i
             return (f"the decode cache needs {_bytes(per_rank)} per rank (batch {batch} x {length} positions, "
                     f"{dtype}){times}, more than the {_bytes(limit)} of {where}: use fewer prompts or a smaller "
                     f"--max-new-tokens than {max_new_tokens}")
-    return ffi_problem(rows, batch, gather=gather, psum=psum, mesh=mesh)
+    return ffi_problem(rows, batch, gather=gather, psum=psum, mesh=mesh, cfg=cfg, dtype_bytes=dtype_bytes)
 
 
-def ffi_problem(rows: list[list[int]], batch: int, *, gather: str, psum: str, mesh) -> str | None:
+def ffi_problem(rows: list[list[int]], batch: int, *, gather: str, psum: str, mesh, cfg=None,
+                dtype_bytes: int = 2) -> str | None:
     """What `--gather ffi` / `--psum ffi` cannot serve, before a weight is read: the problem, or None.
 
     Every collective of a decode step has one row per prompt of this rank's shard (`batch`: logits,
     MLA latent, the row-parallel sums); those of the prefill have `batch` x the prompt tokens of one
-    prefill dispatch (engine.prefill_layout).  If a one-column probe of that many rows cannot take
+    prefill dispatch (engine.prefill_layout at the chunk `Model.generate` picks: engine.auto_prefill_chunk).  If a one-column probe of that many rows cannot take
     the FFI path (JAXK3_GATHER_MAX_ROWS, the platform, ...), the model's own collectives cannot."""
     if mesh is None or "ffi" not in (gather, psum):
         return None
@@ -200,7 +201,10 @@ def ffi_problem(rows: list[list[int]], batch: int, *, gather: str, psum: str, me
     from jaxk3.sharding import TP
 
     T = max(len(r) for r in rows)
-    _, per_dispatch = engine.prefill_layout(T)
+    dev = mesh.devices.flat[0]
+    chunk = engine.DEFAULT_PREFILL_CHUNK if cfg is None else engine.auto_prefill_chunk(
+        cfg, batch, T, "cpu" if dev.platform == "cpu" else dev.device_kind, dtype_bytes)
+    _, per_dispatch = engine.prefill_layout(T, chunk)
     for option, impl, op, padded, noun in (("--gather", gather, "all_gather", True, "gather"),
                                            ("--psum", psum, "psum", False, "all-reduce")):
         if impl != "ffi":

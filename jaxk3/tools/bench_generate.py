@@ -38,7 +38,13 @@ from jaxk3.tools import bench_decode as bd
 
 def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: int = 4096, new: int = 256,
         experts: int | None = None, dtype: str = "bfloat16", gather: str = "auto", psum: str = "lax",
-        prefill_chunk: int = 512, decode_chunk: int = 64, copy_bytes: int = 1 << 30, progress=None) -> dict:
+        prefill_chunk: int | None = None, decode_chunk: int = 64, copy_bytes: int = 1 << 30, progress=None,
+        baseline_chunk: int | None = None) -> dict:
+    """`prefill_chunk` None: the chunk `Model.generate` picks per batch (engine.auto_prefill_chunk).
+    `baseline_chunk`: also the prefill with every device kernel off at that chunk (the dense MoE form),
+    the same weights in the same process: `baseline_ttft_s` and `ttft_speedup` per row."""
+    from jaxk3 import engine
+
     say = progress or (lambda m: None)
     full = bd.load_config(config)
     cfg = bd.slice_config(full, 0, full.num_hidden_layers - 1, experts)
@@ -53,21 +59,32 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
     jax.block_until_ready(weights)
     init_s = time.perf_counter() - t0
     wbytes_of = {B: sum(bd.weight_bytes_per_rank(cfg, weights, B).values()) for B in batches}  # either layout's
-    work_of = {B: prefill_work(cfg, B, prompt, prefill_chunk, tp, (abstract_weights(cfg, tp), weights),
+    kind = jax.devices()[0].device_kind if jax.devices()[0].platform != "cpu" else "cpu"
+    chunk_of = {B: prefill_chunk or engine.auto_prefill_chunk(cfg, B, prompt, kind, jnp.dtype(dtype).itemsize)
+                for B in batches}
+    work_of = {B: prefill_work(cfg, B, prompt, chunk_of[B], tp, (abstract_weights(cfg, tp), weights),
                                lambda n: sum(bd.weight_bytes_per_rank(cfg, weights, n).values())) for B in batches}
     model = Model(cfg, weights, mesh, dtype, gather, True, psum, donate_weights=True)  # serving layout on GPUs
     del weights
+    base_model = model.with_kernels("off") if baseline_chunk else None
     rows = []
     for B in batches:
+        chunk = chunk_of[B]
         rng = np.random.default_rng(B)
         prompts = rng.integers(0, cfg.vocab_size, (B, prompt)).tolist()
-        say(f"B={B}: warm-up: the same call once (compiles the prefill and the decode loop)")
+        say(f"B={B}: warm-up: the same call once (compiles the prefill, chunk {chunk}, and the decode loop)")
         t0 = time.perf_counter()
-        model.generate(prompts, new, prefill_chunk=prefill_chunk, decode_chunk=decode_chunk)
+        model.generate(prompts, new, prefill_chunk=chunk, decode_chunk=decode_chunk)
         compile_s = time.perf_counter() - t0
         say(f"B={B}: prompt {prompt} + {new} new tokens")
-        out = model.generate(prompts, new, prefill_chunk=prefill_chunk, decode_chunk=decode_chunk)
+        out = model.generate(prompts, new, prefill_chunk=chunk, decode_chunk=decode_chunk)
         ttft, dec = out.prompt_time_s, out.decode_time_s
+        base_ttft = None
+        if base_model is not None:
+            say(f"B={B}: baseline prefill: kernels off, chunk {baseline_chunk} (warm-up, then timed)")
+            base_model.generate(prompts, 2, prefill_chunk=baseline_chunk, decode_chunk=1)
+            base_ttft = base_model.generate(prompts, 2, prefill_chunk=baseline_chunk, decode_chunk=1).prompt_time_s
+            base_model._fns.clear()
         compiled = {k[0]: f._cache_size() for k, f in model._fns.items()}
         # the device's own step rate: the decode step back to back, greedy token fed back on the device
         step = build_step(cfg, StepOptions(gather=gather, psum=psum, serving=model.serving), mesh)
@@ -92,7 +109,8 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
         per_tok = dec / max(new - 1, 1) * 1e6
         work = work_of[B]
         ttft_floor = sum(max(c["bytes"] / bw, c["flops"] / peak) for c in work)
-        row = dict(batch=B, prompt=prompt, new=new, ttft_s=ttft, prefill_tok_s=B * prompt / ttft,
+        row = dict(batch=B, prompt=prompt, new=new, prefill_chunk=chunk, ttft_s=ttft, baseline_chunk=baseline_chunk,
+                   baseline_ttft_s=base_ttft, ttft_speedup=base_ttft / ttft if base_ttft else None, prefill_tok_s=B * prompt / ttft,
                    decode_tok_s=B * (new - 1) / dec if dec > 0 else float("nan"), loop_us_per_token=per_tok,
                    step_us_b2b=b2b, loop_vs_b2b=b2b / per_tok, token_by_token_s=prompt * b2b / 1e6,
                    prefill_speedup=prompt * b2b / 1e6 / ttft, floor_us=floor, b2b_vs_floor=b2b / floor,
@@ -103,12 +121,13 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
                    ttft_bytes_s=sum(c["bytes"] for c in work) / bw,
                    stopped_rows=int((out.lengths < new).sum()), compiled_variants=compiled)
         rows.append(row)
-        say(f"   -> TTFT {ttft:.3f} s ({row['prefill_tok_s']:.0f} tok/s, {row['prefill_speedup']:.1f}x token by token; "
+        say(f"   -> TTFT {ttft:.3f} s" + (f" (baseline {base_ttft:.3f} s: x{base_ttft / ttft:.2f})" if base_ttft else "")
+            + f" ({row['prefill_tok_s']:.0f} tok/s, {row['prefill_speedup']:.1f}x token by token; "
             f"floor {ttft_floor:.3f} s: {row['prefill_flops'] / 1e12:.2f} TFLOP, {row['prefill_bytes'] / 1e9:.1f} GB), "
             f"decode {row['decode_tok_s']:.1f} tok/s ({per_tok:.0f} us/token vs {b2b:.0f} us back to back: "
             f"x{row['loop_vs_b2b']:.3f}), floor {floor:.0f} us")
     return {"kind": "generate", "config": config, "layers": cfg.num_hidden_layers, "experts": cfg.num_experts, "tp": tp,
-            "dtype": dtype, "gather": gather, "psum": psum, "layout": model.layout, "prefill_chunk": prefill_chunk,
+            "dtype": dtype, "gather": gather, "psum": psum, "layout": model.layout, "prefill_chunk": prefill_chunk or "auto",
             "decode_chunk": decode_chunk, "platform": jax.devices()[0].platform,
             "device_kind": jax.devices()[0].device_kind, "copy_bandwidth_GBps": bw / 1e9,
             "gemm_peak_TFLOPs": peak / 1e12, "weights_init_s": init_s,
@@ -116,35 +135,13 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
 
 
 def matmul_elements(cfg, tree=None) -> tuple[float, float]:
-    """(the weight elements one token multiplies in the matmuls, the lm_head's), per rank: every Param
-    of two or more dims but the embedding (a lookup), the routed experts at k of E (the token's own),
-    MXFP4 codes at two per byte (their scales are not multiplied).  `tree`: the Params with the
-    per-rank arrays beside them (`(params, arrays)`), else the whole model's shapes (TP 1)."""
+    """(the weight elements one token multiplies in the matmuls, the lm_head's), per rank
+    (params.matmul_elements: the routed experts at k of E).  `tree`: the Params with the per-rank arrays
+    beside them (`(params, arrays)`), else the whole model's shapes (TP 1)."""
     from jaxk3 import params
 
-    k, E = cfg.num_experts_per_token, cfg.num_experts
-    tok = head = 0.0
     abstract, arrays = tree if tree is not None else (abstract_weights(cfg, 1), None)
-
-    def count(p, a=None):
-        nonlocal tok, head
-        if len(p.shape) < 2 or p.group == "embed" or p.init == "e8m0":
-            return p
-        n = float(np.prod(a.sharding.shard_shape(a.shape))) if a is not None else float(np.prod(p.shape))
-        n *= 2 if p.init == "e2m1" else 1
-        if p.source == "experts":
-            n *= k / E
-        if p.group == "lm_head":
-            head += n
-        else:
-            tok += n
-        return p
-
-    if arrays is None:
-        jax.tree.map(count, abstract, is_leaf=params.is_param)
-    else:
-        jax.tree.map(count, abstract, arrays, is_leaf=params.is_param)
-    return tok, head
+    return params.matmul_elements(abstract, arrays, expert_fraction=cfg.num_experts_per_token / cfg.num_experts)
 
 
 def attention_flops(cfg, tp: int, start: int, n: int) -> float:
@@ -193,20 +190,22 @@ def gemm_peak(mesh, n: int | None = None, dtype=jnp.bfloat16) -> float:
 
 
 def table(res: dict) -> str:
-    head = (f"{'B':>3} | {'prompt':>6} | {'new':>4} | {'TTFT s':>7} | {'prefill tok/s':>13} | {'x tok-by-tok':>12} | "
+    head = (f"{'B':>3} | {'prompt':>6} | {'new':>4} | {'chunk':>5} | {'TTFT s':>7} | {'prefill tok/s':>13} | {'x tok-by-tok':>12} | "
             f"{'decode tok/s':>12} | {'us/tok loop':>11} | {'us/step b2b':>11} | {'b2b/loop':>8} | {'floor us':>8} | "
-            f"{'b2b/floor':>9} | {'TTFT floor s':>12} | {'TTFT/floor':>10}")
+            f"{'b2b/floor':>9} | {'TTFT floor s':>12} | {'TTFT/floor':>10} | {'base TTFT s':>11} | {'x base':>6}")
     lines = [f"generate: {res['config']} ({res['layers']} layers, {res['experts']} routed experts), TP {res['tp']} x "
              f"{res['device_kind']}, {res['dtype']}, prefill chunk {res['prefill_chunk']}, decode chunk "
              f"{res['decode_chunk']}, jax {res['versions']['jax']}; copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s, "
              f"GEMM peak {res['gemm_peak_TFLOPs']:.1f} TFLOP/s",
              head, "-" * len(head)]
     for r in res["rows"]:
-        lines.append(f"{r['batch']:>3} | {r['prompt']:>6} | {r['new']:>4} | {r['ttft_s']:>7.3f} | "
+        base = (f"{r['baseline_ttft_s']:>11.3f} | {r['ttft_speedup']:>6.2f}" if r.get("baseline_ttft_s")
+                else f"{'-':>11} | {'-':>6}")
+        lines.append(f"{r['batch']:>3} | {r['prompt']:>6} | {r['new']:>4} | {r.get('prefill_chunk', '-'):>5} | {r['ttft_s']:>7.3f} | "
                      f"{r['prefill_tok_s']:>13.0f} | {r['prefill_speedup']:>12.1f} | {r['decode_tok_s']:>12.1f} | "
                      f"{r['loop_us_per_token']:>11.0f} | {r['step_us_b2b']:>11.0f} | {r['loop_vs_b2b']:>8.3f} | "
                      f"{r['floor_us']:>8.0f} | {r['b2b_vs_floor']:>9.2f} | {r['ttft_floor_s']:>12.3f} | "
-                     f"{r['ttft_vs_floor']:>10.2f}")
+                     f"{r['ttft_vs_floor']:>10.2f} | {base}")
     return "\n".join(lines)
 
 
@@ -235,7 +234,7 @@ def plot(res: dict, path: str) -> None:
 
 
 def memory_problem(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: int = 4096,
-                   new: int = 256, experts: int | None = None, dtype: str = "bfloat16", prefill_chunk: int = 512,
+                   new: int = 256, experts: int | None = None, dtype: str = "bfloat16", prefill_chunk: int | None = None,
                    decode_chunk: int = 64, devices: list | None = None) -> str | None:
     """Whether `run(...)` fits this machine, before anything is allocated: the problem (what the run
     needs per rank, weights + the decode cache of the largest batch, and what the devices have:
@@ -248,7 +247,9 @@ def memory_problem(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8),
     cfg.validate_tp(tp)
     devices = list(devices if devices is not None else jax.devices()[:tp])
     weights = sum(memory.weight_bytes_per_rank(cfg, tp, dtype).values())
-    padded, _ = engine.prefill_layout(prompt, prefill_chunk)
+    kind = devices[0].device_kind if devices[0].platform != "cpu" else "cpu"
+    padded = max(engine.prefill_layout(prompt, prefill_chunk or engine.auto_prefill_chunk(
+        cfg, B, prompt, kind, jnp.dtype(dtype).itemsize))[0] for B in batches)
     bucket = engine.CACHE_BUCKET
     positions = -(-(padded + new + decode_chunk) // bucket) * bucket
     B = max(batches)

@@ -52,8 +52,9 @@ def test_prefill_on_two_cpu_devices_finishes():
     import sys
 
     cmd = [sys.executable, "-m", "jaxk3.cli", "bench", "generate", "--cpu-devices", "2", "--config", "tiny", "--tp",
-           "2", "--batch", "1", "--prompt", "70", "--new", "4", "--prefill-chunk", "64", "--decode-chunk", "3"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)  # several tiny compiles: 225 s in a busy CI run
+           "2", "--batch", "1", "--prompt", "70", "--new", "4", "--prefill-chunk", "64", "--decode-chunk", "3",
+           "--copy-mb", "1"]  # the default 1 GiB per device bandwidth copy took 2 of this test's 3.5 minutes
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)  # several tiny compiles
     assert r.returncode == 0, r.stderr[-2000:]
     assert "TTFT s" in r.stdout and "decode tok/s" in r.stdout and "TTFT floor s" in r.stdout
 

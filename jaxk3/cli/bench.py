@@ -105,6 +105,8 @@ def add_parser(sub) -> None:
     gen.add_argument("--decode-chunk", type=int_in(1, 1 << 16), default=64,
                      help="new tokens per decode dispatch (default 64)")
     gen.add_argument("--psum", default="lax", choices=["auto", "ffi", "lax"], help="row-parallel sums (default lax)")
+    gen.add_argument("--copy-mb", type=int_in(1, 1 << 20), default=1024,
+                     help="per-device size of the bandwidth copy in MiB (default 1024)")
     gen.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
     gen.add_argument("--plot", default=None, help="write a PNG (matplotlib)")
     cpu_devices_arg(gen)
@@ -273,7 +275,8 @@ def generate(args) -> int:
         if problem is not None:
             return fail(cmd, problem)
         res = bg.run(**shape, gather="auto", psum=args.psum, prefill_chunk=args.prefill_chunk,
-                     decode_chunk=args.decode_chunk, progress=progress, baseline_chunk=args.baseline_chunk)
+                     decode_chunk=args.decode_chunk, progress=progress, baseline_chunk=args.baseline_chunk,
+                     copy_bytes=args.copy_mb << 20)
     except ValueError as e:  # --config contents, --tp not dividing, --experts below top-k, ...
         return fail(cmd, e)
     return report(args, cmd, bg.table(res), res, _dump_json, bg.plot)

@@ -30,6 +30,10 @@ export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export JAX_PLATFORMS=cuda
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Without preallocation XLA's allocator still stops at MEM_FRACTION of the GPU (0.75 by default): 99 GiB
+# of an H200's 132, too little for Kimi-Linear-48B's 91.5 GiB of weights (all 256 experts) and a 4K-token
+# prefill chunk's 10.4 GiB of temporaries (measured: OOM at 0.75).
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-.92}
 export JAXK3_GATHER_TIMEOUT_S=${JAXK3_GATHER_TIMEOUT_S:-20}
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }

@@ -1,8 +1,9 @@
 """One process of the 2-process CPU tests (tests/test_distributed.py); not a test module.
 
 usage: python mp_worker.py COORD PROCESS_ID MODE OUT_JSON
-MODE: dp (DP 2 x TP 4), tp8 (one TP group of 8 spanning both processes), die (process 1 dies
-after the first generate; process 0 generates again and must fail, not hang).
+MODE: dp (DP 2 x TP 4), tp8 (one TP group of 8 spanning both processes), die (DP 2 x TP 4 as dp, each
+process writes its result of the first generate, then process 1 dies; process 0 generates again and
+must fail, not hang).
 """
 import json
 import os
@@ -37,6 +38,11 @@ else:
 tokens = model.generate(PROMPTS, 5).tokens
 result = {"process": pid, "tokens": tokens.tolist(), "plan": str(plan), "path": plan.path}
 if mode == "die":
+    with open(out, "w") as fh:  # the first generate's result (test_dp2_tp4_matches_single_process reads it)
+        json.dump(result, fh)
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("first generate done")  # both have their result before one dies
     if pid == 1:
         os._exit(17)  # dies mid-run, without saying goodbye
     model.generate(PROMPTS, 5)  # needs process 1: must fail, not hang

@@ -33,6 +33,10 @@ from jaxk3.sharding import DP, TP as TP_AXIS
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per row per prefill dispatch: the least `auto_prefill_chunk` picks
 MAX_PREFILL_TOKENS = 8192  # rows x chunk of one prefill dispatch, at most, when the chunk is chosen (activations)
+# MLA's prefill holds fp32 scores [rows, chunk, heads per rank, cached positions]: at most this many bytes when
+# the chunk is chosen.  4 GiB is 48B's B 8 x 1024 x 32 heads x 4K, measured to fit beside its 91.5 GiB of
+# weights on an H200 (its temporaries ~5x the scores: 10.4 GiB at B 1 x 4096).
+MAX_PREFILL_SCORE_BYTES = 1 << 32
 # A GPU's bf16 GEMM rate over its copy bandwidth (FLOP per byte read): where a prefill chunk turns from
 # reading weights to computing.  H200: 660 TFLOP/s (the MoE's GEMM shape) / 4.0 TB/s, measured (docs/PERF.md);
 # other GPUs are taken as alike.
@@ -231,7 +235,7 @@ class Model:
         when `prefill_chunk` is None (`auto_prefill_chunk`, per DP group of rows)."""
         dev = self.mesh.devices.flat[0]
         return auto_prefill_chunk(self.cfg, -(-batch // self.dp), prompt_len,
-                                  "cpu" if dev.platform == "cpu" else dev.device_kind, self.dtype.itemsize)
+                                  "cpu" if dev.platform == "cpu" else dev.device_kind, self.dtype.itemsize, self.tp)
 
     def _chunk(self, prefill_chunk: Any, rows: list[list[int]]) -> int:
         if prefill_chunk is None:
@@ -280,11 +284,19 @@ class Model:
         toks, valid, chunk = self._layout(rows, self._chunk(prefill_chunk, rows))
         cache = self.init_cache(toks.shape[0], -(-toks.shape[1] // CACHE_BUCKET) * CACHE_BUCKET)
         outs, _, _, _ = self._prefill(cache, toks, valid, chunk, True, None)
-        full = np.concatenate([to_host(o) for o in outs], axis=1)
-        T = max(len(r) for r in rows)
-        out = np.full((len(rows), T, self.cfg.vocab_size), np.nan, np.float32)
+        # Each chunk's logits go straight to their place (a 4K row's are 2.7 GB at Kimi's vocabulary:
+        # no concatenated copy, and NaN only past a row's end).
+        T, Tt = max(len(r) for r in rows), toks.shape[1]
+        out = np.empty((len(rows), T, self.cfg.vocab_size), np.float32)
         for i, r in enumerate(rows):
-            out[i, :len(r)] = full[i, toks.shape[1] - len(r):]
+            out[i, len(r):] = np.nan
+        for ci, o in enumerate(outs):
+            host = to_host(o)
+            c0 = ci * chunk
+            for i, r in enumerate(rows):
+                lo = max(c0, Tt - len(r))  # row i's tokens sit at [Tt - len(r), Tt) of the padded layout
+                if lo < c0 + chunk:
+                    out[i, lo - (Tt - len(r)):c0 + chunk - (Tt - len(r))] = host[i, lo - c0:]
         return out
 
     def generate(self, prompt_ids: Any, max_new_tokens: int, return_logits: bool = False, progress: Any = None, *,
@@ -448,28 +460,36 @@ def _raise_if_not_finite(bad_B: np.ndarray, where: str) -> None:
 
 
 def auto_prefill_chunk(cfg: KimiK3Config, rows: int, prompt_len: int, device_kind: str = "cpu",
-                       dtype_bytes: int = 2) -> int:
+                       dtype_bytes: int = 2, tp: int = 1) -> int:
     """The prefill chunk (prompt tokens per row per dispatch) that `Model.generate` and `Model.score` use
     when none is given: the power of two in [DEFAULT_PREFILL_CHUNK, MAX_PREFILL_TOKENS / rows] that
     minimises the prefill's estimated time, Σ over its chunks of max(weight bytes, FLOPs / f), with f
     the device's FLOP per byte (GPU_FLOP_PER_BYTE): each chunk reads every weight once (a chunk's
     tokens touch nearly all experts) and multiplies its tokens by the active ones.  Small chunks
-    re-read the weights per chunk; past the balance point more tokens per chunk only add padding of
-    the last one and activation memory; ties go to the smaller chunk.  On a CPU: DEFAULT_PREFILL_CHUNK
-    (few FLOPs per byte: the balance lies below it)."""
+    re-read the weights per chunk.  Past the balance point the estimate is flat, and ties go to the
+    larger chunk: measured on an H200 (48B, 4K prompt; docs/PERF.md) larger chunks were faster still
+    (B 1: 2048 0.246 s, 4096 0.223 s; B 8: 512 1.540 s, 1024 1.446 s; the kernels re-read expert
+    weights per row block, and each dispatch has fixed costs), while the padding of a last chunk
+    counts against it.  Memory bounds it too: MAX_PREFILL_TOKENS per dispatch, and MLA's scores over
+    the prompt (MAX_PREFILL_SCORE_BYTES at `tp` ranks), so long prompts take shorter chunks.  On a CPU:
+    DEFAULT_PREFILL_CHUNK (few FLOPs per byte: the balance lies below it)."""
     if device_kind == "cpu":
         return DEFAULT_PREFILL_CHUNK
     f = next((v for k, v in GPU_FLOP_PER_BYTE.items() if k in device_kind), DEFAULT_GPU_FLOP_PER_BYTE)
     tree = abstract_weights(cfg, 1)
     tok, _ = params.matmul_elements(tree, expert_fraction=cfg.num_experts_per_token / cfg.num_experts)
     weight_bytes = params.declared_bytes(tree, dtype_bytes, skip=("embed", "lm_head"))
-    best, best_cost = DEFAULT_PREFILL_CHUNK, None
+    best, best_layout, best_cost = DEFAULT_PREFILL_CHUNK, None, None
     c = DEFAULT_PREFILL_CHUNK
+    heads = cfg.num_attention_heads / tp if cfg.mla_layers else 0
     while c * rows <= max(MAX_PREFILL_TOKENS, DEFAULT_PREFILL_CHUNK * rows):
-        padded, per = prefill_layout(prompt_len, c)
+        layout = prefill_layout(prompt_len, c)
+        padded, per = layout
+        if c > DEFAULT_PREFILL_CHUNK and rows * per * heads * padded * 4 > MAX_PREFILL_SCORE_BYTES:
+            break
         cost = (padded // per) * max(weight_bytes, 2 * tok * rows * per / f)
-        if best_cost is None or cost < best_cost * (1 - 1e-9):
-            best, best_cost = c, cost
+        if layout != best_layout and (best_cost is None or cost <= best_cost * (1 + 1e-9)):
+            best, best_layout, best_cost = c, layout, cost
         if per < c:  # the whole prompt fits one chunk: larger ones are the same dispatch
             break
         c *= 2

@@ -5,7 +5,7 @@
 # benchmark the decode step of K3 layers 11-14 at real dimensions (three latent strategies).
 #
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
-#                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped]
+#                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [chunks]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -207,6 +207,14 @@ if has grouped; then
     -p no:cacheprovider > "$OUT/grouped_tests.log" 2>&1
   echo "grouped tests rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/grouped_tests.log" | cut -c1-300 | tail -20
   timeout -k 10 ${GB_TIMEOUT:-240} $PY scripts/gpu/moe_grouped.py --json "$OUT/moe_grouped.json" ${GB_ARGS:-} 2>&1 | cut -c1-200
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has chunks; then
+  # The prefill's time against its chunk (the auto pick marked) and Model.score, Kimi-Linear-48B, 256 experts.
+  echo "== prefill vs chunk, Kimi-Linear-48B ($(date -u +%T))"
+  timeout -k 10 ${CH_TIMEOUT:-400} $PY scripts/gpu/prefill_chunks.py --json "$OUT/prefill_chunks.json" ${CH_ARGS:-} 2>&1 \
+    | grep -v "^  \.\. " | tee "$OUT/prefill_chunks.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

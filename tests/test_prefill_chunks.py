@@ -29,22 +29,43 @@ def balance_tokens(cfg) -> float:
     return nbytes * engine.GPU_FLOP_PER_BYTE["H200"] / (2 * active)
 
 
-def test_kimi_linear_48b_chunks_sit_at_the_balance_of_bytes_and_flops():
+def test_kimi_linear_48b_chunks_reach_the_balance_of_bytes_and_flops():
     """48B on an H200: ~2.9K tokens per dispatch balance 96.7 GB of weights against the active 2.7 B
-    parameters per token, so one row takes its 4K prompt in one chunk and 8 rows take 512 each (4096
-    tokens per dispatch); a chunk of half as many tokens would sit below the balance."""
+    parameters per token.  One row takes its 4K prompt in one chunk, 8 rows take 1024 each (8192 tokens
+    per dispatch: past the balance ties go to the larger chunk, measured faster); long prompts take
+    shorter chunks, MLA's scores bounded."""
     cfg = load_config("kimi-linear-48b")
     n_star = balance_tokens(cfg)
     assert 2500 < n_star < 3500
     assert engine.auto_prefill_chunk(cfg, 1, 4096, H200) == 4096
-    assert engine.auto_prefill_chunk(cfg, 8, 4096, H200) == 512
-    assert engine.auto_prefill_chunk(cfg, 2, 32768, H200) == 2048
+    assert engine.auto_prefill_chunk(cfg, 8, 4096, H200) == 1024
+    assert engine.auto_prefill_chunk(cfg, 2, 4096, H200) == 4096
     for rows in (1, 2, 4, 8):
-        c = engine.auto_prefill_chunk(cfg, rows, 1 << 15, H200)
-        assert rows * c >= n_star > rows * c / 2 or c == engine.DEFAULT_PREFILL_CHUNK
+        c = engine.auto_prefill_chunk(cfg, rows, 4096, H200)
+        assert rows * c >= n_star, (rows, c)
     # a GPU not in the table is taken as an H200; a CPU keeps the default
-    assert engine.auto_prefill_chunk(cfg, 8, 4096, "NVIDIA B200") == 512
+    assert engine.auto_prefill_chunk(cfg, 8, 4096, "NVIDIA B200") == 1024
     assert engine.auto_prefill_chunk(cfg, 1, 4096, "cpu") == engine.DEFAULT_PREFILL_CHUNK
+
+
+def test_long_prompts_keep_mla_scores_bounded():
+    """The fp32 scores of one dispatch, rows x chunk x heads per rank x the padded prompt, stay within
+    MAX_PREFILL_SCORE_BYTES unless the chunk is already the minimum; more ranks (fewer heads each)
+    allow longer chunks."""
+    for name in ("kimi-linear-48b", "k3"):
+        cfg = load_config(name)
+        for tp in (1, 8):
+            for rows in (1, 2, 8):
+                for T in (4096, 32768, 131072):
+                    c = engine.auto_prefill_chunk(cfg, rows, T, H200, 2, tp)
+                    padded, per = engine.prefill_layout(T, c)
+                    score = rows * per * cfg.num_attention_heads / tp * padded * 4
+                    assert score <= engine.MAX_PREFILL_SCORE_BYTES or c == engine.DEFAULT_PREFILL_CHUNK, (name, tp, rows, T)
+    cfg = load_config("kimi-linear-48b")
+    assert engine.auto_prefill_chunk(cfg, 1, 32768, H200) == 1024
+    assert engine.auto_prefill_chunk(cfg, 8, 32768, H200) == engine.DEFAULT_PREFILL_CHUNK
+    k3 = load_config("k3")
+    assert engine.auto_prefill_chunk(k3, 1, 32768, H200, 2, 8) > engine.auto_prefill_chunk(k3, 1, 32768, H200, 2, 1)
 
 
 def test_chunk_choice_bounds_and_padding():
@@ -74,12 +95,12 @@ def test_prefill_layout(T, chunk, want):
     assert padded >= T and padded % per == 0
 
 
-def test_k3_chunks_are_larger_than_kimi_linears():
+def test_k3_balances_further_out_than_kimi_linear():
     """K3 has more weight bytes per active parameter (more, larger experts), so its balance lies
-    further out: one row at 32K takes the 8192 cap."""
+    further out; at TP 8 (12 heads a rank) one row takes its 4K prompt whole."""
     cfg = load_config("k3")
     assert balance_tokens(cfg) > balance_tokens(load_config("kimi-linear-48b"))
-    assert engine.auto_prefill_chunk(cfg, 1, 32768, H200) == 8192
+    assert engine.auto_prefill_chunk(cfg, 1, 4096, H200, 2, 8) == 4096
 
 
 def test_model_picks_the_default_on_cpu_and_takes_an_override():

@@ -203,7 +203,7 @@ def ffi_problem(rows: list[list[int]], batch: int, *, gather: str, psum: str, me
     T = max(len(r) for r in rows)
     dev = mesh.devices.flat[0]
     chunk = engine.DEFAULT_PREFILL_CHUNK if cfg is None else engine.auto_prefill_chunk(
-        cfg, batch, T, "cpu" if dev.platform == "cpu" else dev.device_kind, dtype_bytes)
+        cfg, batch, T, "cpu" if dev.platform == "cpu" else dev.device_kind, dtype_bytes, mesh.shape[TP])
     _, per_dispatch = engine.prefill_layout(T, chunk)
     for option, impl, op, padded, noun in (("--gather", gather, "all_gather", True, "gather"),
                                            ("--psum", psum, "psum", False, "all-reduce")):

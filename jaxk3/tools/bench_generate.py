@@ -60,7 +60,7 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
     init_s = time.perf_counter() - t0
     wbytes_of = {B: sum(bd.weight_bytes_per_rank(cfg, weights, B).values()) for B in batches}  # either layout's
     kind = jax.devices()[0].device_kind if jax.devices()[0].platform != "cpu" else "cpu"
-    chunk_of = {B: prefill_chunk or engine.auto_prefill_chunk(cfg, B, prompt, kind, jnp.dtype(dtype).itemsize)
+    chunk_of = {B: prefill_chunk or engine.auto_prefill_chunk(cfg, B, prompt, kind, jnp.dtype(dtype).itemsize, tp)
                 for B in batches}
     work_of = {B: prefill_work(cfg, B, prompt, chunk_of[B], tp, (abstract_weights(cfg, tp), weights),
                                lambda n: sum(bd.weight_bytes_per_rank(cfg, weights, n).values())) for B in batches}
@@ -249,7 +249,7 @@ def memory_problem(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8),
     weights = sum(memory.weight_bytes_per_rank(cfg, tp, dtype).values())
     kind = devices[0].device_kind if devices[0].platform != "cpu" else "cpu"
     padded = max(engine.prefill_layout(prompt, prefill_chunk or engine.auto_prefill_chunk(
-        cfg, B, prompt, kind, jnp.dtype(dtype).itemsize))[0] for B in batches)
+        cfg, B, prompt, kind, jnp.dtype(dtype).itemsize, tp))[0] for B in batches)
     bucket = engine.CACHE_BUCKET
     positions = -(-(padded + new + decode_chunk) // bucket) * bucket
     B = max(batches)

@@ -131,3 +131,21 @@ def test_bench_generate_times_the_baseline_in_the_same_run():
     assert row["baseline_chunk"] == 64 and row["baseline_ttft_s"] > 0 and row["ttft_s"] > 0
     assert row["ttft_speedup"] == pytest.approx(row["baseline_ttft_s"] / row["ttft_s"])
     assert "base TTFT s" in bg.table(res)
+
+
+@pytest.mark.slow
+def test_prefill_breakdown_places_the_device_time_in_blocks():
+    """`bench generate --breakdown`: one profiled prefill, its time placed in the model's blocks (tiny:
+    KDA and MLA layers, MoE and the dense MLP, embed and head), each kind's share of the placed time."""
+    import jaxk3
+    from jaxk3.tools import bench_generate as bg
+
+    m = jaxk3.init_random_model(load_config("tiny"), seed=1, tp=2, dtype="float32")
+    res = bg.prefill_breakdown(m, [[5, 6, 7] * 50], 64)
+    if "unavailable" in res:
+        pytest.skip(f"no profile on this machine: {res['unavailable']}")
+    assert res["chunks"] == 3 and res["chunk"] == 64
+    assert {"kda", "mla", "moe", "head"} <= set(res["us"]) and all(v > 0 for v in res["us"].values())
+    assert sum(res["share"].values()) == pytest.approx(1.0)
+    assert res["total_us"] >= sum(res["us"].values()) * (1 - 1e-9)
+    assert "prefill by block" in bg.breakdown_line(1, res) and "moe" in bg.breakdown_line(1, res)

@@ -102,6 +102,8 @@ def add_parser(sub) -> None:
     gen.add_argument("--baseline-chunk", type=int_in(64, 1 << 16), default=None,
                      help="also time the prefill with every device kernel off at this chunk, same weights, same "
                           "run (512: the path before the grouped-GEMM MoE and the chunk choice)")
+    gen.add_argument("--breakdown", action="store_true",
+                     help="also the prefill's device time by block (embed, kda, mla, moe, mlp, head) from a profile")
     gen.add_argument("--decode-chunk", type=int_in(1, 1 << 16), default=64,
                      help="new tokens per decode dispatch (default 64)")
     gen.add_argument("--psum", default="lax", choices=["auto", "ffi", "lax"], help="row-parallel sums (default lax)")
@@ -276,7 +278,7 @@ def generate(args) -> int:
             return fail(cmd, problem)
         res = bg.run(**shape, gather="auto", psum=args.psum, prefill_chunk=args.prefill_chunk,
                      decode_chunk=args.decode_chunk, progress=progress, baseline_chunk=args.baseline_chunk,
-                     copy_bytes=args.copy_mb << 20)
+                     copy_bytes=args.copy_mb << 20, breakdown=args.breakdown)
     except ValueError as e:  # --config contents, --tp not dividing, --experts below top-k, ...
         return fail(cmd, e)
     return report(args, cmd, bg.table(res), res, _dump_json, bg.plot)

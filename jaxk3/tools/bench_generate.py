@@ -39,10 +39,11 @@ from jaxk3.tools import bench_decode as bd
 def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: int = 4096, new: int = 256,
         experts: int | None = None, dtype: str = "bfloat16", gather: str = "auto", psum: str = "lax",
         prefill_chunk: int | None = None, decode_chunk: int = 64, copy_bytes: int = 1 << 30, progress=None,
-        baseline_chunk: int | None = None) -> dict:
+        baseline_chunk: int | None = None, breakdown: bool = False) -> dict:
     """`prefill_chunk` None: the chunk `Model.generate` picks per batch (engine.auto_prefill_chunk).
     `baseline_chunk`: also the prefill with every device kernel off at that chunk (the dense MoE form),
-    the same weights in the same process: `baseline_ttft_s` and `ttft_speedup` per row."""
+    the same weights in the same process: `baseline_ttft_s` and `ttft_speedup` per row.  `breakdown`:
+    the prefill's device time by block from a profile (`prefill_breakdown`), per row."""
     from jaxk3 import engine
 
     say = progress or (lambda m: None)
@@ -109,7 +110,13 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
         per_tok = dec / max(new - 1, 1) * 1e6
         work = work_of[B]
         ttft_floor = sum(max(c["bytes"] / bw, c["flops"] / peak) for c in work)
+        by_block = None
+        if breakdown:
+            say(f"B={B}: the prefill's device time by block (compile, one warm-up, one profiled run)")
+            by_block = prefill_breakdown(model, prompts, chunk)
+            say("   " + breakdown_line(B, by_block))
         row = dict(batch=B, prompt=prompt, new=new, prefill_chunk=chunk, ttft_s=ttft, baseline_chunk=baseline_chunk,
+                   prefill_by_block=by_block,
                    baseline_ttft_s=base_ttft, ttft_speedup=base_ttft / ttft if base_ttft else None, prefill_tok_s=B * prompt / ttft,
                    decode_tok_s=B * (new - 1) / dec if dec > 0 else float("nan"), loop_us_per_token=per_tok,
                    step_us_b2b=b2b, loop_vs_b2b=b2b / per_tok, token_by_token_s=prompt * b2b / 1e6,
@@ -132,6 +139,73 @@ def run(config: str = "kimi-linear-48b", tp: int = 1, batches=(1, 8), prompt: in
             "device_kind": jax.devices()[0].device_kind, "copy_bandwidth_GBps": bw / 1e9,
             "gemm_peak_TFLOPs": peak / 1e12, "weights_init_s": init_s,
             "versions": bd._versions(), "rows": rows}
+
+
+def prefill_breakdown(model: Model, prompts, chunk: int) -> dict:
+    """Device time of one prefill of `prompts` (chunks of `chunk` tokens per row) by block, from a
+    profile: the compiled prefill's ops placed in model.forward_local's named-scope blocks (embed,
+    layer{g}_{kda|mla|moe|mlp}, head: jaxk3.tools.census), every chunk run once after an unprofiled
+    warm-up.  Returns {"us": {kind: µs per prefill}, "share": {kind: of the placed time}, "chunks", "chunk",
+    "total_us", "unplaced_us", "source"} or {"unavailable": why}."""
+    import re
+    import shutil
+    import tempfile
+
+    from jaxk3 import engine, generation
+    from jaxk3.model import put_rows
+    from jaxk3.tools import census
+
+    rows = model._check_prompts(prompts)
+    toks, valid, per = model._layout(rows, chunk)
+    parts = [(put_rows(toks[:, c0:c0 + per], model.mesh), put_rows(valid[:, c0:c0 + per], model.mesh))
+             for c0 in range(0, toks.shape[1], per)]
+
+    def fresh():
+        return model.init_cache(toks.shape[0], -(-(toks.shape[1] + 1) // engine.CACHE_BUCKET) * engine.CACHE_BUCKET)
+
+    fn = generation.build_prefill(model.cfg, model.opt, model.mesh, False, None)
+    compiled = fn.lower(model.weights, fresh(), *parts[0], np.int32(0)).compile()
+    kc = census.kernel_census(compiled.as_text(), bd.block_names(model.cfg))
+
+    def run():
+        cache = fresh()
+        jax.block_until_ready(cache)
+        for t, v in parts:
+            out, _, _, cache = compiled(model.weights, cache, t, v, np.int32(0))
+        jax.block_until_ready(out)
+
+    run()  # warm-up: finished before the trace starts
+    trace_dir = tempfile.mkdtemp(prefix="jaxk3_prefill_")
+    try:
+        try:
+            with jax.profiler.trace(trace_dir):
+                run()
+            times = census.profile_times(census.find_xplane(trace_dir), kc, 1)
+        except census.ProfileUnavailable as e:
+            return {"unavailable": str(e)}
+        except Exception as e:  # another trace running, no profiler plugin (CUPTI), ...
+            return {"unavailable": f"the profiler did not run ({type(e).__name__}: {e})"}
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    us: dict[str, float] = {}
+    for block, t in times["us"].items():
+        m = re.fullmatch(r"layer\d+_(\w+)", block)
+        kind = m.group(1) if m else block
+        us[kind] = us.get(kind, 0.0) + t
+    placed = sum(us.values())
+    return {"us": us, "share": {k: v / placed for k, v in us.items()} if placed else {}, "chunks": len(parts),
+            "chunk": per, "total_us": times["total_us"], "unplaced_us": times["unattributed_us"],
+            "source": times["source"]}
+
+
+def breakdown_line(B: int, bd_: dict) -> str:
+    """One line of `prefill_breakdown`'s result."""
+    if "unavailable" in bd_:
+        return f"B={B} prefill by block: unavailable ({bd_['unavailable']})"
+    kinds = sorted(bd_["us"], key=lambda k: -bd_["us"][k])
+    return (f"B={B} prefill by block (device time, {bd_['chunks']} chunk(s) of {bd_['chunk']}, {bd_['source']}): "
+            + ", ".join(f"{k} {bd_['us'][k] / 1e3:.1f} ms ({100 * bd_['share'][k]:.0f}%)" for k in kinds)
+            + f"; unplaced {bd_['unplaced_us'] / 1e3:.1f} ms")
 
 
 def matmul_elements(cfg, tree=None) -> tuple[float, float]:
@@ -206,6 +280,7 @@ def table(res: dict) -> str:
                      f"{r['loop_us_per_token']:>11.0f} | {r['step_us_b2b']:>11.0f} | {r['loop_vs_b2b']:>8.3f} | "
                      f"{r['floor_us']:>8.0f} | {r['b2b_vs_floor']:>9.2f} | {r['ttft_floor_s']:>12.3f} | "
                      f"{r['ttft_vs_floor']:>10.2f} | {base}")
+    lines += [breakdown_line(r["batch"], r["prefill_by_block"]) for r in res["rows"] if r.get("prefill_by_block")]
     return "\n".join(lines)
 
 

@@ -5,7 +5,7 @@
 # benchmark the decode step of K3 layers 11-14 at real dimensions (three latent strategies).
 #
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
-#                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [chunks]
+#                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [chunks] [breakdown]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -215,6 +215,14 @@ if has chunks; then
   echo "== prefill vs chunk, Kimi-Linear-48B ($(date -u +%T))"
   timeout -k 10 ${CH_TIMEOUT:-400} $PY scripts/gpu/prefill_chunks.py --json "$OUT/prefill_chunks.json" ${CH_ARGS:-} 2>&1 \
     | grep -v "^  \.\. " | tee "$OUT/prefill_chunks.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has breakdown; then
+  # The prefill's device time by block (bench generate --breakdown alone), 48B, 64 experts kept (a short call).
+  echo "== prefill by block, Kimi-Linear-48B ($(date -u +%T))"
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout -k 10 ${BD_TIMEOUT:-200} $PY scripts/gpu/prefill_breakdown.py \
+    --experts ${BD_EXPERTS:-64} --json "$OUT/prefill_breakdown.json" ${BD_ARGS:-} 2>&1 | tee "$OUT/prefill_breakdown.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -188,11 +188,12 @@ def test_prefill_gathers_take_the_fallback():
 
 def test_one_compile_per_bucket():
     """Every chunk of a call, and calls whose prompt + new tokens fall in one cache bucket, reuse one
-    compiled prefill and one compiled decode loop (a recompile would cost seconds per call at real size)."""
+    compiled prefill, one compiled decode loop and one compiled cache constructor (a recompile would cost
+    seconds per call at real size)."""
     # a config no other test uses: the compiled functions are cached per (config, options, mesh), and
     # another test's dtype would add its own compile to the same cache
     cfg = first_layers(KimiK3Config.tiny_k3(max_position_embeddings=65432))
     m = jaxk3.init_random_model(cfg, seed=0, tp=2, shard_latent=False)
     m.generate(PROMPTS, 10, decode_chunk=3, prefill_chunk=64)
     m.generate(PROMPTS, 20, decode_chunk=3, prefill_chunk=64)
-    assert {k[0]: f._cache_size() for k, f in m._fns.items()} == {"prefill": 1, "loop": 1}
+    assert {k[0]: f._cache_size() for k, f in m._fns.items()} == {"prefill": 1, "loop": 1, "cache": 1}

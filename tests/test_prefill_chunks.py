@@ -149,3 +149,23 @@ def test_prefill_breakdown_places_the_device_time_in_blocks():
     assert sum(res["share"].values()) == pytest.approx(1.0)
     assert res["total_us"] >= sum(res["us"].values()) * (1 - 1e-9)
     assert "prefill by block" in bg.breakdown_line(1, res) and "moe" in bg.breakdown_line(1, res)
+
+
+def test_init_cache_compiles_once_per_shape():
+    """`Model.init_cache` (every generate and score makes one) builds the whole cache in one jitted function
+    per (batch, positions): zeros in each buffer's sharding, compiled once however often it is called."""
+    import jaxk3
+    from jaxk3.params import buffer_specs
+    from jaxk3.model import cache_abstract
+
+    m = jaxk3.init_random_model(load_config("tiny"), seed=2, tp=2, dtype="float32")
+    a, b = m.init_cache(2, 512), m.init_cache(2, 512)
+    assert m._fns[("cache", 2, 512)]._cache_size() == 1
+    specs = jax.tree.leaves(buffer_specs(cache_abstract(m.cfg, 2, 512), m.dp_axis),
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    leaves = jax.tree.leaves(b)
+    assert len(leaves) == len(specs) and len(jax.tree.leaves(a)) == len(leaves)
+    for x, spec in zip(leaves, specs):
+        assert x.sharding.spec == spec and not np.any(np.asarray(x))
+    m.init_cache(4, 1024)
+    assert ("cache", 4, 1024) in m._fns and m._fns[("cache", 2, 512)]._cache_size() == 1

@@ -25,8 +25,10 @@ from jax.sharding import Mesh  # noqa: E402
 import jaxk3  # noqa: E402
 from jaxk3 import collectives  # noqa: E402
 
+from small_models import tiny_k3_4l  # noqa: E402  (this file's folder is the script's sys.path[0])
+
 PROMPTS = [[5, 9, 100, 7], [3, 1], [8, 8, 8], [42]]
-cfg = jaxk3.KimiK3Config.tiny_k3()
+cfg = tiny_k3_4l()
 if mode == "tp8":
     mesh = Mesh(np.asarray(jax.devices()), ("tp",))
     model = jaxk3.init_random_model(cfg, seed=0, mesh=mesh, dtype="float32", gather="auto")

@@ -4,6 +4,9 @@ DP 2 x TP 4 (TP inside a process: one-shot gathers) must give exactly the tokens
 mesh in one process; a TP group of 8 spanning both processes falls back to lax (gloo) and must
 give the tokens of TP 8 in one process (float32, so the different reduction order of gloo
 cannot flip a token); a process that dies makes the other fail in bounded time.
+
+The model is the tiny K3's first four layers (tests/small_models.py, every kind of layer): what is
+tested here is the processes' split of the work, and each process compiles the model.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from jax.sharding import Mesh
 import jaxk3
 from jaxk3.checkpoint import save_checkpoint
 from jaxk3.model import random_hf_weights
+from small_models import tiny_k3_4l
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 PROMPTS = [[5, 9, 100, 7], [3, 1], [8, 8, 8], [42]]
@@ -74,7 +78,7 @@ def test_dp2_tp4_matches_single_process(died):
     procs, logs, results, _ = died
     for r, log in zip(results, logs):
         assert r is not None, log[-3000:]  # each process's first generate returned and wrote its result
-    ref = jaxk3.init_random_model(jaxk3.KimiK3Config.tiny_k3(), seed=0, mesh=dp_mesh(), gather="auto")
+    ref = jaxk3.init_random_model(tiny_k3_4l(), seed=0, mesh=dp_mesh(), gather="auto")
     want = ref.generate(PROMPTS, 5).tokens.tolist()
     for r in results:
         assert r["path"] == "ffi", r["plan"]  # TP inside a process: the one-shot path
@@ -86,7 +90,7 @@ def test_tp8_spanning_processes_falls_back_and_matches(tmp_path):
     procs, logs, results, _ = run_pair("tp8", tmp_path)
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
-    cfg = jaxk3.KimiK3Config.tiny_k3()
+    cfg = tiny_k3_4l()
     want = jaxk3.init_random_model(cfg, seed=0, tp=8, dtype="float32", gather="auto").generate(PROMPTS, 5).tokens
     for r in results:
         assert r["path"] == "lax" and "spans processes" in r["plan"]
@@ -108,7 +112,7 @@ def test_generate_cli_two_processes_matches_one(tmp_path):
     over dp=2 (TP 4 inside each process) prints the tokens of the same checkpoint on the same mesh in
     one process.  (The batch is padded to 4 rows and the prompts and token count are those of the
     tests above, so the programs are theirs: the compilation cache serves them.)"""
-    cfg = jaxk3.KimiK3Config.tiny_k3()
+    cfg = tiny_k3_4l()
     ckpt = tmp_path / "ckpt"
     save_checkpoint(ckpt, cfg, random_hf_weights(cfg, seed=3), k3_layout=True, num_shards=2)
     prompts = "5,9,100,7;3,1;42"

@@ -54,13 +54,15 @@ def test_tokenizer_encodes_with_merges_and_specials(ckpt):
 
 @pytest.mark.slow
 def test_generate_fresh_process_text_prompt(ckpt):
-    """`python -m jaxk3.cli generate` in a new process: loads the sharded MXFP4 K3 checkpoint on 2 CPU devices,
-    encodes the text prompt, shows progress, prints ids + text + tokens/s; ids equal load_model().generate."""
+    """`python -m jaxk3.cli generate` in a new process: loads the sharded MXFP4 K3 checkpoint at TP 2 on CPU
+    devices, encodes the text prompt, shows progress, prints ids + text + tokens/s; ids equal
+    load_model().generate.  (8 devices as in this process: the process's device count is part of the
+    compilation cache's key, so the in-process run below gets the programs the subprocess compiled.)"""
     pytest.importorskip("tiktoken", reason="text prompts need tiktoken")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     r = subprocess.run([sys.executable, "-m", "jaxk3.cli", "generate", "--checkpoint", ckpt, "--prompt",
                         "hello world", "--max-new-tokens", "4", "--tp", "2", "--dtype", "float32",
-                        "--gather", "lax", "--cpu-devices", "2"],
+                        "--gather", "lax", "--cpu-devices", "8"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     out = dict(line.split(": ", 1) for line in r.stdout.strip().splitlines())

@@ -635,9 +635,11 @@ def test_closed_pipe_ends_quietly_with_141(tmp_path):
     import subprocess
 
     ckpt = checkpoint_dir(tmp_path)
+    # the checkpoint, prompt, token count, TP and device count of test_eos_list_second_id_stops_generation_end_to_end
+    # (its first run, in-process above): the compilation cache serves the programs, the process still runs them
     for argv, cmd in ((["info"], "jaxk3 info"),
-                      (["generate", "--checkpoint", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
-                        "--dtype", "float32", "--cpu-devices", "1", "--no-progress"], "jaxk3 generate")):
+                      (["generate", "--checkpoint", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "6",
+                        "--dtype", "float32", "--cpu-devices", "8", "--tp", "1", "--no-progress"], "jaxk3 generate")):
         r, w = os.pipe()
         p = _cli_process(argv, stdout=w, stderr=subprocess.PIPE)
         os.close(w)

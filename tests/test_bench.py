@@ -77,17 +77,18 @@ def test_bench_decode_strategies_agree(tmp_path):
     assert "sharded+one-shot" in bd.decode_table(back)
 
 
-@pytest.mark.slow  # the first suite only: three compiled 8-layer steps; the newest jax runs layer offsets in
+@pytest.mark.slow  # the first suite only: three compiled steps; the newest jax runs layer offsets in
 # test_census_more_layers_more_kernels (layers 3-4, 3-5) and test_bench_decode_kernel_modes (layers 6-7)
 def test_layer_offset_follows_the_global_attn_res_schedule():
     """model.StepOptions.layer_offset (bench decode's layer slices): offset 0 is the plain model
-    step; an offset moves the AttnRes block starts, so the same weights give other logits."""
+    step; an offset moves the AttnRes block starts, so the same weights give other logits.  The tiny
+    K3's first four layers (AttnRes blocks of 3: offset 0 starts them at layers 0 and 3, offset 1 at 2)."""
     from jaxk3.tools import bench_decode as bd
-    from jaxk3.config import KimiK3Config
     from jaxk3.engine import Model
     from jaxk3.model import StepOptions, build_step
+    from small_models import tiny_k3_4l
 
-    cfg = KimiK3Config.tiny_k3()
+    cfg = tiny_k3_4l()
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("tp",))
     w = bd.random_weights(cfg, mesh, "float32", shard_latent=True)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

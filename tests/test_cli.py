@@ -14,6 +14,7 @@ from jaxk3.config import KimiK3Config
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_checkpoint import write_k3  # noqa: E402
+from small_models import tiny_k3_4l  # noqa: E402
 
 MERGES = [b"he", b"ll", b"llo", b"hello", b" w", b"or", b" wor", b"ld", b" world"]
 SPECIAL = {990: "[BOS]", 991: "[EOS]"}
@@ -34,7 +35,7 @@ def write_tokenizer(path):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("k3cli")
-    write_k3(str(d), seed=11)
+    write_k3(str(d), tiny_k3_4l(), seed=11)  # the tiny K3's first four layers: the CLI is the subject, not depth
     write_tokenizer(str(d))
     return str(d)
 

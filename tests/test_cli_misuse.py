@@ -18,6 +18,7 @@ from jaxk3.config import KimiK3Config
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_cli import write_tokenizer  # noqa: E402
+from small_models import tiny_k3_4l  # noqa: E402
 
 
 def one_error_line(err: str, *needles: str, after_progress: bool = False) -> str:
@@ -559,7 +560,7 @@ def test_eos_list_second_id_stops_generation_end_to_end(tmp_path, capsys):
     make the third one the second id of an eos list; `jaxk3 generate` stops there (the CLI passes no stop ids: Model.generate's default stops it)."""
     from jaxk3.checkpoint import load_config
 
-    ckpt = checkpoint_dir(tmp_path)
+    ckpt = checkpoint_dir(tmp_path, tiny_k3_4l())  # what the CLI does does not depend on depth: 4 layers compile sooner
     base = GEN + ["--checkpoint", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--tp", "1",
                   "--dtype", "float32"]
     rc, out, err = run_cli(base, capsys)
@@ -596,7 +597,7 @@ def test_ctrl_c_prints_the_tokens_so_far_and_exits_130(tmp_path):
     import threading
     import time
 
-    ckpt = checkpoint_dir(tmp_path)
+    ckpt = checkpoint_dir(tmp_path, tiny_k3_4l())  # what the CLI does does not depend on depth: 4 layers compile sooner
     # 20000 new tokens (~6 min at the 54 tok/s of a busy CI machine): the run cannot end before the SIGINT lands
     # (with 2000 it once did, in a busy two-worker run: exit 0 with every token)
     p = _cli_process(["generate", "--checkpoint", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "20000",
@@ -634,7 +635,7 @@ def test_closed_pipe_ends_quietly_with_141(tmp_path):
     any output: one line on stderr, exit 141, no 'Exception ignored' at exit."""
     import subprocess
 
-    ckpt = checkpoint_dir(tmp_path)
+    ckpt = checkpoint_dir(tmp_path, tiny_k3_4l())  # what the CLI does does not depend on depth: 4 layers compile sooner
     # the checkpoint, prompt, token count, TP and device count of test_eos_list_second_id_stops_generation_end_to_end
     # (its first run, in-process above): the compilation cache serves the programs, the process still runs them
     for argv, cmd in ((["info"], "jaxk3 info"),

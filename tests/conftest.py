@@ -26,6 +26,33 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
+# pytest-xdist's --dist loadfile hands out whole files.  By default it queues them by their number of tests
+# (--loadscope-reorder), which put the heavy files with few tests (two-process runs, the quick start, the
+# model tests) last: one worker ran alone at the end of the suite.  Heaviest first instead (longest
+# processing time first): these files, by their seconds in the CI logs (out/ci/tests-*.log), then the
+# rest in collection order.  A stale list costs minutes, never a result: each file's own order is kept.
+_HEAVY_FIRST = ("test_model.py", "test_kernels.py", "test_distributed.py", "test_generation.py", "test_stress.py",
+                "test_collectives.py", "test_quickstart.py", "test_serving.py", "test_prefill_chunks.py",
+                "test_experts_packed.py", "test_bench.py", "test_bitwise_paths.py", "test_golden.py",
+                "test_oracles.py", "test_cli_misuse.py", "test_layers.py", "test_psum.py", "test_cli.py",
+                "test_checkpoint.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))  # stable: files keep their order
+
+
+_here = [True]  # False in pytest-xdist's controller (its workers write the test log's lines)
+
+
+def pytest_configure(config):
+    if getattr(config.option, "loadscopereorder", None):  # xdist >= 3.6: the order above, not the count of tests
+        config.option.loadscopereorder = False
+    if "PYTEST_XDIST_WORKER" not in os.environ and getattr(config.option, "numprocesses", None):
+        _here[0] = False
+
+
 # JAXK3_TEST_LOG=PATH: one line per finished test (seconds, RSS MiB, id, outcome), written as it ends, so that a
 # run that dies (a crash, a CI time limit) still says which tests took the time and where memory went.
 _test_log = os.environ.get("JAXK3_TEST_LOG")
@@ -34,11 +61,6 @@ if _test_log:
     import time
 
     _t0 = {}
-    _here = [True]  # False in pytest-xdist's controller: its workers write the lines
-
-    def pytest_configure(config):
-        if "PYTEST_XDIST_WORKER" not in os.environ and getattr(config.option, "numprocesses", None):
-            _here[0] = False
 
     def pytest_runtest_logstart(nodeid, location):
         if _here[0]:

@@ -121,6 +121,8 @@ class Config:
     bk: int = 64  # input columns per tile
     num_warps: int = 4
     num_stages: int = 3
+    order: str = "m"  # the grid's fastest axis: "m", the row blocks (programs at once share a weight tile);
+    #                   "n", the output tiles (programs at once share a row block's input)
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
@@ -166,11 +168,22 @@ def align(ids_Nk: jax.Array, num_experts: int, bm: int) -> tuple[jax.Array, jax.
 
 
 # ---------------------------------------------------------------- the kernels
+def _ids(c: Config):
+    """(row block, output tile) of this program: the grid is (blocks, tiles) for order "m", else (tiles, blocks)."""
+    from jax.experimental import pallas as pl
+
+    return (pl.program_id(0), pl.program_id(1)) if c.order == "m" else (pl.program_id(1), pl.program_id(0))
+
+
+def _grid(c: Config, blocks: int, tiles: int) -> tuple[int, int]:
+    return (blocks, tiles) if c.order == "m" else (tiles, blocks)
+
+
 def _gate_up_kernel(expert_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Config, steps: int, off3: int,
                     act_fn):
     from jax.experimental import pallas as pl
 
-    b, n = pl.program_id(0), pl.program_id(1)
+    b, n = _ids(c)
     e = expert_ref[b]
 
     @pl.when(e >= 0)
@@ -192,7 +205,7 @@ def _gate_up_kernel(expert_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Config, step
 def _down_kernel(expert_ref, a_ref, w2_ref, y_ref, *, c: Config, steps: int):
     from jax.experimental import pallas as pl
 
-    b, n = pl.program_id(0), pl.program_id(1)
+    b, n = _ids(c)
     e = expert_ref[b]
 
     @pl.when(e >= 0)
@@ -221,36 +234,67 @@ def _shapes(w) -> tuple[int, int, int]:
     return E, I, L
 
 
+def prepare(w, z_NL: jax.Array, ids_Nk: jax.Array, c: Config):
+    """The block-aligned operands: (pos_Nk, expert_B, xs [M, L] the inputs in sorted, padded order)."""
+    E, _, L = _shapes(w)
+    pos, src, expert = align(ids_Nk, E, c.bm)
+    dt = compute_dtype(w, z_NL)
+    xs = jnp.concatenate([z_NL.astype(dt), jnp.zeros((1, L), dt)])[src]  # padding rows 0
+    return pos, expert, xs
+
+
+def _params(c: Config, interpret: bool) -> dict:
+    from jax.experimental.pallas import triton as plgpu
+
+    return {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
+                                                                          num_stages=c.num_stages))
+
+
+def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, xs_ML: jax.Array, c: Config,
+            interpret: bool = False) -> jax.Array:
+    """Kernel 1: a [M, I] = act(W1_e x, W3_e x) per row, in the experts' dtype."""
+    from jax.experimental import pallas as pl
+
+    E, I, L = _shapes(w)
+    w1, w3, off3 = _gate_up_weights(w, xs_ML.dtype)
+    act_fn = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
+                               linear_beta=cfg.activation_situ_linear_beta)
+    raw = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn),
+        grid=_grid(c, expert_B.shape[0], I // c.bn), in_specs=[raw] * 4, out_specs=raw,
+        out_shape=jax.ShapeDtypeStruct((xs_ML.shape[0], I), xs_ML.dtype), interpret=interpret,
+        **_params(c, interpret))(expert_B, xs_ML, w1, w3)
+
+
+def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = False) -> jax.Array:
+    """Kernel 2: y [M, L] fp32 = W2_e a per row."""
+    from jax.experimental import pallas as pl
+
+    E, I, L = _shapes(w)
+    w2 = dense_experts(w.experts_w2, a_MI.dtype)
+    raw = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_down_kernel, c=c, steps=I // c.bk),
+        grid=_grid(c, expert_B.shape[0], L // c.bn), in_specs=[raw] * 3, out_specs=raw,
+        out_shape=jax.ShapeDtypeStruct((a_MI.shape[0], L), F32), interpret=interpret,
+        **_params(c, interpret))(expert_B, a_MI, w2)
+
+
+def combine(y_ML: jax.Array, pos_Nk: jax.Array, w_Nk: jax.Array) -> jax.Array:
+    """out [N, L] fp32 = Σ_slot w[n, slot] · y[pos[n, slot]]."""
+    return jnp.einsum("nkl,nk->nl", y_ML[pos_Nk], w_Nk.astype(F32))
+
+
 def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.Array, config: Config | None = None,
             interpret: bool = False) -> jax.Array:
     """The same function as the reference: fp32 [N, L] = Σ_slot w · W2_e act(W1_e z, W3_e z) over the local
     intermediate shard, through the two grouped-GEMM kernels."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
-
-    N, k = ids_Nk.shape
     E, I, L = _shapes(w)
-    dt = compute_dtype(w, z_NL)
-    c = config or config_for(N * k, E, I, L)
-    pos, src, expert = align(ids_Nk, E, c.bm)
-    M, nb = src.shape[0], expert.shape[0]
-    xs = jnp.concatenate([z_NL.astype(dt), jnp.zeros((1, L), dt)])[src]  # [M, L], padding rows 0
-    w1, w3, off3 = _gate_up_weights(w, dt)
-    w2 = dense_experts(w.experts_w2, dt)
-    act_fn = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
-                               linear_beta=cfg.activation_situ_linear_beta)
-    raw = pl.BlockSpec(memory_space=pl.ANY)
-    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
-                                                                          num_stages=c.num_stages))
-    a = pl.pallas_call(
-        functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn),
-        grid=(nb, I // c.bn), in_specs=[raw] * 4, out_specs=raw,
-        out_shape=jax.ShapeDtypeStruct((M, I), dt), interpret=interpret, **kw)(expert, xs, w1, w3)
-    y = pl.pallas_call(
-        functools.partial(_down_kernel, c=c, steps=I // c.bk),
-        grid=(nb, L // c.bn), in_specs=[raw] * 3, out_specs=raw,
-        out_shape=jax.ShapeDtypeStruct((M, L), F32), interpret=interpret, **kw)(expert, a, w2)
-    return jnp.einsum("nkl,nk->nl", y[pos], w_Nk.astype(F32))
+    c = config or config_for(ids_Nk.size, E, I, L)
+    pos, expert, xs = prepare(w, z_NL, ids_Nk, c)
+    a = gate_up(cfg, w, expert, xs, c, interpret)
+    return combine(down(w, expert, a, c, interpret), pos, w_Nk)
 
 
 def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str | None:
@@ -265,6 +309,8 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
     for name, n, d in (("I", I, c.bn), ("L", L, c.bn), ("L", L, c.bk), ("I", I, c.bk)):
         if n % d:
             return f"moe_grouped kernel: tiles bn {c.bn} / bk {c.bk} must divide the experts' {name} = {n}"
+    if c.order not in ("m", "n"):
+        return f"moe_grouped kernel: order must be 'm' or 'n', got {c.order!r}"
     if c.bm < 16 or c.bm & (c.bm - 1):
         return f"moe_grouped kernel: bm = {c.bm} must be a power of two >= 16 (tl.dot)"
     return None

@@ -33,9 +33,33 @@ from jaxk3.layers import moe  # noqa: E402
 from jaxk3.tools.bench_decode import load_config  # noqa: E402
 
 INNER, REPS = 3, 5
-SWEEP = [G.Config(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=s)
-         for bm, bn, bk, w, s in [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 64, 64, 4, 4),
-                                  (128, 64, 64, 4, 3), (64, 128, 32, 4, 4), (128, 256, 64, 8, 3), (32, 128, 64, 4, 3)]]
+SWEEP = [G.Config(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=s, order=o)
+         for bm, bn, bk, w, s, o in [(64, 128, 64, 4, 3, "m"), (64, 128, 64, 4, 3, "n"), (64, 128, 64, 4, 4, "n"),
+                                     (128, 128, 64, 8, 3, "n"), (128, 128, 64, 8, 4, "n"), (64, 128, 128, 4, 2, "n"),
+                                     (64, 64, 64, 4, 4, "n"), (32, 128, 64, 4, 3, "n"), (16, 128, 64, 4, 3, "n"),
+                                     (64, 128, 64, 8, 3, "n"), (128, 64, 64, 4, 4, "n")]]
+
+
+def phases(kcfg, w, z, wk, ids, c, log, N):
+    """Each step of the kernel path alone (ms): align + the input gather, gate-up, down, the combine."""
+    E, I, L = G._shapes(w)
+    prep = jax.jit(lambda z, ids: G.prepare(w, z, ids, c))
+    pos, expert, xs = prep(z, ids)
+    gu = jax.jit(lambda e, x: G.gate_up(kcfg, w, e, x, c))
+    a = gu(expert, xs)
+    dn = jax.jit(lambda e, a: G.down(w, e, a, c))
+    y = dn(expert, a)
+    cb = jax.jit(G.combine)
+    out = {}
+    for name, f, args in (("prepare", prep, (z, ids)), ("gate_up", gu, (expert, xs)), ("down", dn, (expert, a)),
+                          ("combine", cb, (y, pos, wk))):
+        out[name] = timing.per_call(f, args, reps=REPS, inner=INNER, chain=1) * 1e3
+    k = kcfg.num_experts_per_token
+    used = int(np.sum(np.asarray(expert) >= 0))
+    log(f"N {N:5d} phases of {c}: " + "  ".join(f"{n} {t:.3f} ms" for n, t in out.items())
+        + f"  (blocks used {used} of {expert.shape[0]}; gate_up {4 * N * k * L * I / out['gate_up'] / 1e9:.1f}, "
+        f"down {2 * N * k * L * I / out['down'] / 1e9:.1f} TFLOP/s exact)")
+    return out
 
 
 def case(cfg, E: int, N: int, seed: int = 0):
@@ -54,7 +78,7 @@ def case(cfg, E: int, N: int, seed: int = 0):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="out/moe_grouped.json")
-    ap.add_argument("--tokens", default="512,4096")
+    ap.add_argument("--tokens", default="512,4096,8192")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--no-sweep", action="store_true")
     a = ap.parse_args(argv)
@@ -84,6 +108,7 @@ def main(argv=None) -> int:
                 continue
             paths.append((name, jax.jit(lambda w, z, wk, ids, c=c: G.grouped(kcfg, w, z, wk, ids, config=c)),
                           (w, z, wk, ids)))
+        best = None
         base = None
         for name, f, args in paths:
             try:
@@ -99,6 +124,13 @@ def main(argv=None) -> int:
                 + (f"  {base / t:5.2f}x dense" if base else "") + (f"  rel err {err:.1e}" if err is not None else ""))
             rows.append(dict(tokens=N, path=name, ms=t * 1e3, tflops=flops / t / 1e12, rel_err=err,
                              vs_dense=(base / t if base else None)))
+            if name.startswith("kernel") and (best is None or t < best[0]):
+                best = (t, [c for n, c in configs if n == name][0] or G.config_for(N * k, a.experts, I, L))
+        for c in {G.config_for(N * k, a.experts, I, L), best[1]} if best else ():
+            try:
+                rows.append(dict(tokens=N, path=f"phases {c}", phases_ms=phases(kcfg, w, z, wk, ids, c, log, N)))
+            except Exception as e:
+                log(f"N {N:5d} phases of {c}: FAILED {type(e).__name__}: {str(e)[:300]}")
     with open(a.json, "w") as fh:
         json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, experts=a.experts, rows=rows), fh,
                   indent=1)

@@ -5,7 +5,7 @@
 # benchmark the decode step of K3 layers 11-14 at real dimensions (three latent strategies).
 #
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
-#                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [chunks] [breakdown]
+#                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [chunks] [breakdown]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -14,7 +14,8 @@
 #   tests at real dims; `kreal` each kernel vs XLA at real dims; `step48` the Kimi-Linear-48B step, main's
 #   (checkpoint layout, kernels off) vs the serving layout with kernels=auto; `census48` its kernel census;
 #   `grouped` the prefill MoE's grouped-GEMM kernels (compiled tests, then timed against the dense form,
-#   ragged_dot and a GEMM of the same FLOPs at Kimi-Linear-48B dims).
+#   ragged_dot and a GEMM of the same FLOPs at Kimi-Linear-48B dims); `attn` the prefill's MLA kernel and KDA form
+#   against the paths they replace.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -207,6 +208,18 @@ if has grouped; then
     -p no:cacheprovider > "$OUT/grouped_tests.log" 2>&1
   echo "grouped tests rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/grouped_tests.log" | cut -c1-300 | tail -20
   timeout -k 10 ${GB_TIMEOUT:-240} $PY scripts/gpu/moe_grouped.py --json "$OUT/moe_grouped.json" ${GB_ARGS:-} 2>&1 | cut -c1-200
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has attn; then
+  # The prefill's attention blocks: mla_prefill's compiled tests, then KDA's chunked form (before / now) and
+  # MLA's attention (XLA / the kernel's configs) at Kimi-Linear-48B dims (scripts/gpu/prefill_attention.py).
+  echo "== prefill attention: compiled tests, then vs the replaced paths ($(date -u +%T))"
+  timeout -k 10 ${AT_TIMEOUT:-120} $PY -m pytest tests/test_kernels.py -m gpu -k "mla_prefill or grouped" -q -rfEs \
+    -p no:cacheprovider > "$OUT/attn_tests.log" 2>&1
+  echo "attn tests rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/attn_tests.log" | cut -c1-300 | tail -20
+  timeout -k 10 ${AB_TIMEOUT:-240} $PY scripts/gpu/prefill_attention.py --json "$OUT/prefill_attention.json" ${AB_ARGS:-} \
+    2>&1 | cut -c1-220
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -236,9 +236,9 @@ def test_moe_grouped_selection():
     w32 = jax.tree.map(lambda a: a.astype(jnp.float32), w)
     assert "bf16" in G.fits(cfg, w32, z.astype(jnp.float32), wk, ids)
     assert "must divide the experts' I = 64" in G.fits(cfg, w, z, wk, ids, config=G.Config(bn=128))
-    assert G.config_for(4096 * 8, 256, 1024, 2304) == G.Config(bm=64, bn=128, bk=64)
+    assert G.config_for(4096 * 8, 256, 1024, 2304) == G.Config(bm=64, bn=128, bk=64, num_stages=4, order="n")
     assert G.config_for(512 * 8, 256, 1024, 2304).bm == 16
-    assert G.config_for(5 * 4, 16, 64, 128) == G.Config(bm=16, bn=64, bk=64)
+    assert G.config_for(5 * 4, 16, 64, 128) == G.Config(bm=16, bn=64, bk=64, order="n")
 
 
 @pytest.mark.gpu
@@ -426,6 +426,79 @@ def test_mla_decode_kernel_on_gpu():
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=MLA_TOL * float(jnp.abs(ref).max()))
 
 
+# ------------------------------------------------------------------ mla_prefill
+def _mla_prefill_case(B: int, T: int, H: int, S: int, R: int, P: int, prefix, pads, seed: int = 0):
+    """Row b: `prefix[b]` cached slots, then T tokens of which the first pads[b] are left padding (they
+    see slot 0 or the prefix's last, as mla_prefill's limits do); every slot past a row's last token
+    is NaN in the poisoned cache."""
+    r = np.random.default_rng(seed + 7 * B + T + H)
+    ql = jnp.asarray(r.standard_normal((B, T, H, R)), jnp.float32)
+    qpe = jnp.asarray(r.standard_normal((B, T, H, P)), jnp.float32)
+    kv = r.standard_normal((B, S, R + P)).astype(np.float32)
+    limit = np.zeros((B, T), np.int32)
+    poisoned = kv.copy()
+    for b, (n, z) in enumerate(zip(prefix, pads)):
+        limit[b] = np.maximum(n + np.cumsum(np.arange(T) >= z) - 1, 0)
+        poisoned[b, limit[b].max() + 1:] = np.nan
+    return (ql, qpe, jnp.asarray(kv, jnp.bfloat16), jnp.asarray(poisoned, jnp.bfloat16), jnp.asarray(limit))
+
+
+@pytest.mark.parametrize("B,T,H,S,R,P,prefix,pads,config", [
+    (1, 8, 16, 64, 64, 16, [0], [0], dict(bm=16, bn=16)),  # a fresh prompt: token t sees slots 0..t
+    (3, 16, 3, 128, 64, 16, [0, 40, 100], [0, 5, 15], dict(bm=32, bn=32)),  # prefixes, left pads, rows
+    #                                                                       over token edges (3 heads)
+    (2, 32, 8, 256, 512, 64, [200, 0], [3, 0], dict(bm=64, bn=32, num_warps=8)),  # the real latent widths
+])
+def test_mla_prefill_kernel_matches_reference(B, T, H, S, R, P, prefix, pads, config):
+    """Interpret mode against `latent_attention_prefill` (float32) with every slot past a row's last token
+    poisoned (NaN): nothing past it may be read.  Tolerance MLA_TOL: the same bf16 roundings of q and
+    p as mla_decode (above), over the same kind of sums."""
+    from jaxk3.kernels import mla_prefill as M
+
+    ql, qpe, kv, poisoned, limit = _mla_prefill_case(B, T, H, S, R, P, prefix, pads)
+    c = M.Config(**config)
+    assert M.fits(ql, qpe, poisoned, limit, 0.07, config=c) is None
+    got = np.asarray(M.mla_prefill(ql, qpe, poisoned, limit, 0.07, config=c, interpret=True))
+    ref = np.asarray(M.latent_attention_prefill(ql, qpe, kv, limit, 0.07))
+    assert got.shape == ref.shape == (B, T, H, R) and np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=MLA_TOL * np.abs(ref).max())
+
+
+def test_mla_prefill_fits():
+    """`fits` names the cache dtype, the widths, tiles under tl.dot's minimum, shared memory and registers."""
+    from jaxk3.kernels import mla_prefill as M
+
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 64, 32, 512), jnp.float32), s((1, 64, 32, 64), jnp.float32), s((1, 4096, 576), jnp.bfloat16),
+            s((1, 64), jnp.int32))
+    assert M.fits(*args, 0.07) is None
+    assert "bf16 cache" in M.fits(*args[:2], s((1, 4096, 576), jnp.float32), args[3], 0.07)
+    assert "kv_lora_rank a power of two" in M.fits(s((1, 64, 32, 384), jnp.float32), args[1],
+                                                   s((1, 4096, 448), jnp.bfloat16), args[3], 0.07)
+    assert "powers of two >= 16" in M.fits(*args, 0.07, config=M.Config(bn=8))
+    assert "shared memory" in M.fits(*args, 0.07, config=M.Config(bm=128, bn=128, num_warps=16))
+    assert "registers" in M.fits(*args, 0.07, config=M.Config(bm=64, num_warps=4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [dict(), dict(bm=32, bn=32, num_warps=4)])
+def test_mla_prefill_kernel_on_gpu(config):
+    """Compiled (Triton) against the reference at full float32 precision at Kimi-Linear-48B's 32 heads,
+    512 + 64 latent, a 256-token chunk after a 700-slot prefix and one fresh row with pads; slots past
+    each row's last token poisoned.  Tolerance: MLA_TOL."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    from jaxk3.kernels import mla_prefill as M
+
+    ql, qpe, kv, poisoned, limit = _mla_prefill_case(2, 256, 32, 1024, 512, 64, [700, 0], [0, 9])
+    c = M.Config(**config)
+    got = jax.jit(lambda *a: M.mla_prefill(*a, 0.07, config=c))(ql, qpe, poisoned, limit)
+    with jax.default_matmul_precision("highest"):
+        ref = M.latent_attention_prefill(ql, qpe, kv, limit, 0.07)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=MLA_TOL * float(jnp.abs(ref).max()))
+
+
 # ------------------------------------------------------------------ router_topk
 @pytest.mark.parametrize("which", ["tiny_k3", "tiny_kimi_linear", "k3"])
 @pytest.mark.parametrize("B", [1, 5])
@@ -518,8 +591,8 @@ def test_status_says_what_auto_does():
     # proven at real dims (docs/PERF.md); gemv and router_topk then only at the shapes where they won (`fits`)
     assert gpu["rms_norm"] == gpu["kda_decode"] == gpu["gemv"] == gpu["router_topk"] == gpu["mla_decode"] == "device"
     assert gpu["moe_grouped"] == "device"
-    assert set(kernels.REGISTRY) == {"gemv", "kda_decode", "mla_decode", "moe_experts", "moe_grouped", "rms_norm",
-                                     "router_topk"}
+    assert set(kernels.REGISTRY) == {"gemv", "kda_decode", "mla_decode", "mla_prefill", "moe_experts", "moe_grouped",
+                                     "rms_norm", "router_topk"}
     for name, why in (("moe_experts", "304 us vs XLA's fused dequantisation 175 us"),):
         assert gpu[name].startswith("reference: unproven on gpu") and why in gpu[name]
 

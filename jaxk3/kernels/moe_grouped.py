@@ -128,15 +128,17 @@ class Config:
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
     """bm near the mean rows per expert (pairs / experts), a power of two in [16, 64]: blocks of
     mostly real rows when experts get few tokens, larger tiles when they get many; bn and bk the
-    largest of Config's defaults and their halves (down to 16) that divide both I and L.  Measured on
-    an H200 at Kimi-Linear-48B dims, 256 experts (docs/PERF.md): 512 tokens bm 16 1.33 ms, bm 32 1.35,
-    bm 64 1.61; 4096 tokens bm 64 2.58 ms, bm 128 4.61 (8 warps: 2.63), so bm stops at 64 with 4 warps."""
+    largest of Config's defaults and their halves (down to 16) that divide both I and L; the output
+    tiles fastest in the grid (programs at once share a row block's input); 4 stages at bm 64.
+    Measured on an H200 at Kimi-Linear-48B dims, 256 experts (docs/PERF.md): 512 tokens bm 16 1.26 ms
+    (order n 1.20), bm 64 1.58 (n 1.24); 4096 tokens bm 64 2.54 ms, order n 2.16, n with 4 stages 2.02,
+    bm 128 with 8 warps, order n 2.03 (4 warps, order m: 4.61)."""
     mean = max(1, pairs // max(1, num_experts))
     bm = min(64, max(16, 1 << (mean - 1).bit_length()))
     d = Config()
     bn = next((b for b in (d.bn, d.bn // 2, d.bn // 4, 16) if I % b == 0 and L % b == 0), d.bn)
     bk = next((b for b in (d.bk, d.bk // 2, 16) if I % b == 0 and L % b == 0), d.bk)
-    return Config(bm=bm, bn=bn, bk=bk)
+    return Config(bm=bm, bn=bn, bk=bk, num_stages=4 if bm >= 64 else 3, order="n")
 
 
 def num_blocks(pairs: int, num_experts: int, bm: int) -> int:

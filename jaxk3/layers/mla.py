@@ -188,12 +188,9 @@ def mla_prefill(cfg: KimiK3Config, w: MLAWeights, x_BTD: jax.Array, kv_BSR: jax.
     # -- absorbed causal attention: token t sees slots <= its own (a pad token sees slot 0: finite, unused)
     wkvb_HXR = w.kv_b_proj.reshape(-1, n + v, R).astype(F32)
     ql = jnp.einsum("bthn,hnr->bthr", q_BTHX[..., :n], wkvb_HXR[:, :n])
-    c = kv_BSR.astype(F32)
-    score = (jnp.einsum("bthr,bsr->bths", ql, c[..., :R])
-             + jnp.einsum("bthp,bsp->bths", q_BTHX[..., n:], c[..., R:])) * (n + r) ** -0.5
-    mask = jnp.arange(S)[None, None, :] <= jnp.maximum(slot_BT, 0)[..., None]
-    p = jax.nn.softmax(jnp.where(mask[:, :, None, :], score, -jnp.inf), axis=-1)
-    o = jnp.einsum("bthr,hvr->bthv", jnp.einsum("bths,bsr->bthr", p, c[..., :R]), wkvb_HXR[:, n:])
+    olat = kernels.call("mla_prefill", ql, q_BTHX[..., n:], kv_BSR, jnp.maximum(slot_BT, 0), (n + r) ** -0.5,
+                        mode=kernel_mode(tp))
+    o = jnp.einsum("bthr,hvr->bthv", olat, wkvb_HXR[:, n:])
     o_NF = o.reshape(B * T, -1)
     if g is not None:
         o_NF = o_NF * jax.nn.sigmoid(g)

@@ -1,0 +1,140 @@
+"""Absorbed MLA prefill attention (causal, over the latent cache) as a flash-attention Pallas kernel
+beside its jnp reference `latent_attention_prefill`.
+
+The reference scores every (token, head) against every cache slot at once: an fp32 [B, T, H, S]
+score tensor (2.3 GB for a 4096-token chunk of Kimi-Linear-48B's 32 heads), a softmax over it and a
+second pass; the prefill profile (docs/PERF.md) put Kimi-Linear-48B's MLA at 20% of a 4K prompt's
+device time.  All heads share one latent "key/value" per slot (absorbed MLA is multi-query attention
+with a kv_lora_rank + rope wide key and a kv_lora_rank wide value), so the kernel packs (token, head)
+pairs into the rows of a tile: a grid program owns `bm` consecutive rows of [T·H] (row r is token
+r // H, head r % H) and walks the cache in blocks of `bn` slots with an online softmax (running max m,
+sum l, weighted sum acc of c_kv), reading each slot block once for all its rows' heads.  A row sees
+the slots up to its token's `limit` (its own slot: causal over the cached prefix and the chunk), and a
+program walks only the blocks below the largest limit of its rows, so the causal upper triangle is
+skipped; slots past that are masked out of the loads (never read: an unwritten slot may hold
+anything) and every slot past a row's own limit out of its softmax.
+
+Precision as in `mla_decode`: the dots run on the tensor cores with bf16 operands (the bf16 cache as
+stored; q_latent, q_pe and the probabilities p rounded to bf16) and float32 accumulation; the softmax
+statistics and the rescaling stay float32.  tests/test_kernels.py works out the tolerance.
+
+Tiles (`Config`): bm rows (the dots' M) x bn slots; the fp32 accumulator [bm, R] lives in registers
+(bm·R / (32·num_warps) per thread, at most ACC_REGS), the q tile [bm, R + P] and the slot tile in
+shared memory (`smem_estimate`, the formula `mla_decode` measured; `fits` names a tiling over).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxk3.kernels.mla_decode import ACC_REGS, NEG, SMEM_BYTES, _dot_t, _pow2, smem_estimate
+from jaxk3.kernels.registry import Kernel, interpret_only, register
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    bm: int = 64  # (token, head) rows per program: the dots' M
+    bn: int = 32  # cache slots per inner step
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def latent_attention_prefill(ql_BTHR: jax.Array, qpe_BTHP: jax.Array, kv_BSR: jax.Array, limit_BT: jax.Array,
+                             scale: float, **_) -> jax.Array:
+    """fp32 [B, T, H, R]: each (token, head)'s softmax over cache slots s <= limit[b, t] of
+    (ql·c_kv_s + q_pe·k_pe_s)·scale, applied to c_kv (R = kv_lora_rank: the first R of each entry)."""
+    S, R = kv_BSR.shape[1], ql_BTHR.shape[-1]
+    c = kv_BSR.astype(F32)
+    score = (jnp.einsum("bthr,bsr->bths", ql_BTHR.astype(F32), c[..., :R])
+             + jnp.einsum("bthp,bsp->bths", qpe_BTHP.astype(F32), c[..., R:])) * scale
+    mask = jnp.arange(S)[None, None, :] <= limit_BT[..., None]
+    p = jax.nn.softmax(jnp.where(mask[:, :, None, :], score, -jnp.inf), axis=-1)
+    return jnp.einsum("bths,bsr->bthr", p, c[..., :R])
+
+
+def _kernel(lim_ref, ql_ref, qpe_ref, kv_ref, o_ref, *, R: int, P: int, S: int, scale: float, c: Config):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    b, i = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(pl.multiple_of(i * c.bm, c.bm), c.bm)
+    lim = lim_ref[b, rows]  # int32 [bm]: each row sees slots <= lim
+    ql, qpe = ql_ref[b, rows], qpe_ref[b, rows]  # bf16 [bm, R], [bm, P]
+    end = jnp.minimum(jnp.max(lim) + 1, S)  # this tile reads slots [0, end)
+    steps = (end + c.bn - 1) // c.bn
+
+    def body(j, carry):
+        m, l, acc = carry
+        pos = j * c.bn
+        slot = pos + jnp.arange(c.bn)
+        ok = slot < end
+        cv = plgpu.load(kv_ref.at[b, pl.ds(pos, c.bn), pl.ds(0, R)], mask=ok[:, None], other=0.0)  # bf16 [bn, R]
+        kpe = plgpu.load(kv_ref.at[b, pl.ds(pos, c.bn), pl.ds(R, P)], mask=ok[:, None], other=0.0)
+        s = (_dot_t(ql, cv) + _dot_t(qpe, kpe)) * scale  # fp32 [bm, bn]
+        s = jnp.where(slot[None, :] <= lim[:, None], s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        corr = jnp.exp(m - m_new)
+        pc = jax.lax.dot_general(p.astype(cv.dtype), cv, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+        return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pc
+
+    init = (jnp.full((c.bm,), NEG, F32), jnp.zeros((c.bm,), F32), jnp.zeros((c.bm, R), F32))
+    m, l, acc = jax.lax.fori_loop(0, steps, body, init)
+    o_ref[b, rows] = acc / l[:, None]  # every row sees slot 0 at least (limit >= 0): l >= 1
+
+
+def mla_prefill(ql_BTHR, qpe_BTHP, kv_BSR, limit_BT, scale: float, config: Config | None = None,
+                interpret: bool = False) -> jax.Array:
+    """The reference's function with bf16 dot operands: fp32 [B, T, H, R]."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    c = config or Config()
+    B, T, H, R = ql_BTHR.shape
+    S, P = kv_BSR.shape[1], qpe_BTHP.shape[-1]
+    N = T * H
+    n = -(-N // c.bm) * c.bm  # rows padded to whole tiles (padded rows: limit 0, dropped)
+    pad = ((0, 0), (0, n - N), (0, 0))
+    ql = jnp.pad(ql_BTHR.astype(kv_BSR.dtype).reshape(B, N, R), pad)
+    qpe = jnp.pad(qpe_BTHP.astype(kv_BSR.dtype).reshape(B, N, P), pad)
+    lim = jnp.pad(jnp.repeat(jnp.maximum(limit_BT, 0).astype(jnp.int32), H, axis=1), ((0, 0), (0, n - N)))
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
+                                                                        num_stages=c.num_stages))
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    out = pl.pallas_call(
+        functools.partial(_kernel, R=R, P=P, S=S, scale=scale, c=c), grid=(B, n // c.bm),
+        in_specs=[any_] * 4, out_specs=any_, out_shape=jax.ShapeDtypeStruct((B, n, R), F32),
+        interpret=interpret, **kw)(lim, ql, qpe, kv_BSR)
+    return out[:, :N].reshape(B, T, H, R)
+
+
+def fits(ql_BTHR, qpe_BTHP, kv_BSR, limit_BT, scale, config: Config | None = None, **_) -> str | None:
+    c = config or Config()
+    R, P = ql_BTHR.shape[-1], qpe_BTHP.shape[-1]
+    if kv_BSR.dtype != BF16:
+        return (f"mla_prefill kernel runs its dots on the tensor cores over the bf16 cache as stored, got a "
+                f"{jnp.dtype(kv_BSR.dtype).name} cache")
+    for name, v in (("kv_lora_rank", R), ("qk_rope_head_dim", P)):
+        if not _pow2(v) or v < 16:
+            return f"mla_prefill kernel needs {name} a power of two >= 16 (Triton blocks, tl.dot), got {v}"
+    if not (_pow2(c.bm) and _pow2(c.bn)) or c.bm < 16 or c.bn < 16:
+        return f"mla_prefill kernel: bm {c.bm} and bn {c.bn} are the dots' M and N/K: powers of two >= 16"
+    need = smem_estimate(c.bm, c.bn, R, P)
+    if need > SMEM_BYTES:
+        return (f"mla_prefill kernel: {c.bm} rows x {c.bn} slots of a {R}+{P} latent need ~{need:,} B of shared "
+                f"memory, more than the {SMEM_BYTES:,} B a block has (smaller bm / bn)")
+    regs = c.bm * R // (32 * c.num_warps)
+    if regs > ACC_REGS:
+        return (f"mla_prefill kernel: the fp32 accumulator of {c.bm} rows x {R} takes {regs} registers per thread "
+                f"with {c.num_warps} warps, over {ACC_REGS} (smaller bm or more warps)")
+    return None
+
+
+register(Kernel("mla_prefill", latent_attention_prefill, mla_prefill, platforms=("gpu",), fits=fits,
+                unproven=interpret_only("test_mla_prefill_kernel_on_gpu")))

@@ -481,7 +481,7 @@ def test_mla_prefill_fits():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [dict(), dict(bm=32, bn=32, num_warps=4)])
+@pytest.mark.parametrize("config", [dict(), dict(bm=32, bn=32, num_warps=4), dict(bm=64, bn=32, num_warps=8)])
 def test_mla_prefill_kernel_on_gpu(config):
     """Compiled (Triton) against the reference at full float32 precision at Kimi-Linear-48B's 32 heads,
     512 + 64 latent, a 256-token chunk after a 700-slot prefix and one fresh row with pads; slots past
@@ -590,6 +590,7 @@ def test_status_says_what_auto_does():
     assert all(v.startswith("reference: no ") for v in cpu.values())
     # proven at real dims (docs/PERF.md); gemv and router_topk then only at the shapes where they won (`fits`)
     assert gpu["rms_norm"] == gpu["kda_decode"] == gpu["gemv"] == gpu["router_topk"] == gpu["mla_decode"] == "device"
+    assert gpu["mla_prefill"] == "device"
     assert gpu["moe_grouped"] == "device"
     assert set(kernels.REGISTRY) == {"gemv", "kda_decode", "mla_decode", "mla_prefill", "moe_experts", "moe_grouped",
                                      "rms_norm", "router_topk"}

@@ -252,12 +252,11 @@ def _delta_rule_f64(q, k, v, g, beta, S):
     return o, S
 
 
-@pytest.mark.parametrize("T,chunk,sub,gate", [(64, 32, 8, 0.3), (128, 64, 16, 20.0), (24, 64, 16, 1.0)])
-def test_chunk_delta_rule_vs_float64_recurrence(T, chunk, sub, gate):
-    """The chunked form (sub-chunk factorisation, chunks affine in the incoming state) against T float64
-    steps: sub-chunks below the diagonal, gates of -20 per step (e^{-Γ} alone would overflow fp32 within
-    five tokens), and a chunk that `sub` does not divide (one pairwise block).  Tolerance 2e-5 of max:
-    fp32 sums in another order (measured <= 5e-6)."""
+@pytest.mark.parametrize("T,chunk,gate", [(64, 32, 0.3), (128, 64, 20.0), (24, 64, 1.0)])
+def test_chunk_delta_rule_vs_float64_recurrence(T, chunk, gate):
+    """The chunked form against T float64 steps: two and more chunks, gates of -20 per step (e^{-Γ} alone
+    would overflow fp32 within five tokens: the form must never take it apart), a prompt shorter than the
+    chunk.  Tolerance 2e-5 of max: fp32 sums in another order (measured <= 5e-6)."""
     from jaxk3.layers.kda import chunk_delta_rule
 
     r = np.random.default_rng(T)
@@ -266,7 +265,7 @@ def test_chunk_delta_rule_vs_float64_recurrence(T, chunk, sub, gate):
     args = (r.standard_normal((B, H, T, K)) * 0.3, k / np.linalg.norm(k, axis=-1, keepdims=True),
             r.standard_normal((B, H, T, V)), -np.abs(r.standard_normal((B, H, T, K))) * gate,
             r.uniform(0, 1, (B, H, T)), r.standard_normal((B, H, K, V)))
-    o, S = jax.jit(lambda *a: chunk_delta_rule(*a, chunk=chunk, sub=sub))(*(jnp.asarray(a, jnp.float32) for a in args))
+    o, S = jax.jit(lambda *a: chunk_delta_rule(*a, chunk=chunk))(*(jnp.asarray(a, jnp.float32) for a in args))
     o_ref, S_ref = _delta_rule_f64(*args)
     close(o, o_ref, 2e-5)
     close(S, S_ref, 2e-5)

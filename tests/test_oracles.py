@@ -108,7 +108,7 @@ def test_kda_vs_fla_naive(mode, fla):
             o = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + cfg.rms_norm_eps) * tw("o_norm.weight")
             outs.append(((o * torch.sigmoid(z)).reshape(T, C) @ tw("o_proj.weight").T).numpy())
     assert rel_err(S_rec[0].numpy(), S_chk[0].numpy()) <= 1e-5  # the two fla forms agree
-    # jaxk3's prefill: the same 64 tokens at once (chunked form: one chunk of 64, four sub-chunks of 16)
+    # jaxk3's prefill: the same 64 tokens at once (chunked form: one chunk of 64)
     pre, _, S_pre = jax.jit(lambda w, x: kda_prefill(cfg, w, x, jnp.zeros((1, 3, C, K - 1)), jnp.zeros((1, H, d, d)),
                                                      jnp.ones((1, T), bool), None, chunk=64))(w, xs[None])
     for ref, S in zip(outs, (S_rec, S_chk)):

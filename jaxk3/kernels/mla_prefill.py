@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxk3.kernels.mla_decode import ACC_REGS, NEG, SMEM_BYTES, _dot_t, _pow2, smem_estimate
-from jaxk3.kernels.registry import Kernel, interpret_only, register
+from jaxk3.kernels.registry import Kernel, register
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -39,9 +39,13 @@ BF16 = jnp.bfloat16
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    bm: int = 64  # (token, head) rows per program: the dots' M
-    bn: int = 32  # cache slots per inner step
-    num_warps: int = 8
+    """Measured on an H200 at Kimi-Linear-48B dims (scripts/gpu/prefill_attention.py, docs/PERF.md): bm 32,
+    bn 64, 4 warps 2.66 ms (4096-token prompt) and 8.03 ms (8 x 1024 tokens after 3072 slots) against XLA's
+    5.25 and 11.94; bm 64 bn 32 8 warps 3.31-3.49 / 10.7-12.4; bm 64 bn 64 8 warps 1 stage 2.93 / 10.4;
+    bn 16 slower than XLA."""
+    bm: int = 32  # (token, head) rows per program: the dots' M
+    bn: int = 64  # cache slots per inner step
+    num_warps: int = 4
     num_stages: int = 2
 
 
@@ -136,5 +140,9 @@ def fits(ql_BTHR, qpe_BTHP, kv_BSR, limit_BT, scale, config: Config | None = Non
     return None
 
 
+# Proven on an H200 (2026-12-02, docs/PERF.md): compiled tests at 48B's heads and latent widths passed, and at
+# the preset dims faster than XLA's path in the same run with the default tiles (1.97x at a 4096-token
+# prompt, 1.49x for 8 x 1024 tokens after a 3072-slot prefix).
 register(Kernel("mla_prefill", latent_attention_prefill, mla_prefill, platforms=("gpu",), fits=fits,
-                unproven=interpret_only("test_mla_prefill_kernel_on_gpu")))
+                measured="Kimi-Linear-48B dims: 1.97x XLA at a 4096-token prompt (2.66 vs 5.25 ms), 1.49x at 8 x 1024 "
+                         "tokens after 3072 cached (8.03 vs 11.94 ms) (H200, jax 0.11.2, 2026-12-02)"))

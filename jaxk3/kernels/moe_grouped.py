@@ -319,5 +319,5 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
 
 
 register(Kernel("moe_grouped", experts_dense, grouped, platforms=("gpu",), fits=fits,
-                measured="Kimi-Linear-48B dims, 256 experts, top-8: 2.47x the dense form at 512 tokens, 10.5x at "
-                         "4096 (180 TFLOP/s exact; ragged_dot 0.15x) (H200, jax 0.11.2, 2026-12-01)"))
+                measured="Kimi-Linear-48B dims, 256 experts, top-8: 2.68x the dense form at 512 tokens, 13.2x at "
+                         "4096 (229 TFLOP/s exact; ragged_dot 0.15x) (H200, jax 0.11.2, 2026-12-02)"))

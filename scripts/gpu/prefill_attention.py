@@ -4,9 +4,9 @@ replaces, in the same run:
   mla   the absorbed causal attention over the latent cache (32 heads, 512 + 64 latent): the jnp path
         (`latent_attention_prefill`, XLA: fp32 [B, T, H, S] scores) against the `mla_prefill` kernel's
         configs; a 4096-token fresh prompt (B = 1) and a 1024-token chunk after a 3072-slot prefix (B = 8)
-  kda   the chunked delta rule (32 heads, 128 x 128 state): the former form (one lax.scan step per
-        64-token chunk, ~35 kernels each; kept here as `scan_form`) against today's `chunk_delta_rule`
-        (every chunk at once, one product and add per chunk in sequence)
+  kda   the chunked delta rule (32 heads, 128 x 128 state): the model's `chunk_delta_rule` (one lax.scan
+        step per 64-token chunk, ~35 kernels each) against the all-chunks form tried on 2026-12-02
+        (`allchunks_form`: every chunk at once, one product and add per chunk in sequence)
 
 Per row: ms per call (median of REPS x INNER calls), the ratio to the replaced path, and the relative
 error against it (max |a - b| / max |b|).
@@ -38,35 +38,93 @@ MLA_CONFIGS = [M.Config(), M.Config(bm=64, bn=32, num_warps=8, num_stages=3), M.
                M.Config(bm=64, bn=64, num_warps=8, num_stages=1)]
 
 
-def scan_form(q, k, v, g, beta, state, chunk: int = 64):
-    """The chunked delta rule as it was before (jaxk3 at 8ba18af): one lax.scan step per chunk."""
-    B, H, T, K = q.shape
+# The chunked delta rule with every chunk's intra-chunk work at once (jaxk3 at c2c7347, tried on
+# 2026-12-02 and not kept: 1.64x faster than the scan form alone, 4x slower inside the 48B prefill).
+def _decayed_pairs(L_nCK: jax.Array, R_nCK: jax.Array, G_nCK: jax.Array, sub: int, strict: bool) -> jax.Array:
+    """P[t, s] = Σ_c L_t[c] R_s[c] e^{Γ_t[c] − Γ_s[c]} for s ≤ t (s < t if `strict`), else 0, per chunk:
+    [..., C, K] operands -> [..., C, C], fp32.  Γ is non-increasing along the chunk (g ≤ 0), so every
+    true factor is ≤ 1, but e^{Γ_t} e^{−Γ_s} taken apart can overflow; so the chunk goes in sub-chunks
+    of `sub` tokens.  A block of sub-chunk i against an earlier one factors through Γ_r, Γ at the last
+    token before sub-chunk i: e^{Γ_t − Γ_s} = e^{Γ_t − Γ_r} e^{Γ_r − Γ_s}, both factors ≤ 1 (t > r ≥ s),
+    so those blocks are plain matrix products; the diagonal blocks take the pairwise form (exact, sub²·K
+    exponentials per sub-chunk)."""
+    *lead, C, K = L_nCK.shape
+    m = C // sub
+    Ls, Gs = (a.reshape(*lead, m, sub, K) for a in (L_nCK, G_nCK))
+    Rs = R_nCK.reshape(*lead, m, sub, K)
+    # diagonal blocks: [..., m, t, s]
+    tri = jnp.tril(jnp.ones((sub, sub), bool), -1 if strict else 0)
+    diff = Gs[..., :, None, :] - Gs[..., None, :, :]
+    decay = jnp.exp(jnp.where(tri[:, :, None], diff, -jnp.inf))
+    diag = jnp.einsum("...tc,...sc,...tsc->...ts", Ls, Rs, decay)
+    if m == 1:
+        return diag.reshape(*lead, C, C)
+    # blocks below the diagonal: reference Γ_r of sub-chunk i = Γ at token i·sub − 1 (0 before the chunk)
+    G_ref = jnp.concatenate([jnp.zeros_like(Gs[..., :1, 0, :]), Gs[..., :-1, -1, :]], -2)  # [..., m, K]
+    Lq = Ls * jnp.exp(Gs - G_ref[..., :, None, :])  # [..., m(i), sub(t), K], ≤ |L|
+    before = jnp.arange(C)[None, :] < (jnp.arange(m) * sub)[:, None]  # [m(i), C(s)]: s before sub-chunk i
+    expo = jnp.where(before[:, :, None], G_ref[..., :, None, :] - G_nCK[..., None, :, :], -jnp.inf)
+    Rk = R_nCK[..., None, :, :] * jnp.exp(expo)  # [..., m(i), C(s), K]
+    off = jnp.einsum("...itc,...isc->...its", Lq, Rk).reshape(*lead, C, C)
+    eye = jnp.eye(m, dtype=bool)[:, None, :, None]  # place the diagonal blocks
+    blocks = jnp.where(eye, diag[..., :, :, None, :], 0.0)  # [..., m(i), t, m(j), s]
+    return off + blocks.reshape(*lead, C, C)
+
+
+def allchunks_form(q_BHTK: jax.Array, k_BHTK: jax.Array, v_BHTV: jax.Array, g_BHTK: jax.Array,
+                     beta_BHT: jax.Array, state_BHKV: jax.Array, chunk: int = 64, sub: int = 16
+                     ) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule over T tokens in chunks (the WY / UT-transform form), fp32.
+
+    Equal to T recurrent steps `S ← diag(e^g) S; u = β(v − Sᵀk); S ← S + k uᵀ; o = Sᵀq` (q already
+    scaled).  Within a chunk, with Γ_t = Σ_{s≤t} g_s (per key channel) and S_0 the incoming state:
+
+        A[t,s] = β_t Σ_c k_t[c] k_s[c] e^{Γ_t[c]−Γ_s[c]}     s < t   (strictly lower)
+        M[t,s] =     Σ_c q_t[c] k_s[c] e^{Γ_t[c]−Γ_s[c]}     s ≤ t
+        (I + A) u = β ⊙ (v − (e^Γ ⊙ k) S_0)                      (unit lower-triangular: _unit_lower_inverse)
+        o_t    = (e^{Γ_t} ⊙ q_t) S_0 + Σ_{s≤t} M[t,s] u_s
+        S_C    = diag(e^{Γ_C}) S_0 + Σ_s diag(e^{Γ_C−Γ_s}) k_s u_sᵀ
+
+    Everything but S_0 is known per chunk, so with W = (I + A)⁻¹ the chunk is affine in S_0:
+
+        u = U0 − Wk S_0,          U0 = W (β ⊙ v),  Wk = W (β ⊙ e^Γ ⊙ k)
+        o = Qe S_0 + O0,          Qe = e^Γ ⊙ q − M Wk,  O0 = M U0
+        S_C = Tc S_0 + Hc,        Tc = diag(e^{Γ_C}) − (e^{Γ_C−Γ} ⊙ k)ᵀ Wk,  Hc = (e^{Γ_C−Γ} ⊙ k)ᵀ U0
+
+    These are computed for all chunks at once (batched products); only S_{j+1} = Tc_j S_j + Hc_j runs
+    in sequence (one product and add per chunk), then o for all chunks at once.  A and M come from
+    `_decayed_pairs` (sub-chunks of `sub` tokens: no exponential of a positive sum, whatever the gates).
+    T must be a multiple of min(chunk, T).  Returns (o_BHTV, final state_BHKV).
+    """
+    B, H, T, K = q_BHTK.shape
     C = min(chunk, T)
+    if T % C:
+        raise ValueError(f"chunk_delta_rule: T={T} is not a multiple of the chunk {C}")
+    c = sub if C % sub == 0 else C  # a chunk that sub does not divide is one diagonal block (exact, more exps)
     n = T // C
+    q, k, v, g = (a.astype(F32).reshape(B, H, n, C, -1) for a in (q_BHTK, k_BHTK, v_BHTV, g_BHTK))
+    beta = beta_BHT.astype(F32).reshape(B, H, n, C, 1)
+    G = jnp.cumsum(g, axis=3)
+    eG = jnp.exp(G)
+    G_C = G[:, :, :, -1:, :]  # [B,H,n,1,K]
+    A = beta * _decayed_pairs(k, k, G, c, strict=True)
+    M = _decayed_pairs(q, k, G, c, strict=False)
+    W = kda._unit_lower_inverse(A)
+    U0 = jnp.einsum("bhnts,bhnsv->bhntv", W, beta * v)
+    Wk = jnp.einsum("bhnts,bhnsk->bhntk", W, beta * eG * k)
+    Qe = eG * q - jnp.einsum("bhnts,bhnsk->bhntk", M, Wk)
+    O0 = jnp.einsum("bhnts,bhnsv->bhntv", M, U0)
+    kdec = jnp.exp(G_C - G) * k
+    Tc = jnp.exp(G_C[:, :, :, 0, :])[..., None] * jnp.eye(K, dtype=F32) - jnp.einsum("bhnsk,bhnsj->bhnkj", kdec, Wk)
+    Hc = jnp.einsum("bhnsk,bhnsv->bhnkv", kdec, U0)
 
-    def split(a):
-        return jnp.moveaxis(a.reshape(B, H, n, C, *a.shape[3:]), 2, 0)
+    def step(S, TH):
+        Tj, Hj = TH
+        return jnp.einsum("bhkj,bhjv->bhkv", Tj, S) + Hj, S
 
-    causal = jnp.tril(jnp.ones((C, C), bool))
-    strict = jnp.tril(jnp.ones((C, C), bool), -1)
-
-    def one_chunk(S, xs):
-        q, k, v, g, beta = xs
-        G = jnp.cumsum(g, axis=2)
-        diff = G[:, :, :, None, :] - G[:, :, None, :, :]
-        decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
-        A = jnp.einsum("bhtc,bhsc,bhtsc->bhts", k, k, decay) * beta[..., None]
-        A = jnp.where(strict, A, 0.0)
-        rhs = beta[..., None] * (v - jnp.einsum("bhtk,bhkv->bhtv", jnp.exp(G) * k, S))
-        u = jnp.einsum("bhts,bhsv->bhtv", kda._unit_lower_inverse(A), rhs)
-        Mm = jnp.einsum("bhtc,bhsc,bhtsc->bhts", q, k, decay)
-        o = jnp.einsum("bhtk,bhkv->bhtv", jnp.exp(G) * q, S) + jnp.einsum("bhts,bhsv->bhtv", Mm, u)
-        last = G[:, :, -1:, :]
-        S = jnp.exp(last[:, :, 0, :])[..., None] * S + jnp.einsum("bhsk,bhsv->bhkv", jnp.exp(last - G) * k, u)
-        return S, o
-
-    S, o = jax.lax.scan(one_chunk, state.astype(F32), tuple(split(a.astype(F32)) for a in (q, k, v, g, beta)))
-    return jnp.moveaxis(o, 0, 2).reshape(B, H, T, -1), S
+    S, S_in = jax.lax.scan(step, state_BHKV.astype(F32), (jnp.moveaxis(Tc, 2, 0), jnp.moveaxis(Hc, 2, 0)))
+    o = jnp.einsum("bhntk,nbhkv->bhntv", Qe, S_in) + O0
+    return o.reshape(B, H, T, -1), S
 
 
 def rel(a, b) -> float:
@@ -122,7 +180,8 @@ def kda_cases(log, rows):
                 jnp.asarray(r.standard_normal((B, H, T, K)), F32),
                 jnp.asarray(-np.abs(r.standard_normal((B, H, T, K))) * 0.1, F32),
                 jnp.asarray(r.uniform(0, 1, (B, H, T)), F32), jnp.zeros((B, H, K, K), F32))
-        paths = [("scan form (before)", jax.jit(scan_form)), ("chunk_delta_rule (now)", jax.jit(kda.chunk_delta_rule))]
+        paths = [("chunk_delta_rule (the model's: a scan step per chunk)", jax.jit(kda.chunk_delta_rule)),
+                 ("all-chunks form (tried)", jax.jit(allchunks_form))]
         run_paths(paths, args, f"kda B {B} T {T}", log, rows)
 
 

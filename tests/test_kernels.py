@@ -426,6 +426,76 @@ def test_mla_decode_kernel_on_gpu():
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=MLA_TOL * float(jnp.abs(ref).max()))
 
 
+# ------------------------------------------------------------------ kda_prefill
+def _kda_prefill_case(B: int, H: int, T: int, K: int, V: int, gate: float, seed: int = 0):
+    """q scaled as the layer scales it, unit-norm k, gates -|N(0,1)|·gate, a random incoming state."""
+    r = np.random.default_rng(seed + T + K)
+    k = r.standard_normal((B, H, T, K))
+    args = (r.standard_normal((B, H, T, K)) * K ** -0.5, k / np.linalg.norm(k, axis=-1, keepdims=True),
+            r.standard_normal((B, H, T, V)), -np.abs(r.standard_normal((B, H, T, K))) * gate,
+            r.uniform(0, 1, (B, H, T)), r.standard_normal((B, H, K, V)))
+    return tuple(jnp.asarray(a, jnp.float32) for a in args)
+
+
+@pytest.mark.parametrize("T,chunk,gate,block_v", [(128, 64, 0.3, 16), (96, 32, 20.0, 32)])
+def test_kda_prefill_kernel_matches_reference(T, chunk, gate, block_v):
+    """Interpret mode (every chunk's operands at once, then the state pass kernel) against the per-chunk
+    scan form: two chunks of four sub-chunks, three of two with gates of -20 per step (an e^{-Γ} taken
+    alone would overflow fp32), value columns over two programs.  Tolerance 2e-5 of
+    max|ref|: the same fp32 products in another order (the two forms agree with a float64 recurrence
+    within 5e-6, tests/test_layers.py); a lost state carry or decay moves the output by >= 1e-2 of it."""
+    from jaxk3.kernels import kda_prefill as KP
+
+    args = _kda_prefill_case(2, 3, T, 16, 32, gate)
+    c = KP.Config(block_v=block_v)
+    assert KP.fits(*args, chunk=chunk, config=c) is None
+    o, S = KP.chunked(*args, chunk=chunk, config=c, interpret=True)
+    o_ref, S_ref = KP.chunk_delta_rule(*args, chunk=chunk)
+    for got, ref in ((o, o_ref), (S, S_ref)):
+        got, ref = np.asarray(got), np.asarray(ref)
+        assert got.shape == ref.shape and np.isfinite(got).all()
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    # the kernel alone against its jnp form on the same operands
+    ops = KP.chunk_operands(*args[:5], chunk)
+    for got, ref in zip(KP.state_pass(ops, args[5], c, interpret=True), KP.state_pass_reference(ops, args[5])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+def test_kda_prefill_fits_and_selection():
+    """`fits` names the dims and tiles that do not suit; unproven, so auto keeps the scan form on GPUs too."""
+    from jaxk3.kernels import kda_prefill as KP
+
+    s = jax.ShapeDtypeStruct
+    q, v, b, st = s((1, 32, 4096, 128), jnp.float32), s((1, 32, 4096, 128), jnp.float32), s((1, 32, 4096), jnp.float32), \
+        s((1, 32, 128, 128), jnp.float32)
+    assert KP.fits(q, q, v, q, b, st) is None
+    assert "a multiple of the chunk 64" in KP.fits(*(s((1, 32, 4000, 128), jnp.float32),) * 4, b, st)
+    assert "value head dim a power of two" in KP.fits(q, q, s((1, 32, 4096, 96), jnp.float32), q, b, st)
+    assert "block_v 64 must divide" in KP.fits(q, q, s((1, 32, 4096, 32), jnp.float32), q, b, st,
+                                               config=KP.Config(block_v=64))
+    assert "unproven" in kernels.explain("kda_prefill", q, q, v, q, b, st, platform="gpu")
+    assert kernels.explain("kda_prefill", q, q, v, q, b, st, platform="gpu", mode="on").startswith("device")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_v", [32, 16])
+def test_kda_prefill_kernel_on_gpu(block_v):
+    """Compiled (Triton, IEEE fp32 dots) at Kimi-Linear-48B's 32 heads x 128 x 128, 512 tokens in chunks of 64,
+    against the scan form at full float32 precision.  Tolerance 1e-4 of max|ref| (fp32 over 8 chunks of
+    carried state; TF32 anywhere would show as ~1e-3)."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    from jaxk3.kernels import kda_prefill as KP
+
+    args = _kda_prefill_case(1, 32, 512, 128, 128, 0.3)
+    got = jax.jit(lambda *a: KP.chunked(*a, chunk=64, config=KP.Config(block_v=block_v)))(*args)
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(lambda *a: KP.chunk_delta_rule(*a, chunk=64))(*args)
+    for g, r in zip(got, ref):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=1e-4 * float(jnp.abs(r).max()))
+
+
 # ------------------------------------------------------------------ mla_prefill
 def _mla_prefill_case(B: int, T: int, H: int, S: int, R: int, P: int, prefix, pads, seed: int = 0):
     """Row b: `prefix[b]` cached slots, then T tokens of which the first pads[b] are left padding (they
@@ -592,8 +662,8 @@ def test_status_says_what_auto_does():
     assert gpu["rms_norm"] == gpu["kda_decode"] == gpu["gemv"] == gpu["router_topk"] == gpu["mla_decode"] == "device"
     assert gpu["mla_prefill"] == "device"
     assert gpu["moe_grouped"] == "device"
-    assert set(kernels.REGISTRY) == {"gemv", "kda_decode", "mla_decode", "mla_prefill", "moe_experts", "moe_grouped",
-                                     "rms_norm", "router_topk"}
+    assert set(kernels.REGISTRY) == {"gemv", "kda_decode", "kda_prefill", "mla_decode", "mla_prefill", "moe_experts",
+                                     "moe_grouped", "rms_norm", "router_topk"}
     for name, why in (("moe_experts", "304 us vs XLA's fused dequantisation 175 us"),):
         assert gpu[name].startswith("reference: unproven on gpu") and why in gpu[name]
 

@@ -257,7 +257,7 @@ def test_chunk_delta_rule_vs_float64_recurrence(T, chunk, gate):
     """The chunked form against T float64 steps: two and more chunks, gates of -20 per step (e^{-Γ} alone
     would overflow fp32 within five tokens: the form must never take it apart), a prompt shorter than the
     chunk.  Tolerance 2e-5 of max: fp32 sums in another order (measured <= 5e-6)."""
-    from jaxk3.layers.kda import chunk_delta_rule
+    from jaxk3.kernels.kda_prefill import chunk_delta_rule
 
     r = np.random.default_rng(T)
     B, H, K, V = 2, 3, 16, 8

@@ -142,67 +142,6 @@ def core_weights(w: KDAWeights) -> CoreWeights:
                        dt_bias_C=w.dt_bias, A_log_H=w.A_log, o_norm_K=w.o_norm)
 
 
-def _unit_lower_inverse(A_BHCC: jax.Array) -> jax.Array:
-    """(I + A)⁻¹ for strictly lower-triangular A, by matrix products only: A is nilpotent (A^C = 0),
-    so (I + A)⁻¹ = Σ_k (−A)^k = (I − A)(I + A²)(I + A⁴)…, log2(C) squarings.  (No LAPACK custom
-    call: XLA's CPU triangular solve starved the 2-device runtime of threads and hung the prefill.)"""
-    C = A_BHCC.shape[-1]
-    eye = jnp.eye(C, dtype=A_BHCC.dtype)
-    P = -A_BHCC
-    inv = eye + P
-    for _ in range(max(0, (C - 1).bit_length() - 1)):
-        P = jnp.einsum("...ij,...jk->...ik", P, P)
-        inv = jnp.einsum("...ij,...jk->...ik", inv, eye + P)
-    return inv
-
-
-def chunk_delta_rule(q_BHTK: jax.Array, k_BHTK: jax.Array, v_BHTV: jax.Array, g_BHTK: jax.Array,
-                     beta_BHT: jax.Array, state_BHKV: jax.Array, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
-    """The gated delta rule over T tokens in chunks (the WY / UT-transform form), fp32.
-
-    Equal to T recurrent steps `S ← diag(e^g) S; u = β(v − Sᵀk); S ← S + k uᵀ; o = Sᵀq` (q already
-    scaled).  Within a chunk, with Γ_t = Σ_{s≤t} g_s (per key channel) and S_0 the incoming state:
-
-        A[t,s] = β_t Σ_c k_t[c] k_s[c] e^{Γ_t[c]−Γ_s[c]}     s < t   (strictly lower)
-        (I + A) u = β ⊙ (v − (e^Γ ⊙ k) S_0)                      (unit lower-triangular: _unit_lower_inverse)
-        o_t    = (e^{Γ_t} ⊙ q_t) S_0 + Σ_{s≤t} (Σ_c q_t[c] k_s[c] e^{Γ_t[c]−Γ_s[c]}) u_s
-        S_C    = diag(e^{Γ_C}) S_0 + Σ_s diag(e^{Γ_C−Γ_s}) k_s u_sᵀ
-
-    Γ_t − Γ_s ≤ 0 for s ≤ t (g ≤ 0), so every exponential is ≤ 1.  T must be a multiple of `chunk`.
-    Returns (o_BHTV, final state_BHKV).
-    """
-    B, H, T, K = q_BHTK.shape
-    C = min(chunk, T)
-    if T % C:
-        raise ValueError(f"chunk_delta_rule: T={T} is not a multiple of the chunk {C}")
-    n = T // C
-
-    def split(a):  # [B, H, T, ...] -> [n, B, H, C, ...]
-        return jnp.moveaxis(a.reshape(B, H, n, C, *a.shape[3:]), 2, 0)
-
-    causal = jnp.tril(jnp.ones((C, C), bool))
-    strict = jnp.tril(jnp.ones((C, C), bool), -1)
-
-    def one_chunk(S, xs):
-        q, k, v, g, beta = xs  # [B,H,C,K], [B,H,C,K], [B,H,C,V], [B,H,C,K], [B,H,C]
-        G = jnp.cumsum(g, axis=2)
-        diff = G[:, :, :, None, :] - G[:, :, None, :, :]  # [B,H,t,s,K] = Γ_t − Γ_s
-        decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
-        A = jnp.einsum("bhtc,bhsc,bhtsc->bhts", k, k, decay) * beta[..., None]
-        A = jnp.where(strict, A, 0.0)
-        rhs = beta[..., None] * (v - jnp.einsum("bhtk,bhkv->bhtv", jnp.exp(G) * k, S))
-        u = jnp.einsum("bhts,bhsv->bhtv", _unit_lower_inverse(A), rhs)
-        M = jnp.einsum("bhtc,bhsc,bhtsc->bhts", q, k, decay)
-        o = jnp.einsum("bhtk,bhkv->bhtv", jnp.exp(G) * q, S) + jnp.einsum("bhts,bhsv->bhtv", M, u)
-        last = G[:, :, -1:, :]  # Γ_C
-        S = jnp.exp(last[:, :, 0, :])[..., None] * S + jnp.einsum("bhsk,bhsv->bhkv", jnp.exp(last - G) * k, u)
-        return S, o
-
-    S, o = jax.lax.scan(one_chunk, state_BHKV.astype(F32),
-                        tuple(split(a.astype(F32)) for a in (q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT)))
-    return jnp.moveaxis(o, 0, 2).reshape(B, H, T, -1), S
-
-
 def kda_prefill(cfg: KimiK3Config, w: KDAWeights, x_BTD: jax.Array, conv_B3CW: jax.Array, state_BHKV: jax.Array,
                 valid_BT: jax.Array, tp: TP | str | None, chunk: int = 64
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -232,7 +171,9 @@ def kda_prefill(cfg: KimiK3Config, w: KDAWeights, x_BTD: jax.Array, conv_B3CW: j
     f = (f + w.dt_bias.astype(F32)).reshape(B, T, -1, Kd)
     g = jnp.where(keep[..., None, None], kda_gate(f, w.A_log, cfg.gate_lower_bound), 0.0)
     beta = jnp.where(keep[..., None], beta.reshape(B, T, -1), 0.0)
-    o, S = chunk_delta_rule(*(jnp.moveaxis(a, 1, 2) for a in (q, k, v, g, beta)), state_BHKV, chunk)
+    # the gated delta rule over the chunk: kernels.kda_prefill (its reference is the per-chunk scan form)
+    o, S = kernels.call("kda_prefill", *(jnp.moveaxis(a, 1, 2) for a in (q, k, v, g, beta)), state_BHKV, chunk=chunk,
+                        mode=kernel_mode(tp))
     o_BTHV = jnp.moveaxis(o, 2, 1)
     # -- output gate, per-head norm, row-parallel o_proj
     o_BTHV = gated_rms_norm(o_BTHV, w.o_norm, z.reshape(o_BTHV.shape), cfg.rms_norm_eps)

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import timing  # noqa: E402
 
 from jaxk3.kernels import mla_prefill as M  # noqa: E402
-from jaxk3.layers import kda  # noqa: E402
+from jaxk3.kernels import kda_prefill as KP  # noqa: E402
 
 INNER, REPS = 3, 5
 F32 = jnp.float32
@@ -109,7 +109,7 @@ def allchunks_form(q_BHTK: jax.Array, k_BHTK: jax.Array, v_BHTV: jax.Array, g_BH
     G_C = G[:, :, :, -1:, :]  # [B,H,n,1,K]
     A = beta * _decayed_pairs(k, k, G, c, strict=True)
     M = _decayed_pairs(q, k, G, c, strict=False)
-    W = kda._unit_lower_inverse(A)
+    W = KP._unit_lower_inverse(A)
     U0 = jnp.einsum("bhnts,bhnsv->bhntv", W, beta * v)
     Wk = jnp.einsum("bhnts,bhnsk->bhntk", W, beta * eG * k)
     Qe = eG * q - jnp.einsum("bhnts,bhnsk->bhntk", M, Wk)
@@ -144,7 +144,7 @@ def run_paths(paths, args, label, log, rows):
             continue
         if base is None:
             base, want = t, got
-        err = rel(got, want)
+        err = rel(got, want) if got.shape == want.shape else float("nan")
         log(f"{label} {name:58s} {t * 1e3:8.3f} ms  {base / t:5.2f}x  rel err {err:.1e}")
         rows.append(dict(case=label, path=name, ms=t * 1e3, speedup=base / t, rel_err=err))
 
@@ -180,9 +180,16 @@ def kda_cases(log, rows):
                 jnp.asarray(r.standard_normal((B, H, T, K)), F32),
                 jnp.asarray(-np.abs(r.standard_normal((B, H, T, K))) * 0.1, F32),
                 jnp.asarray(r.uniform(0, 1, (B, H, T)), F32), jnp.zeros((B, H, K, K), F32))
-        paths = [("chunk_delta_rule (the model's: a scan step per chunk)", jax.jit(kda.chunk_delta_rule)),
-                 ("all-chunks form (tried)", jax.jit(allchunks_form))]
-        run_paths(paths, args, f"kda B {B} T {T}", log, rows)
+        paths = [("chunk_delta_rule (XLA: a scan step per chunk)", jax.jit(KP.chunk_delta_rule)),
+                 ("all-chunks form (tried)", jax.jit(allchunks_form)),
+                 ("kda_prefill kernel (operands at once + the state pass)", jax.jit(KP.chunked)),
+                 ("  its operands alone (XLA)", jax.jit(lambda *a: KP.chunk_operands(*a[:5], 64).W))]
+        ops = jax.jit(lambda *a: KP.chunk_operands(*a[:5], 64))(*args)
+        for bv, w in ((32, 4), (16, 4), (64, 4), (32, 8)):
+            c = KP.Config(block_v=bv, num_warps=w)
+            paths.append((f"  its state pass alone {c}", jax.jit(lambda o, s, c=c: KP.state_pass(o, s, c)[0])))
+        run_paths(paths[:4], args, f"kda B {B} T {T}", log, rows)
+        run_paths(paths[4:], (ops, args[5]), f"kda B {B} T {T}", log, rows)
 
 
 def main(argv=None) -> int:

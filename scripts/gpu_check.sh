@@ -5,7 +5,7 @@
 # benchmark the decode step of K3 layers 11-14 at real dimensions (three latent strategies).
 #
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
-#                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [chunks] [breakdown]
+#                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -15,7 +15,7 @@
 #   (checkpoint layout, kernels off) vs the serving layout with kernels=auto; `census48` its kernel census;
 #   `grouped` the prefill MoE's grouped-GEMM kernels (compiled tests, then timed against the dense form,
 #   ragged_dot and a GEMM of the same FLOPs at Kimi-Linear-48B dims); `attn` the prefill's MLA kernel and KDA form
-#   against the paths they replace.
+#   against the paths they replace; `kda` KDA's prefill forms inside 48B's first four layers with their longest kernels.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -215,12 +215,23 @@ if has attn; then
   # The prefill's attention blocks: mla_prefill's compiled tests, then KDA's chunked form (before / now) and
   # MLA's attention (XLA / the kernel's configs) at Kimi-Linear-48B dims (scripts/gpu/prefill_attention.py).
   echo "== prefill attention: compiled tests, then vs the replaced paths ($(date -u +%T))"
-  timeout -k 10 ${AT_TIMEOUT:-120} $PY -m pytest tests/test_kernels.py -m gpu -k "mla_prefill or grouped" -q -rfEs \
+  timeout -k 10 ${AT_TIMEOUT:-150} $PY -m pytest tests/test_kernels.py -m gpu -k "kda_prefill or mla_prefill or grouped" -q -rfEs \
     -p no:cacheprovider > "$OUT/attn_tests.log" 2>&1
   echo "attn tests rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/attn_tests.log" | cut -c1-300 | tail -20
   timeout -k 10 ${AB_TIMEOUT:-240} $PY scripts/gpu/prefill_attention.py --json "$OUT/prefill_attention.json" ${AB_ARGS:-} \
     2>&1 | cut -c1-220
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has kda; then
+  # KDA's prefill inside the model: 48B's first four layers (three KDA, one MLA), 64 experts, a 4096-token
+  # prompt, each form of the delta rule, the longest kernels of each (prefill_breakdown.py --top).
+  for form in ${KDA_FORMS:-kernel scan}; do
+    echo "== KDA prefill in the model, form $form ($(date -u +%T))"
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout -k 10 ${KDA_TIMEOUT:-150} $PY scripts/gpu/prefill_breakdown.py \
+      --config kimi-linear-48b --layers 0-3 --experts 64 --kda-form $form --top 14 --json "$OUT/kda_$form.json" 2>&1 \
+      | grep -v "Warning\|warn" | tee "$OUT/kda_$form.log" | cut -c1-200
+  done
 fi
 
 if has chunks; then

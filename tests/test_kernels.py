@@ -520,51 +520,83 @@ def _mla_prefill_case(B: int, T: int, H: int, S: int, R: int, P: int, prefix, pa
     (2, 32, 8, 256, 512, 64, [200, 0], [3, 0], dict(bm=64, bn=32, num_warps=8)),  # the real latent widths
 ])
 def test_mla_prefill_kernel_matches_reference(B, T, H, S, R, P, prefix, pads, config):
-    """Interpret mode against `latent_attention_prefill` (float32) with every slot past a row's last token
-    poisoned (NaN): nothing past it may be read.  Tolerance MLA_TOL: the same bf16 roundings of q and
-    p as mla_decode (above), over the same kind of sums."""
+    """The absorbed kernel in interpret mode against `latent_attention_prefill` (float32) with every slot past
+    a row's last token poisoned (NaN): nothing past it may be read.  Tolerance MLA_TOL: the same bf16
+    roundings of q and p as mla_decode (above), over the same kind of sums."""
     from jaxk3.kernels import mla_prefill as M
 
     ql, qpe, kv, poisoned, limit = _mla_prefill_case(B, T, H, S, R, P, prefix, pads)
-    c = M.Config(**config)
-    assert M.fits(ql, qpe, poisoned, limit, 0.07, config=c) is None
-    got = np.asarray(M.mla_prefill(ql, qpe, poisoned, limit, 0.07, config=c, interpret=True))
+    got = np.asarray(M.mla_prefill(ql, qpe, poisoned, limit, 0.07, config=M.Config(**config), interpret=True))
     ref = np.asarray(M.latent_attention_prefill(ql, qpe, kv, limit, 0.07))
     assert got.shape == ref.shape == (B, T, H, R) and np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, rtol=0, atol=MLA_TOL * np.abs(ref).max())
 
 
+def _mla_heads_case(B, T, H, S, N, V, R, P, prefix, pads, seed: int = 0):
+    """_mla_prefill_case's cache and limits with a no-rope query q_nope [B, T, H, N] and W_kvb [H, N + V, R]
+    scaled so that scores and outputs are O(1)."""
+    _, qpe, kv, poisoned, limit = _mla_prefill_case(B, T, H, S, R, P, prefix, pads, seed)
+    r = np.random.default_rng(seed + 5)
+    qn = jnp.asarray(r.standard_normal((B, T, H, N)), jnp.float32)
+    wkvb = jnp.asarray(r.standard_normal((H, N + V, R)) * R ** -0.5, jnp.float32)
+    return qn, qpe, kv, poisoned, limit, wkvb
+
+
+@pytest.mark.parametrize("form,config", [("absorbed", dict(bm=16, bn=32)), ("heads", dict(bm=16, bn=32)),
+                                         ("heads", dict(bm=32, bn=16))])
+def test_mla_prefill_attention_forms(form, config):
+    """The registered pair: `attention_device` (interpret mode) in both forms against `attention` (fp32, the
+    layer's former inline math), prefixes, left pads, 3 heads, slots past each row's last token poisoned.
+    Tolerance MLA_TOL: the per-head form rounds its expanded keys and values to bf16 once, as the absorbed
+    form rounds its query (same size of error on the same kind of sums)."""
+    from jaxk3.kernels import mla_prefill as M
+
+    qn, qpe, kv, poisoned, limit, wkvb = _mla_heads_case(3, 16, 3, 128, 32, 16, 64, 16, [0, 40, 100], [0, 5, 15])
+    c = M.Config(form=form, **config)
+    assert M.fits(qn, qpe, poisoned, limit, wkvb, 0.07, config=c) is None
+    got = np.asarray(M.attention_device(qn, qpe, poisoned, limit, wkvb, 0.07, config=c, interpret=True))
+    ref = np.asarray(M.attention(qn, qpe, kv, limit, wkvb, 0.07))
+    assert got.shape == ref.shape == (3, 16, 3, 16) and np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=MLA_TOL * np.abs(ref).max())
+
+
 def test_mla_prefill_fits():
-    """`fits` names the cache dtype, the widths, tiles under tl.dot's minimum, shared memory and registers."""
+    """`fits` names the cache dtype, the widths of each form, tiles under tl.dot's minimum, shared memory and
+    registers."""
     from jaxk3.kernels import mla_prefill as M
 
     s = jax.ShapeDtypeStruct
-    args = (s((1, 64, 32, 512), jnp.float32), s((1, 64, 32, 64), jnp.float32), s((1, 4096, 576), jnp.bfloat16),
-            s((1, 64), jnp.int32))
-    assert M.fits(*args, 0.07) is None
-    assert "bf16 cache" in M.fits(*args[:2], s((1, 4096, 576), jnp.float32), args[3], 0.07)
-    assert "kv_lora_rank a power of two" in M.fits(s((1, 64, 32, 384), jnp.float32), args[1],
-                                                   s((1, 4096, 448), jnp.bfloat16), args[3], 0.07)
-    assert "powers of two >= 16" in M.fits(*args, 0.07, config=M.Config(bn=8))
-    assert "shared memory" in M.fits(*args, 0.07, config=M.Config(bm=128, bn=128, num_warps=16))
-    assert "registers" in M.fits(*args, 0.07, config=M.Config(bm=64, num_warps=4))
+    qn, qpe, kv, lim = (s((1, 64, 32, 128), jnp.float32), s((1, 64, 32, 64), jnp.float32),
+                        s((1, 4096, 576), jnp.bfloat16), s((1, 64), jnp.int32))
+    wkvb = s((32, 256, 512), jnp.float32)
+    assert M.fits(qn, qpe, kv, lim, wkvb, 0.07) is None
+    assert M.fits(qn, qpe, kv, lim, wkvb, 0.07, config=M.Config(form="heads")) is None
+    assert "bf16 cache" in M.fits(qn, qpe, s((1, 4096, 576), jnp.float32), lim, wkvb, 0.07)
+    assert "kv_lora_rank a power of two" in M.fits(qn, qpe, s((1, 4096, 448), jnp.bfloat16), lim, wkvb, 0.07)
+    assert "v_head_dim a power of two" in M.fits(qn, qpe, kv, lim, s((32, 224, 512), jnp.float32), 0.07,
+                                                 config=M.Config(form="heads"))
+    assert "form must be" in M.fits(qn, qpe, kv, lim, wkvb, 0.07, config=M.Config(form="mha"))
+    assert "powers of two >= 16" in M.fits(qn, qpe, kv, lim, wkvb, 0.07, config=M.Config(bn=8))
+    assert "shared memory" in M.fits(qn, qpe, kv, lim, wkvb, 0.07, config=M.Config(bm=128, bn=128, num_warps=16))
+    assert "registers" in M.fits(qn, qpe, kv, lim, wkvb, 0.07, config=M.Config(bm=64, num_warps=4))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [dict(), dict(bm=32, bn=32, num_warps=4), dict(bm=64, bn=32, num_warps=8)])
+@pytest.mark.parametrize("config", [dict(), dict(bm=32, bn=32, num_warps=4), dict(bm=64, bn=32, num_warps=8),
+                                    dict(form="heads"), dict(form="heads", bm=64, bn=64)])
 def test_mla_prefill_kernel_on_gpu(config):
-    """Compiled (Triton) against the reference at full float32 precision at Kimi-Linear-48B's 32 heads,
-    512 + 64 latent, a 256-token chunk after a 700-slot prefix and one fresh row with pads; slots past
-    each row's last token poisoned.  Tolerance: MLA_TOL."""
+    """Compiled (Triton), both forms, against the reference at full float32 precision at Kimi-Linear-48B's
+    32 heads, 128 nope / 128 v / 512 + 64 latent, a 256-token chunk after a 700-slot prefix and one fresh
+    row with pads; slots past each row's last token poisoned.  Tolerance: MLA_TOL."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
     from jaxk3.kernels import mla_prefill as M
 
-    ql, qpe, kv, poisoned, limit = _mla_prefill_case(2, 256, 32, 1024, 512, 64, [700, 0], [0, 9])
+    qn, qpe, kv, poisoned, limit, wkvb = _mla_heads_case(2, 256, 32, 1024, 128, 128, 512, 64, [700, 0], [0, 9])
     c = M.Config(**config)
-    got = jax.jit(lambda *a: M.mla_prefill(*a, 0.07, config=c))(ql, qpe, poisoned, limit)
+    got = jax.jit(lambda *a: M.attention_device(*a, 0.07, config=c))(qn, qpe, poisoned, limit, wkvb)
     with jax.default_matmul_precision("highest"):
-        ref = M.latent_attention_prefill(ql, qpe, kv, limit, 0.07)
+        ref = M.attention(qn, qpe, kv, limit, wkvb, 0.07)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=MLA_TOL * float(jnp.abs(ref).max()))
 

@@ -43,10 +43,11 @@ class Config:
     bn 64, 4 warps 2.66 ms (4096-token prompt) and 8.03 ms (8 x 1024 tokens after 3072 slots) against XLA's
     5.25 and 11.94; bm 64 bn 32 8 warps 3.31-3.49 / 10.7-12.4; bm 64 bn 64 8 warps 1 stage 2.93 / 10.4;
     bn 16 slower than XLA."""
-    bm: int = 32  # (token, head) rows per program: the dots' M
+    bm: int = 32  # (token, head) rows per program (form "heads": tokens of one head): the dots' M
     bn: int = 64  # cache slots per inner step
     num_warps: int = 4
     num_stages: int = 2
+    form: str = "absorbed"  # or "heads" (per-head keys and values expanded from the latents; unmeasured)
 
 
 def latent_attention_prefill(ql_BTHR: jax.Array, qpe_BTHP: jax.Array, kv_BSR: jax.Array, limit_BT: jax.Array,
@@ -118,17 +119,117 @@ def mla_prefill(ql_BTHR, qpe_BTHP, kv_BSR, limit_BT, scale: float, config: Confi
     return out[:, :N].reshape(B, T, H, R)
 
 
-def fits(ql_BTHR, qpe_BTHP, kv_BSR, limit_BT, scale, config: Config | None = None, **_) -> str | None:
+def attention(qn_BTHN: jax.Array, qpe_BTHP: jax.Array, kv_BSR: jax.Array, limit_BT: jax.Array, wkvb_HXR: jax.Array,
+              scale: float, **_) -> jax.Array:
+    """The prefill's MLA attention, fp32 [B, T, H, V]: the absorbed query ql = W_UK[h]ᵀ q_nope, the latent
+    attention (`latent_attention_prefill`), then W_UV[h] (W_kvb[h] = [W_UK ; W_UV], fp32 [H, N + V, R]).
+    The jnp reference of `attention_device` (and the CPU path)."""
+    n = qn_BTHN.shape[-1]
+    ql = jnp.einsum("bthn,hnr->bthr", qn_BTHN, wkvb_HXR[:, :n])
+    return jnp.einsum("bthr,hvr->bthv", latent_attention_prefill(ql, qpe_BTHP, kv_BSR, limit_BT, scale),
+                      wkvb_HXR[:, n:])
+
+
+def _heads_kernel(lim_ref, qn_ref, qpe_ref, k_ref, kpe_ref, v_ref, o_ref, *, S: int, H: int, scale: float, c: Config):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    bh, i = pl.program_id(0), pl.program_id(1)
+    b = bh // H
+    rows = pl.ds(pl.multiple_of(i * c.bm, c.bm), c.bm)
+    lim = lim_ref[b, rows]  # int32 [bm]: token t sees slots <= lim
+    qn, qpe = qn_ref[bh, rows], qpe_ref[bh, rows]  # bf16 [bm, N], [bm, P]
+    end = jnp.minimum(jnp.max(lim) + 1, S)
+    steps = (end + c.bn - 1) // c.bn
+    Vd = v_ref.shape[-1]
+
+    def body(j, carry):
+        m, l, acc = carry
+        pos = j * c.bn
+        slot = pos + jnp.arange(c.bn)
+        ok = (slot < end)[:, None]
+        kn = plgpu.load(k_ref.at[bh, pl.ds(pos, c.bn), :], mask=ok, other=0.0)  # bf16 [bn, N]
+        kp = plgpu.load(kpe_ref.at[b, pl.ds(pos, c.bn), :], mask=ok, other=0.0)  # [bn, P], shared by the heads
+        vv = plgpu.load(v_ref.at[bh, pl.ds(pos, c.bn), :], mask=ok, other=0.0)  # [bn, V]
+        s = (_dot_t(qn, kn) + _dot_t(qpe, kp)) * scale
+        s = jnp.where(slot[None, :] <= lim[:, None], s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        corr = jnp.exp(m - m_new)
+        pv = jax.lax.dot_general(p.astype(vv.dtype), vv, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+        return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pv
+
+    init = (jnp.full((c.bm,), NEG, F32), jnp.zeros((c.bm,), F32), jnp.zeros((c.bm, Vd), F32))
+    m, l, acc = jax.lax.fori_loop(0, steps, body, init)
+    o_ref[bh, rows] = acc / l[:, None]
+
+
+def heads_prefill(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale: float, config: Config | None = None,
+                  interpret: bool = False) -> jax.Array:
+    """`attention` with per-head keys W_UK[h] c_s and values W_UV[h] c_s expanded from the latents (bf16,
+    [B·H, S, ·]) and a causal flash kernel per (row, head, token tile): (N + P + V) wide dots per slot
+    instead of the absorbed form's (R + P + R), 1088 -> 320 at Kimi-Linear-48B.  fp32 [B, T, H, V]."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    c = config or Config(form="heads")
+    B, T, H, N = qn_BTHN.shape
+    S, P = kv_BSR.shape[1], qpe_BTHP.shape[-1]
+    R = kv_BSR.shape[-1] - P
+    dt = kv_BSR.dtype
+    lat = kv_BSR[..., :R].astype(F32)
+    k = jnp.einsum("bsr,hnr->bhsn", lat, wkvb_HXR[:, :N]).astype(dt).reshape(B * H, S, N)
+    v = jnp.einsum("bsr,hvr->bhsv", lat, wkvb_HXR[:, N:]).astype(dt).reshape(B * H, S, -1)
+    Vd = v.shape[-1]
+    t = -(-T // c.bm) * c.bm  # tokens padded to whole tiles (padded tokens: limit 0, dropped)
+
+    def heads_first(x):  # [B, T, H, X] -> bf16 [B·H, t, X]
+        x = jnp.moveaxis(x.astype(dt), 2, 1).reshape(B * H, T, -1)
+        return jnp.pad(x, ((0, 0), (0, t - T), (0, 0)))
+
+    lim = jnp.pad(jnp.maximum(limit_BT, 0).astype(jnp.int32), ((0, 0), (0, t - T)))
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
+                                                                        num_stages=c.num_stages))
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    out = pl.pallas_call(
+        functools.partial(_heads_kernel, S=S, H=H, scale=scale, c=c), grid=(B * H, t // c.bm),
+        in_specs=[any_] * 6, out_specs=any_, out_shape=jax.ShapeDtypeStruct((B * H, t, Vd), F32),
+        interpret=interpret, **kw)(lim, heads_first(qn_BTHN), heads_first(qpe_BTHP), k, kv_BSR[..., R:], v)
+    return jnp.moveaxis(out[:, :T].reshape(B, H, T, Vd), 1, 2)
+
+
+def attention_device(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale: float, config: Config | None = None,
+                     interpret: bool = False) -> jax.Array:
+    """`attention` through a kernel: the absorbed flash kernel (`mla_prefill`, the default) or the per-head
+    one (`heads_prefill`, config.form == "heads")."""
     c = config or Config()
-    R, P = ql_BTHR.shape[-1], qpe_BTHP.shape[-1]
+    if c.form == "heads":
+        return heads_prefill(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale, c, interpret)
+    n = qn_BTHN.shape[-1]
+    ql = jnp.einsum("bthn,hnr->bthr", qn_BTHN, wkvb_HXR[:, :n])
+    return jnp.einsum("bthr,hvr->bthv", mla_prefill(ql, qpe_BTHP, kv_BSR, limit_BT, scale, c, interpret),
+                      wkvb_HXR[:, n:])
+
+
+def fits(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale, config: Config | None = None, **_) -> str | None:
+    c = config or Config()
+    P = qpe_BTHP.shape[-1]
+    R, N = kv_BSR.shape[-1] - P, qn_BTHN.shape[-1]
+    V = wkvb_HXR.shape[1] - N
     if kv_BSR.dtype != BF16:
         return (f"mla_prefill kernel runs its dots on the tensor cores over the bf16 cache as stored, got a "
                 f"{jnp.dtype(kv_BSR.dtype).name} cache")
-    for name, v in (("kv_lora_rank", R), ("qk_rope_head_dim", P)):
+    if c.form not in ("absorbed", "heads"):
+        return f"mla_prefill kernel: form must be 'absorbed' or 'heads', got {c.form!r}"
+    widths = (("kv_lora_rank", R), ("qk_rope_head_dim", P)) if c.form == "absorbed" else (
+        ("qk_nope_head_dim", N), ("qk_rope_head_dim", P), ("v_head_dim", V))
+    for name, v in widths:
         if not _pow2(v) or v < 16:
             return f"mla_prefill kernel needs {name} a power of two >= 16 (Triton blocks, tl.dot), got {v}"
     if not (_pow2(c.bm) and _pow2(c.bn)) or c.bm < 16 or c.bn < 16:
         return f"mla_prefill kernel: bm {c.bm} and bn {c.bn} are the dots' M and N/K: powers of two >= 16"
+    if c.form == "heads":
+        return None  # [bm, V] fp32 and [bn, N + P + V] bf16 tiles: far under both limits at these widths
     need = smem_estimate(c.bm, c.bn, R, P)
     if need > SMEM_BYTES:
         return (f"mla_prefill kernel: {c.bm} rows x {c.bn} slots of a {R}+{P} latent need ~{need:,} B of shared "
@@ -140,9 +241,10 @@ def fits(ql_BTHR, qpe_BTHP, kv_BSR, limit_BT, scale, config: Config | None = Non
     return None
 
 
-# Proven on an H200 (2026-12-02, docs/PERF.md): compiled tests at 48B's heads and latent widths passed, and at
-# the preset dims faster than XLA's path in the same run with the default tiles (1.97x at a 4096-token
-# prompt, 1.49x for 8 x 1024 tokens after a 3072-slot prefix).
-register(Kernel("mla_prefill", latent_attention_prefill, mla_prefill, platforms=("gpu",), fits=fits,
+# Proven on an H200 (2026-12-02, docs/PERF.md) in its default, absorbed form: compiled tests at 48B's heads and
+# latent widths passed, and at the preset dims faster than XLA's path in the same run with the default tiles
+# (1.97x at a 4096-token prompt, 1.49x for 8 x 1024 tokens after a 3072-slot prefix).  The per-head form
+# (Config(form="heads")) has run in interpret mode only; auto never takes it (the default config is absorbed).
+register(Kernel("mla_prefill", attention, attention_device, platforms=("gpu",), fits=fits,
                 measured="Kimi-Linear-48B dims: 1.97x XLA at a 4096-token prompt (2.66 vs 5.25 ms), 1.49x at 8 x 1024 "
                          "tokens after 3072 cached (8.03 vs 11.94 ms) (H200, jax 0.11.2, 2026-12-02)"))

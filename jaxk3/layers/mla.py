@@ -187,10 +187,8 @@ def mla_prefill(cfg: KimiK3Config, w: MLAWeights, x_BTD: jax.Array, kv_BSR: jax.
                                                              mode="drop")
     # -- absorbed causal attention: token t sees slots <= its own (a pad token sees slot 0: finite, unused)
     wkvb_HXR = w.kv_b_proj.reshape(-1, n + v, R).astype(F32)
-    ql = jnp.einsum("bthn,hnr->bthr", q_BTHX[..., :n], wkvb_HXR[:, :n])
-    olat = kernels.call("mla_prefill", ql, q_BTHX[..., n:], kv_BSR, jnp.maximum(slot_BT, 0), (n + r) ** -0.5,
-                        mode=kernel_mode(tp))
-    o = jnp.einsum("bthr,hvr->bthv", olat, wkvb_HXR[:, n:])
+    o = kernels.call("mla_prefill", q_BTHX[..., :n], q_BTHX[..., n:], kv_BSR, jnp.maximum(slot_BT, 0), wkvb_HXR,
+                     (n + r) ** -0.5, mode=kernel_mode(tp))
     o_NF = o.reshape(B * T, -1)
     if g is not None:
         o_NF = o_NF * jax.nn.sigmoid(g)

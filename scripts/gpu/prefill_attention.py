@@ -1,9 +1,10 @@
 """The prefill's attention blocks at Kimi-Linear-48B dimensions on one GPU, each against the path it
 replaces, in the same run:
 
-  mla   the absorbed causal attention over the latent cache (32 heads, 512 + 64 latent): the jnp path
-        (`latent_attention_prefill`, XLA: fp32 [B, T, H, S] scores) against the `mla_prefill` kernel's
-        configs; a 4096-token fresh prompt (B = 1) and a 1024-token chunk after a 3072-slot prefix (B = 8)
+  mla   the causal attention over the latent cache (32 heads, 128 nope / 128 v, 512 + 64 latent), W_UK and W_UV
+        included: the jnp path (`attention`, XLA: absorbed, fp32 [B, T, H, S] scores) against the `mla_prefill`
+        kernel's configs in both forms (absorbed; per head, keys and values expanded from the latents); a
+        4096-token fresh prompt (B = 1) and a 1024-token chunk after a 3072-slot prefix (B = 8)
   kda   the chunked delta rule (32 heads, 128 x 128 state): the model's `chunk_delta_rule` (one lax.scan
         step per 64-token chunk, ~35 kernels each) against the all-chunks form tried on 2026-12-02
         (`allchunks_form`: every chunk at once, one product and add per chunk in sequence)
@@ -33,9 +34,9 @@ from jaxk3.kernels import kda_prefill as KP  # noqa: E402
 
 INNER, REPS = 3, 5
 F32 = jnp.float32
-MLA_CONFIGS = [M.Config(), M.Config(bm=64, bn=32, num_warps=8, num_stages=3), M.Config(bm=32, bn=32, num_warps=4),
-               M.Config(bm=64, bn=16, num_warps=8), M.Config(bm=32, bn=64, num_warps=4),
-               M.Config(bm=64, bn=64, num_warps=8, num_stages=1)]
+MLA_CONFIGS = [M.Config(), M.Config(bm=64, bn=64, num_warps=8, num_stages=1), M.Config(bm=32, bn=64, num_warps=4, num_stages=3),
+               M.Config(form="heads"), M.Config(form="heads", bm=64, bn=64), M.Config(form="heads", bm=64, bn=64, num_warps=8),
+               M.Config(form="heads", bm=128, bn=64, num_warps=8), M.Config(form="heads", bm=64, bn=32, num_stages=3)]
 
 
 # The chunked delta rule with every chunk's intra-chunk work at once (jaxk3 at c2c7347, tried on
@@ -150,24 +151,26 @@ def run_paths(paths, args, label, log, rows):
 
 
 def mla_cases(log, rows):
-    H, R, P, scale = 32, 512, 64, (128 + 64) ** -0.5
+    H, N, V, R, P, scale = 32, 128, 128, 512, 64, (128 + 64) ** -0.5
     for B, T, prefix in ((1, 4096, 0), (8, 1024, 3072)):
         S = prefix + T
         r = np.random.default_rng(B)
-        ql = jnp.asarray(r.standard_normal((B, T, H, R)) * 0.05, F32)  # scores of O(1) at these widths
+        qn = jnp.asarray(r.standard_normal((B, T, H, N)) * 0.3, F32)  # scores of O(1) at these widths
         qpe = jnp.asarray(r.standard_normal((B, T, H, P)) * 0.05, F32)
         kv = jnp.asarray(r.standard_normal((B, S, R + P)), jnp.bfloat16)
+        wkvb = jnp.asarray(r.standard_normal((H, N + V, R)) * R ** -0.5, F32)
         limit = jnp.asarray(np.broadcast_to(prefix + np.arange(T), (B, T)), jnp.int32)
-        flops = 2.0 * B * H * sum(prefix + t + 1 for t in range(T)) * (R + P + R)
-        paths = [("xla (latent_attention_prefill)", jax.jit(lambda *a: M.latent_attention_prefill(*a, scale)))]
+        pairs = B * H * sum(prefix + t + 1 for t in range(T))
+        paths = [("xla (attention: absorbed, fp32 scores)", jax.jit(lambda *a: M.attention(*a, scale)))]
         for c in MLA_CONFIGS:
-            why = M.fits(ql, qpe, kv, limit, scale, config=c)
+            why = M.fits(qn, qpe, kv, limit, wkvb, scale, config=c)
             if why:
                 log(f"mla B {B} T {T}: {c} skipped ({why})")
                 continue
-            paths.append((f"kernel {c}", jax.jit(lambda *a, c=c: M.mla_prefill(*a, scale, config=c))))
-        label = f"mla B {B} T {T} prefix {prefix} ({flops / 1e9:.0f} GFLOP causal)"
-        run_paths(paths, (ql, qpe, kv, limit), label, log, rows)
+            paths.append((f"kernel {c}", jax.jit(lambda *a, c=c: M.attention_device(*a, scale, config=c))))
+        label = (f"mla B {B} T {T} prefix {prefix} ({2 * pairs * (R + P + R) / 1e9:.0f} GFLOP absorbed, "
+                 f"{2 * pairs * (N + P + V) / 1e9:.0f} per head)")
+        run_paths(paths, (qn, qpe, kv, limit, wkvb), label, log, rows)
 
 
 def kda_cases(log, rows):

@@ -188,14 +188,22 @@ def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, b
     if S % bs or S % split or split % bs:
         return (f"mla_decode kernel needs the cache length {S} a multiple of the split {split}, itself a multiple "
                 f"of the {bs}-slot block")
-    need = smem_estimate(Hb, bs, R, P)
+    return tile_limits("mla_decode", f"{Hb} heads", Hb, bs, R, P, num_warps, "smaller block_h / block_s",
+                       "fewer heads per group or more warps")
+
+
+def tile_limits(kernel: str, rows: str, m: int, bs: int, R: int, P: int, num_warps: int, smem_hint: str,
+                regs_hint: str) -> str | None:
+    """Why an m-row x bs-slot tiling of a R + P latent does not fit an sm_90 block (None: it does): the shared
+    memory of `smem_estimate`, and the fp32 [m, R] accumulator's registers per thread over `num_warps` warps."""
+    need = smem_estimate(m, bs, R, P)
     if need > SMEM_BYTES:
-        return (f"mla_decode kernel: {Hb} heads x {bs} slots of a {R}+{P} latent need ~{need:,} B of shared "
-                f"memory, more than the {SMEM_BYTES:,} B a block has (smaller block_h / block_s)")
-    regs = Hb * R // (32 * num_warps)
+        return (f"{kernel} kernel: {rows} x {bs} slots of a {R}+{P} latent need ~{need:,} B of shared memory, "
+                f"more than the {SMEM_BYTES:,} B a block has ({smem_hint})")
+    regs = m * R // (32 * num_warps)
     if regs > ACC_REGS:
-        return (f"mla_decode kernel: the fp32 accumulator of {Hb} heads x {R} takes {regs} registers per thread "
-                f"with {num_warps} warps, over {ACC_REGS} (fewer heads per group or more warps)")
+        return (f"{kernel} kernel: the fp32 accumulator of {rows} x {R} takes {regs} registers per thread with "
+                f"{num_warps} warps, over {ACC_REGS} ({regs_hint})")
     return None
 
 

@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels.mla_decode import ACC_REGS, NEG, SMEM_BYTES, _dot_t, _pow2, smem_estimate
+from jaxk3.kernels.mla_decode import NEG, _dot_t, _pow2, tile_limits
 from jaxk3.kernels.registry import Kernel, register
 
 F32 = jnp.float32
@@ -63,6 +63,16 @@ def latent_attention_prefill(ql_BTHR: jax.Array, qpe_BTHP: jax.Array, kv_BSR: ja
     return jnp.einsum("bths,bsr->bthr", p, c[..., :R])
 
 
+def _softmax_step(m, l, acc, s, val):
+    """One slot block of the online softmax: running max m [bm], sum l [bm] and acc [bm, X] (fp32) after the
+    masked scores s [bm, bn] (fp32; NEG where masked) and their values val [bn, X] (bf16: p rounded to it)."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp(s - m_new[:, None])
+    corr = jnp.exp(m - m_new)
+    pv = jax.lax.dot_general(p.astype(val.dtype), val, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+    return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pv
+
+
 def _kernel(lim_ref, ql_ref, qpe_ref, kv_ref, o_ref, *, R: int, P: int, S: int, scale: float, c: Config):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
@@ -82,12 +92,7 @@ def _kernel(lim_ref, ql_ref, qpe_ref, kv_ref, o_ref, *, R: int, P: int, S: int, 
         cv = plgpu.load(kv_ref.at[b, pl.ds(pos, c.bn), pl.ds(0, R)], mask=ok[:, None], other=0.0)  # bf16 [bn, R]
         kpe = plgpu.load(kv_ref.at[b, pl.ds(pos, c.bn), pl.ds(R, P)], mask=ok[:, None], other=0.0)
         s = (_dot_t(ql, cv) + _dot_t(qpe, kpe)) * scale  # fp32 [bm, bn]
-        s = jnp.where(slot[None, :] <= lim[:, None], s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp(s - m_new[:, None])
-        corr = jnp.exp(m - m_new)
-        pc = jax.lax.dot_general(p.astype(cv.dtype), cv, (((1,), (0,)), ((), ())), preferred_element_type=F32)
-        return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pc
+        return _softmax_step(m, l, acc, jnp.where(slot[None, :] <= lim[:, None], s, NEG), cv)
 
     init = (jnp.full((c.bm,), NEG, F32), jnp.zeros((c.bm,), F32), jnp.zeros((c.bm, R), F32))
     m, l, acc = jax.lax.fori_loop(0, steps, body, init)
@@ -152,12 +157,7 @@ def _heads_kernel(lim_ref, qn_ref, qpe_ref, k_ref, kpe_ref, v_ref, o_ref, *, S: 
         kp = plgpu.load(kpe_ref.at[b, pl.ds(pos, c.bn), :], mask=ok, other=0.0)  # [bn, P], shared by the heads
         vv = plgpu.load(v_ref.at[bh, pl.ds(pos, c.bn), :], mask=ok, other=0.0)  # [bn, V]
         s = (_dot_t(qn, kn) + _dot_t(qpe, kp)) * scale
-        s = jnp.where(slot[None, :] <= lim[:, None], s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp(s - m_new[:, None])
-        corr = jnp.exp(m - m_new)
-        pv = jax.lax.dot_general(p.astype(vv.dtype), vv, (((1,), (0,)), ((), ())), preferred_element_type=F32)
-        return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pv
+        return _softmax_step(m, l, acc, jnp.where(slot[None, :] <= lim[:, None], s, NEG), vv)
 
     init = (jnp.full((c.bm,), NEG, F32), jnp.zeros((c.bm,), F32), jnp.zeros((c.bm, Vd), F32))
     m, l, acc = jax.lax.fori_loop(0, steps, body, init)
@@ -228,17 +228,11 @@ def fits(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale, config: Config | 
             return f"mla_prefill kernel needs {name} a power of two >= 16 (Triton blocks, tl.dot), got {v}"
     if not (_pow2(c.bm) and _pow2(c.bn)) or c.bm < 16 or c.bn < 16:
         return f"mla_prefill kernel: bm {c.bm} and bn {c.bn} are the dots' M and N/K: powers of two >= 16"
-    if c.form == "heads":
-        return None  # [bm, V] fp32 and [bn, N + P + V] bf16 tiles: far under both limits at these widths
-    need = smem_estimate(c.bm, c.bn, R, P)
-    if need > SMEM_BYTES:
-        return (f"mla_prefill kernel: {c.bm} rows x {c.bn} slots of a {R}+{P} latent need ~{need:,} B of shared "
-                f"memory, more than the {SMEM_BYTES:,} B a block has (smaller bm / bn)")
-    regs = c.bm * R // (32 * c.num_warps)
-    if regs > ACC_REGS:
-        return (f"mla_prefill kernel: the fp32 accumulator of {c.bm} rows x {R} takes {regs} registers per thread "
-                f"with {c.num_warps} warps, over {ACC_REGS} (smaller bm or more warps)")
-    return None
+    if c.form == "heads":  # the same bounds with the per-head widths: keys N + P wide, values and output V
+        return tile_limits("mla_prefill", f"{c.bm} rows", c.bm, c.bn, max(N, V), P, c.num_warps, "smaller bm / bn",
+                           "smaller bm or more warps")
+    return tile_limits("mla_prefill", f"{c.bm} rows", c.bm, c.bn, R, P, c.num_warps, "smaller bm / bn",
+                       "smaller bm or more warps")
 
 
 # Proven on an H200 (2026-12-02, docs/PERF.md) in its default, absorbed form: compiled tests at 48B's heads and

@@ -41,37 +41,6 @@ MLA_CONFIGS = [M.Config(), M.Config(bm=64, bn=64, num_warps=8, num_stages=1), M.
 
 # The chunked delta rule with every chunk's intra-chunk work at once (jaxk3 at c2c7347, tried on
 # 2026-12-02 and not kept: 1.64x faster than the scan form alone, 4x slower inside the 48B prefill).
-def _decayed_pairs(L_nCK: jax.Array, R_nCK: jax.Array, G_nCK: jax.Array, sub: int, strict: bool) -> jax.Array:
-    """P[t, s] = Σ_c L_t[c] R_s[c] e^{Γ_t[c] − Γ_s[c]} for s ≤ t (s < t if `strict`), else 0, per chunk:
-    [..., C, K] operands -> [..., C, C], fp32.  Γ is non-increasing along the chunk (g ≤ 0), so every
-    true factor is ≤ 1, but e^{Γ_t} e^{−Γ_s} taken apart can overflow; so the chunk goes in sub-chunks
-    of `sub` tokens.  A block of sub-chunk i against an earlier one factors through Γ_r, Γ at the last
-    token before sub-chunk i: e^{Γ_t − Γ_s} = e^{Γ_t − Γ_r} e^{Γ_r − Γ_s}, both factors ≤ 1 (t > r ≥ s),
-    so those blocks are plain matrix products; the diagonal blocks take the pairwise form (exact, sub²·K
-    exponentials per sub-chunk)."""
-    *lead, C, K = L_nCK.shape
-    m = C // sub
-    Ls, Gs = (a.reshape(*lead, m, sub, K) for a in (L_nCK, G_nCK))
-    Rs = R_nCK.reshape(*lead, m, sub, K)
-    # diagonal blocks: [..., m, t, s]
-    tri = jnp.tril(jnp.ones((sub, sub), bool), -1 if strict else 0)
-    diff = Gs[..., :, None, :] - Gs[..., None, :, :]
-    decay = jnp.exp(jnp.where(tri[:, :, None], diff, -jnp.inf))
-    diag = jnp.einsum("...tc,...sc,...tsc->...ts", Ls, Rs, decay)
-    if m == 1:
-        return diag.reshape(*lead, C, C)
-    # blocks below the diagonal: reference Γ_r of sub-chunk i = Γ at token i·sub − 1 (0 before the chunk)
-    G_ref = jnp.concatenate([jnp.zeros_like(Gs[..., :1, 0, :]), Gs[..., :-1, -1, :]], -2)  # [..., m, K]
-    Lq = Ls * jnp.exp(Gs - G_ref[..., :, None, :])  # [..., m(i), sub(t), K], ≤ |L|
-    before = jnp.arange(C)[None, :] < (jnp.arange(m) * sub)[:, None]  # [m(i), C(s)]: s before sub-chunk i
-    expo = jnp.where(before[:, :, None], G_ref[..., :, None, :] - G_nCK[..., None, :, :], -jnp.inf)
-    Rk = R_nCK[..., None, :, :] * jnp.exp(expo)  # [..., m(i), C(s), K]
-    off = jnp.einsum("...itc,...isc->...its", Lq, Rk).reshape(*lead, C, C)
-    eye = jnp.eye(m, dtype=bool)[:, None, :, None]  # place the diagonal blocks
-    blocks = jnp.where(eye, diag[..., :, :, None, :], 0.0)  # [..., m(i), t, m(j), s]
-    return off + blocks.reshape(*lead, C, C)
-
-
 def allchunks_form(q_BHTK: jax.Array, k_BHTK: jax.Array, v_BHTV: jax.Array, g_BHTK: jax.Array,
                      beta_BHT: jax.Array, state_BHKV: jax.Array, chunk: int = 64, sub: int = 16
                      ) -> tuple[jax.Array, jax.Array]:
@@ -108,8 +77,8 @@ def allchunks_form(q_BHTK: jax.Array, k_BHTK: jax.Array, v_BHTV: jax.Array, g_BH
     G = jnp.cumsum(g, axis=3)
     eG = jnp.exp(G)
     G_C = G[:, :, :, -1:, :]  # [B,H,n,1,K]
-    A = beta * _decayed_pairs(k, k, G, c, strict=True)
-    M = _decayed_pairs(q, k, G, c, strict=False)
+    A = beta * KP._decayed_pairs(k, k, G, c, strict=True)
+    M = KP._decayed_pairs(q, k, G, c, strict=False)
     W = KP._unit_lower_inverse(A)
     U0 = jnp.einsum("bhnts,bhnsv->bhntv", W, beta * v)
     Wk = jnp.einsum("bhnts,bhnsk->bhntk", W, beta * eG * k)

@@ -437,7 +437,10 @@ def _kda_prefill_case(B: int, H: int, T: int, K: int, V: int, gate: float, seed:
     return tuple(jnp.asarray(a, jnp.float32) for a in args)
 
 
-@pytest.mark.parametrize("T,chunk,gate,block_v", [(128, 64, 0.3, 16), (96, 32, 20.0, 32)])
+# the first case is slow (the newest-jax suite leaves it to the first): the second takes the same paths
+# (several chunks of several sub-chunks, two value blocks) with the strong gates
+@pytest.mark.parametrize("T,chunk,gate,block_v", [pytest.param(128, 64, 0.3, 16, marks=pytest.mark.slow),
+                                                  (96, 32, 20.0, 32)])
 def test_kda_prefill_kernel_matches_reference(T, chunk, gate, block_v):
     """Interpret mode (every chunk's operands at once, then the state pass kernel) against the per-chunk
     scan form: two chunks of four sub-chunks, three of two with gates of -20 per step (an e^{-Γ} taken
@@ -513,11 +516,14 @@ def _mla_prefill_case(B: int, T: int, H: int, S: int, R: int, P: int, prefix, pa
     return (ql, qpe, jnp.asarray(kv, jnp.bfloat16), jnp.asarray(poisoned, jnp.bfloat16), jnp.asarray(limit))
 
 
+# slow (the newest-jax suite leaves them to the first): test_mla_prefill_attention_forms[absorbed] takes the
+# same kernel's every path (prefixes, pads, poisoned slots, rows over token edges) on that jax
 @pytest.mark.parametrize("B,T,H,S,R,P,prefix,pads,config", [
-    (1, 8, 16, 64, 64, 16, [0], [0], dict(bm=16, bn=16)),  # a fresh prompt: token t sees slots 0..t
-    (3, 16, 3, 128, 64, 16, [0, 40, 100], [0, 5, 15], dict(bm=32, bn=32)),  # prefixes, left pads, rows
-    #                                                                       over token edges (3 heads)
-    (2, 32, 8, 256, 512, 64, [200, 0], [3, 0], dict(bm=64, bn=32, num_warps=8)),  # the real latent widths
+    pytest.param(1, 8, 16, 64, 64, 16, [0], [0], dict(bm=16, bn=16), marks=pytest.mark.slow),  # a fresh prompt
+    pytest.param(3, 16, 3, 128, 64, 16, [0, 40, 100], [0, 5, 15], dict(bm=32, bn=32),  # prefixes, left pads,
+                 marks=pytest.mark.slow),  # rows over token edges (3 heads)
+    pytest.param(2, 32, 8, 256, 512, 64, [200, 0], [3, 0], dict(bm=64, bn=32, num_warps=8),  # real latent widths
+                 marks=pytest.mark.slow),
 ])
 def test_mla_prefill_kernel_matches_reference(B, T, H, S, R, P, prefix, pads, config):
     """The absorbed kernel in interpret mode against `latent_attention_prefill` (float32) with every slot past

@@ -442,8 +442,8 @@ def _kda_prefill_case(B: int, H: int, T: int, K: int, V: int, gate: float, seed:
 @pytest.mark.parametrize("T,chunk,gate,block_v", [pytest.param(128, 64, 0.3, 16, marks=pytest.mark.slow),
                                                   (96, 32, 20.0, 32)])
 def test_kda_prefill_kernel_matches_reference(T, chunk, gate, block_v):
-    """Interpret mode (every chunk's operands at once, then the state pass kernel) against the per-chunk
-    scan form: two chunks of four sub-chunks, three of two with gates of -20 per step (an e^{-Γ} taken
+    """Interpret mode (the intra-chunk kernel's W and M, the rest of every chunk's operands at once, then the
+    state pass kernel) against the per-chunk scan form: two chunks of four sub-chunks, three of two with gates of -20 per step (an e^{-Γ} taken
     alone would overflow fp32), value columns over two programs.  Tolerance 2e-5 of
     max|ref|: the same fp32 products in another order (the two forms agree with a float64 recurrence
     within 5e-6, tests/test_layers.py); a lost state carry or decay moves the output by >= 1e-2 of it."""
@@ -458,8 +458,12 @@ def test_kda_prefill_kernel_matches_reference(T, chunk, gate, block_v):
         got, ref = np.asarray(got), np.asarray(ref)
         assert got.shape == ref.shape and np.isfinite(got).all()
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
-    # the kernel alone against its jnp form on the same operands
+    # each kernel alone against its jnp form on the same operands: the intra-chunk W and M (exact pairwise)
+    # against the batched XLA products (sub-chunk factors), the state pass against its scan
     ops = KP.chunk_operands(*args[:5], chunk)
+    ops_k = KP.chunk_operands(*args[:5], chunk, intra="kernel", interpret=True)
+    for got, ref in ((ops_k.W, ops.W), (ops_k.M, ops.M)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=1e-5 * float(jnp.abs(ref).max()))
     for got, ref in zip(KP.state_pass(ops, args[5], c, interpret=True), KP.state_pass_reference(ops, args[5])):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=1e-5 * float(jnp.abs(ref).max()))
 
@@ -476,13 +480,14 @@ def test_kda_prefill_fits_and_selection():
     assert "value head dim a power of two" in KP.fits(q, q, s((1, 32, 4096, 96), jnp.float32), q, b, st)
     assert "block_v 64 must divide" in KP.fits(q, q, s((1, 32, 4096, 32), jnp.float32), q, b, st,
                                                config=KP.Config(block_v=64))
+    assert "intra must be" in KP.fits(q, q, v, q, b, st, config=KP.Config(intra="pallas"))
     assert "unproven" in kernels.explain("kda_prefill", q, q, v, q, b, st, platform="gpu")
     assert kernels.explain("kda_prefill", q, q, v, q, b, st, platform="gpu", mode="on").startswith("device")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_v", [32, 16])
-def test_kda_prefill_kernel_on_gpu(block_v):
+@pytest.mark.parametrize("block_v,intra", [(32, "kernel"), (16, "kernel"), (32, "xla")])
+def test_kda_prefill_kernel_on_gpu(block_v, intra):
     """Compiled (Triton, IEEE fp32 dots) at Kimi-Linear-48B's 32 heads x 128 x 128, 512 tokens in chunks of 64,
     against the scan form at full float32 precision.  Tolerance 1e-4 of max|ref| (fp32 over 8 chunks of
     carried state; TF32 anywhere would show as ~1e-3)."""
@@ -491,7 +496,7 @@ def test_kda_prefill_kernel_on_gpu(block_v):
     from jaxk3.kernels import kda_prefill as KP
 
     args = _kda_prefill_case(1, 32, 512, 128, 128, 0.3)
-    got = jax.jit(lambda *a: KP.chunked(*a, chunk=64, config=KP.Config(block_v=block_v)))(*args)
+    got = jax.jit(lambda *a: KP.chunked(*a, chunk=64, config=KP.Config(block_v=block_v, intra=intra)))(*args)
     with jax.default_matmul_precision("highest"):
         ref = jax.jit(lambda *a: KP.chunk_delta_rule(*a, chunk=64))(*args)
     for g, r in zip(got, ref):

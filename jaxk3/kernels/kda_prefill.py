@@ -6,9 +6,10 @@ decays, its (I + A)⁻¹ and its outputs, about 35 XLA kernels, one chunk after 
 H200 inside the Kimi-Linear-48B prefill: 5.9 ms per layer at 4096 tokens, 60% of the prompt's device
 time; docs/PERF.md).  But only the state S depends on the previous chunk: everything else of a chunk
 (Γ, A, M, W = (I + A)⁻¹ and the decayed q, k) is known from its own tokens.  So the device path
-(`chunked`) computes those for every chunk at once (`chunk_operands`: batched XLA products, A and M from
-sub-chunks with their own reference points, `_decayed_pairs`), and one kernel (`state_pass`) walks the
-chunks in order per (row, head, block of value columns), with S in registers:
+(`chunked`) computes those for every chunk at once (`chunk_operands`: W and M from the `intra_chunk`
+kernel, a program per chunk, or from batched XLA products with sub-chunk reference points,
+`_decayed_pairs`; the rest elementwise), and one kernel (`state_pass`) walks the chunks in order per
+(row, head, block of value columns), with S in registers:
 
     rhs = β ⊙ v − (β ⊙ e^Γ ⊙ k) S            [C, bv]
     u   = W rhs                              [C, bv]
@@ -137,8 +138,11 @@ class ChunkOperands:
     gC: jax.Array  # [BH, n, K]  e^{Γ_C} per chunk
 
 
-def chunk_operands(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, chunk: int, sub: int = 16) -> ChunkOperands:
-    """Every chunk's own part of the chunked delta rule (see the module docstring), batched over chunks."""
+def chunk_operands(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, chunk: int, sub: int = 16, intra: str = "xla",
+                   interpret: bool = False) -> ChunkOperands:
+    """Every chunk's own part of the chunked delta rule (see the module docstring), batched over chunks.
+    W and M come from batched XLA products (`intra="xla"`: `_decayed_pairs`, `_unit_lower_inverse`) or from
+    the `intra_chunk` kernel (`intra="kernel"`: the exact pairwise form, one program per chunk)."""
     B, H, T, K = q_BHTK.shape
     C = min(chunk, T)
     n = T // C
@@ -148,16 +152,64 @@ def chunk_operands(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, chunk: int, sub: in
     G = jnp.cumsum(g, axis=3)
     eG = jnp.exp(G)
     G_C = G[:, :, :, -1:, :]
-    A = beta * _decayed_pairs(k, k, G, c, strict=True)
-    M = _decayed_pairs(q, k, G, c, strict=False)
-    W = _unit_lower_inverse(A)
 
     def rows(a):
         return a.reshape(B * H, T, a.shape[-1])
 
-    return ChunkOperands(W=rows(W), M=rows(M), kg=rows(beta * eG * k), qg=rows(eG * q),
+    if intra == "kernel":
+        W, M = intra_chunk(rows(q), rows(k), rows(G), beta.reshape(B * H, T), C, interpret)
+    else:
+        A = beta * _decayed_pairs(k, k, G, c, strict=True)
+        W, M = rows(_unit_lower_inverse(A)), rows(_decayed_pairs(q, k, G, c, strict=False))
+    return ChunkOperands(W=W, M=M, kg=rows(beta * eG * k), qg=rows(eG * q),
                          kd=rows(jnp.exp(G_C - G) * k), bv=rows(beta * v),
                          gC=jnp.exp(G_C[:, :, :, 0, :]).reshape(B * H, n, K))
+
+
+def _intra_kernel(q_ref, k_ref, kT_ref, G_ref, GT_ref, beta_ref, W_ref, M_ref, *, C: int, K: int):
+    from jax.experimental import pallas as pl
+
+    bh, j = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(pl.multiple_of(j * C, C), C)
+    t = jnp.arange(C)[:, None]
+    s = jnp.arange(C)[None, :]
+
+    def body(ch, AM):  # key channel ch: its rank-one part of A and M, exact decays e^{Γ_t − Γ_s} (s <= t)
+        A, M = AM
+        col = pl.ds(ch, 1)
+        Gt, Gs = G_ref[bh, rows, col], GT_ref[bh, col, rows]  # [C, 1], [1, C]
+        decay = jnp.exp(jnp.where(s <= t, Gt - Gs, -jnp.inf))  # [C, C], <= 1
+        ks = kT_ref[bh, col, rows] * decay  # k_s e^{Γ_t − Γ_s}
+        return A + k_ref[bh, rows, col] * ks, M + q_ref[bh, rows, col] * ks
+
+    zero = jnp.zeros((C, C), F32)
+    A, M = lax.fori_loop(0, K, body, (zero, zero))
+    A = jnp.where(s < t, A, 0.0) * beta_ref[bh, rows][:, None]  # strictly lower, row t scaled by β_t
+    eye = jnp.where(s == t, 1.0, 0.0).astype(F32)
+    P = -A  # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…: A is nilpotent
+    inv = eye + P
+    for _ in range(max(0, (C - 1).bit_length() - 1)):
+        P = _dot(P, P)
+        inv = _dot(inv, eye + P)
+    W_ref[bh, rows, :] = inv
+    M_ref[bh, rows, :] = M
+
+
+def intra_chunk(q_NTK, k_NTK, G_NTK, beta_NT, C: int, interpret: bool = False,
+                num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
+    """(W, M) [N, T, C] of every chunk as one Pallas kernel, a program per (row·head, chunk): A and M in
+    the exact pairwise form (one channel at a time: [C, C] exponentials of Γ_t − Γ_s ≤ 0, never of a
+    positive sum), then (I + A)⁻¹ by log2(C) squarings; IEEE fp32 dots.  Γ = the within-chunk cumsum."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    N, T, K = q_NTK.shape
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
+    return pl.pallas_call(
+        functools.partial(_intra_kernel, C=C, K=K), grid=(N, T // C), in_specs=[any_] * 6, out_specs=[any_] * 2,
+        out_shape=(jax.ShapeDtypeStruct((N, T, C), F32),) * 2, interpret=interpret, **kw,
+    )(q_NTK, k_NTK, jnp.swapaxes(k_NTK, 1, 2), G_NTK, jnp.swapaxes(G_NTK, 1, 2), beta_NT)
 
 
 def state_pass_reference(ops: ChunkOperands, state_BHKV: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -203,9 +255,10 @@ def _state_kernel(W_ref, M_ref, kg_ref, qg_ref, kd_ref, bv_ref, gC_ref, S0_ref, 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    block_v: int = 32  # value columns per program
+    block_v: int = 32  # value columns per program of the state pass
     num_warps: int = 4
     num_stages: int = 2
+    intra: str = "kernel"  # W and M: "kernel" (intra_chunk) or "xla" (batched products, chunk_operands)
 
 
 def state_pass(ops: ChunkOperands, state_BHKV: jax.Array, config: Config | None = None,
@@ -232,7 +285,9 @@ def chunked(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, state_BHKV, chunk: int = 6
             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """`chunk_delta_rule`'s function: every chunk's operands at once, then the state pass kernel."""
     B, H, T, _ = q_BHTK.shape
-    o, S = state_pass(chunk_operands(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, chunk), state_BHKV, config, interpret)
+    c = config or Config()
+    ops = chunk_operands(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, chunk, intra=c.intra, interpret=interpret)
+    o, S = state_pass(ops, state_BHKV, c, interpret)
     return o.reshape(B, H, T, -1), S.reshape(state_BHKV.shape)
 
 
@@ -252,6 +307,8 @@ def fits(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, state_BHKV, chunk: int = 64, 
         return f"kda_prefill kernel needs T = {T} a multiple of the chunk {C}"
     if V % c.block_v:
         return f"kda_prefill kernel: block_v {c.block_v} must divide the value head dim {V}"
+    if c.intra not in ("kernel", "xla"):
+        return f"kda_prefill kernel: intra must be 'kernel' or 'xla', got {c.intra!r}"
     return None
 
 

@@ -154,14 +154,18 @@ def kda_cases(log, rows):
                 jnp.asarray(r.uniform(0, 1, (B, H, T)), F32), jnp.zeros((B, H, K, K), F32))
         paths = [("chunk_delta_rule (XLA: a scan step per chunk)", jax.jit(KP.chunk_delta_rule)),
                  ("all-chunks form (tried)", jax.jit(allchunks_form)),
-                 ("kda_prefill kernel (operands at once + the state pass)", jax.jit(KP.chunked)),
-                 ("  its operands alone (XLA)", jax.jit(lambda *a: KP.chunk_operands(*a[:5], 64).W))]
+                 ("kda_prefill kernel (intra-chunk kernel + the state pass)", jax.jit(KP.chunked)),
+                 ("kda_prefill kernel, W and M from XLA + the state pass",
+                  jax.jit(lambda *a: KP.chunked(*a, config=KP.Config(intra="xla")))),
+                 ("  its operands alone, intra-chunk kernel", jax.jit(lambda *a: KP.chunk_operands(*a[:5], 64,
+                                                                                                  intra="kernel").W)),
+                 ("  its operands alone, XLA", jax.jit(lambda *a: KP.chunk_operands(*a[:5], 64).W))]
         ops = jax.jit(lambda *a: KP.chunk_operands(*a[:5], 64))(*args)
         for bv, w in ((32, 4), (16, 4), (64, 4), (32, 8)):
             c = KP.Config(block_v=bv, num_warps=w)
             paths.append((f"  its state pass alone {c}", jax.jit(lambda o, s, c=c: KP.state_pass(o, s, c)[0])))
-        run_paths(paths[:4], args, f"kda B {B} T {T}", log, rows)
-        run_paths(paths[4:], (ops, args[5]), f"kda B {B} T {T}", log, rows)
+        run_paths(paths[:6], args, f"kda B {B} T {T}", log, rows)
+        run_paths(paths[6:], (ops, args[5]), f"kda B {B} T {T}", log, rows)
 
 
 def main(argv=None) -> int:

@@ -204,8 +204,8 @@ def test_moe_grouped_align():
 
 
 @pytest.mark.parametrize("fmt,fused", [("dense", False), ("dense", True), ("mxfp4", True)])
-@pytest.mark.parametrize("N,order", [(5, "m"), (13, "n")])
-def test_moe_grouped_kernel_matches_reference(fmt, fused, N, order):
+@pytest.mark.parametrize("N,order,gather", [(5, "m", False), (13, "n", True)])
+def test_moe_grouped_kernel_matches_reference(fmt, fused, N, order, gather):
     """Interpret mode against the dense form (the reference, today's prefill path) and the ragged_dot
     form.  Tolerance 4e-3 of max|ref|: bf16 operands and fp32 sums on every path, but in another
     order, and the [N, I] activations are rounded to bf16 from those sums, so single elements may
@@ -214,7 +214,7 @@ def test_moe_grouped_kernel_matches_reference(fmt, fused, N, order):
     from jaxk3.kernels import moe_grouped as G
 
     cfg, w, z, wk, ids = _grouped_case(fmt, N, fused)
-    c = G.Config(bm=16, bn=32, bk=32, order=order)
+    c = G.Config(bm=16, bn=32, bk=32, order=order, gather=gather)
     assert G.fits(cfg, w, z, wk, ids, config=c) is None
     got = np.asarray(G.grouped(cfg, w, z, wk, ids, config=c, interpret=True))
     for ref in (G.experts_dense(cfg, w, z, wk, ids), G.experts_grouped(cfg, w, z, wk, ids)):
@@ -243,16 +243,16 @@ def test_moe_grouped_selection():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,fused", [("dense", False), ("dense", True), ("mxfp4", True)])
-@pytest.mark.parametrize("order", ["m", "n"])
-def test_moe_grouped_kernel_on_gpu(fmt, fused, order):
+@pytest.mark.parametrize("order,gather", [("m", False), ("n", False), ("n", True)])
+def test_moe_grouped_kernel_on_gpu(fmt, fused, order, gather):
     """The compiled kernels (Triton) on a GPU against the dense form, tolerance as in interpret mode,
-    with either grid order."""
+    with either grid order, the inputs sorted or gathered by the kernel."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
     from jaxk3.kernels import moe_grouped as G
 
     cfg, w, z, wk, ids = _grouped_case(fmt, 13, fused)
-    c = G.Config(bm=16, bn=32, bk=32, order=order)
+    c = G.Config(bm=16, bn=32, bk=32, order=order, gather=gather)
     got = np.asarray(jax.jit(lambda *a: G.grouped(cfg, *a, config=c))(w, z, wk, ids))
     ref = np.asarray(G.experts_dense(cfg, w, z, wk, ids))
     np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())

@@ -123,6 +123,7 @@ class Config:
     num_stages: int = 3
     order: str = "m"  # the grid's fastest axis: "m", the row blocks (programs at once share a weight tile);
     #                   "n", the output tiles (programs at once share a row block's input)
+    gather: bool = False  # gate|up reads its rows from z by index (no sorted copy of the inputs; unmeasured)
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
@@ -181,7 +182,7 @@ def _grid(c: Config, blocks: int, tiles: int) -> tuple[int, int]:
     return (blocks, tiles) if c.order == "m" else (tiles, blocks)
 
 
-def _gate_up_kernel(expert_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Config, steps: int, off3: int,
+def _gate_up_kernel(expert_ref, src_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Config, steps: int, off3: int,
                     act_fn):
     from jax.experimental import pallas as pl
 
@@ -193,10 +194,11 @@ def _gate_up_kernel(expert_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Config, step
         rows = pl.ds(pl.multiple_of(b * c.bm, c.bm), c.bm)
         g_rows = pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)
         u_rows = pl.ds(pl.multiple_of(off3 + n * c.bn, c.bn), c.bn)
+        x_rows = src_ref[rows] if c.gather else rows  # gather: the block's tokens (N: the zero row)
 
         def body(i, acc):
             ks = pl.ds(pl.multiple_of(i * c.bk, c.bk), c.bk)
-            x = x_ref[rows, ks]
+            x = x_ref[x_rows, ks]
             return acc[0] + _dot_nt(x, w1_ref[e, g_rows, ks]), acc[1] + _dot_nt(x, w3_ref[e, u_rows, ks])
 
         zero = jnp.zeros((c.bm, c.bn), F32)
@@ -237,12 +239,13 @@ def _shapes(w) -> tuple[int, int, int]:
 
 
 def prepare(w, z_NL: jax.Array, ids_Nk: jax.Array, c: Config):
-    """The block-aligned operands: (pos_Nk, expert_B, xs [M, L] the inputs in sorted, padded order)."""
+    """The block-aligned operands: (pos_Nk, expert_B, src_M, xs), xs the inputs in sorted, padded order
+    [M, L] (padding rows 0), or with `c.gather` z itself and a zero row [N + 1, L] (the kernel gathers)."""
     E, _, L = _shapes(w)
     pos, src, expert = align(ids_Nk, E, c.bm)
     dt = compute_dtype(w, z_NL)
-    xs = jnp.concatenate([z_NL.astype(dt), jnp.zeros((1, L), dt)])[src]  # padding rows 0
-    return pos, expert, xs
+    z = jnp.concatenate([z_NL.astype(dt), jnp.zeros((1, L), dt)])
+    return pos, expert, src, (z if c.gather else z[src])
 
 
 def _params(c: Config, interpret: bool) -> dict:
@@ -252,9 +255,9 @@ def _params(c: Config, interpret: bool) -> dict:
                                                                           num_stages=c.num_stages))
 
 
-def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, xs_ML: jax.Array, c: Config,
+def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: jax.Array, c: Config,
             interpret: bool = False) -> jax.Array:
-    """Kernel 1: a [M, I] = act(W1_e x, W3_e x) per row, in the experts' dtype."""
+    """Kernel 1: a [M, I] = act(W1_e x, W3_e x) per row, in the experts' dtype (xs as `prepare` made it)."""
     from jax.experimental import pallas as pl
 
     E, I, L = _shapes(w)
@@ -264,9 +267,9 @@ def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, xs_ML: jax.Array, c: Conf
     raw = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn),
-        grid=_grid(c, expert_B.shape[0], I // c.bn), in_specs=[raw] * 4, out_specs=raw,
-        out_shape=jax.ShapeDtypeStruct((xs_ML.shape[0], I), xs_ML.dtype), interpret=interpret,
-        **_params(c, interpret))(expert_B, xs_ML, w1, w3)
+        grid=_grid(c, expert_B.shape[0], I // c.bn), in_specs=[raw] * 5, out_specs=raw,
+        out_shape=jax.ShapeDtypeStruct((src_M.shape[0], I), xs_ML.dtype), interpret=interpret,
+        **_params(c, interpret))(expert_B, src_M, xs_ML, w1, w3)
 
 
 def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = False) -> jax.Array:
@@ -294,8 +297,8 @@ def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.
     intermediate shard, through the two grouped-GEMM kernels."""
     E, I, L = _shapes(w)
     c = config or config_for(ids_Nk.size, E, I, L)
-    pos, expert, xs = prepare(w, z_NL, ids_Nk, c)
-    a = gate_up(cfg, w, expert, xs, c, interpret)
+    pos, expert, src, xs = prepare(w, z_NL, ids_Nk, c)
+    a = gate_up(cfg, w, expert, src, xs, c, interpret)
     return combine(down(w, expert, a, c, interpret), pos, w_Nk)
 
 

@@ -36,21 +36,23 @@ INNER, REPS = 3, 5
 SWEEP = [G.Config(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=s, order=o)
          for bm, bn, bk, w, s, o in [(64, 128, 64, 4, 3, "m"), (64, 128, 64, 4, 4, "n"), (128, 128, 64, 8, 4, "n"),
                                      (64, 128, 64, 8, 4, "n"), (128, 128, 64, 8, 3, "n"), (64, 256, 64, 8, 3, "n"),
-                                     (16, 128, 64, 4, 3, "n")]]
+                                     (16, 128, 64, 4, 3, "n")]] + [
+    G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n", gather=True),
+    G.Config(bm=16, bn=128, bk=64, num_warps=4, num_stages=3, order="n", gather=True)]
 
 
 def phases(kcfg, w, z, wk, ids, c, log, N):
     """Each step of the kernel path alone (ms): align + the input gather, gate-up, down, the combine."""
     E, I, L = G._shapes(w)
     prep = jax.jit(lambda z, ids: G.prepare(w, z, ids, c))
-    pos, expert, xs = prep(z, ids)
-    gu = jax.jit(lambda e, x: G.gate_up(kcfg, w, e, x, c))
-    a = gu(expert, xs)
+    pos, expert, src, xs = prep(z, ids)
+    gu = jax.jit(lambda e, s, x: G.gate_up(kcfg, w, e, s, x, c))
+    a = gu(expert, src, xs)
     dn = jax.jit(lambda e, a: G.down(w, e, a, c))
     y = dn(expert, a)
     cb = jax.jit(G.combine)
     out = {}
-    for name, f, args in (("prepare", prep, (z, ids)), ("gate_up", gu, (expert, xs)), ("down", dn, (expert, a)),
+    for name, f, args in (("prepare", prep, (z, ids)), ("gate_up", gu, (expert, src, xs)), ("down", dn, (expert, a)),
                           ("combine", cb, (y, pos, wk))):
         out[name] = timing.per_call(f, args, reps=REPS, inner=INNER, chain=1) * 1e3
     k = kcfg.num_experts_per_token

@@ -580,11 +580,18 @@ def test_eos_list_second_id_stops_generation_end_to_end(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- Ctrl-C and a closed pipe (subprocesses)
-def _cli_process(argv, **kw):
+def _cli_process(argv, sigint: bool = False, **kw):
+    """`python -m jaxk3.cli argv` in a fresh process.  sigint=True: with Python's Ctrl-C handler installed
+    even where this suite was started with SIGINT ignored (a background job of a shell without job control:
+    its children inherit the ignore, and Python then leaves SIGINT ignored; seen: the Ctrl-C test's CLI ran
+    all 20000 tokens and exited 0)."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.Popen([sys.executable, "-m", "jaxk3.cli"] + argv, env=env, **kw)
+    head = ([sys.executable, "-c", "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.argv[0] = 'jaxk3'; runpy.run_module('jaxk3.cli', run_name='__main__', alter_sys=True)"]
+            if sigint else [sys.executable, "-m", "jaxk3.cli"])
+    return subprocess.Popen(head + argv, env=env, **kw)
 
 
 @pytest.mark.slow
@@ -601,7 +608,8 @@ def test_ctrl_c_prints_the_tokens_so_far_and_exits_130(tmp_path):
     # 20000 new tokens (~6 min at the 54 tok/s of a busy CI machine): the run cannot end before the SIGINT lands
     # (with 2000 it once did, in a busy two-worker run: exit 0 with every token)
     p = _cli_process(["generate", "--checkpoint", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "20000",
-                      "--dtype", "float32", "--cpu-devices", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                      "--dtype", "float32", "--cpu-devices", "1"], sigint=True, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE)
     err = bytearray()
     reader = threading.Thread(target=lambda: [err.extend(b) for b in iter(lambda: p.stderr.read1(1 << 16), b"")])
     reader.start()

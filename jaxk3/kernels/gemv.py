@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels.registry import Kernel, register
+from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 
 F32 = jnp.float32
 MAX_B = 8
@@ -106,10 +106,6 @@ def prefer_kernel(B: int, N: int, K: int, margin: float = MARGIN) -> bool:
     the H200 (unmeasured: False)."""
     m = measured(B, N, K)
     return bool(m) and m[1][1] / m[1][0] >= margin
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and not n & (n - 1)
 
 
 def default_config(B: int, N: int, K: int, sms: int = 132) -> Config:
@@ -192,7 +188,6 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
              interpret: bool = False) -> jax.Array:
     """The kernel's raw output: fp32 [splits, Bp, N] partial sums (Bp = 16 with dot, else 1)."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     B, K = x_BK.shape
     N = w.shape[0] if layout == "nk" else w.shape[1]
@@ -203,8 +198,7 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
     if Bp != B:
         x = jnp.pad(x, ((0, Bp - B), (0, 0)))
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
-                                                                          num_stages=c.num_stages))
+    kw = triton_params(c.num_warps, c.num_stages, interpret)
     return pl.pallas_call(
         functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot, unroll=c.unroll, N=N),
         grid=(-(-N // c.bn), c.splits), in_specs=[any_, any_], out_specs=any_,
@@ -245,7 +239,7 @@ def fits(x_BK, w, layout: str = "nk", config: Config | None = None, only_where_f
     c = config or config_for(B, N, K, layout)
     if B > 1 and not c.dot:
         return f"gemv kernel: B = {B} needs the dot variant (config {c})"
-    if (not (_pow2(c.bn) and _pow2(c.bk)) or N < c.bn or K % (c.splits * c.bk) or c.bn < (16 if c.dot else 8)
+    if (not (pow2(c.bn) and pow2(c.bk)) or N < c.bn or K % (c.splits * c.bk) or c.bn < (16 if c.dot else 8)
             or c.bk < 16):
         return (f"gemv kernel: the tile bn {c.bn} x bk {c.bk} (powers of two, bk >= 16, bn >= 16 with dot, >= 8 "
                 f"without) with {c.splits} K splits must divide K {K} and bn fit in N {N}")

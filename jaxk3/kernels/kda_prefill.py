@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxk3.kernels.registry import Kernel, interpret_only, register
+from jaxk3.kernels.registry import Kernel, interpret_only, pow2, register, triton_params
 
 F32 = jnp.float32
 HI = lax.Precision.HIGHEST
@@ -201,11 +201,10 @@ def intra_chunk(q_NTK, k_NTK, G_NTK, beta_NT, C: int, interpret: bool = False,
     the exact pairwise form (one channel at a time: [C, C] exponentials of Γ_t − Γ_s ≤ 0, never of a
     positive sum), then (I + A)⁻¹ by log2(C) squarings; IEEE fp32 dots.  Γ = the within-chunk cumsum."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     N, T, K = q_NTK.shape
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
+    kw = triton_params(num_warps, 1, interpret)
     return pl.pallas_call(
         functools.partial(_intra_kernel, C=C, K=K), grid=(N, T // C), in_specs=[any_] * 6, out_specs=[any_] * 2,
         out_shape=(jax.ShapeDtypeStruct((N, T, C), F32),) * 2, interpret=interpret, **kw,
@@ -265,15 +264,13 @@ def state_pass(ops: ChunkOperands, state_BHKV: jax.Array, config: Config | None 
                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """`state_pass_reference` as one Pallas kernel: grid (B·H, V / block_v), the chunks in order inside."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     c = config or Config()
     BH, T, C = ops.W.shape
     K, V = ops.kg.shape[-1], ops.bv.shape[-1]
     S0 = state_BHKV.reshape(BH, K, V).astype(F32)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
-                                                                        num_stages=c.num_stages))
+    kw = triton_params(c.num_warps, c.num_stages, interpret)
     return pl.pallas_call(
         functools.partial(_state_kernel, C=C, n=T // C, bv=c.block_v), grid=(BH, V // c.block_v),
         in_specs=[any_] * 8, out_specs=[any_] * 2,
@@ -291,17 +288,13 @@ def chunked(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, state_BHKV, chunk: int = 6
     return o.reshape(B, H, T, -1), S.reshape(state_BHKV.shape)
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and not n & (n - 1)
-
-
 def fits(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, state_BHKV, chunk: int = 64, config: Config | None = None,
          **_) -> str | None:
     c = config or Config()
     T, K, V = q_BHTK.shape[2], q_BHTK.shape[-1], v_BHTV.shape[-1]
     C = min(chunk, T)
     for name, v in (("the chunk", C), ("the key head dim", K), ("the value head dim", V), ("block_v", c.block_v)):
-        if not _pow2(v) or v < 16:
+        if not pow2(v) or v < 16:
             return f"kda_prefill kernel needs {name} a power of two >= 16 (Triton blocks, tl.dot), got {v}"
     if T % C:
         return f"kda_prefill kernel needs T = {T} a multiple of the chunk {C}"

@@ -42,7 +42,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels.registry import Kernel, register
+from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -138,14 +138,13 @@ def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool 
                num_stages: int = 2) -> jax.Array:
     """The reference's function with bf16 dot operands (q, p; the bf16 cache): fp32 [B, H, R]."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     B, H, R = ql_BHR.shape
     S, P = kv_BSR.shape[1], qpe_BHP.shape[-1]
     Hb, bs, split = tiles(B, H, S, R, P, block_h, block_s, split)
     G = -(-H // Hb)
     parts = S // split
-    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    kw = triton_params(num_warps, num_stages, interpret)
 
     def heads(x):  # [B, H, X] -> bf16 [B, G, Hb, X]; padded heads score 0 and are dropped below
         x = jnp.pad(x.astype(kv_BSR.dtype), ((0, 0), (0, G * Hb - H), (0, 0)))
@@ -167,10 +166,6 @@ def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool 
 reference = latent_attention
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and not n & (n - 1)
-
-
 def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, block_s: int | None = None,
          split: int | None = None, num_warps: int = 4, **_) -> str | None:
     B, H, R = ql_BHR.shape
@@ -179,10 +174,10 @@ def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, b
         return (f"mla_decode kernel runs its dots on the tensor cores over the bf16 cache as stored, got a "
                 f"{jnp.dtype(kv_BSR.dtype).name} cache")
     for name, n in (("kv_lora_rank", R), ("qk_rope_head_dim", P)):
-        if not _pow2(n) or n < 16:
+        if not pow2(n) or n < 16:
             return f"mla_decode kernel needs {name} a power of two >= 16 (Triton blocks, tl.dot), got {n}"
     Hb, bs, split = tiles(B, H, S, R, P, block_h, block_s, split)
-    if not (_pow2(Hb) and _pow2(bs)) or Hb < 16 or bs < 16:
+    if not (pow2(Hb) and pow2(bs)) or Hb < 16 or bs < 16:
         return (f"mla_decode kernel: the head group {Hb} and the slot block {bs} are the dots' M and N/K: powers "
                 "of two >= 16 (tl.dot's minimum)")
     if S % bs or S % split or split % bs:

@@ -30,8 +30,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels.mla_decode import NEG, _dot_t, _pow2, tile_limits
-from jaxk3.kernels.registry import Kernel, register
+from jaxk3.kernels.mla_decode import NEG, _dot_t, tile_limits
+from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -103,7 +103,6 @@ def mla_prefill(ql_BTHR, qpe_BTHP, kv_BSR, limit_BT, scale: float, config: Confi
                 interpret: bool = False) -> jax.Array:
     """The reference's function with bf16 dot operands: fp32 [B, T, H, R]."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     c = config or Config()
     B, T, H, R = ql_BTHR.shape
@@ -114,8 +113,7 @@ def mla_prefill(ql_BTHR, qpe_BTHP, kv_BSR, limit_BT, scale: float, config: Confi
     ql = jnp.pad(ql_BTHR.astype(kv_BSR.dtype).reshape(B, N, R), pad)
     qpe = jnp.pad(qpe_BTHP.astype(kv_BSR.dtype).reshape(B, N, P), pad)
     lim = jnp.pad(jnp.repeat(jnp.maximum(limit_BT, 0).astype(jnp.int32), H, axis=1), ((0, 0), (0, n - N)))
-    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
-                                                                        num_stages=c.num_stages))
+    kw = triton_params(c.num_warps, c.num_stages, interpret)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         functools.partial(_kernel, R=R, P=P, S=S, scale=scale, c=c), grid=(B, n // c.bm),
@@ -170,7 +168,6 @@ def heads_prefill(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale: float, c
     [B·H, S, ·]) and a causal flash kernel per (row, head, token tile): (N + P + V) wide dots per slot
     instead of the absorbed form's (R + P + R), 1088 -> 320 at Kimi-Linear-48B.  fp32 [B, T, H, V]."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
     c = config or Config(form="heads")
     B, T, H, N = qn_BTHN.shape
@@ -188,8 +185,7 @@ def heads_prefill(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale: float, c
         return jnp.pad(x, ((0, 0), (0, t - T), (0, 0)))
 
     lim = jnp.pad(jnp.maximum(limit_BT, 0).astype(jnp.int32), ((0, 0), (0, t - T)))
-    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
-                                                                        num_stages=c.num_stages))
+    kw = triton_params(c.num_warps, c.num_stages, interpret)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         functools.partial(_heads_kernel, S=S, H=H, scale=scale, c=c), grid=(B * H, t // c.bm),
@@ -224,9 +220,9 @@ def fits(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale, config: Config | 
     widths = (("kv_lora_rank", R), ("qk_rope_head_dim", P)) if c.form == "absorbed" else (
         ("qk_nope_head_dim", N), ("qk_rope_head_dim", P), ("v_head_dim", V))
     for name, v in widths:
-        if not _pow2(v) or v < 16:
+        if not pow2(v) or v < 16:
             return f"mla_prefill kernel needs {name} a power of two >= 16 (Triton blocks, tl.dot), got {v}"
-    if not (_pow2(c.bm) and _pow2(c.bn)) or c.bm < 16 or c.bn < 16:
+    if not (pow2(c.bm) and pow2(c.bn)) or c.bm < 16 or c.bn < 16:
         return f"mla_prefill kernel: bm {c.bm} and bn {c.bn} are the dots' M and N/K: powers of two >= 16"
     if c.form == "heads":  # the same bounds with the per-head widths: keys N + P wide, values and output V
         return tile_limits("mla_prefill", f"{c.bm} rows", c.bm, c.bn, max(N, V), P, c.num_warps, "smaller bm / bn",

@@ -33,7 +33,7 @@ from jax import lax
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels.moe_experts import MXFP4, act, compute_dtype, dequantize, glu
 from jaxk3.kernels.gemv import _dot_nt
-from jaxk3.kernels.registry import Kernel, register
+from jaxk3.kernels.registry import Kernel, register, triton_params
 
 F32 = jnp.float32
 DENSE_MOE_BYTES = 1 << 30  # the dense prefill form's fp32 [n, E, I] activations per rank per block, at most
@@ -248,13 +248,6 @@ def prepare(w, z_NL: jax.Array, ids_Nk: jax.Array, c: Config):
     return pos, expert, src, (z if c.gather else z[src])
 
 
-def _params(c: Config, interpret: bool) -> dict:
-    from jax.experimental.pallas import triton as plgpu
-
-    return {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
-                                                                          num_stages=c.num_stages))
-
-
 def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: jax.Array, c: Config,
             interpret: bool = False) -> jax.Array:
     """Kernel 1: a [M, I] = act(W1_e x, W3_e x) per row, in the experts' dtype (xs as `prepare` made it)."""
@@ -269,7 +262,7 @@ def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: 
         functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn),
         grid=_grid(c, expert_B.shape[0], I // c.bn), in_specs=[raw] * 5, out_specs=raw,
         out_shape=jax.ShapeDtypeStruct((src_M.shape[0], I), xs_ML.dtype), interpret=interpret,
-        **_params(c, interpret))(expert_B, src_M, xs_ML, w1, w3)
+        **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, src_M, xs_ML, w1, w3)
 
 
 def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = False) -> jax.Array:
@@ -283,7 +276,7 @@ def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = F
         functools.partial(_down_kernel, c=c, steps=I // c.bk),
         grid=_grid(c, expert_B.shape[0], L // c.bn), in_specs=[raw] * 3, out_specs=raw,
         out_shape=jax.ShapeDtypeStruct((a_MI.shape[0], L), F32), interpret=interpret,
-        **_params(c, interpret))(expert_B, a_MI, w2)
+        **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, a_MI, w2)
 
 
 def combine(y_ML: jax.Array, pos_Nk: jax.Array, w_Nk: jax.Array) -> jax.Array:

@@ -1,5 +1,6 @@
 """The kernel registry: `Kernel`, `register`, and the selection (`call`, `explain`, `status`,
-`active`).  Imports nothing from jaxk3: kernel modules register here, and jaxk3.kernels re-exports it."""
+`active`), plus the two helpers every kernel module's wrapper shares (`pow2`, `triton_params`).
+Imports nothing from jaxk3: kernel modules register here, and jaxk3.kernels re-exports it."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,6 +31,20 @@ class Kernel:
 
 
 REGISTRY: dict[str, Kernel] = {}
+
+
+def pow2(n: int) -> bool:
+    """Whether n is a power of two (Triton's block sizes must be)."""
+    return n > 0 and not n & (n - 1)
+
+
+def triton_params(num_warps: int, num_stages: int, interpret: bool) -> dict:
+    """pallas_call's compiler_params for the Triton lowering ({} in interpret mode, which takes none)."""
+    if interpret:
+        return {}
+    from jax.experimental.pallas import triton as plgpu
+
+    return dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
 
 
 def interpret_only(gpu_test: str) -> str:

@@ -35,17 +35,20 @@ F32 = jnp.float32
 HI = lax.Precision.HIGHEST
 
 
-def _unit_lower_inverse(A_BHCC: jax.Array) -> jax.Array:
+def _unit_lower_inverse(A_BHCC: jax.Array, matmul=None) -> jax.Array:
     """(I + A)⁻¹ for strictly lower-triangular A, by matrix products only: A is nilpotent (A^C = 0),
     so (I + A)⁻¹ = Σ_k (−A)^k = (I − A)(I + A²)(I + A⁴)…, log2(C) squarings.  (No LAPACK custom
-    call: XLA's CPU triangular solve starved the 2-device runtime of threads and hung the prefill.)"""
+    call: XLA's CPU triangular solve starved the 2-device runtime of threads and hung the prefill.)
+    `matmul(a, b)`: the product to use (default: a batched einsum; the intra-chunk kernel passes its
+    IEEE fp32 dot on [C, C] tiles)."""
     C = A_BHCC.shape[-1]
+    matmul = matmul or (lambda a, b: jnp.einsum("...ij,...jk->...ik", a, b))
     eye = jnp.eye(C, dtype=A_BHCC.dtype)
     P = -A_BHCC
     inv = eye + P
     for _ in range(max(0, (C - 1).bit_length() - 1)):
-        P = jnp.einsum("...ij,...jk->...ik", P, P)
-        inv = jnp.einsum("...ij,...jk->...ik", inv, eye + P)
+        P = matmul(P, P)
+        inv = matmul(inv, eye + P)
     return inv
 
 
@@ -185,13 +188,7 @@ def _intra_kernel(q_ref, k_ref, kT_ref, G_ref, GT_ref, beta_ref, W_ref, M_ref, *
     zero = jnp.zeros((C, C), F32)
     A, M = lax.fori_loop(0, K, body, (zero, zero))
     A = jnp.where(s < t, A, 0.0) * beta_ref[bh, rows][:, None]  # strictly lower, row t scaled by β_t
-    eye = jnp.where(s == t, 1.0, 0.0).astype(F32)
-    P = -A  # (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…: A is nilpotent
-    inv = eye + P
-    for _ in range(max(0, (C - 1).bit_length() - 1)):
-        P = _dot(P, P)
-        inv = _dot(inv, eye + P)
-    W_ref[bh, rows, :] = inv
+    W_ref[bh, rows, :] = _unit_lower_inverse(A, _dot)
     M_ref[bh, rows, :] = M
 
 

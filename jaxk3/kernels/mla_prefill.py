@@ -123,14 +123,14 @@ def mla_prefill(ql_BTHR, qpe_BTHP, kv_BSR, limit_BT, scale: float, config: Confi
 
 
 def attention(qn_BTHN: jax.Array, qpe_BTHP: jax.Array, kv_BSR: jax.Array, limit_BT: jax.Array, wkvb_HXR: jax.Array,
-              scale: float, **_) -> jax.Array:
+              scale: float, latent=latent_attention_prefill, **_) -> jax.Array:
     """The prefill's MLA attention, fp32 [B, T, H, V]: the absorbed query ql = W_UK[h]ᵀ q_nope, the latent
-    attention (`latent_attention_prefill`), then W_UV[h] (W_kvb[h] = [W_UK ; W_UV], fp32 [H, N + V, R]).
-    The jnp reference of `attention_device` (and the CPU path)."""
+    attention `latent(ql, q_pe, kv, limit, scale)` (default `latent_attention_prefill`; the absorbed kernel
+    passes itself), then W_UV[h] (W_kvb[h] = [W_UK ; W_UV], fp32 [H, N + V, R]).  The jnp reference of
+    `attention_device` (and the CPU path)."""
     n = qn_BTHN.shape[-1]
     ql = jnp.einsum("bthn,hnr->bthr", qn_BTHN, wkvb_HXR[:, :n])
-    return jnp.einsum("bthr,hvr->bthv", latent_attention_prefill(ql, qpe_BTHP, kv_BSR, limit_BT, scale),
-                      wkvb_HXR[:, n:])
+    return jnp.einsum("bthr,hvr->bthv", latent(ql, qpe_BTHP, kv_BSR, limit_BT, scale), wkvb_HXR[:, n:])
 
 
 def _heads_kernel(lim_ref, qn_ref, qpe_ref, k_ref, kpe_ref, v_ref, o_ref, *, S: int, H: int, scale: float, c: Config):
@@ -201,10 +201,8 @@ def attention_device(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale: float
     c = config or Config()
     if c.form == "heads":
         return heads_prefill(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale, c, interpret)
-    n = qn_BTHN.shape[-1]
-    ql = jnp.einsum("bthn,hnr->bthr", qn_BTHN, wkvb_HXR[:, :n])
-    return jnp.einsum("bthr,hvr->bthv", mla_prefill(ql, qpe_BTHP, kv_BSR, limit_BT, scale, c, interpret),
-                      wkvb_HXR[:, n:])
+    return attention(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale,
+                     latent=functools.partial(mla_prefill, config=c, interpret=interpret))
 
 
 def fits(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale, config: Config | None = None, **_) -> str | None:

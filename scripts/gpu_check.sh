@@ -215,9 +215,9 @@ if has attn; then
   # The prefill's attention blocks: mla_prefill's compiled tests, then KDA's chunked form (before / now) and
   # MLA's attention (XLA / the kernel's configs) at Kimi-Linear-48B dims (scripts/gpu/prefill_attention.py).
   echo "== prefill attention: compiled tests, then vs the replaced paths ($(date -u +%T))"
-  timeout -k 10 ${AT_TIMEOUT:-150} $PY -m pytest tests/test_kernels.py -m gpu -k "kda_prefill or mla_prefill or grouped" -q -rfEs \
+  timeout -k 10 ${AT_TIMEOUT:-150} $PY -m pytest tests/test_kernels.py -m gpu -k "${AT_K:-kda_prefill or mla_prefill}" -v -rfEs \
     -p no:cacheprovider > "$OUT/attn_tests.log" 2>&1
-  echo "attn tests rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/attn_tests.log" | cut -c1-300 | tail -20
+  echo "attn tests rc $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/attn_tests.log" | cut -c1-300 | tail -20
   timeout -k 10 ${AB_TIMEOUT:-240} $PY scripts/gpu/prefill_attention.py --json "$OUT/prefill_attention.json" ${AB_ARGS:-} \
     2>&1 | cut -c1-220
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -442,8 +442,8 @@ def _kda_prefill_case(B: int, H: int, T: int, K: int, V: int, gate: float, seed:
 @pytest.mark.parametrize("T,chunk,gate,block_v", [pytest.param(128, 64, 0.3, 16, marks=pytest.mark.slow),
                                                   (96, 32, 20.0, 32)])
 def test_kda_prefill_kernel_matches_reference(T, chunk, gate, block_v):
-    """Interpret mode (the intra-chunk kernel's W and M, the rest of every chunk's operands at once, then the
-    state pass kernel) against the per-chunk scan form: two chunks of four sub-chunks, three of two with gates of -20 per step (an e^{-Γ} taken
+    """Interpret mode (every chunk's operands at once, then the state pass kernel) against the per-chunk
+    scan form: two chunks of four sub-chunks, three of two with gates of -20 per step (an e^{-Γ} taken
     alone would overflow fp32), value columns over two programs.  Tolerance 2e-5 of
     max|ref|: the same fp32 products in another order (the two forms agree with a float64 recurrence
     within 5e-6, tests/test_layers.py); a lost state carry or decay moves the output by >= 1e-2 of it."""
@@ -458,18 +458,14 @@ def test_kda_prefill_kernel_matches_reference(T, chunk, gate, block_v):
         got, ref = np.asarray(got), np.asarray(ref)
         assert got.shape == ref.shape and np.isfinite(got).all()
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
-    # each kernel alone against its jnp form on the same operands: the intra-chunk W and M (exact pairwise)
-    # against the batched XLA products (sub-chunk factors), the state pass against its scan
+    # the kernel alone against its jnp form (a scan over the same operands)
     ops = KP.chunk_operands(*args[:5], chunk)
-    ops_k = KP.chunk_operands(*args[:5], chunk, intra="kernel", interpret=True)
-    for got, ref in ((ops_k.W, ops.W), (ops_k.M, ops.M)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=1e-5 * float(jnp.abs(ref).max()))
     for got, ref in zip(KP.state_pass(ops, args[5], c, interpret=True), KP.state_pass_reference(ops, args[5])):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=1e-5 * float(jnp.abs(ref).max()))
 
 
 def test_kda_prefill_fits_and_selection():
-    """`fits` names the dims and tiles that do not suit; unproven, so auto keeps the scan form on GPUs too."""
+    """`fits` names the dims and tiles that do not suit; proven, so auto takes the kernel on GPUs (the scan on CPUs)."""
     from jaxk3.kernels import kda_prefill as KP
 
     s = jax.ShapeDtypeStruct
@@ -480,23 +476,25 @@ def test_kda_prefill_fits_and_selection():
     assert "value head dim a power of two" in KP.fits(q, q, s((1, 32, 4096, 96), jnp.float32), q, b, st)
     assert "block_v 64 must divide" in KP.fits(q, q, s((1, 32, 4096, 32), jnp.float32), q, b, st,
                                                config=KP.Config(block_v=64))
-    assert "intra must be" in KP.fits(q, q, v, q, b, st, config=KP.Config(intra="pallas"))
-    assert "unproven" in kernels.explain("kda_prefill", q, q, v, q, b, st, platform="gpu")
-    assert kernels.explain("kda_prefill", q, q, v, q, b, st, platform="gpu", mode="on").startswith("device")
+    assert "precision must be" in KP.fits(q, q, v, q, b, st, config=KP.Config(precision="bf16"))
+    assert "does not fit shared memory" in KP.fits(q, q, v, q, b, st, config=KP.Config(block_v=64))
+    assert kernels.explain("kda_prefill", q, q, v, q, b, st, platform="gpu").startswith("device")
+    assert kernels.explain("kda_prefill", q, q, v, q, b, st, platform="cpu").startswith("reference")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_v,intra", [(32, "kernel"), (16, "kernel"), (32, "xla")])
-def test_kda_prefill_kernel_on_gpu(block_v, intra):
-    """Compiled (Triton, IEEE fp32 dots) at Kimi-Linear-48B's 32 heads x 128 x 128, 512 tokens in chunks of 64,
-    against the scan form at full float32 precision.  Tolerance 1e-4 of max|ref| (fp32 over 8 chunks of
-    carried state; TF32 anywhere would show as ~1e-3)."""
+@pytest.mark.parametrize("block_v,precision", [(32, "tf32x3"), (16, "tf32x3"), (32, "ieee")])
+def test_kda_prefill_kernel_on_gpu(block_v, precision):
+    """Compiled (Triton; the state pass's dots IEEE fp32 or TF32x3) at Kimi-Linear-48B's 32 heads x 128 x 128,
+    512 tokens in chunks of 64, against the scan form at full float32 precision.  Tolerance 1e-4 of max|ref|
+    (fp32 over 8 chunks of carried state; a single TF32 product anywhere would show as ~1e-3)."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
     from jaxk3.kernels import kda_prefill as KP
 
     args = _kda_prefill_case(1, 32, 512, 128, 128, 0.3)
-    got = jax.jit(lambda *a: KP.chunked(*a, chunk=64, config=KP.Config(block_v=block_v, intra=intra)))(*args)
+    c = KP.Config(block_v=block_v, precision=precision)
+    got = jax.jit(lambda *a: KP.chunked(*a, chunk=64, config=c))(*args)
     with jax.default_matmul_precision("highest"):
         ref = jax.jit(lambda *a: KP.chunk_delta_rule(*a, chunk=64))(*args)
     for g, r in zip(got, ref):
@@ -703,7 +701,7 @@ def test_status_says_what_auto_does():
     assert all(v.startswith("reference: no ") for v in cpu.values())
     # proven at real dims (docs/PERF.md); gemv and router_topk then only at the shapes where they won (`fits`)
     assert gpu["rms_norm"] == gpu["kda_decode"] == gpu["gemv"] == gpu["router_topk"] == gpu["mla_decode"] == "device"
-    assert gpu["mla_prefill"] == "device"
+    assert gpu["mla_prefill"] == gpu["kda_prefill"] == "device"
     assert gpu["moe_grouped"] == "device"
     assert set(kernels.REGISTRY) == {"gemv", "kda_decode", "kda_prefill", "mla_decode", "mla_prefill", "moe_experts",
                                      "moe_grouped", "rms_norm", "router_topk"}

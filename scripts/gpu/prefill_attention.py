@@ -7,7 +7,9 @@ replaces, in the same run:
         4096-token fresh prompt (B = 1) and a 1024-token chunk after a 3072-slot prefix (B = 8)
   kda   the chunked delta rule (32 heads, 128 x 128 state): the model's `chunk_delta_rule` (one lax.scan
         step per 64-token chunk, ~35 kernels each) against the all-chunks form tried on 2026-12-02
-        (`allchunks_form`: every chunk at once, one product and add per chunk in sequence)
+        (`allchunks_form`: every chunk at once, one product and add per chunk in sequence) and the
+        `kda_prefill` kernel path (every chunk's operands from XLA, then the state-pass kernel) in a few
+        configs, and the state pass alone in more
 
 Per row: ms per call (median of REPS x INNER calls), the ratio to the replaced path, and the relative
 error against it (max |a - b| / max |b|).
@@ -153,19 +155,25 @@ def kda_cases(log, rows):
                 jnp.asarray(-np.abs(r.standard_normal((B, H, T, K))) * 0.1, F32),
                 jnp.asarray(r.uniform(0, 1, (B, H, T)), F32), jnp.zeros((B, H, K, K), F32))
         paths = [("chunk_delta_rule (XLA: a scan step per chunk)", jax.jit(KP.chunk_delta_rule)),
-                 ("all-chunks form (tried)", jax.jit(allchunks_form)),
-                 ("kda_prefill kernel (intra-chunk kernel + the state pass)", jax.jit(KP.chunked)),
-                 ("kda_prefill kernel, W and M from XLA + the state pass",
-                  jax.jit(lambda *a: KP.chunked(*a, config=KP.Config(intra="xla")))),
-                 ("  its operands alone, intra-chunk kernel", jax.jit(lambda *a: KP.chunk_operands(*a[:5], 64,
-                                                                                                  intra="kernel").W)),
-                 ("  its operands alone, XLA", jax.jit(lambda *a: KP.chunk_operands(*a[:5], 64).W))]
+                 ("all-chunks form (tried)", jax.jit(allchunks_form))]
+        for c in KDA_CONFIGS:
+            paths.append((f"kda_prefill {c}", jax.jit(lambda *a, c=c: KP.chunked(*a, config=c))))
+        paths.append(("  its operands alone, XLA", jax.jit(lambda *a: KP.chunk_operands(*a[:5], 64).W)))
         ops = jax.jit(lambda *a: KP.chunk_operands(*a[:5], 64))(*args)
-        for bv, w in ((32, 4), (16, 4), (64, 4), (32, 8)):
-            c = KP.Config(block_v=bv, num_warps=w)
-            paths.append((f"  its state pass alone {c}", jax.jit(lambda o, s, c=c: KP.state_pass(o, s, c)[0])))
-        run_paths(paths[:6], args, f"kda B {B} T {T}", log, rows)
-        run_paths(paths[6:], (ops, args[5]), f"kda B {B} T {T}", log, rows)
+        state = []
+        for c in STATE_CONFIGS if B == 1 else STATE_CONFIGS[:4]:
+            state.append((f"  its state pass alone {c}", jax.jit(lambda o, s, c=c: KP.state_pass(o, s, c)[0])))
+        run_paths(paths, args, f"kda B {B} T {T}", log, rows)
+        run_paths(state, (ops, args[5]), f"kda B {B} T {T}", log, rows)
+
+
+# The state pass's configs timed alone (first: IEEE dots' best; 64 x 128 at tf32x3 does not fit shared memory).
+STATE_CONFIGS = [KP.Config(block_v=bv, num_warps=w, precision=p)
+                 for p, bv, w in (("ieee", 32, 8), ("tf32x3", 32, 8), ("tf32x3", 32, 4), ("tf32x3", 16, 4),
+                                  ("tf32x3", 16, 8), ("tf32", 32, 4), ("tf32", 64, 8))]
+KDA_CONFIGS = [KP.Config(block_v=32, num_warps=8, precision="ieee"),
+               KP.Config(block_v=32, num_warps=8, precision="tf32x3"),
+               KP.Config(block_v=32, num_warps=4, precision="tf32x3")]
 
 
 def main(argv=None) -> int:

@@ -4,15 +4,18 @@ short call), kernels=auto, the serving layout, one 4096-token prompt per row in 
 `Model.generate` picks; XLA command buffers off so that every kernel's event names its op.
 
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python scripts/gpu/prefill_breakdown.py [--experts 64] [--batch 1]
-        [--layers 0-3] [--kda-form scan|allchunks] [--top 15]
+        [--layers 0-3] [--kda-form scan|allchunks|kernel [--kda-config k=v,...]] [--top 15]
 
 --layers keeps a slice of the model's layers; --kda-form allchunks runs KDA's prefill with the all-chunks form
-tried on 2026-12-02 (scripts/gpu/prefill_attention.py) instead of the model's; --top lists the prefill's N
+tried on 2026-12-02 (scripts/gpu/prefill_attention.py) instead of the model's, --kda-form scan the per-chunk scan
+(the kernel's reference), --kda-form kernel the kda_prefill kernel in the --kda-config given; --top lists the prefill's N
 longest kernels by total device time from a second, profiled run.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import sys
@@ -24,6 +27,8 @@ import numpy as np
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jaxk3 import engine  # noqa: E402
+from jaxk3.kernels import kda_prefill as KP  # noqa: E402
+from jaxk3.kernels import registry  # noqa: E402
 from jaxk3.sharding import TP  # noqa: E402
 from jaxk3.tools import bench_decode as bd  # noqa: E402
 from jaxk3.tools import bench_generate as bg  # noqa: E402
@@ -63,17 +68,23 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--json", default="out/prefill_breakdown.json")
     ap.add_argument("--layers", default=None, help="first-last (inclusive), default all")
-    ap.add_argument("--kda-form", choices=("scan", "allchunks"), default="scan")
+    ap.add_argument("--kda-form", choices=("auto", "scan", "allchunks", "kernel"), default="auto")
+    ap.add_argument("--kda-config", default="",
+                    help="--kda-form kernel: the kda_prefill Config, k=v,...")
     ap.add_argument("--top", type=int, default=0)
     a = ap.parse_args(argv)
     full = bd.load_config(a.config)
     first, last = (int(x) for x in a.layers.split("-")) if a.layers else (0, full.num_hidden_layers - 1)
     cfg = bd.slice_config(full, first, last, a.experts)
-    if a.kda_form == "allchunks":
+    k = registry.REGISTRY["kda_prefill"]
+    if a.kda_form in ("scan", "allchunks"):  # no device kernel: auto runs the reference (swapped for allchunks)
         import prefill_attention
-
-        from jaxk3.layers import kda
-        kda.chunk_delta_rule = prefill_attention.allchunks_form
+        ref = prefill_attention.allchunks_form if a.kda_form == "allchunks" else k.reference
+        registry.REGISTRY["kda_prefill"] = dataclasses.replace(k, reference=ref, platforms=())
+    if a.kda_form == "kernel":  # kernels=auto takes kda_prefill in this config
+        kw = {k: (int(v) if v.isdigit() else v) for k, v in (x.split("=") for x in a.kda_config.split(",") if x)}
+        registry.REGISTRY["kda_prefill"] = dataclasses.replace(
+            k, unproven=None, device=functools.partial(KP.chunked, config=KP.Config(**kw)))
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), (TP,))
     t0 = time.perf_counter()
     model = engine.Model(cfg, bd.random_weights(cfg, mesh, "bfloat16", shard_latent=True), mesh, "bfloat16", "auto",

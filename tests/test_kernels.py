@@ -84,7 +84,7 @@ def _moe_case(fmt: str, dtype, B: int, seed: int = 0, duplicate: bool = True):
 
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("B", [1, 3, 8])
+@pytest.mark.parametrize("B", [1, 8])  # B = 8: duplicates among the 8 x k choices and padded plan slots
 def test_moe_experts_kernel_matches_reference(fmt, dtype, B):
     """Interpret mode against `experts_partial`.  Tolerance: both sum the same float32 products in a
     different order (chunks of 32-column groups, then per distinct expert); float32 reassociation

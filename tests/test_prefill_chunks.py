@@ -125,7 +125,8 @@ def test_bench_generate_times_the_baseline_in_the_same_run():
     weights, one process; its row carries both TTFTs and their ratio."""
     from jaxk3.tools import bench_generate as bg
 
-    res = bg.run(config="tiny", batches=(1,), prompt=130, new=2, experts=None, dtype="float32", baseline_chunk=64)
+    res = bg.run(config="tiny", batches=(1,), prompt=130, new=2, experts=None, dtype="float32", baseline_chunk=64,
+                 copy_bytes=1 << 20)
     (row,) = res["rows"]
     assert row["prefill_chunk"] == engine.DEFAULT_PREFILL_CHUNK and res["prefill_chunk"] == "auto"
     assert row["baseline_chunk"] == 64 and row["baseline_ttft_s"] > 0 and row["ttft_s"] > 0

@@ -6,6 +6,7 @@
 #
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
+#                        [mxfp4]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -15,7 +16,8 @@
 #   (checkpoint layout, kernels off) vs the serving layout with kernels=auto; `census48` its kernel census;
 #   `grouped` the prefill MoE's grouped-GEMM kernels (compiled tests, then timed against the dense form,
 #   ragged_dot and a GEMM of the same FLOPs at Kimi-Linear-48B dims); `attn` the prefill's MLA kernel and KDA form
-#   against the paths they replace; `kda` KDA's prefill forms inside 48B's first four layers with their longest kernels.
+#   against the paths they replace; `kda` KDA's prefill forms inside 48B's first four layers with their longest kernels;
+#   `mxfp4` the MoE decode experts kernel's compiled tests and its configurations against XLA (K3 TP 2 share).
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -232,6 +234,18 @@ if has kda; then
       --config kimi-linear-48b --layers 0-3 --experts 64 --kda-form $form --top 14 --json "$OUT/kda_$form.json" 2>&1 \
       | grep -v "Warning\|warn" | tee "$OUT/kda_$form.log" | cut -c1-200
   done
+fi
+
+if has mxfp4; then
+  # The MoE decode experts kernel (moe_experts): its compiled tests with the decodes and tilings, then its
+  # configurations against XLA at K3's TP 2 share, bf16 and MXFP4 (scripts/gpu/moe_experts_sweep.py; issue 22).
+  echo "== moe_experts: compiled tests, then configs vs XLA ($(date -u +%T))"
+  timeout -k 10 ${MX_TIMEOUT:-150} $PY -m pytest tests/test_kernels.py tests/test_kernels_real.py -m gpu -k moe_experts -v -rfEs \
+    -p no:cacheprovider > "$OUT/mxfp4_tests.log" 2>&1
+  echo "moe_experts tests rc $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/mxfp4_tests.log" | cut -c1-200 | tail -30
+  timeout -k 10 ${MS_TIMEOUT:-300} $PY scripts/gpu/moe_experts_sweep.py --json "$OUT/moe_experts_sweep.json" ${MS_ARGS:-} 2>&1 \
+    | cut -c1-220
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if has chunks; then

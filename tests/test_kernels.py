@@ -98,6 +98,26 @@ def test_moe_experts_kernel_matches_reference(fmt, dtype, B):
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
+def test_moe_experts_bits_decode_is_the_select_decode_bit_for_bit():
+    """The "bits" E2M1 decode (the scaled float built from its bits) against the select-and-multiply one,
+    every code (0..15) at every E8M0 scale (0..255), bitwise; then the kernel with it in interpret mode."""
+    from jaxk3.kernels import moe_experts as ME
+
+    code = jnp.arange(16, dtype=jnp.int32)[:, None]
+    s = jnp.arange(256, dtype=jnp.int32)[None, :]
+    want = np.asarray(ME._e2m1(code) * ME._scale(s.astype(jnp.uint8)))
+    got = np.asarray(ME._e2m1_scaled_bits(code, s))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1)
+    c = ME.Config(bo=32, groups=4, decode="bits")
+    assert ME.fits(cfg, w, z, wk, ids, config=c) is None
+    got = np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=c))
+    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())  # as the default's test
+    assert "powers of two" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(bo=24))
+    assert "decode must be" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(decode="lut"))
+
+
 def test_moe_experts_plan_reads_each_expert_once():
     from jaxk3.kernels.moe_experts import plan
 
@@ -144,13 +164,19 @@ def test_model_kernels_option():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("B", [1, 3, 8])
-def test_moe_experts_kernel_on_gpu(fmt, B):
-    """The compiled kernel (Triton) on a GPU against the jnp reference, bf16 activations."""
+@pytest.mark.parametrize("config", [None, dict(decode="bits"), dict(bo=64, groups=4, decode="bits", num_warps=8,
+                                                                    num_stages=2)])
+def test_moe_experts_kernel_on_gpu(fmt, B, config):
+    """The compiled kernel (Triton) on a GPU against the jnp reference, bf16 activations, in the default
+    configuration and two of the sweep's (scripts/gpu/moe_experts_sweep.py)."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    from jaxk3.kernels.moe_experts import Config
+
     cfg, w, z, wk, ids = _moe_case(fmt, jnp.bfloat16, B)
-    assert kernels.explain("moe_experts", cfg, w, z, wk, ids, mode="on").startswith("device")
-    got = np.asarray(jax.jit(lambda *a: kernels.call("moe_experts", cfg, *a, mode="on"))(w, z, wk, ids))
+    c = Config(**config) if config else None
+    assert kernels.explain("moe_experts", cfg, w, z, wk, ids, mode="on", config=c).startswith("device")
+    got = np.asarray(jax.jit(lambda *a: kernels.call("moe_experts", cfg, *a, mode="on", config=c))(w, z, wk, ids))
     ref = np.asarray(kernels.REGISTRY["moe_experts"].reference(cfg, w, z, wk, ids))
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 

@@ -13,9 +13,10 @@ Weights are dense (the model dtype) or MXFP4 (`MXFP4` below); MXFP4 rows are
 dequantised in registers (E2M1 nibble -> value by arithmetic, times the E8M0 scale written as a
 float exponent) and never exist dequantised in memory.  Products and sums are float32, as in the
 reference; the sums run in a different order, so results agree to float32 rounding (tests:
-tests/test_kernels.py).  A grid program owns BO output rows of one distinct expert and walks the
-input columns in chunks of whole 32-column scale groups; padded slots of `plan` (expert id -1)
-write zeros and read nothing.
+tests/test_kernels.py).  A grid program owns `Config.bo` output rows of one distinct expert and walks
+the input columns in chunks of whole 32-column scale groups; padded slots of `plan` (expert id -1)
+write zeros and read nothing.  `Config` holds the tiling and the E2M1 decode (by selects, or by building
+the scaled float's bits), for the sweep that looks for the configuration that beats XLA.
 """
 from __future__ import annotations
 
@@ -28,11 +29,20 @@ from jax import lax
 
 from jaxk3.config import MXFP4_GROUP as G32
 from jaxk3.config import KimiK3Config
-from jaxk3.kernels.registry import Kernel, register
+from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 
 F32 = jnp.float32
-BO = 16  # output rows per grid program
-MAX_GROUPS = 8  # scale groups (32 columns each) per loop step
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The kernels' tiling and MXFP4 decode (scripts/gpu/moe_experts_sweep.py times them against XLA).
+    The default is the configuration measured at 0.58x XLA (docs/PERF.md, issue 22)."""
+    bo: int = 16  # output rows per grid program
+    groups: int = 8  # scale groups (32 columns each) per loop step, at most (the largest power of two dividing)
+    decode: str = "select"  # E2M1 -> float: "select" (compares and selects) or "bits" (the float's bits built)
+    num_warps: int | None = None  # None: Pallas's default (no compiler params)
+    num_stages: int | None = None
 
 
 # ---------------------------------------------------------------- the jnp math (reference and CPU path)
@@ -140,9 +150,9 @@ def plan(ids_Bk: jax.Array, w_Bk: jax.Array, num_experts: int) -> tuple[jax.Arra
     return uniq, coef
 
 
-def _groups(cols: int) -> int:
-    """Scale groups per loop step: the largest power of two <= MAX_GROUPS dividing cols / 32."""
-    g = MAX_GROUPS
+def _groups(cols: int, most: int) -> int:
+    """Scale groups per loop step: the largest power of two <= `most` dividing cols / 32."""
+    g = most
     while (cols // G32) % g:
         g //= 2
     return g
@@ -157,25 +167,43 @@ def _e2m1(code: jax.Array) -> jax.Array:
     return jnp.where(code >= 8, -mag, mag)
 
 
+def _e2m1_scaled_bits(code: jax.Array, s: jax.Array) -> jax.Array:
+    """int32 E2M1 codes (0..15) times 2**(s - 127) for int32 E8M0 bytes s, as float32 built from its bits:
+    the value (1 + m/2)·2^(e−1) (e = 1..3) or m/2 (e = 0) times the scale is a float32 of exponent field
+    e + s − 1 (s − 1 for 0.5) and mantissa m·2^22, so no product and no select chain.  Exact where that
+    field is a normal exponent (2 <= s <= 252, every scale real checkpoints hold); elsewhere (s < 2 or
+    s > 252) the select-and-multiply form is taken, so the two decodes agree bit for bit on every input."""
+    e, m = (code >> 1) & 3, code & 1
+    field = jnp.where(e == 0, s - 1, e + s - 1)
+    mant = jnp.where(e == 0, 0, m << 22)
+    bits = jnp.where((e == 0) & (m == 0), 0, (field << 23) | mant) | ((code >> 3) << 31)
+    fast = lax.bitcast_convert_type(bits, F32)
+    slow = _e2m1(code) * _scale(s)
+    return jnp.where((s >= 2) & (s <= 252), fast, slow)
+
+
 def _scale(s_u8: jax.Array) -> jax.Array:
     """E8M0 bytes -> float32 2**(s - 127), exactly (as moe.e8m0_scales; 0 -> 2**-127)."""
     s = s_u8.astype(jnp.int32)
     return jnp.where(s == 0, F32(2.0 ** -127), lax.bitcast_convert_type(s << 23, F32))
 
 
-def _rows(w, e, j: jax.Array, c: jax.Array, g: int, packed: bool):
-    """The (lo, hi) or (vals,) float32 blocks of expert e's rows [j·BO, (j+1)·BO), scale groups
-    [c·g, (c+1)·g): MXFP4 -> two [BO, g, 16] blocks (even and odd columns), dense -> one [BO, g, 32]."""
-    rows, grp = pl_ds(j * BO, BO), pl_ds(c * g, g)
+def _rows(w, e, j: jax.Array, c: jax.Array, g: int, packed: bool, cf: Config):
+    """The (lo, hi) or (vals,) float32 blocks of expert e's rows [j·bo, (j+1)·bo), scale groups
+    [c·g, (c+1)·g): MXFP4 -> two [bo, g, 16] blocks (even and odd columns), dense -> one [bo, g, 32]."""
+    rows, grp = pl_ds(j * cf.bo, cf.bo), pl_ds(c * g, g)
     if not packed:
         return (w[0][e, rows, grp, :].astype(F32),)
-    codes = w[0][e, rows, grp, :].astype(jnp.int32)  # [BO, g, 16] bytes
-    s = _scale(w[1][e, rows, grp])[:, :, None]  # [BO, g, 1]
+    codes = w[0][e, rows, grp, :].astype(jnp.int32)  # [bo, g, 16] bytes
+    if cf.decode == "bits":
+        s = w[1][e, rows, grp].astype(jnp.int32)[:, :, None]  # [bo, g, 1]
+        return _e2m1_scaled_bits(codes & 15, s), _e2m1_scaled_bits(codes >> 4, s)
+    s = _scale(w[1][e, rows, grp])[:, :, None]  # [bo, g, 1]
     return _e2m1(codes & 15) * s, _e2m1(codes >> 4) * s
 
 
 def _dot(blocks, xs) -> jax.Array:
-    """Σ over a chunk of blocks[i] [BO, g, n] · xs[i] [g, n] -> [BO]."""
+    """Σ over a chunk of blocks[i] [bo, g, n] · xs[i] [g, n] -> [bo]."""
     acc = None
     for wb, xb in zip(blocks, xs):
         t = jnp.sum(jnp.sum(wb * xb[None], axis=2), axis=1)
@@ -198,7 +226,7 @@ def _x_chunks(x_ref, lead: tuple, c, g: int, packed: bool, dtype):
     return (x_ref[0][(*lead, grp, slice(None))].astype(dtype).astype(F32),)
 
 
-def _gate_up_kernel(uniq_ref, *refs, B: int, g: int, chunks: int, packed: bool, act, dtype):
+def _gate_up_kernel(uniq_ref, *refs, B: int, g: int, chunks: int, packed: bool, act, dtype, cf: Config):
     from jax.experimental import pallas as pl
 
     nx, nw = (2, 2) if packed else (1, 1)
@@ -209,24 +237,24 @@ def _gate_up_kernel(uniq_ref, *refs, B: int, g: int, chunks: int, packed: bool, 
     @pl.when(e >= 0)
     def _():
         def body(c, acc):
-            b1, b3 = _rows(w1, e, j, c, g, packed), _rows(w3, e, j, c, g, packed)
+            b1, b3 = _rows(w1, e, j, c, g, packed, cf), _rows(w3, e, j, c, g, packed, cf)
             out = []
             for b in range(B):
                 xs = _x_chunks(x_ref, (b,), c, g, packed, dtype)
                 out += [acc[2 * b] + _dot(b1, xs), acc[2 * b + 1] + _dot(b3, xs)]
             return tuple(out)
 
-        acc = lax.fori_loop(0, chunks, body, tuple(jnp.zeros((BO,), F32) for _ in range(2 * B)))
+        acc = lax.fori_loop(0, chunks, body, tuple(jnp.zeros((cf.bo,), F32) for _ in range(2 * B)))
         for b in range(B):
             a_ref[b, :] = act(acc[2 * b], acc[2 * b + 1]).astype(a_ref.dtype)
 
     @pl.when(e < 0)
     def _():
         for b in range(B):
-            a_ref[b, :] = jnp.zeros((BO,), a_ref.dtype)
+            a_ref[b, :] = jnp.zeros((cf.bo,), a_ref.dtype)
 
 
-def _down_kernel(uniq_ref, *refs, B: int, g: int, chunks: int, packed: bool, dtype):
+def _down_kernel(uniq_ref, *refs, B: int, g: int, chunks: int, packed: bool, dtype, cf: Config):
     from jax.experimental import pallas as pl
 
     nx = 2 if packed else 1
@@ -237,17 +265,17 @@ def _down_kernel(uniq_ref, *refs, B: int, g: int, chunks: int, packed: bool, dty
     @pl.when(e >= 0)
     def _():
         def body(c, acc):
-            blocks = _rows(w2, e, j, c, g, packed)
+            blocks = _rows(w2, e, j, c, g, packed, cf)
             return tuple(acc[b] + _dot(blocks, _x_chunks(x_ref, (u, b), c, g, packed, dtype)) for b in range(B))
 
-        acc = lax.fori_loop(0, chunks, body, tuple(jnp.zeros((BO,), F32) for _ in range(B)))
+        acc = lax.fori_loop(0, chunks, body, tuple(jnp.zeros((cf.bo,), F32) for _ in range(B)))
         for b in range(B):
             y_ref[b, :] = acc[b]
 
     @pl.when(e < 0)
     def _():
         for b in range(B):
-            y_ref[b, :] = jnp.zeros((BO,), F32)
+            y_ref[b, :] = jnp.zeros((cf.bo,), F32)
 
 
 def _weight_views(w) -> tuple[list[jax.Array], bool]:
@@ -266,10 +294,14 @@ def _x_views(x: jax.Array, packed: bool) -> list[jax.Array]:
     return [v[..., 0::2], v[..., 1::2]] if packed else [v]
 
 
-def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, interpret: bool = False) -> jax.Array:
+def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, interpret: bool = False,
+            config: Config | None = None) -> jax.Array:
     """The same function as the reference: fp32 [B, L] = Σ_k w_k · W2_k act(W1_k z, W3_k z) over the
     local intermediate shard."""
     from jax.experimental import pallas as pl
+
+    cf = config or Config()
+    kw = {} if cf.num_warps is None else triton_params(cf.num_warps, cf.num_stages or 1, interpret)
 
     B0 = z_BL.shape[0]
     B = 1 << (B0 - 1).bit_length()  # Triton blocks are powers of two: pad the batch with zero rows
@@ -285,22 +317,23 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, interpr
                             linear_beta=cfg.activation_situ_linear_beta)
     whole = [pl.BlockSpec(memory_space=pl.ANY)]  # raw refs: each program indexes its expert's rows itself
 
-    g1 = _groups(L)
+    g1 = _groups(L, cf.groups)
     xs = _x_views(z_BL.astype(dt), packed)
     a = pl.pallas_call(
-        functools.partial(_gate_up_kernel, B=B, g=g1, chunks=L // (G32 * g1), packed=packed, act=act, dtype=dt),
-        out_shape=jax.ShapeDtypeStruct((U, B, I), dt), grid=(U, I // BO),
+        functools.partial(_gate_up_kernel, B=B, g=g1, chunks=L // (G32 * g1), packed=packed, act=act, dtype=dt,
+                          cf=cf),
+        out_shape=jax.ShapeDtypeStruct((U, B, I), dt), grid=(U, I // cf.bo),
         in_specs=whole * (1 + len(xs) + 2 * len(w1v)),
-        out_specs=pl.BlockSpec((None, B, BO), lambda u, j: (u, 0, j)), interpret=interpret,
+        out_specs=pl.BlockSpec((None, B, cf.bo), lambda u, j: (u, 0, j)), interpret=interpret, **kw,
     )(uniq, *xs, *w1v, *w3v)
 
-    g2 = _groups(I)
+    g2 = _groups(I, cf.groups)
     av = _x_views(a, packed)
     y = pl.pallas_call(
-        functools.partial(_down_kernel, B=B, g=g2, chunks=I // (G32 * g2), packed=packed, dtype=dt),
-        out_shape=jax.ShapeDtypeStruct((U, B, L), F32), grid=(U, L // BO),
+        functools.partial(_down_kernel, B=B, g=g2, chunks=I // (G32 * g2), packed=packed, dtype=dt, cf=cf),
+        out_shape=jax.ShapeDtypeStruct((U, B, L), F32), grid=(U, L // cf.bo),
         in_specs=whole * (1 + len(av) + len(w2v)),
-        out_specs=pl.BlockSpec((None, B, BO), lambda u, j: (u, 0, j)), interpret=interpret,
+        out_specs=pl.BlockSpec((None, B, cf.bo), lambda u, j: (u, 0, j)), interpret=interpret, **kw,
     )(uniq, *av, *w2v)
     return jnp.einsum("ubl,ub->bl", y[:, :B0], coef)
 
@@ -308,15 +341,20 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, interpr
 reference = experts_partial
 
 
-def fits(cfg, w, z_BL, w_Bk, ids_Bk, **_) -> str | None:
+def fits(cfg, w, z_BL, w_Bk, ids_Bk, config: Config | None = None, **_) -> str | None:
+    cf = config or Config()
+    if not (pow2(cf.bo) and pow2(cf.groups)):
+        return f"moe_experts kernel needs bo and groups powers of two (Triton blocks), got {cf.bo}, {cf.groups}"
+    if cf.decode not in ("select", "bits"):
+        return f"moe_experts kernel: decode must be 'select' or 'bits', got {cf.decode!r}"
     if w.experts_w1 is None:
         return "moe_experts kernel reads the checkpoint layout's experts_w1 / experts_w3 (not the serving layout's w13)"
     E, I, L = w.experts_w1.shape
     if z_BL.ndim != 2 or z_BL.shape[0] > 16:
         return f"moe_experts kernel is for decode (at most 16 tokens), got z {z_BL.shape}"
     for name, rows, cols in (("w1/w3", I, L), ("w2", L, I)):
-        if rows % BO or cols % G32:
-            return (f"moe_experts kernel needs {name} rows a multiple of {BO} and columns a multiple of {G32}, "
+        if rows % cf.bo or cols % G32:
+            return (f"moe_experts kernel needs {name} rows a multiple of {cf.bo} and columns a multiple of {G32}, "
                     f"got [{rows}, {cols}]")
     return None
 

@@ -44,8 +44,9 @@ def _timed(fn, args, chain: int, repeats: int) -> float:
 
 
 def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[int, ...], chain: int, repeats: int,
-                      seed: int = 0) -> list[dict[str, Any]]:
-    """Rows of {format, batch, path, us, bytes, GB/s, x_vs_reference, x_vs_dense_reference}."""
+                      seed: int = 0, configs=(None,)) -> list[dict[str, Any]]:
+    """Rows of {format, batch, path, us, bytes, GB/s, x_vs_reference, x_vs_dense_reference}; one kernel row per
+    moe_experts.Config in `configs` (None: the default; path "kernel", else "kernel <config>")."""
     from jaxk3 import kernels
     from jaxk3.kernels.moe_experts import plan
     from jaxk3.layers import moe
@@ -80,8 +81,17 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
         for fmt, w in (("bf16", dense), ("mxfp4", mx)):
             per_expert = sum(a[0].nbytes for a in jax.tree.leaves((w.experts_w1, w.experts_w2, w.experts_w3)))
             nbytes = distinct * per_expert
-            for path, fn in (("xla", ref), ("kernel", ker)):
-                us = _timed(lambda z, w, wk, ids, fn=fn: fn(kcfg, w, z, wk, ids), (z, w, wk, ids), chain, repeats) * 1e6
+            paths = [("xla", ref)] + [("kernel" if c is None else f"kernel {c}", functools.partial(ker, config=c))
+                                      for c in configs]
+            for path, fn in paths:
+                try:
+                    us = _timed(lambda z, w, wk, ids, fn=fn: fn(kcfg, w, z, wk, ids), (z, w, wk, ids), chain,
+                                repeats) * 1e6
+                except Exception as e:  # a config that does not compile (shared memory, registers) is a row
+                    if path == "kernel":
+                        raise
+                    rows.append(dict(kernel="moe_experts", format=fmt, batch=B, path=path, error=str(e)[:500]))
+                    continue
                 if fmt == "bf16" and path == "xla":
                     base = us
                 rows.append(dict(kernel="moe_experts", format=fmt, batch=B, path=path, us=us, bytes=nbytes,

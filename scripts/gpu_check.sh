@@ -242,7 +242,8 @@ if has mxfp4; then
   echo "== moe_experts: compiled tests, then configs vs XLA ($(date -u +%T))"
   timeout -k 10 ${MX_TIMEOUT:-150} $PY -m pytest tests/test_kernels.py tests/test_kernels_real.py -m gpu -k moe_experts -v -rfEs \
     -p no:cacheprovider > "$OUT/mxfp4_tests.log" 2>&1
-  echo "moe_experts tests rc $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/mxfp4_tests.log" | cut -c1-200 | tail -30
+  rc=$?; [ $rc -eq 0 ] || status=1
+  echo "moe_experts tests rc $rc"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/mxfp4_tests.log" | cut -c1-200 | tail -30
   timeout -k 10 ${MS_TIMEOUT:-300} $PY scripts/gpu/moe_experts_sweep.py --json "$OUT/moe_experts_sweep.json" ${MS_ARGS:-} 2>&1 \
     | cut -c1-220
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -197,7 +197,7 @@ def _dot(a, b, ca: int = 1, cb: int = 0, precision=HI):
 # "tf32" one TF32 product (10-bit significand: a relative error of ~1e-3 per product, carried over chunks).
 # Measured on an H200 (docs/PERF.md, 4096 tokens, 32 heads of 128 x 128, block_v 32, 4 warps): the state
 # pass alone takes tf32x3 0.939 ms, ieee (8 warps, its best) 5.55 ms, tf32 0.457 ms; tf32x3 is the default,
-# as exact as ieee against the float64 recurrence (its error 3.8e-7 of the output's max against ieee's).
+# its output within 3.8e-7 of the output's max from ieee's (tf32: 5.5e-4).
 PRECISIONS = {"ieee": HI, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
               "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}
 
@@ -270,9 +270,10 @@ def fits(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, state_BHKV, chunk: int = 64, 
         return f"kda_prefill kernel needs T = {T} a multiple of the chunk {C}"
     if V % c.block_v:
         return f"kda_prefill kernel: block_v {c.block_v} must divide the value head dim {V}"
-    if c.block_v * K > 32 * 128:  # S's tile and the pipelined operand tiles in shared memory
-        return (f"kda_prefill kernel: block_v {c.block_v} x the key head dim {K} does not fit shared memory "
-                "(measured on an H200: 64 x 128 asked 262144 B, 232448 available; at most 4096)")
+    if c.precision == "tf32x3" and c.block_v * K > 32 * 128:  # the TF32x3 split's tiles in shared memory
+        return (f"kda_prefill kernel: block_v {c.block_v} x the key head dim {K} does not fit shared memory with "
+                "TF32x3 dots (measured on an H200: 64 x 128 asked 262144 B, 232448 available; at most 4096; "
+                "64 x 128 compiled with ieee and tf32)")
     if c.precision not in PRECISIONS:
         return f"kda_prefill kernel: precision must be one of {sorted(PRECISIONS)}, got {c.precision!r}"
     return None

@@ -168,18 +168,21 @@ def _e2m1(code: jax.Array) -> jax.Array:
 
 
 def _e2m1_scaled_bits(code: jax.Array, s: jax.Array) -> jax.Array:
-    """int32 E2M1 codes (0..15) times 2**(s - 127) for int32 E8M0 bytes s, as float32 built from its bits:
-    the value (1 + m/2)·2^(e−1) (e = 1..3) or m/2 (e = 0) times the scale is a float32 of exponent field
-    e + s − 1 (s − 1 for 0.5) and mantissa m·2^22, so no product and no select chain.  Exact where that
-    field is a normal exponent (2 <= s <= 252, every scale real checkpoints hold); elsewhere (s < 2 or
-    s > 252) the select-and-multiply form is taken, so the two decodes agree bit for bit on every input."""
+    """int32 E2M1 codes (0..15) times 2**(s - 127) for int32 E8M0 bytes s (broadcast per scale group), as
+    float32 built from its bits: the value (1 + m/2)·2^(e−1) (e = 1..3) or m/2 (e = 0) times 2^(c − 127) is
+    the float32 of exponent field e + c − 1 (c − 1 for 0.5) and mantissa m·2^22, normal for c in [2, 252].
+    So with c = s clamped there, one product by the group's power of two 2^(s − c) (exactly 1.0 for every
+    scale real checkpoints hold; 2^-2, 2^-1, 2, 4 and +inf at s = 0, 1, 253, 254, 255) gives the select
+    decode's value bit for bit (both are one rounding of the same exact product): no select chain per
+    weight, one multiply as the select decode has."""
     e, m = (code >> 1) & 3, code & 1
-    field = jnp.where(e == 0, s - 1, e + s - 1)
-    mant = jnp.where(e == 0, 0, m << 22)
-    bits = jnp.where((e == 0) & (m == 0), 0, (field << 23) | mant) | ((code >> 3) << 31)
-    fast = lax.bitcast_convert_type(bits, F32)
-    slow = _e2m1(code) * _scale(s)
-    return jnp.where((s >= 2) & (s <= 252), fast, slow)
+    c = jnp.clip(s, 2, 252)
+    field = jnp.where(e == 0, c - 1, e + c - 1)
+    bits = jnp.where((e == 0) & (m == 0), 0, (field << 23) | jnp.where(e == 0, 0, m << 22)) | ((code >> 3) << 31)
+    # per group: 2^(s − c) as the reference's own scale times 2^(127 − c), so that a platform that flushes
+    # the subnormal 2^-127 (s = 0) to zero flushes it here too
+    rest = _scale(s) * lax.bitcast_convert_type((254 - c) << 23, F32)
+    return lax.bitcast_convert_type(bits, F32) * rest
 
 
 def _scale(s_u8: jax.Array) -> jax.Array:

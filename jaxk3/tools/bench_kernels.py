@@ -69,7 +69,7 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
     kcfg = dataclasses.replace(cfg, num_experts=E)
     interpret = jax.devices()[0].platform == "cpu"  # CPU: Pallas interpret mode (plumbing only, not speed)
     ker = functools.partial(kernels.REGISTRY["moe_experts"].device, interpret=interpret)
-    ref = kernels.REGISTRY["moe_experts"].reference
+    ref, fits = kernels.REGISTRY["moe_experts"].reference, kernels.REGISTRY["moe_experts"].fits
     rows = []
     for B in batches:
         z = jax.random.normal(ks[6], (B, L), jnp.float32).astype(jnp.bfloat16)
@@ -83,19 +83,27 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
             nbytes = distinct * per_expert
             paths = [("xla", ref)] + [("kernel" if c is None else f"kernel {c}", functools.partial(ker, config=c))
                                       for c in configs]
+            want = None
             for path, fn in paths:
                 try:
+                    why = path.startswith("kernel ") and fits(kcfg, w, z, wk, ids, config=fn.keywords["config"])
+                    if why:
+                        raise ValueError(why)
+                    got = np.asarray(jax.jit(lambda z, w, wk, ids, fn=fn: fn(kcfg, w, z, wk, ids))(z, w, wk, ids),
+                                     np.float64)
                     us = _timed(lambda z, w, wk, ids, fn=fn: fn(kcfg, w, z, wk, ids), (z, w, wk, ids), chain,
                                 repeats) * 1e6
-                except Exception as e:  # a config that does not compile (shared memory, registers) is a row
-                    if path == "kernel":
+                except Exception as e:  # a swept config that does not fit or compile (shared memory) is a row
+                    if not path.startswith("kernel "):
                         raise
                     rows.append(dict(kernel="moe_experts", format=fmt, batch=B, path=path, error=str(e)[:500]))
                     continue
+                want = got if want is None else want
                 if fmt == "bf16" and path == "xla":
                     base = us
                 rows.append(dict(kernel="moe_experts", format=fmt, batch=B, path=path, us=us, bytes=nbytes,
-                                 gbps=nbytes / us / 1e3, distinct_experts=distinct, x_vs_bf16_xla=base / us))
+                                 gbps=nbytes / us / 1e3, distinct_experts=distinct, x_vs_bf16_xla=base / us,
+                                 rel_err=float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))))
     return rows
 
 

@@ -83,8 +83,9 @@ def main(argv=None) -> int:
         registry.REGISTRY["kda_prefill"] = dataclasses.replace(k, reference=ref, platforms=())
     if a.kda_form == "kernel":  # kernels=auto takes kda_prefill in this config
         kw = {k: (int(v) if v.isdigit() else v) for k, v in (x.split("=") for x in a.kda_config.split(",") if x)}
+        c = KP.Config(**kw)
         registry.REGISTRY["kda_prefill"] = dataclasses.replace(
-            k, unproven=None, device=functools.partial(KP.chunked, config=KP.Config(**kw)))
+            k, unproven=None, device=functools.partial(KP.chunked, config=c), fits=functools.partial(KP.fits, config=c))
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), (TP,))
     t0 = time.perf_counter()
     model = engine.Model(cfg, bd.random_weights(cfg, mesh, "bfloat16", shard_latent=True), mesh, "bfloat16", "auto",

@@ -44,15 +44,12 @@ def _unit_lower_inverse(A_BHCC: jax.Array) -> jax.Array:
     so (I + A)⁻¹ = Σ_k (−A)^k = (I − A)(I + A²)(I + A⁴)…, log2(C) squarings.  (No LAPACK custom
     call: XLA's CPU triangular solve starved the 2-device runtime of threads and hung the prefill.)"""
     C = A_BHCC.shape[-1]
-
-    def matmul(a, b):
-        return jnp.einsum("...ij,...jk->...ik", a, b)
     eye = jnp.eye(C, dtype=A_BHCC.dtype)
     P = -A_BHCC
     inv = eye + P
     for _ in range(max(0, (C - 1).bit_length() - 1)):
-        P = matmul(P, P)
-        inv = matmul(inv, eye + P)
+        P = jnp.einsum("...ij,...jk->...ik", P, P)
+        inv = jnp.einsum("...ij,...jk->...ik", inv, eye + P)
     return inv
 
 

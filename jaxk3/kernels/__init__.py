@@ -18,6 +18,6 @@ and calls `register`, plus its import line below (docs/ARCHITECTURE.md, "How to 
 from __future__ import annotations
 
 from jaxk3.kernels.registry import (MODES, REGISTRY, Kernel, KernelUnavailableError, active, call,  # noqa: F401
-                                    explain, interpret_only, register, speeds, status)
+                                    explain, register, speeds, status)
 from jaxk3.kernels import (attn_res_norm, gemv, kda_decode, kda_prefill, mla_decode, mla_prefill,  # noqa: E402,F401,I001
                            moe_experts, moe_grouped, rms_norm, router)

@@ -47,13 +47,6 @@ def triton_params(num_warps: int, num_stages: int, interpret: bool) -> dict:
     return dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
 
 
-def interpret_only(gpu_test: str) -> str:
-    """`Kernel.unproven` for a kernel checked in interpret mode whose compiled test `gpu_test` (in
-    tests/test_kernels.py) has not yet passed on the device."""
-    return f"checked in Pallas interpret mode only: its compiled test tests/test_kernels.py::{gpu_test} has not " \
-           "yet run on a GPU"
-
-
 def register(kernel: Kernel) -> Kernel:
     if kernel.name in REGISTRY:
         raise ValueError(f"kernel {kernel.name!r} is registered twice")

@@ -326,7 +326,8 @@ def _event_op(name: str, stats: dict[str, Any]) -> tuple[str | None, str | None]
 def profile_times(xplane_path: str, census: dict[str, Any], steps: int) -> dict[str, Any]:
     """Device time per block of the program `census` describes, from a profile of `steps` runs.
 
-    Returns {"us": {block: µs per step per device}, "events": {block: events per step per device},
+    Returns {"us": {block: µs per step per device}, "ops": {block: [[op, µs per step per device], ...]
+    slowest first}, "events": {block: events per step per device},
     "devices": n, "source": "device planes" | "host thunks", "unattributed_us": µs per step per
     device of the program's events whose op the census does not place}.  Raises ProfileUnavailable
     with the reason when jaxlib has no parser or no event of the program is in the trace.
@@ -348,6 +349,7 @@ def profile_times(xplane_path: str, census: dict[str, Any], steps: int) -> dict[
     n_ev: Counter = Counter()
     devices: set[str] = set()
     unplaced: Counter = Counter()
+    op_ns: Counter = Counter()  # per op: its kernels' time (the block's slowest ops, for "what stands in the way")
     for plane in use:
         lines = list(plane.lines)
         streams = [ln for ln in lines if ln.name.startswith("Stream")]
@@ -369,6 +371,7 @@ def profile_times(xplane_path: str, census: dict[str, Any], steps: int) -> dict[
                 b = op_block.get(op, UNATTRIBUTED)
                 ns[b] += ev.duration_ns
                 n_ev[b] += 1
+                op_ns[(b, op)] += ev.duration_ns
                 if b == UNATTRIBUTED:
                     unplaced[op] += ev.duration_ns
                 devices.add(f"{plane.name}#{stats.get('device_ordinal', '')}")
@@ -377,7 +380,10 @@ def profile_times(xplane_path: str, census: dict[str, Any], steps: int) -> dict[
                                  f"(planes: {', '.join(p.name for p in planes) or 'none'})")
     per = max(1, steps) * max(1, len(devices))
     us = {b: ns[b] / per / 1e3 for b in ns if b != UNATTRIBUTED}
-    return {"us": us, "events": {b: n_ev[b] / per for b in n_ev if b != UNATTRIBUTED}, "devices": len(devices),
+    ops: dict[str, list] = defaultdict(list)
+    for (b, op), t in op_ns.most_common():
+        ops[b].append([op, round(t / per / 1e3, 2)])
+    return {"us": us, "ops": dict(ops), "events": {b: n_ev[b] / per for b in n_ev if b != UNATTRIBUTED}, "devices": len(devices),
             "source": source, "unattributed_us": ns.get(UNATTRIBUTED, 0.0) / per / 1e3,
             "unattributed_events": n_ev.get(UNATTRIBUTED, 0) / per,
             "unattributed_ops": [op for op, _ in unplaced.most_common(5)],

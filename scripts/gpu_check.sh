@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
-#                        [mxfp4]
+#                        [mxfp4] [moestep]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -17,7 +17,8 @@
 #   `grouped` the prefill MoE's grouped-GEMM kernels (compiled tests, then timed against the dense form,
 #   ragged_dot and a GEMM of the same FLOPs at Kimi-Linear-48B dims); `attn` the prefill's MLA kernel and KDA form
 #   against the paths they replace; `kda` KDA's prefill forms inside 48B's first four layers with their longest kernels;
-#   `mxfp4` the MoE decode experts kernel's compiled tests and its configurations against XLA (K3 TP 2 share).
+#   `mxfp4` the MoE decode experts kernel's compiled tests and its configurations against XLA (Kimi-Linear-48B
+#   serving layout with the shared experts, K3 TP 2 share); `moestep` the 48B step with that kernel patched in.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -238,7 +239,8 @@ fi
 
 if has mxfp4; then
   # The MoE decode experts kernel (moe_experts): its compiled tests with the decodes and tilings, then its
-  # configurations against XLA at K3's TP 2 share, bf16 and MXFP4 (scripts/gpu/moe_experts_sweep.py; issue 22).
+  # configurations against XLA at 48B (serving layout, shared experts fused) and K3's TP 2 share, bf16 and
+  # MXFP4 (scripts/gpu/moe_experts_sweep.py; issue 22).
   echo "== moe_experts: compiled tests, then configs vs XLA ($(date -u +%T))"
   timeout -k 10 ${MX_TIMEOUT:-150} $PY -m pytest tests/test_kernels.py tests/test_kernels_real.py -m gpu -k moe_experts -v -rfEs \
     -p no:cacheprovider > "$OUT/mxfp4_tests.log" 2>&1
@@ -246,6 +248,16 @@ if has mxfp4; then
   echo "moe_experts tests rc $rc"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/mxfp4_tests.log" | cut -c1-200 | tail -30
   timeout -k 10 ${MS_TIMEOUT:-300} $PY scripts/gpu/moe_experts_sweep.py --json "$OUT/moe_experts_sweep.json" ${MS_ARGS:-} 2>&1 \
     | cut -c1-220
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has moestep; then
+  # The Kimi-Linear-48B decode step with the moe_experts kernel taken wherever it fits (registry patched in that
+  # process: scripts/gpu/step_with_kernel.py; MOESTEP_PATCH=-moe_experts: left out), beside step48's serving/auto.
+  echo "== 48B step, serving/auto, patched: ${MOESTEP_PATCH:-moe_experts} ($(date -u +%T))"
+  timeout -k 10 ${MOESTEP_TIMEOUT:-200} $PY scripts/gpu/step_with_kernel.py ${MOESTEP_PATCH:-moe_experts} -- --config kimi-linear-48b \
+    --layers all --experts 64 --tp 1 --batch ${MOESTEP_BATCH:-1,8} --context 4k --strategies stock --variants serving/auto \
+    --steps 20 --repeats 5 --json "$OUT/moestep.json" 2>&1 | grep -v "^  \.\. " | tee "$OUT/moestep.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

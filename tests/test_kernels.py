@@ -82,26 +82,66 @@ def _moe_case(fmt: str, dtype, B: int, seed: int = 0, duplicate: bool = True):
     return cfg, w, z, wk, ids
 
 
+def _joined(w):
+    """The serving layout's experts: w1 | w3 as one [E, 2I, L] stack (dense or MXFP4)."""
+    import dataclasses
+
+    from jaxk3.layers import moe
+
+    if isinstance(w.experts_w1, moe.MXFP4):
+        w13 = moe.MXFP4(*(jnp.concatenate([a, b], axis=1) for a, b in
+                          ((w.experts_w1.packed, w.experts_w3.packed), (w.experts_w1.scale, w.experts_w3.scale))))
+    else:
+        w13 = jnp.concatenate([w.experts_w1, w.experts_w3], axis=1)
+    return dataclasses.replace(w, experts_w1=None, experts_w3=None, experts_w13=w13)
+
+
+def _shared(w, dtype, seed: int = 7):
+    """Random shared experts of the routed experts' shapes (the kernel fuses them: Kimi-Linear's case)."""
+    from jaxk3.kernels.moe_experts import SharedMLP
+
+    E, L, I = (w.experts_w2.shape if not hasattr(w.experts_w2, "packed") else
+               (*w.experts_w2.packed.shape[:2], 2 * w.experts_w2.packed.shape[2]))
+    r = np.random.default_rng(seed)
+    return SharedMLP(jnp.asarray(0.1 * r.standard_normal((2 * I, L)), dtype), jnp.asarray(0.1 * r.standard_normal((L, I)), dtype))
+
+
 # bf16 is slow (the newest-jax suite leaves it to the first): float32 takes the same kernel paths
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("B", [1, 8])  # B = 8: duplicates among the 8 x k choices and padded plan slots
-def test_moe_experts_kernel_matches_reference(fmt, dtype, B):
-    """Interpret mode against `experts_partial`.  Tolerance: both sum the same float32 products in a
-    different order (chunks of 32-column groups, then per distinct expert); float32 reassociation
-    over <= 128 + 64 terms is ~1e-7 relative (measured 2e-7), so 2e-6 of max|ref|; a wrong scale,
-    nibble order, weight or missed duplicate is off by >= 1e-2 of it."""
+@pytest.mark.parametrize("B", [1, 3, 8])  # B > 1: duplicates among the B x k choices and padded plan slots
+@pytest.mark.parametrize("layout", ["checkpoint", "joined", "joined+shared"])
+def test_moe_experts_kernel_matches_reference(fmt, dtype, B, layout):
+    """Interpret mode against `experts_partial` (+ `shared_partial`): w1 and w3 apart or joined, the shared
+    experts fused (dense only; MXFP4 with them is refused by `fits` and checked so).  B = 1: element-wise
+    tiles; B > 1: the tensor-core dot (dense) or per-token reductions (MXFP4).  Tolerance: both sum the
+    same float32 products in another order (tiles, split parts, then slots); float32 reassociation over
+    <= 128 + 64 terms is ~1e-7 relative (measured 2e-7), so 2e-6 of max|ref|; a wrong scale, nibble
+    order, weight, coefficient or missed duplicate is off by >= 1e-2 of it."""
+    from jaxk3.kernels import moe_experts as ME
+
     cfg, w, z, wk, ids = _moe_case(fmt, dtype, B)
-    k = kernels.REGISTRY["moe_experts"]
-    got = np.asarray(k.device(cfg, w, z, wk, ids, interpret=True))
-    ref = np.asarray(k.reference(cfg, w, z, wk, ids))
+    if layout != "checkpoint":
+        w = _joined(w)
+    shared = _shared(w, w.experts_w2.dtype if fmt == "dense" else dtype) if layout.endswith("shared") else None
+    c = ME.Config(bn=16, bk=32, splits=2)  # tiny dims (L 128, I 64): tiles in both loops, two splits of I
+    if shared is not None and fmt == "mxfp4":
+        assert "bf16 routed experts only" in ME.fits(cfg, w, z, wk, ids, shared=shared, config=c)
+        return
+    if fmt == "dense" and dtype == jnp.bfloat16 or fmt == "mxfp4":
+        assert ME.fits(cfg, w, z, wk, ids, shared=shared, config=c, only_where_faster=False) is None
+    got = np.asarray(ME.experts(cfg, w, z, wk, ids, shared=shared, interpret=True, config=c))
+    ref = np.asarray(ME.reference(cfg, w, z, wk, ids, shared=shared))
     assert got.shape == ref.shape == (B, cfg.moe_hidden) and np.abs(ref).max() > 0
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+    if shared is not None:  # the shared experts are in the sum: without them the result moves
+        assert np.abs(ref - np.asarray(ME.reference(cfg, w, z, wk, ids))).max() > 1e-3 * np.abs(ref).max()
 
 
 def test_moe_experts_bits_decode_is_the_select_decode_bit_for_bit():
-    """The "bits" E2M1 decode (the scaled float built from its bits) against the select-and-multiply one,
-    every code (0..15) at every E8M0 scale (0..255), bitwise; then the kernel with it in interpret mode."""
+    """The "bits" E2M1 decode (the scaled float built from its bits) and the "f16" one (float16's bits) against
+    the select-and-multiply one, every code (0..15) at every E8M0 scale (0..255), bitwise; then the kernel
+    with each in interpret mode."""
     from jaxk3.kernels import moe_experts as ME
 
     code = jnp.arange(16, dtype=jnp.int32)[:, None]
@@ -109,14 +149,20 @@ def test_moe_experts_bits_decode_is_the_select_decode_bit_for_bit():
     want = np.asarray(ME._e2m1(code) * ME._scale(s.astype(jnp.uint8)))
     got = np.asarray(ME._e2m1_scaled_bits(code, s))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    scale = ME._scale(s.astype(jnp.uint8))  # the "f16" decode: float16's bits, times 2^14, times the scale
+    got = np.asarray(ME._e2m1_f16(code) * jnp.float32(2.0 ** 14) * scale)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1)
-    c = ME.Config(bo=32, groups=4, decode="bits")
-    assert ME.fits(cfg, w, z, wk, ids, config=c) is None
+    c = ME.Config(bn=32, bk=64, decode="bits")
+    assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
     got = np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=c))
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())  # as the default's test
-    assert "powers of two" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(bo=24))
+    got = np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=ME.Config(bn=32, bk=64, decode="f16")))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+    assert "powers of two" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(bn=24))
     assert "decode must be" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(decode="lut"))
+    assert "not measured against XLA" in ME.fits(cfg, w, z, wk, ids, config=c)
 
 
 def test_moe_experts_plan_reads_each_expert_once():
@@ -135,14 +181,37 @@ def test_moe_experts_plan_reads_each_expert_once():
 
 
 def test_moe_experts_selection():
+    import dataclasses
+
+    from jaxk3.kernels.moe_experts import SharedMLP
+    from jaxk3.layers import moe
+
     cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 2)
-    # not yet compiled on a GPU: auto keeps the reference and says why; "on" selects the kernel
-    assert "unproven on gpu" in kernels.explain("moe_experts", cfg, w, z, wk, ids, platform="gpu")
+    # proven, but auto takes it only at the shapes where it beat XLA on the H200; "on" wherever it fits
+    assert "not measured against XLA" in kernels.explain("moe_experts", cfg, w, z, wk, ids, platform="gpu")
     assert kernels.explain("moe_experts", cfg, w, z, wk, ids, platform="gpu", mode="on").startswith("device")
-    assert not kernels.active("gpu")["moe_experts"]
+    assert kernels.active("gpu")["moe_experts"]
+    s = jax.ShapeDtypeStruct  # the presets' per-rank shapes (fits reads shapes and dtypes only)
+    bf = jnp.bfloat16
+    kl = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=None, experts_w3=None,
+                        experts_w2=s((64, 2304, 1024), bf), experts_w13=s((64, 2048, 2304), bf))
+    shared = SharedMLP(s((2048, 2304), bf), s((2304, 1024), bf))
+    for B in (1, 8):  # Kimi-Linear-48B in the serving layout with its shared experts: taken
+        zz, wkk, idd = s((B, 2304), bf), s((B, 8), jnp.float32), s((B, 8), jnp.int32)
+        assert kernels.explain("moe_experts", cfg, kl, zz, wkk, idd, shared=shared, platform="gpu") == "device: moe_experts on gpu"
+        assert "not measured" in kernels.explain("moe_experts", cfg, kl, zz, wkk, idd, platform="gpu")  # no shared
+    k3 = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=s((64, 1536, 3584), bf),
+                        experts_w3=s((64, 1536, 3584), bf), experts_w2=s((64, 3584, 1536), bf))
+    one = (s((1, 3584), bf), s((1, 16), jnp.float32), s((1, 16), jnp.int32))
+    assert "XLA is as fast" in kernels.explain("moe_experts", cfg, k3, *one, platform="gpu")  # K3 TP 2, B = 1
+    eight = (s((8, 3584), bf), s((8, 16), jnp.float32), s((8, 16), jnp.int32))
+    assert kernels.explain("moe_experts", cfg, k3, *eight, platform="gpu").startswith("device")
     assert "platform 'cpu'" in kernels.explain("moe_experts", cfg, w, z, wk, ids, platform="cpu")
-    big = jnp.zeros((17, z.shape[1]), z.dtype)
-    assert "at most 16 tokens" in kernels.explain("moe_experts", cfg, w, big, wk, ids, platform="gpu", mode="on")
+    big = jnp.zeros((9, z.shape[1]), z.dtype)
+    assert "1 to 8 tokens" in kernels.explain("moe_experts", cfg, w, big, wk, ids, platform="gpu", mode="on")
+    wf = dataclasses.replace(_moe_case("dense", jnp.float32, 2)[1])
+    assert "bf16 or MXFP4 experts, got float32" in kernels.explain("moe_experts", cfg, wf, z, wk, ids, platform="gpu",
+                                                                    mode="on")
 
 
 def test_model_kernels_option():
@@ -165,20 +234,27 @@ def test_model_kernels_option():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("B", [1, 3, 8])
-@pytest.mark.parametrize("config", [None, dict(decode="bits"), dict(bo=64, groups=4, decode="bits", num_warps=8,
+@pytest.mark.parametrize("config", [None, dict(decode="bits"), dict(bn=32, bk=64, splits=1, decode="f16", num_warps=8,
                                                                     num_stages=2)])
-def test_moe_experts_kernel_on_gpu(fmt, B, config):
+@pytest.mark.parametrize("layout", ["checkpoint", "joined+shared"])
+def test_moe_experts_kernel_on_gpu(fmt, B, config, layout):
     """The compiled kernel (Triton) on a GPU against the jnp reference, bf16 activations, in the default
-    configuration and two of the sweep's (scripts/gpu/moe_experts_sweep.py)."""
+    configuration and two of the sweep's (scripts/gpu/moe_experts_sweep.py); w1 and w3 apart, or joined
+    with the shared experts fused (dense; MXFP4 takes the joined experts alone)."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
     from jaxk3.kernels.moe_experts import Config
 
     cfg, w, z, wk, ids = _moe_case(fmt, jnp.bfloat16, B)
+    shared = None
+    if layout != "checkpoint":
+        w = _joined(w)
+        shared = _shared(w, jnp.bfloat16) if fmt == "dense" else None
     c = Config(**config) if config else None
-    assert kernels.explain("moe_experts", cfg, w, z, wk, ids, mode="on", config=c).startswith("device")
-    got = np.asarray(jax.jit(lambda *a: kernels.call("moe_experts", cfg, *a, mode="on", config=c))(w, z, wk, ids))
-    ref = np.asarray(kernels.REGISTRY["moe_experts"].reference(cfg, w, z, wk, ids))
+    assert kernels.explain("moe_experts", cfg, w, z, wk, ids, shared=shared, mode="on", config=c).startswith("device")
+    got = np.asarray(jax.jit(lambda *a: kernels.call("moe_experts", cfg, *a, shared=shared, mode="on", config=c))(
+        w, z, wk, ids))
+    ref = np.asarray(kernels.REGISTRY["moe_experts"].reference(cfg, w, z, wk, ids, shared=shared))
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 
 
@@ -331,15 +407,18 @@ def _kda_case(mode: str, dtype, B: int, seed: int = 0):
 @pytest.mark.parametrize("mode", ["k3", "kl"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("B", [1, 3])
-def test_kda_decode_kernel_matches_reference(mode, dtype, B):
+@pytest.mark.parametrize("bv", [32, 8])  # tiny head_dim 32: one value block per head, or four
+def test_kda_decode_kernel_matches_reference(mode, dtype, B, bv):
     """Interpret mode against `kda.decode_core`.  Tolerance: the same float32 arithmetic with the conv
     taps and the state contractions (32 terms) summed in another order: ~1e-7 relative per value,
     and the output RMSNorm divides by a norm of the same rounding; 1e-5 of max|ref| (a wrong tap,
     gate or update is off by >= 1e-2).  The conv window (a copy) is bitwise; invalid rows keep both
     caches bitwise."""
+    from jaxk3.kernels.kda_decode import Config
+
     cfg, args = _kda_case(mode, dtype, B)
     k = kernels.REGISTRY["kda_decode"]
-    got = k.device(cfg, *args, interpret=True)
+    got = k.device(cfg, *args, interpret=True, config=Config(bv=bv))
     ref = k.reference(cfg, *args)
     for g, r_ in zip(got, ref):
         assert g.shape == r_.shape and g.dtype == r_.dtype
@@ -353,11 +432,14 @@ def test_kda_decode_kernel_matches_reference(mode, dtype, B):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["k3", "kl"])
-def test_kda_decode_kernel_on_gpu(mode):
+@pytest.mark.parametrize("bv", [32, 8])
+def test_kda_decode_kernel_on_gpu(mode, bv):
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    from jaxk3.kernels.kda_decode import Config
+
     cfg, args = _kda_case(mode, jnp.bfloat16, 3)
-    got = jax.jit(lambda *a: kernels.call("kda_decode", cfg, *a, mode="on"))(*args)
+    got = jax.jit(lambda *a: kernels.call("kda_decode", cfg, *a, mode="on", config=Config(bv=bv)))(*args)
     ref = kernels.REGISTRY["kda_decode"].reference(cfg, *args)
     for g, r_ in zip(got, ref):
         np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)), np.asarray(r_.astype(jnp.float32)), rtol=0,
@@ -730,11 +812,10 @@ def test_status_says_what_auto_does():
     # proven at real dims (docs/PERF.md); gemv and router_topk then only at the shapes where they won (`fits`)
     assert gpu["rms_norm"] == gpu["kda_decode"] == gpu["gemv"] == gpu["router_topk"] == gpu["mla_decode"] == "device"
     assert gpu["mla_prefill"] == gpu["kda_prefill"] == "device"
-    assert gpu["moe_grouped"] == "device"
+    assert gpu["moe_grouped"] == gpu["moe_experts"] == "device"
     assert set(kernels.REGISTRY) == {"gemv", "kda_decode", "kda_prefill", "mla_decode", "mla_prefill", "moe_experts",
                                      "moe_grouped", "rms_norm", "router_topk"}
-    for name, why in (("moe_experts", "304 us vs XLA's fused dequantisation 175 us"),):
-        assert gpu[name].startswith("reference: unproven on gpu") and why in gpu[name]
+    assert "1.23x XLA at Kimi-Linear-48B B=1" in kernels.speeds()["moe_experts"]
 
 
 def test_info_lists_the_kernels(capsys):

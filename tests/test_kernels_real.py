@@ -18,7 +18,8 @@ Tolerances, per kernel (max |kernel - ref| / max |ref|):
                            bugs it still catches are at MLA_TOL in tests/test_kernels.py;
   moe_experts              4e-3: bf16 experts, the [B, I] intermediate rounded to bf16 on both paths
                            but from fp32 sums taken in another order, so single elements may round
-                           one bf16 ulp (2^-8) apart before the 1536-3072-term down projection;
+                           one bf16 ulp (2^-8) apart before the 1536-3072-term down projection
+                           (Kimi-Linear: w1 | w3 joined, and the shared experts fused when bf16);
   moe_grouped              4e-3: the same argument for a prefill chunk's [N, I] intermediate.
 """
 from __future__ import annotations
@@ -95,7 +96,19 @@ def case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, fmt: str = "d
         w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=ex[0], experts_w2=ex[1], experts_w3=ex[2])
         ids = jnp.asarray(np.stack([r.permutation(E)[:k] for _ in range(B)]), jnp.int32)
         wk = jnp.asarray(r.uniform(0.05, 0.3, (B, k)), jnp.float32)
-        return (kcfg, w, a(B, L, dt=jnp.bfloat16), wk, ids), {}
+        shared = None
+        if cfg.routed_expert_hidden_size is None:  # Kimi-Linear: the serving layout's w1 | w3 (+ shared, bf16)
+            from jaxk3.kernels.moe_experts import SharedMLP
+
+            if fmt == "dense":
+                w13 = jnp.concatenate([ex[0], ex[2]], axis=1)
+                shared = SharedMLP(a(2 * I, L, s=0.02, dt=jnp.bfloat16), a(L, I, s=0.02, dt=jnp.bfloat16))
+            else:
+                w13 = moe.MXFP4(jnp.concatenate([ex[0].packed, ex[2].packed], axis=1),
+                                jnp.concatenate([ex[0].scale, ex[2].scale], axis=1))
+            w = dataclasses.replace(w, experts_w1=None, experts_w3=None, experts_w13=w13)
+        # every preset shape, also where auto keeps XLA (only_where_faster=False)
+        return (kcfg, w, a(B, L, dt=jnp.bfloat16), wk, ids, shared), {"only_where_faster": False}
     if kernel == "moe_grouped":  # a prefill chunk of PREFILL_TOKENS * B tokens over GROUPED_EXPERTS experts
         from jaxk3.layers import moe
 
@@ -144,7 +157,7 @@ def bind(fn, args):
     """(jit of fn over the array arguments, those arguments): configs, floats and None are closed over
     (static), so that eps / scale stay Python constants as in the step."""
     dyn = [i for i, x in enumerate(args) if isinstance(x, (jax.Array, list, tuple)) or hasattr(x, "experts_w1")
-           or hasattr(x, "conv_3CK")]
+           or hasattr(x, "conv_3CK") or hasattr(x, "gate_up")]
 
     def f(*d):
         full = list(args)

@@ -1,12 +1,15 @@
-"""The KDA decode step between the projections and o_proj as one Pallas kernel, beside its jnp
-reference `decode_core` (with the gate and the l2 norm the chunked prefill shares).
+"""The KDA decode step between the projections and o_proj as one Pallas kernel (and the gated output
+norm as one XLA fusion), beside its jnp reference `decode_core` (with the gate and the l2 norm the
+chunked prefill shares).
 
 XLA runs this part as ~20 small kernels per KDA layer (conv, SiLU, two l2 norms, the gate, the
 decay, two state contractions, the rank-1 update, the gated norm, two cache selects).  Here one
-grid program owns one (row, local head): it reads the head's K-1 cached projections per tap and its
-new q/k/v projections, does the causal conv + SiLU, the l2 norms, the forget gate and beta, the
-gated delta rule on the head's fp32 state [K, V] (in registers), the gated RMSNorm, and writes the
-head's output, its new state and its new conv window (rows with valid False keep both caches).
+grid program owns one (row, local head, block of `Config.bv` value columns): it reads the head's
+K-1 cached projections per tap and its new q/k (all Kd channels) and v (its block) projections, does
+the causal conv + SiLU, the l2 norms, the forget gate and beta, the gated delta rule on its [Kd, bv]
+columns of the head's fp32 state (in registers), and writes its output columns, its state columns and
+its conv windows (rows with valid False keep both caches).  The gated RMSNorm spans the head's Kd
+values, so it runs after the kernel, in jnp (`gated_rms_norm`).
 
 Every value is float32 as in the reference; the conv taps and the state contractions are summed in
 another order, so results agree to float32 rounding (tests/test_kernels.py).
@@ -78,19 +81,27 @@ def decode_core(cfg: KimiK3Config, u_B3C: jax.Array, conv_B3CW: jax.Array, cw: C
     return o_BHV.reshape(B, -1), new_conv, new_state
 
 
-def _kernel(u_ref, conv_ref, cw_ref, dtb_ref, alog_ref, onorm_ref, f_ref, beta_ref, z_ref, s_ref, valid_ref,
-            o_ref, conv_out_ref, s_out_ref, *, Kd: int, W: int, eps: float, lb: float | None):
+@dataclasses.dataclass(frozen=True)
+class Config:
+    bv: int = 32  # value columns of the state per program (a power of two; the head's Kd when larger)
+    num_warps: int = 4
+
+
+def _kernel(u_ref, conv_ref, cw_ref, dtb_ref, alog_ref, f_ref, beta_ref, s_ref, valid_ref,
+            o_ref, conv_out_ref, s_out_ref, *, Kd: int, W: int, bv: int, lb: float | None):
     from jax.experimental import pallas as pl
 
-    b, h = pl.program_id(0), pl.program_id(1)
-    ch = pl.ds(h * Kd, Kd)
-    ys = []
-    for j in range(3):  # q, k, v: conv over the K-1 cached taps and the new projection, then SiLU
-        acc = u_ref[b, j, ch].astype(F32) * cw_ref[j, ch, W]
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ch = pl.ds(h * Kd, Kd)  # the head's q/k channels (every program recomputes them: K taps of Kd values)
+    cv = pl.ds(h * Kd + j * bv, bv)  # this program's value channels
+    vs = pl.ds(j * bv, bv)  # its columns of the state
+
+    def conv(i, chans):  # conv over the K-1 cached taps and the new projection, then SiLU
+        acc = u_ref[b, i, chans].astype(F32) * cw_ref[i, chans, W]
         for t in range(W):
-            acc = acc + conv_ref[b, j, ch, t].astype(F32) * cw_ref[j, ch, t]
-        ys.append(acc * jax.nn.sigmoid(acc))
-    q, k, v = ys
+            acc = acc + conv_ref[b, i, chans, t].astype(F32) * cw_ref[i, chans, t]
+        return acc * jax.nn.sigmoid(acc)
+    q, k, v = conv(0, ch), conv(1, ch), conv(2, cv)
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * Kd ** -0.5
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
     f = f_ref[b, ch].astype(F32) + dtb_ref[ch]
@@ -100,46 +111,65 @@ def _kernel(u_ref, conv_ref, cw_ref, dtb_ref, alog_ref, onorm_ref, f_ref, beta_r
     else:
         g = -a * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
     beta = beta_ref[b, h]
-    S = s_ref[b, h, :, :] * jnp.exp(g)[:, None]  # [K, V]
-    pred = jnp.sum(S * k[:, None], axis=0)  # [V]
+    S0 = s_ref[b, h, :, vs]
+    S = S0 * jnp.exp(g)[:, None]  # [K, bv]
+    pred = jnp.sum(S * k[:, None], axis=0)  # [bv]
     upd = beta * (v - pred)
     S = S + k[:, None] * upd[None, :]
-    o = jnp.sum(S * q[:, None], axis=0)
-    o = onorm_ref[...] * o * jax.lax.rsqrt(jnp.mean(o * o) + eps) * jax.nn.sigmoid(z_ref[b, ch].astype(F32))
-    o_ref[b, ch] = o
+    o_ref[b, cv] = jnp.sum(S * q[:, None], axis=0)  # before the gated RMSNorm over the head (the wrapper's)
     keep = valid_ref[b] != 0
-    s_out_ref[b, h, :, :] = jnp.where(keep, S, s_ref[b, h, :, :])
-    for j in range(3):
-        for t in range(W):  # the window moves one tap: the oldest drops, the new projection enters
-            new = u_ref[b, j, ch] if t == W - 1 else conv_ref[b, j, ch, t + 1]
-            conv_out_ref[b, j, ch, t] = jnp.where(keep, new, conv_ref[b, j, ch, t])
+    s_out_ref[b, h, :, vs] = jnp.where(keep, S, S0)
+    for i, chans, own in ((0, ch, j == 0), (1, ch, j == 0), (2, cv, True)):  # q and k windows: one program writes
+        @pl.when(own)
+        def _():
+            for t in range(W):  # the window moves one tap: the oldest drops, the new projection enters
+                new = u_ref[b, i, chans] if t == W - 1 else conv_ref[b, i, chans, t + 1]
+                conv_out_ref[b, i, chans, t] = jnp.where(keep, new, conv_ref[b, i, chans, t])
 
 
-def kda_decode(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, interpret: bool = False):
-    """The same function as the reference: (o_BC fp32, new conv_B3CW, new state_BHKV)."""
+def kda_decode(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, interpret: bool = False,
+               config: Config | None = None):
+    """The same function as the reference: (o_BC fp32, new conv_B3CW, new state_BHKV).  The grid is
+    (row, head, value block): a head's state is split by value columns over `Config.bv`, so that a
+    Kimi-Linear step at B = 1 runs 128 programs of 16 KB of state instead of 32 of 64 KB (the K-long
+    contractions stay inside a program); the output's gated RMSNorm, which spans the head's values, is
+    applied to the kernel's output by XLA (one fusion with the cast that feeds o_proj)."""
     from jax.experimental import pallas as pl
 
+    from jaxk3.kernels.registry import triton_params
+
+    c = config or Config()
     B, _, C = u_B3C.shape
     H, Kd = state_BHKV.shape[1], cfg.kda_head_dim
+    bv = min(c.bv, Kd)
     W = conv_B3CW.shape[-1]
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_kernel, Kd=Kd, W=W, eps=cfg.rms_norm_eps, lb=cfg.gate_lower_bound)
-    return pl.pallas_call(
-        kernel, grid=(B, H), in_specs=[any_] * 11, out_specs=[any_] * 3,
+    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound)
+    o, conv, state = pl.pallas_call(
+        kernel, grid=(B, H, Kd // bv), in_specs=[any_] * 9, out_specs=[any_] * 3,
         out_shape=(jax.ShapeDtypeStruct((B, C), F32), jax.ShapeDtypeStruct(conv_B3CW.shape, conv_B3CW.dtype),
                    jax.ShapeDtypeStruct(state_BHKV.shape, F32)),
-        interpret=interpret,
-    )(u_B3C, conv_B3CW, cw.conv_3CK, cw.dt_bias_C.astype(F32), cw.A_log_H.astype(F32), cw.o_norm_K.astype(F32),
-      f_BC, beta_BH.astype(F32), z_BC, state_BHKV, valid_B.astype(jnp.int32))
+        # the state is updated in place (each program reads and writes only its own columns); the conv windows are
+        # not (a head's programs all read its q/k windows, which one of them rewrites)
+        input_output_aliases={7: 2}, interpret=interpret, **triton_params(c.num_warps, 1, interpret),
+    )(u_B3C, conv_B3CW, cw.conv_3CK, cw.dt_bias_C.astype(F32), cw.A_log_H.astype(F32), f_BC, beta_BH.astype(F32),
+      state_BHKV, valid_B.astype(jnp.int32))
+    o = gated_rms_norm(o.reshape(B, H, Kd), cw.o_norm_K, z_BC.reshape(B, H, Kd), cfg.rms_norm_eps)
+    return o.reshape(B, C), conv, state
 
 
-reference = decode_core
+def reference(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, config: Config | None = None):
+    return decode_core(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B)
 
 
-def fits(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, **_) -> str | None:
+def fits(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, config: Config | None = None,
+         **_) -> str | None:
     Kd = cfg.kda_head_dim
     if Kd & (Kd - 1) or Kd > 256:
         return f"kda_decode kernel needs a power-of-two head_dim <= 256 (Triton blocks), got {Kd}"
+    bv = (config or Config()).bv
+    if bv & (bv - 1) or bv < 1:
+        return f"kda_decode kernel: Config.bv must be a power of two, got {bv}"
     if u_B3C.ndim != 3 or conv_B3CW.shape[-1] < 1:
         return f"kda_decode kernel takes one token per row: u {u_B3C.shape}, conv {conv_B3CW.shape}"
     return None

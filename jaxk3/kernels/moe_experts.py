@@ -1,22 +1,30 @@
-"""The routed experts of a MoE decode step as two Pallas kernels over the *distinct* selected
-experts, beside their jnp reference `experts_partial` (and the MXFP4 format and GLU math it uses).
+"""The experts of a MoE decode step (routed, and the shared experts where they read the same input) as
+two Pallas kernels over the *distinct* selected experts, beside their jnp reference `experts_partial`
+(and the MXFP4 format and GLU math it uses).
 
 The reference gathers one weight matrix per (token, slot): at batch B with k experts per token it
 reads B·k matrices, duplicates included.  Here the B·k choices are reduced to U = min(E, B·k)
-distinct experts first (`plan`), and each selected expert's rows are read once for the whole batch:
+distinct experts first (`plan`; at B = 1 the k choices are already distinct), and each selected
+expert's rows are read once for the whole batch:
 
-    kernel 1 (gate-up, activation fused)   a[u, b] = act(W1_u z_b, W3_u z_b)      [U, B, I]
-    kernel 2 (down)                        y[u, b] = W2_u a[u, b]                  [U, B, L]
-    out_b = Σ_u coef[u, b] · y[u, b]        coef: the routing weight where token b chose expert u, else 0
+    kernel 1 (gate-up + activation)  a[u, b] = act(W1_u z_b, W3_u z_b)                [P, Bp, I]
+    kernel 2 (down + combine)        out_b = Σ_u coef[u, b] · W2_u a[u, b]  (+ W2_s a[s, b])   [S, Bp, L]
 
-Weights are dense (the model dtype) or MXFP4 (`MXFP4` below); MXFP4 rows are
-dequantised in registers (E2M1 nibble -> value by arithmetic, times the E8M0 scale written as a
-float exponent) and never exist dequantised in memory.  Products and sums are float32, as in the
-reference; the sums run in a different order, so results agree to float32 rounding (tests:
-tests/test_kernels.py).  A grid program owns `Config.bo` output rows of one distinct expert and walks
-the input columns in chunks of whole 32-column scale groups; padded slots of `plan` (expert id -1)
-write zeros and read nothing.  `Config` holds the tiling and the E2M1 decode (by selects, or by building
-the scaled float's bits), for the sweep that looks for the configuration that beats XLA.
+P = U, plus one slot for the shared experts when they are given (Kimi-Linear: the routed experts
+read the hidden state, as the shared experts do; `shared` must have I intermediate rows per rank).
+Kernel 2 walks the P experts inside each program, so the combine, the shared experts' down
+projection and their sum with the routed partial cost no kernel of their own; its S programs along I
+leave S partial sums that XLA adds in the fusion that consumes the output (the residual add).
+
+How a tile is multiplied (as in jaxk3.kernels.gemv, whose sweep found the same):
+  B = 1        the tile times x, accumulated element-wise in fp32 registers, reduced once at the end;
+  B > 1 dense  x padded to 16 rows, `dot` on the tensor cores (bf16 in, fp32 accumulate);
+  B > 1 MXFP4  per token, each tile's products reduced as they come (MXFP4 has no tensor-core path here).
+MXFP4 rows are dequantised in registers (E2M1 nibble -> value by arithmetic times the E8M0 scale, or
+the scaled float built from its bits: `Config.decode`) and never exist dequantised in memory.
+Products and sums are float32, as in the reference; the sums run in another order, so the results
+agree to float32 rounding (tests/test_kernels.py).  Padded slots of `plan` (expert id -1) write
+zeros in kernel 1 and are skipped in kernel 2.
 """
 from __future__ import annotations
 
@@ -34,15 +42,28 @@ from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 F32 = jnp.float32
 
 
+MAX_B = 8  # decode rows; more take the reference (prefill has jaxk3.kernels.moe_grouped)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The kernels' tiling and MXFP4 decode (scripts/gpu/moe_experts_sweep.py times them against XLA).
-    The default is the configuration measured at 0.58x XLA (docs/PERF.md, issue 22)."""
-    bo: int = 16  # output rows per grid program
-    groups: int = 8  # scale groups (32 columns each) per loop step, at most (the largest power of two dividing)
-    decode: str = "select"  # E2M1 -> float: "select" (compares and selects) or "bits" (the float's bits built)
-    num_warps: int | None = None  # None: Pallas's default (no compiler params)
-    num_stages: int | None = None
+    """The kernels' tiling and MXFP4 decode (scripts/gpu/moe_experts_sweep.py times them against XLA)."""
+    bn: int = 0  # output rows per program, both kernels (a power of two dividing I and L); 0: `_resolve`'s
+    bk: int = 0  # input columns per tile (a power of two; MXFP4: bk / 32 scale groups); 0: `_resolve`'s
+    splits: int = 0  # kernel 2's programs along I (partial sums added by the consumer); 0: enough for 4 per SM
+    num_warps: int = 4
+    num_stages: int = 3
+    decode: str = "select"  # MXFP4's E2M1 -> float: "select" (compares and selects), "bits" (the scaled float's
+    # bits) or "f16" (float16's bits, then two products)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SharedMLP:
+    """The shared experts' weights on this rank, in the serving layout (jaxk3.layers.moe.MLPWeights'
+    gate_up_proj and down_proj): `gate_up` [2·Is, In] (gate rows, then up rows), `down` [Out, Is]."""
+    gate_up: jax.Array
+    down: jax.Array
 
 
 # ---------------------------------------------------------------- the jnp math (reference and CPU path)
@@ -108,11 +129,11 @@ def compute_dtype(w, z: jax.Array):
     return z.dtype if isinstance(w.experts_w2, MXFP4) else w.experts_w2.dtype
 
 
-def experts_partial(cfg: KimiK3Config, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array
-                    ) -> jax.Array:
+def experts_partial(cfg: KimiK3Config, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array,
+                    shared: SharedMLP | None = None) -> jax.Array:
     """Σ_k w_k · W2_k act(W1_k z, W3_k z) over the local intermediate shard: fp32 [B, L] partial
     (`w`: the block's weights, jaxk3.layers.moe.MoEWeights; only the experts are read: w1 and w3, or
-    their serving-layout join experts_w13, and w2).
+    their serving-layout join experts_w13, and w2), plus `shared_partial` of z where `shared` is given.
 
     Each GEMV is written as gather · multiply · sum so that XLA fuses the expert gather into the
     reduction and reads each selected expert's weights once.  As an einsum over `jnp.take(...)`
@@ -133,29 +154,35 @@ def experts_partial(cfg: KimiK3Config, w, z_BL: jax.Array, w_Bk: jax.Array, ids_
         h3_BkI = gemv(w.experts_w3, zk)
     a_BkI = act(cfg, h1_BkI, h3_BkI).astype(dt).astype(F32)
     y_BkL = gemv(w.experts_w2, a_BkI)
-    return jnp.einsum("bkl,bk->bl", y_BkL, w_Bk)
+    out = jnp.einsum("bkl,bk->bl", y_BkL, w_Bk)
+    return out if shared is None else out + shared_partial(cfg, shared, z_BL)
 
 
-# ---------------------------------------------------------------- the Pallas kernel
+def shared_partial(cfg: KimiK3Config, s: SharedMLP, x_BD: jax.Array) -> jax.Array:
+    """The shared experts' row-parallel partial, fp32 [B, Out], as jaxk3.layers.moe.mlp_partial computes it
+    through XLA's dots (the same operations, so the same bits)."""
+    h = jnp.einsum("bk,nk->bn", x_BD.astype(s.gate_up.dtype), s.gate_up, preferred_element_type=F32)
+    I = s.down.shape[1]
+    a = act(cfg, h[:, :I], h[:, I:]).astype(x_BD.dtype)
+    return jnp.einsum("bk,nk->bn", a.astype(s.down.dtype), s.down, preferred_element_type=F32)
+
+
+
+# ---------------------------------------------------------------- the Pallas kernels
 
 
 def plan(ids_Bk: jax.Array, w_Bk: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """(uniq_U int32: the distinct selected experts, then -1 padding; coef_UB fp32: token b's routing
-    weight for expert uniq[u], 0 where b did not choose it), U = min(E, B·k)."""
+    weight for expert uniq[u], 0 where b did not choose it), U = min(E, B·k).  At B = 1 the k choices
+    are distinct (top-k): they are the plan as they come, no sort."""
     B, k = ids_Bk.shape
+    if B == 1:
+        return ids_Bk[0].astype(jnp.int32), w_Bk.T.astype(F32)
     U = min(num_experts, B * k)
     uniq = jnp.unique(ids_Bk.reshape(-1), size=U, fill_value=-1).astype(jnp.int32)
     hit = ids_Bk[None, :, :] == uniq[:, None, None]  # [U, B, k]
     coef = jnp.sum(jnp.where(hit, w_Bk[None].astype(F32), 0.0), axis=-1)
     return uniq, coef
-
-
-def _groups(cols: int, most: int) -> int:
-    """Scale groups per loop step: the largest power of two <= `most` dividing cols / 32."""
-    g = most
-    while (cols // G32) % g:
-        g //= 2
-    return g
 
 
 def _e2m1(code: jax.Array) -> jax.Array:
@@ -185,187 +212,346 @@ def _e2m1_scaled_bits(code: jax.Array, s: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, F32) * rest
 
 
+def _e2m1_f16(code: jax.Array) -> jax.Array:
+    """int32 E2M1 codes (0..15) -> float32 value × 2^-14, exactly, through float16's bits: the code's magnitude
+    bits are float16's lowest exponent bits and top mantissa bit ((e, m) -> exponent field e, mantissa m·2^9),
+    so e = 0 lands on float16's subnormals (0 and 0.5·2^-14) and e >= 1 on (1 + m/2)·2^(e−15); the sign moves
+    to bit 15.  Five integer operations and one conversion per weight, no select; times 2^14 then the scale
+    (two exact-or-one-rounding products) it is the select decode's value bit for bit."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
+
+
 def _scale(s_u8: jax.Array) -> jax.Array:
     """E8M0 bytes -> float32 2**(s - 127), exactly (as moe.e8m0_scales; 0 -> 2**-127)."""
     s = s_u8.astype(jnp.int32)
     return jnp.where(s == 0, F32(2.0 ** -127), lax.bitcast_convert_type(s << 23, F32))
 
 
-def _rows(w, e, j: jax.Array, c: jax.Array, g: int, packed: bool, cf: Config):
-    """The (lo, hi) or (vals,) float32 blocks of expert e's rows [j·bo, (j+1)·bo), scale groups
-    [c·g, (c+1)·g): MXFP4 -> two [bo, g, 16] blocks (even and odd columns), dense -> one [bo, g, 32]."""
-    rows, grp = pl_ds(j * cf.bo, cf.bo), pl_ds(c * g, g)
-    if not packed:
-        return (w[0][e, rows, grp, :].astype(F32),)
-    codes = w[0][e, rows, grp, :].astype(jnp.int32)  # [bo, g, 16] bytes
-    if cf.decode == "bits":
-        s = w[1][e, rows, grp].astype(jnp.int32)[:, :, None]  # [bo, g, 1]
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """What the kernels' bodies need to know, static."""
+    Bp: int  # rows of the padded input: 1 (element-wise), 16 (dense, dot) or B's power of two (MXFP4)
+    packed: bool
+    bn: int
+    bk: int
+    decode: str
+
+    @property
+    def dot(self) -> bool:
+        return self.Bp == 16 and not self.packed
+
+
+def _pl():
+    from jax.experimental import pallas as pl
+
+    return pl
+
+
+def _tile(sp: _Spec, w, e, rows, i):
+    """Weights at `rows` (of expert e; e None: a 2-D weight), input tile i: dense [bn, bk] in their dtype,
+    MXFP4 the (even, odd) columns' float32 values [bn, g, 16], g = bk / 32 scale groups."""
+    pl = _pl()
+    lead = () if e is None else (e,)
+    if not sp.packed:
+        return w[0][(*lead, rows, pl.ds(pl.multiple_of(i * sp.bk, sp.bk), sp.bk))]
+    g = sp.bk // G32
+    grp = pl.ds(pl.multiple_of(i * g, g), g)
+    codes = w[0][(*lead, rows, grp, slice(None))].astype(jnp.int32)  # [bn, g, 16] bytes
+    if sp.decode == "bits":
+        s = w[1][(*lead, rows, grp)].astype(jnp.int32)[:, :, None]
         return _e2m1_scaled_bits(codes & 15, s), _e2m1_scaled_bits(codes >> 4, s)
-    s = _scale(w[1][e, rows, grp])[:, :, None]  # [bo, g, 1]
+    s = _scale(w[1][(*lead, rows, grp)])[:, :, None]
+    if sp.decode == "f16":
+        return _e2m1_f16(codes & 15) * F32(2.0 ** 14) * s, _e2m1_f16(codes >> 4) * F32(2.0 ** 14) * s
     return _e2m1(codes & 15) * s, _e2m1(codes >> 4) * s
 
 
-def _dot(blocks, xs) -> jax.Array:
-    """Σ over a chunk of blocks[i] [bo, g, n] · xs[i] [g, n] -> [bo]."""
-    acc = None
-    for wb, xb in zip(blocks, xs):
-        t = jnp.sum(jnp.sum(wb * xb[None], axis=2), axis=1)
-        acc = t if acc is None else acc + t
-    return acc
+def _xs(sp: _Spec, x, lead: tuple, i):
+    """Input tile i at the leading index `lead`: dense [.., bk] in the input dtype; MXFP4 the (even, odd)
+    columns [.., g, 16] as float32 (of the compute dtype, as the reference casts)."""
+    pl = _pl()
+    if not sp.packed:
+        return x[0][(*lead, pl.ds(pl.multiple_of(i * sp.bk, sp.bk), sp.bk))]
+    g = sp.bk // G32
+    grp = pl.ds(pl.multiple_of(i * g, g), g)
+    return tuple(r[(*lead, grp, slice(None))].astype(F32) for r in x)
 
 
-def pl_ds(start, size):
-    from jax.experimental import pallas as pl
+def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
+    """Σ over the input tiles [start, start + steps) of W[e, rows, :] · x[lead]: fp32 [bn] (B = 1),
+    [16, bn] (dense, dot) or a tuple of Bp [bn] (MXFP4, B > 1)."""
+    if sp.dot:
+        def body(i, acc):
+            return acc + lax.dot_general(_xs(sp, x, (*lead, slice(None)), start + i), _tile(sp, w, e, rows, start + i),
+                                         (((1,), (1,)), ((), ())), preferred_element_type=F32)
+        return lax.fori_loop(0, steps, body, jnp.zeros((16, sp.bn), F32))
+    if sp.Bp == 1 and not sp.packed:
+        def body(i, acc):
+            xt = _xs(sp, x, (*lead, 0), start + i).astype(F32)
+            return acc + _tile(sp, w, e, rows, start + i).astype(F32) * xt[None, :]
+        return jnp.sum(lax.fori_loop(0, steps, body, jnp.zeros((sp.bn, sp.bk), F32)), axis=1)
+    if sp.Bp == 1:  # MXFP4, one token: element-wise accumulators for the even and odd columns
+        def body(i, acc):
+            lo, hi = _tile(sp, w, e, rows, start + i)
+            xe, xo = _xs(sp, x, (*lead, 0), start + i)
+            return acc[0] + lo * xe[None], acc[1] + hi * xo[None]
+        zero = jnp.zeros((sp.bn, sp.bk // G32, 16), F32)
+        lo, hi = lax.fori_loop(0, steps, body, (zero, zero))
+        return jnp.sum(jnp.sum(lo + hi, axis=2), axis=1)
 
-    return pl.ds(start, size)
+    def body(i, acc):  # MXFP4, several tokens: one decode per tile, each token's products reduced per tile
+        lo, hi = _tile(sp, w, e, rows, start + i)
+        out = []
+        for b in range(sp.Bp):
+            xe, xo = _xs(sp, x, (*lead, b), start + i)
+            out.append(acc[b] + jnp.sum(jnp.sum(lo * xe[None] + hi * xo[None], axis=2), axis=1))
+        return tuple(out)
+    return lax.fori_loop(0, steps, body, tuple(jnp.zeros((sp.bn,), F32) for _ in range(sp.Bp)))
 
 
-def _x_chunks(x_ref, lead: tuple, c, g: int, packed: bool, dtype):
-    """The input columns of chunk c for one token: (even, odd) [g, 16] (MXFP4) or ([g, 32],), in the
-    activations' dtype then float32 (the reference's cast)."""
-    grp = pl_ds(c * g, g)
-    if packed:
-        return tuple(r[(*lead, grp, slice(None))].astype(dtype).astype(F32) for r in x_ref)
-    return (x_ref[0][(*lead, grp, slice(None))].astype(dtype).astype(F32),)
+def _store(ref, lead: tuple, rows, y) -> None:
+    """Write rows of a result shaped as `_gemv_rows` returns it: [bn] (token 0), [Bp, bn] or a tuple."""
+    if isinstance(y, tuple):
+        for b, yb in enumerate(y):
+            ref[(*lead, b, rows)] = yb.astype(ref.dtype)
+    elif y.ndim == 1:
+        ref[(*lead, 0, rows)] = y.astype(ref.dtype)
+    else:
+        ref[(*lead, slice(None), rows)] = y.astype(ref.dtype)
 
 
-def _gate_up_kernel(uniq_ref, *refs, B: int, g: int, chunks: int, packed: bool, act, dtype, cf: Config):
-    from jax.experimental import pallas as pl
+def _gate_up_kernel(uniq_ref, *refs, sp: _Spec, nx: int, nw: int, joined: bool, shared: bool, I: int, steps: int,
+                    act):
+    """Program (u, n): slot u's activations, rows [n·bn, (n+1)·bn) of I, for every token.  Slot U (when
+    `shared`) is the shared experts'; a padded slot (expert -1) writes zeros."""
+    pl = _pl()
+    x, refs = refs[:nx], refs[nx:]
+    w1, refs = refs[:nw], refs[nw:]
+    w3, refs = (w1, refs) if joined else (refs[:nw], refs[nw:])
+    a_ref = refs[-1]
+    u, n = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(pl.multiple_of(n * sp.bn, sp.bn), sp.bn)
+    up = pl.ds(pl.multiple_of(I + n * sp.bn, sp.bn), sp.bn)  # the up rows of a [gate | up] join
+    U = uniq_ref.shape[0]
+    e = uniq_ref[jnp.minimum(u, U - 1)]
 
-    nx, nw = (2, 2) if packed else (1, 1)
-    x_ref, w1, w3, a_ref = refs[:nx], refs[nx:nx + nw], refs[nx + nw:nx + 2 * nw], refs[-1]
-    u, j = pl.program_id(0), pl.program_id(1)
-    e = uniq_ref[u]
+    def gate_up(w1, w3, e, rows3):
+        h1 = _gemv_rows(sp, w1, e, rows, x, (), steps)
+        h3 = _gemv_rows(sp, w3, e, rows3, x, (), steps)
+        y = tuple(act(a, b) for a, b in zip(h1, h3)) if isinstance(h1, tuple) else act(h1, h3)
+        _store(a_ref, (u,), rows, y)
 
-    @pl.when(e >= 0)
+    @pl.when((u < U) & (e >= 0))
     def _():
-        def body(c, acc):
-            b1, b3 = _rows(w1, e, j, c, g, packed, cf), _rows(w3, e, j, c, g, packed, cf)
-            out = []
-            for b in range(B):
-                xs = _x_chunks(x_ref, (b,), c, g, packed, dtype)
-                out += [acc[2 * b] + _dot(b1, xs), acc[2 * b + 1] + _dot(b3, xs)]
-            return tuple(out)
+        gate_up(w1, w3, e, up if joined else rows)
 
-        acc = lax.fori_loop(0, chunks, body, tuple(jnp.zeros((cf.bo,), F32) for _ in range(2 * B)))
-        for b in range(B):
-            a_ref[b, :] = act(acc[2 * b], acc[2 * b + 1]).astype(a_ref.dtype)
-
-    @pl.when(e < 0)
+    @pl.when((u < U) & (e < 0))
     def _():
-        for b in range(B):
-            a_ref[b, :] = jnp.zeros((cf.bo,), a_ref.dtype)
+        a_ref[u, :, rows] = jnp.zeros((sp.Bp, sp.bn), a_ref.dtype)
+
+    if shared:
+        @pl.when(u == U)
+        def _():
+            s13 = refs[:1]
+            gate_up(s13, s13, None, up)
 
 
-def _down_kernel(uniq_ref, *refs, B: int, g: int, chunks: int, packed: bool, dtype, cf: Config):
-    from jax.experimental import pallas as pl
+def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared: bool, steps: int):
+    """Program (n, s): output rows [n·bn, (n+1)·bn), the s-th part of I: Σ over the slots u of
+    coef[:, u] · W2[read[u]] a[u] (+ the shared experts' down projection of slot U), one partial sum
+    (coef [Bp, U]: at B = 1 the routing weights as the router gives them)."""
+    pl = _pl()
+    a, w2, o_ref = refs[:na], refs[na:na + nw], refs[-1]
+    n, s = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(pl.multiple_of(n * sp.bn, sp.bn), sp.bn)
+    start = s * steps
+    U = read_ref.shape[0]
 
-    nx = 2 if packed else 1
-    x_ref, w2, y_ref = refs[:nx], refs[nx:-1], refs[-1]
-    u, j = pl.program_id(0), pl.program_id(1)
-    e = uniq_ref[u]
+    def scaled(y, u):  # coef[:, u] (token b's routing weight of slot u) times the slot's product, per token
+        if isinstance(y, tuple):
+            return tuple(coef_ref[b, u] * yb for b, yb in enumerate(y))
+        if y.ndim == 1:
+            return coef_ref[0, u] * y
+        return coef_ref[:, u][:, None] * y
 
-    @pl.when(e >= 0)
-    def _():
-        def body(c, acc):
-            blocks = _rows(w2, e, j, c, g, packed, cf)
-            return tuple(acc[b] + _dot(blocks, _x_chunks(x_ref, (u, b), c, g, packed, dtype)) for b in range(B))
+    def add(acc, y):
+        return tuple(p + q for p, q in zip(acc, y)) if isinstance(acc, tuple) else acc + y
 
-        acc = lax.fori_loop(0, chunks, body, tuple(jnp.zeros((cf.bo,), F32) for _ in range(B)))
-        for b in range(B):
-            y_ref[b, :] = acc[b]
+    def body(u, acc):
+        return add(acc, scaled(_gemv_rows(sp, w2, read_ref[u], rows, a, (u,), steps, start), u))
 
-    @pl.when(e < 0)
-    def _():
-        for b in range(B):
-            y_ref[b, :] = jnp.zeros((cf.bo,), F32)
+    if sp.dot:
+        zero = jnp.zeros((16, sp.bn), F32)
+    elif sp.Bp == 1:
+        zero = jnp.zeros((sp.bn,), F32)
+    else:
+        zero = tuple(jnp.zeros((sp.bn,), F32) for _ in range(sp.Bp))
+    y = lax.fori_loop(0, U, body, zero)
+    if shared:
+        y = add(y, _gemv_rows(sp, refs[na + nw:na + nw + 1], None, rows, a, (U,), steps, start))
+    _store(o_ref, (s,), rows, y)
 
 
 def _weight_views(w) -> tuple[list[jax.Array], bool]:
-    """A weight stack as grouped views: MXFP4 -> ([packed [E, O, In/32, 16], scale [E, O, In/32]], True),
-    dense -> ([w [E, O, In/32, 32]], False).  Reshapes of contiguous trailing dims: no copies."""
+    """A weight stack as the kernels index it: MXFP4 -> ([packed [E, O, In/32, 16], scale [E, O, In/32]],
+    True), dense -> ([w], False).  Reshapes of contiguous trailing dims: no copies."""
     if isinstance(w, MXFP4):
         E, O, half = w.packed.shape
         return [w.packed.reshape(E, O, half // 16, 16), w.scale], True
-    E, O, In = w.shape
-    return [w.reshape(E, O, In // G32, G32)], False
+    return [w], False
 
 
 def _x_views(x: jax.Array, packed: bool) -> list[jax.Array]:
-    """Inputs [..., In] as [..., In/32, 16] even and odd columns (MXFP4) or [..., In/32, 32]."""
+    """Inputs [..., In] as [..., In/32, 16] even and odd columns (MXFP4) or as they are."""
+    if not packed:
+        return [x]
     v = x.reshape(*x.shape[:-1], x.shape[-1] // G32, G32)
-    return [v[..., 0::2], v[..., 1::2]] if packed else [v]
+    return [v[..., 0::2], v[..., 1::2]]
 
 
-def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, interpret: bool = False,
-            config: Config | None = None) -> jax.Array:
-    """The same function as the reference: fp32 [B, L] = Σ_k w_k · W2_k act(W1_k z, W3_k z) over the
-    local intermediate shard."""
-    from jax.experimental import pallas as pl
+def _dims(w) -> tuple[int, int, int, int, bool]:
+    """(E, I, In, Out, joined) of the block's experts, from w1 | w3 (or their join) and w2."""
+    joined = getattr(w, "experts_w13", None) is not None
+    E, rows, In = (w.experts_w13 if joined else w.experts_w1).shape
+    _, Out, I = w.experts_w2.shape
+    return E, I, In, Out, joined
 
-    cf = config or Config()
-    kw = {} if cf.num_warps is None else triton_params(cf.num_warps, cf.num_stages or 1, interpret)
 
-    B0 = z_BL.shape[0]
-    B = 1 << (B0 - 1).bit_length()  # Triton blocks are powers of two: pad the batch with zero rows
-    z_BL = jnp.pad(z_BL, ((0, B - B0), (0, 0)))
-    E, I, L = w.experts_w1.shape
+def _resolve(cf: Config, B: int, In: int, I: int, Out: int) -> Config:
+    """cf with its zero fields chosen: bn x bk = 16 x 256 at B = 1 and 32 x 128 for B > 1 (the sweep's fastest
+    at Kimi-Linear and K3 shapes: docs/PERF.md), or the largest smaller powers of two dividing the shapes."""
+    bn = cf.bn or next((b for b in ((16,) if B == 1 else (32, 16)) if I % b == 0 and Out % b == 0), 16)
+    bk = cf.bk or next((b for b in ((256, 128, 64) if B == 1 else (128, 64)) if In % b == 0 and I % b == 0), G32)
+    return dataclasses.replace(cf, bn=bn, bk=bk)
+
+
+def _splits(cf: Config, Out: int, I: int, sms: int = 132) -> int:
+    """Kernel 2's programs along I: cf.splits, or the fewest dividing I's tiles that give >= 4 per SM."""
+    steps = I // cf.bk
+    if cf.splits:
+        return cf.splits
+    for s in range(1, steps + 1):
+        if steps % s == 0 and (Out // cf.bn) * s >= 4 * sms:
+            return s
+    return steps
+
+
+def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared: SharedMLP | None = None,
+            interpret: bool = False, config: Config | None = None, only_where_faster: bool = True) -> jax.Array:
+    """The same function as the reference: fp32 [B, Out] = Σ_k w_k · W2_k act(W1_k z, W3_k z) over the
+    local intermediate shard (+ the shared experts' partial)."""
+    pl = _pl()
+    B = z_BL.shape[0]
+    E, I, In, Out, joined = _dims(w)
+    cf = _resolve(config or Config(), B, In, I, Out)
     dt = compute_dtype(w, z_BL)
+    w13v, packed = _weight_views(w.experts_w13 if joined else w.experts_w1)
+    w3v = [] if joined else _weight_views(w.experts_w3)[0]
+    w2v, _ = _weight_views(w.experts_w2)
+    Bp = 1 if B == 1 else (1 << (B - 1).bit_length() if packed else 16)
+    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=cf.decode)
     uniq, coef = plan(ids_Bk, w_Bk, E)
     U = uniq.shape[0]
-    w1v, packed = _weight_views(w.experts_w1)
-    w3v, _ = _weight_views(w.experts_w3)
-    w2v, _ = _weight_views(w.experts_w2)
+    # padded slots (B > 1) re-read the last expert (just read by the same program: cached), times 0
+    read = uniq if B == 1 else jnp.where(uniq < 0, jnp.max(uniq), uniq)
+    coef = w_Bk.astype(F32) if B == 1 else jnp.pad(coef.T, ((0, Bp - B), (0, 0)))  # [Bp, U]: B = 1 as routed
+    xs = _x_views(jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0))), packed)
+    s13, s2 = ([shared.gate_up], [shared.down]) if shared is not None else ([], [])
     act = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
                             linear_beta=cfg.activation_situ_linear_beta)
-    whole = [pl.BlockSpec(memory_space=pl.ANY)]  # raw refs: each program indexes its expert's rows itself
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    kw = triton_params(cf.num_warps, cf.num_stages, interpret)
+    P = U + (shared is not None)
 
-    g1 = _groups(L, cf.groups)
-    xs = _x_views(z_BL.astype(dt), packed)
+    ins = [uniq, *xs, *w13v, *w3v, *s13]
     a = pl.pallas_call(
-        functools.partial(_gate_up_kernel, B=B, g=g1, chunks=L // (G32 * g1), packed=packed, act=act, dtype=dt,
-                          cf=cf),
-        out_shape=jax.ShapeDtypeStruct((U, B, I), dt), grid=(U, I // cf.bo),
-        in_specs=whole * (1 + len(xs) + 2 * len(w1v)),
-        out_specs=pl.BlockSpec((None, B, cf.bo), lambda u, j: (u, 0, j)), interpret=interpret, **kw,
-    )(uniq, *xs, *w1v, *w3v)
+        functools.partial(_gate_up_kernel, sp=sp, nx=len(xs), nw=len(w13v), joined=joined, shared=shared is not None,
+                          I=I, steps=In // cf.bk, act=act),
+        grid=(P, I // cf.bn), in_specs=[any_] * len(ins), out_specs=any_,
+        out_shape=jax.ShapeDtypeStruct((P, Bp, I), dt), interpret=interpret, **kw)(*ins)
 
-    g2 = _groups(I, cf.groups)
+    S = _splits(cf, Out, I)
     av = _x_views(a, packed)
+    ins = [read, coef, *av, *w2v, *s2]
     y = pl.pallas_call(
-        functools.partial(_down_kernel, B=B, g=g2, chunks=I // (G32 * g2), packed=packed, dtype=dt, cf=cf),
-        out_shape=jax.ShapeDtypeStruct((U, B, L), F32), grid=(U, L // cf.bo),
-        in_specs=whole * (1 + len(av) + len(w2v)),
-        out_specs=pl.BlockSpec((None, B, cf.bo), lambda u, j: (u, 0, j)), interpret=interpret, **kw,
-    )(uniq, *av, *w2v)
-    return jnp.einsum("ubl,ub->bl", y[:, :B0], coef)
+        functools.partial(_down_kernel, sp=sp, na=len(av), nw=len(w2v), shared=shared is not None,
+                          steps=I // S // cf.bk),
+        grid=(Out // cf.bn, S), in_specs=[any_] * len(ins), out_specs=any_,
+        out_shape=jax.ShapeDtypeStruct((S, Bp, Out), F32), interpret=interpret, **kw)(*ins)
+    return (y[0] if S == 1 else jnp.sum(y, axis=0))[:B]
 
 
-reference = experts_partial
+def reference(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Config | None = None,
+              only_where_faster: bool = True) -> jax.Array:
+    return experts_partial(cfg, w, z_BL, w_Bk, ids_Bk, shared)
 
 
-def fits(cfg, w, z_BL, w_Bk, ids_Bk, config: Config | None = None, **_) -> str | None:
-    cf = config or Config()
-    if not (pow2(cf.bo) and pow2(cf.groups)):
-        return f"moe_experts kernel needs bo and groups powers of two (Triton blocks), got {cf.bo}, {cf.groups}"
-    if cf.decode not in ("select", "bits"):
-        return f"moe_experts kernel: decode must be 'select' or 'bits', got {cf.decode!r}"
-    if w.experts_w1 is None:
-        return "moe_experts kernel reads the checkpoint layout's experts_w1 / experts_w3 (not the serving layout's w13)"
-    E, I, L = w.experts_w1.shape
-    if z_BL.ndim != 2 or z_BL.shape[0] > 16:
-        return f"moe_experts kernel is for decode (at most 16 tokens), got z {z_BL.shape}"
-    for name, rows, cols in (("w1/w3", I, L), ("w2", L, I)):
-        if rows % cf.bo or cols % G32:
-            return (f"moe_experts kernel needs {name} rows a multiple of {cf.bo} and columns a multiple of {G32}, "
+# (format, B bucket (1 or 8), E kept, I, In, Out, shared) -> (kernel us, XLA us), the default Config against the
+# reference in the same run (H200; docs/PERF.md).  `fits` lets `auto` take the kernel only where it won by MARGIN.
+MEASURED: dict[tuple, tuple[float, float]] = {
+    # scripts/gpu/moe_experts_sweep.py, 2026-12-02 (third session), jax 0.11.2: Kimi-Linear-48B TP 1 in the serving
+    # layout with the shared experts fused (against XLA's routed + shared experts), K3's TP 2 share
+    ("bf16", 1, 1024, 2304, 2304, True): (59.3, 72.9),
+    ("bf16", 8, 1024, 2304, 2304, True): (229.2, 277.7),
+    ("bf16", 1, 1536, 3584, 3584, False): (160.1, 151.8),
+    ("bf16", 8, 1536, 3584, 3584, False): (534.5, 1019.5),
+    ("mxfp4", 1, 1024, 2304, 2304, False): (92.9, 80.5),
+    ("mxfp4", 8, 1024, 2304, 2304, False): (721.4, 327.5),
+    ("mxfp4", 1, 1536, 3584, 3584, False): (332.2, 179.8),
+    ("mxfp4", 8, 1536, 3584, 3584, False): (2142.7, 1227.0),
+}
+MARGIN = 1.05
+
+
+def _key(w, B: int, shared) -> tuple:
+    E, I, In, Out, _ = _dims(w)
+    fmt = "mxfp4" if isinstance(w.experts_w2, MXFP4) else "bf16"
+    return fmt, 1 if B == 1 else 8, I, In, Out, shared is not None
+
+
+def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Config | None = None,
+         only_where_faster: bool = True, **_) -> str | None:
+    E, I, In, Out, _ = _dims(w)
+    cf = _resolve(config or Config(), z_BL.shape[0] if z_BL.ndim == 2 else 1, In, I, Out)
+    if not (pow2(cf.bn) and pow2(cf.bk)) or cf.bk < G32 or cf.bn < 16:
+        return f"moe_experts kernel needs bn >= 16 and bk >= {G32}, powers of two (Triton blocks), got {cf.bn}, {cf.bk}"
+    if cf.decode not in ("select", "bits", "f16"):
+        return f"moe_experts kernel: decode must be 'select', 'bits' or 'f16', got {cf.decode!r}"
+    if z_BL.ndim != 2 or not 1 <= z_BL.shape[0] <= MAX_B:
+        return f"moe_experts kernel is for decode (1 to {MAX_B} tokens), got z {z_BL.shape}"
+    packed = isinstance(w.experts_w2, MXFP4)
+    if not packed and w.experts_w2.dtype != jnp.bfloat16:
+        return f"moe_experts kernel streams bf16 or MXFP4 experts, got {w.experts_w2.dtype}"
+    S = _splits(cf, Out, I) if I % cf.bk == 0 else 1  # (a bk not dividing I is refused below)
+    for name, rows, cols in (("w1/w3", I, In), ("w2", Out, I)):
+        if rows % cf.bn or cols % cf.bk:
+            return (f"moe_experts kernel needs {name} rows a multiple of bn {cf.bn} and columns of bk {cf.bk}, "
                     f"got [{rows}, {cols}]")
+    if I % (S * cf.bk):
+        return f"moe_experts kernel: {S} splits of I {I} in tiles of {cf.bk} do not divide it"
+    if shared is not None:
+        if packed:
+            return "moe_experts kernel fuses the shared experts with bf16 routed experts only (these are MXFP4)"
+        if (shared.gate_up.shape != (2 * I, In) or shared.down.shape != (Out, I)
+                or shared.gate_up.dtype != w.experts_w2.dtype or shared.down.dtype != w.experts_w2.dtype):
+            return (f"moe_experts kernel fuses shared experts of the routed experts' shapes and dtype (gate_up "
+                    f"[{2 * I}, {In}], down [{Out}, {I}]), got {shared.gate_up.shape} {shared.gate_up.dtype}, "
+                    f"{shared.down.shape} {shared.down.dtype}")
+    if only_where_faster:
+        key = _key(w, z_BL.shape[0], shared)
+        m = MEASURED.get(key)
+        if m is None:
+            return f"moe_experts kernel: {key} not measured against XLA on an H200 (kernels='on' runs it)"
+        if m[1] / m[0] < MARGIN:
+            return f"moe_experts kernel: XLA is as fast at {key} on an H200 (kernel {m[0]} us, XLA {m[1]} us)"
     return None
 
 
+# Proven on an H200 (2026-12-02, third session): its compiled tests (tests/test_kernels.py, tiny dims in three
+# tilings; tests/test_kernels_real.py at K3 TP 1/2/8 and Kimi-Linear-48B, bf16 and MXFP4, B 1 and 8) pass, and
+# `fits` lets auto take it only at the shapes where it beat XLA (MEASURED): bf16 at Kimi-Linear (B 1, 8) and K3 B 8.
 register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits,
-                unproven="slower than XLA on an H200 (docs/PERF.md, issue 22): MXFP4 experts at K3's TP 2 share, 64 "
-                         "experts, B 1: the kernel 304 us vs XLA's fused dequantisation 175 us, though its compiled "
-                         "real-dims tests pass (tests/test_kernels_real.py, test_moe_experts_kernel_on_gpu); kept "
-                         "for a rewrite for MXFP4 bandwidth",
-                measured="MXFP4, K3 TP 2 share, 64 experts, B=1: 0.58x XLA's fused dequantisation (304 vs 175 us; "
-                         "H200, jax 0.11.2, issue 22)"))
+                measured="bf16: 1.23x XLA at Kimi-Linear-48B B=1 and 1.21x at B=8 (serving layout, shared experts "
+                         "fused), 1.91x at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps XLA); MXFP4: 0.45-0.87x "
+                         "(auto keeps XLA) (H200, jax 0.11.2, 2026-12-02; MEASURED)"))

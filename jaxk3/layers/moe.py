@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxk3 import collectives, kernels
 from jaxk3.config import MXFP4_GROUP, KimiK3Config
-from jaxk3.kernels.moe_experts import (MXFP4, act, compute_dtype, dequantize, e8m0_scales,  # noqa: F401
-                                       expert_rows, experts_partial)
+from jaxk3.kernels.moe_experts import (MXFP4, SharedMLP, act, compute_dtype, dequantize,  # noqa: F401
+                                       e8m0_scales, expert_rows, experts_partial)
 from jaxk3.kernels.rms_norm import rms_norm
 from jaxk3.kernels.router import select_experts
 from jaxk3.layers.common import F32, TP, as_tp, kernel_mode, linear, psum, split
@@ -145,6 +145,19 @@ def _experts_decode(cfg, w, z_BL, w_Bk, ids_Bk, mode: str) -> jax.Array:
     return kernels.call("moe_experts", cfg, w, z_BL, w_Bk, ids_Bk, mode=mode)
 
 
+def _shared_in_kernel(cfg, w: MoEWeights, x_BD, w_Bk, ids_Bk, mode: str) -> SharedMLP | None:
+    """The shared experts as the `moe_experts` kernel takes them beside the routed ones (their gate | up and
+    down in its two kernels: no kernels of their own), where the routed experts read the same input and the
+    kernel runs; else None (the shared experts go through `mlp_partial`)."""
+    s = w.shared_experts
+    if s is None or s.gate_up_proj is None:
+        return None
+    shared = SharedMLP(s.gate_up_proj, s.down_proj)
+    if kernels.explain("moe_experts", cfg, w, x_BD, w_Bk, ids_Bk, shared=shared, mode=mode).startswith("device"):
+        return shared
+    return None
+
+
 def _experts_prefill(cfg, w, z_NL, w_Nk, ids_Nk, mode: str) -> jax.Array:
     """`experts_partial` for many tokens: the `moe_grouped` kernel (grouped GEMMs over the pairs sorted by
     expert) where `mode` and the platform allow, else the dense form (jaxk3.kernels.moe_grouped)."""
@@ -161,6 +174,10 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, 
     experts = functools.partial(_experts_prefill if grouped else _experts_decode, mode=mode)
     w_Bk, ids_Bk = kernels.call("router_topk", cfg, router_logits(w.gate, x_BD), w.e_score_correction_bias,
                                 mode=mode)
+    if w.routed_expert_down_proj is None and not grouped:  # Kimi-Linear decode: shared experts in the kernel?
+        fused = _shared_in_kernel(cfg, w, x_BD, w_Bk, ids_Bk, mode)
+        if fused is not None:
+            return psum(kernels.call("moe_experts", cfg, w, x_BD, w_Bk, ids_Bk, shared=fused, mode=mode), tp)
     shared_BD = mlp_partial(cfg, w.shared_experts, x_BD, tp) if w.shared_experts is not None else 0.0
     if w.routed_expert_down_proj is None:  # Kimi-Linear: experts on x, one psum for both partials
         return psum(experts(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp)

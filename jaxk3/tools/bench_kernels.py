@@ -44,11 +44,13 @@ def _timed(fn, args, chain: int, repeats: int) -> float:
 
 
 def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[int, ...], chain: int, repeats: int,
-                      seed: int = 0, configs=(None,)) -> list[dict[str, Any]]:
+                      seed: int = 0, configs=(None,), layout: str = "checkpoint") -> list[dict[str, Any]]:
     """Rows of {format, batch, path, us, bytes, GB/s, x_vs_reference, x_vs_dense_reference}; one kernel row per
-    moe_experts.Config in `configs` (None: the default; path "kernel", else "kernel <config>")."""
+    moe_experts.Config in `configs` (None: the default; path "kernel", else "kernel <config>").  `layout`
+    "serving": w1 | w3 joined as the serving layout stores them, and (bf16, a config whose routed experts read
+    the hidden state: Kimi-Linear) the shared experts fused in the kernel, their bytes counted."""
     from jaxk3 import kernels
-    from jaxk3.kernels.moe_experts import plan
+    from jaxk3.kernels.moe_experts import SharedMLP, plan
     from jaxk3.layers import moe
 
     E, I, L = experts, cfg.moe_intermediate_size // tp, cfg.moe_hidden
@@ -66,6 +68,21 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
                          jax.random.randint(kk, (E, O, In // 32), 119, 122, jnp.int32).astype(jnp.uint8))
     mx = dataclasses.replace(dense, experts_w1=packed(ks[3], I, L), experts_w2=packed(ks[4], L, I),
                              experts_w3=packed(ks[5], I, L))
+    shared = None
+    if layout == "serving":
+        def joined(w):
+            if isinstance(w.experts_w1, moe.MXFP4):
+                w13 = moe.MXFP4(jnp.concatenate([w.experts_w1.packed, w.experts_w3.packed], axis=1),
+                                jnp.concatenate([w.experts_w1.scale, w.experts_w3.scale], axis=1))
+            else:
+                w13 = jnp.concatenate([w.experts_w1, w.experts_w3], axis=1)
+            return dataclasses.replace(w, experts_w1=None, experts_w3=None, experts_w13=w13)
+        dense, mx = joined(dense), joined(mx)
+        if cfg.routed_expert_hidden_size is None and cfg.num_shared_experts and cfg.shared_intermediate_size // tp == I:
+            shared = SharedMLP((jax.random.normal(ks[6], (2 * I, L), jnp.float32) * 0.02).astype(jnp.bfloat16),
+                               (jax.random.normal(ks[7], (L, I), jnp.float32) * 0.02).astype(jnp.bfloat16))
+    elif layout != "checkpoint":
+        raise ValueError(f"layout: 'checkpoint' or 'serving', got {layout!r}")
     kcfg = dataclasses.replace(cfg, num_experts=E)
     interpret = jax.devices()[0].platform == "cpu"  # CPU: Pallas interpret mode (plumbing only, not speed)
     ker = functools.partial(kernels.REGISTRY["moe_experts"].device, interpret=interpret)
@@ -79,14 +96,18 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
         distinct = int(np.sum(np.asarray(plan(ids, wk, E)[0]) >= 0))
         base = None
         for fmt, w in (("bf16", dense), ("mxfp4", mx)):
-            per_expert = sum(a[0].nbytes for a in jax.tree.leaves((w.experts_w1, w.experts_w2, w.experts_w3)))
-            nbytes = distinct * per_expert
-            paths = [("xla", ref)] + [("kernel" if c is None else f"kernel {c}", functools.partial(ker, config=c))
-                                      for c in configs]
+            per_expert = sum(a[0].nbytes for a in jax.tree.leaves((w.experts_w1, w.experts_w2, w.experts_w3,
+                                                                    w.experts_w13)))
+            sh = shared if fmt == "bf16" else None
+            nbytes = distinct * per_expert + (sh.gate_up.nbytes + sh.down.nbytes if sh is not None else 0)
+            paths = [("xla", functools.partial(ref, shared=sh))] + [
+                ("kernel" if c is None else f"kernel {c}", functools.partial(ker, config=c, shared=sh))
+                for c in configs]
             want = None
             for path, fn in paths:
                 try:
-                    why = path.startswith("kernel ") and fits(kcfg, w, z, wk, ids, config=fn.keywords["config"])
+                    why = path.startswith("kernel") and fits(kcfg, w, z, wk, ids, config=fn.keywords["config"],
+                                                             shared=sh, only_where_faster=False)
                     if why:
                         raise ValueError(why)
                     got = np.asarray(jax.jit(lambda z, w, wk, ids, fn=fn: fn(kcfg, w, z, wk, ids))(z, w, wk, ids),
@@ -94,7 +115,7 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
                     us = _timed(lambda z, w, wk, ids, fn=fn: fn(kcfg, w, z, wk, ids), (z, w, wk, ids), chain,
                                 repeats) * 1e6
                 except Exception as e:  # a swept config that does not fit or compile (shared memory) is a row
-                    if not path.startswith("kernel "):
+                    if not path.startswith("kernel"):
                         raise
                     rows.append(dict(kernel="moe_experts", format=fmt, batch=B, path=path, error=str(e)[:500]))
                     continue
@@ -103,6 +124,7 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
                     base = us
                 rows.append(dict(kernel="moe_experts", format=fmt, batch=B, path=path, us=us, bytes=nbytes,
                                  gbps=nbytes / us / 1e3, distinct_experts=distinct, x_vs_bf16_xla=base / us,
+                                 layout=layout, shared=sh is not None,
                                  rel_err=float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))))
     return rows
 

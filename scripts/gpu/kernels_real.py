@@ -9,10 +9,11 @@ Time per call: the median over REPS of (wall time of INNER back-to-back calls) /
 The relative error of the kernel against the reference (one call; mla_decode's at full fp32
 precision) is recorded beside.  router_topk is timed at every preset (only_where_faster=False).
 
+--kda-sweep adds kda_decode's value blocks and warps (`KDA_SWEEP`) at every preset beside the default's row.
 --mla-sweep adds mla_decode tilings (`MLA_SWEEP`: head group, slot block, split, warps, stages) at
 K3 TP 1 (B 1 and 8) and TP 8 (B 1), beside the default tiling's row, to pick the default from.
 
-    python scripts/gpu/kernels_real.py [--json PATH] [--kernels a,b] [--batches 1,8] [--mla-sweep]
+    python scripts/gpu/kernels_real.py [--json PATH] [--kernels a,b] [--batches 1,8] [--mla-sweep] [--kda-sweep]
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ MLA_SWEEP = [
     (32, 32, None, 4, 2), (64, 32, None, 8, 2), (64, 64, None, 8, 2),  # larger head groups: the cache read fewer times
 ]
 MLA_SWEEP_AT = [("k3", 1, 1), ("k3", 1, 8), ("k3", 8, 1)]
+# kda_decode for --kda-sweep: (value columns per program, warps); bv 128 = one program per head (the kernel before
+# the split, its gated norm now after it)
+KDA_SWEEP = [(128, 4), (128, 8), (64, 4), (32, 4), (16, 4), (32, 2)]
 
 
 def chained(name: str, fn, args, kw):
@@ -55,7 +59,7 @@ def chained(name: str, fn, args, kw):
 
         def run(u, conv, cw, f, beta, z, state, valid):
             def body(_, c):  # the output feeds the next token's projections
-                o, conv2, state2 = fn(cfg, c[0], c[1], cw, f, beta, z, c[2], valid)
+                o, conv2, state2 = fn(cfg, c[0], c[1], cw, f, beta, z, c[2], valid, **kw)
                 return (c[0].astype(jnp.float32) + 1e-6 * o[:, None, :]).astype(c[0].dtype), conv2, state2
             return jax.lax.fori_loop(0, CHAIN, body, (u, conv, state))
         return jax.jit(run), (u, conv, cw, f, beta, z, state, valid)
@@ -70,9 +74,9 @@ def chained(name: str, fn, args, kw):
         return jax.jit(lambda ql, qpe, kv, length: jax.lax.fori_loop(
             0, CHAIN, lambda _, q: fn(q, qpe, kv, length, scale, **kw), ql)), (ql, qpe, kv, length)
     if name == "moe_experts":
-        cfg, w, z, wk, ids = args
-        return jax.jit(lambda w, z, wk, ids: jax.lax.fori_loop(
-            0, CHAIN, lambda _, z: fn(cfg, w, z, wk, ids).astype(z.dtype), z)), (w, z, wk, ids)
+        cfg, w, z, wk, ids, shared = args
+        return jax.jit(lambda w, z, wk, ids, shared: jax.lax.fori_loop(
+            0, CHAIN, lambda _, z: fn(cfg, w, z, wk, ids, shared, **kw).astype(z.dtype), z)), (w, z, wk, ids, shared)
     if name == "moe_grouped":
         cfg, w, z, wk, ids = args
         return jax.jit(lambda w, z, wk, ids: jax.lax.fori_loop(
@@ -90,6 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--mla-sweep", action="store_true", help="also the mla_decode tilings of MLA_SWEEP at K3 TP 1/8")
+    ap.add_argument("--kda-sweep", action="store_true", help="also the kda_decode tilings of KDA_SWEEP at each preset")
     a = ap.parse_args(argv)
     cpu = jax.devices()[0].platform == "cpu"
     global CHAIN, INNER, REPS
@@ -106,6 +111,14 @@ def main(argv=None) -> int:
         for B in map(int, a.batches.split(",")):
             for path in ("xla", "kernel"):
                 jobs.append((kernel, preset, tp, B, path, {}))
+    if a.kda_sweep:
+        from jaxk3.kernels.kda_decode import Config as KC
+
+        for kernel, preset, tp in T.CASES:
+            if kernel == "kda_decode" and (not want or kernel in want):
+                for B in map(int, a.batches.split(",")):
+                    for bv, nw in KDA_SWEEP:
+                        jobs.append((kernel, preset, tp, B, f"kernel bv{bv} w{nw}", dict(config=KC(bv=bv, num_warps=nw))))
     if a.mla_sweep:
         for preset, tp, B in MLA_SWEEP_AT:
             for bh, bs, sp, nw, ns in MLA_SWEEP:

@@ -234,7 +234,7 @@ def test_model_kernels_option():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("B", [1, 3, 8])
-@pytest.mark.parametrize("config", [None, dict(decode="bits"), dict(bn=32, bk=64, splits=1, decode="f16", num_warps=8,
+@pytest.mark.parametrize("config", [None, dict(decode="bits"), dict(bn=32, bk=64, splits=1, decode="select", num_warps=8,
                                                                     num_stages=2)])
 @pytest.mark.parametrize("layout", ["checkpoint", "joined+shared"])
 def test_moe_experts_kernel_on_gpu(fmt, B, config, layout):

@@ -34,7 +34,7 @@ CONFIGS = [Config()] + [Config(bn=bn, bk=bk, splits=sp, decode=d, num_warps=w, n
                         for d in ("select", "bits", "f16")
                         for bn, bk, sp, w, st in ((16, 256, 0, 8, 3), (32, 256, 0, 4, 3), (16, 128, 0, 4, 4),
                                                   (32, 128, 0, 8, 3), (16, 512, 0, 4, 2), (64, 256, 0, 8, 3))]
-QUICK = [Config(), Config(decode="bits"), Config(decode="f16"), Config(decode="f16", num_warps=8)]
+QUICK = [Config(), Config(decode="select"), Config(decode="bits"), Config(num_warps=8)]
 
 
 def main(argv=None) -> int:

@@ -158,8 +158,9 @@ def test_moe_experts_bits_decode_is_the_select_decode_bit_for_bit():
     got = np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=c))
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())  # as the default's test
-    got = np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=ME.Config(bn=32, bk=64, decode="f16")))
-    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+    for c in (ME.Config(bn=32, bk=64, decode="f16"), ME.Config(decode="select"), ME.Config()):  # Config(): auto tiles
+        got = np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=c))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
     assert "powers of two" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(bn=24))
     assert "decode must be" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(decode="lut"))
     assert "not measured against XLA" in ME.fits(cfg, w, z, wk, ids, config=c)
@@ -200,6 +201,11 @@ def test_moe_experts_selection():
         zz, wkk, idd = s((B, 2304), bf), s((B, 8), jnp.float32), s((B, 8), jnp.int32)
         assert kernels.explain("moe_experts", cfg, kl, zz, wkk, idd, shared=shared, platform="gpu") == "device: moe_experts on gpu"
         assert "not measured" in kernels.explain("moe_experts", cfg, kl, zz, wkk, idd, platform="gpu")  # no shared
+    # all 256 experts: B = 1 reads the same k experts (taken); B = 8's choices coincide less than at the 64 measured
+    kl256 = dataclasses.replace(kl, experts_w2=s((256, 2304, 1024), bf), experts_w13=s((256, 2048, 2304), bf))
+    for B, want in ((1, "device: moe_experts on gpu"), (8, "not measured")):
+        zz, wkk, idd = s((B, 2304), bf), s((B, 8), jnp.float32), s((B, 8), jnp.int32)
+        assert want in kernels.explain("moe_experts", cfg, kl256, zz, wkk, idd, shared=shared, platform="gpu")
     k3 = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=s((64, 1536, 3584), bf),
                         experts_w3=s((64, 1536, 3584), bf), experts_w2=s((64, 3584, 1536), bf))
     one = (s((1, 3584), bf), s((1, 16), jnp.float32), s((1, 16), jnp.int32))
@@ -209,9 +215,18 @@ def test_moe_experts_selection():
     assert "platform 'cpu'" in kernels.explain("moe_experts", cfg, w, z, wk, ids, platform="cpu")
     big = jnp.zeros((9, z.shape[1]), z.dtype)
     assert "1 to 8 tokens" in kernels.explain("moe_experts", cfg, w, big, wk, ids, platform="gpu", mode="on")
-    wf = dataclasses.replace(_moe_case("dense", jnp.float32, 2)[1])
+    wf = _moe_case("dense", jnp.float32, 2)[1]
     assert "bf16 or MXFP4 experts, got float32" in kernels.explain("moe_experts", cfg, wf, z, wk, ids, platform="gpu",
                                                                     mode="on")
+    # kernels="on" in the layer: rows past MAX_B and float32 experts keep XLA's path (as linear does), no error;
+    # what the kernel takes and cannot run here (the CPU) still raises
+    for ww, zz in ((w, jnp.zeros((9, z.shape[1]), z.dtype)), (wf, z)):
+        n = zz.shape[0]
+        out = moe._experts_decode(cfg, ww, zz, jnp.full((n, wk.shape[1]), 0.25), jnp.zeros((n, ids.shape[1]), jnp.int32),
+                                  "on")
+        assert out.shape == (n, cfg.moe_hidden)
+    with pytest.raises(kernels.KernelUnavailableError, match="platform 'cpu'"):
+        moe._experts_decode(cfg, w, z, wk, ids, "on")
 
 
 def test_model_kernels_option():
@@ -418,6 +433,8 @@ def test_kda_decode_kernel_matches_reference(mode, dtype, B, bv):
 
     cfg, args = _kda_case(mode, dtype, B)
     k = kernels.REGISTRY["kda_decode"]
+    assert k.fits(cfg, *args, config=Config(bv=bv)) is None
+    assert "float32 state in place" in k.fits(cfg, *args[:6], args[6].astype(jnp.bfloat16), args[7])
     got = k.device(cfg, *args, interpret=True, config=Config(bv=bv))
     ref = k.reference(cfg, *args)
     for g, r_ in zip(got, ref):

@@ -23,8 +23,9 @@ How a tile is multiplied (as in jaxk3.kernels.gemv, whose sweep found the same):
 MXFP4 rows are dequantised in registers (E2M1 nibble -> value by arithmetic times the E8M0 scale, or
 the scaled float built from its bits: `Config.decode`) and never exist dequantised in memory.
 Products and sums are float32, as in the reference; the sums run in another order, so the results
-agree to float32 rounding (tests/test_kernels.py).  Padded slots of `plan` (expert id -1) write
-zeros in kernel 1 and are skipped in kernel 2.
+agree to float32 rounding (tests/test_kernels.py).  Padded slots of `plan` (expert id -1, B > 1) write
+zeros in kernel 1; kernel 2 re-reads the last expert's rows for them (just read by the same program, so
+from cache) times a zero coefficient, rather than branch inside its loop.
 """
 from __future__ import annotations
 
@@ -217,7 +218,9 @@ def _e2m1_f16(code: jax.Array) -> jax.Array:
     bits are float16's lowest exponent bits and top mantissa bit ((e, m) -> exponent field e, mantissa m·2^9),
     so e = 0 lands on float16's subnormals (0 and 0.5·2^-14) and e >= 1 on (1 + m/2)·2^(e−15); the sign moves
     to bit 15.  Five integer operations and one conversion per weight, no select; times 2^14 then the scale
-    (two exact-or-one-rounding products) it is the select decode's value bit for bit."""
+    (two exact-or-one-rounding products) it is the select decode's value bit for bit.  The sign bit makes
+    the int32 exceed int16's range (up to 0x8E00): the cast to int16 wraps, keeping the 16 bits (XLA and
+    Triton both truncate)."""
     bits = ((code & 7) << 9) | ((code & 8) << 12)
     return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
 
@@ -487,33 +490,37 @@ def reference(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, confi
     return experts_partial(cfg, w, z_BL, w_Bk, ids_Bk, shared)
 
 
-# (format, B bucket (1 or 8), E kept, I, In, Out, shared) -> (kernel us, XLA us), the default Config against the
-# reference in the same run (H200; docs/PERF.md).  `fits` lets `auto` take the kernel only where it won by MARGIN.
+# (format, B bucket (1 or 8), E (B > 1 only), I, In, Out, shared) -> (kernel us, XLA us), the default Config
+# against the reference in the same run (H200; docs/PERF.md).  `fits` lets `auto` take the kernel only where it
+# won by MARGIN.  At B > 1 the expert count is part of the key: the kernel reads each *distinct* selected expert
+# once where XLA reads B·k matrices, so its gain depends on how many choices coincide (64 experts kept, B = 8,
+# top-8: ~41 distinct of 64 choices; all 256 of Kimi-Linear-48B: ~57, where the measured rate would lose).
 MEASURED: dict[tuple, tuple[float, float]] = {
     # scripts/gpu/moe_experts_sweep.py, 2026-12-02 (third session), jax 0.11.2: Kimi-Linear-48B TP 1 in the serving
-    # layout with the shared experts fused (against XLA's routed + shared experts), K3's TP 2 share
-    ("bf16", 1, 1024, 2304, 2304, True): (59.3, 72.9),
-    ("bf16", 8, 1024, 2304, 2304, True): (229.2, 277.7),
-    ("bf16", 1, 1536, 3584, 3584, False): (160.1, 151.8),
-    ("bf16", 8, 1536, 3584, 3584, False): (534.5, 1019.5),
+    # layout with the shared experts fused (against XLA's routed + shared experts), K3's TP 2 share; 64 experts kept
+    ("bf16", 1, None, 1024, 2304, 2304, True): (59.3, 72.9),
+    ("bf16", 8, 64, 1024, 2304, 2304, True): (229.2, 277.7),
+    ("bf16", 1, None, 1536, 3584, 3584, False): (160.1, 151.8),
+    ("bf16", 8, 64, 1536, 3584, 3584, False): (534.5, 1019.5),
     # MXFP4: B = 1 with the f16 decode (the default since the last call), B = 8 with the select decode before it
-    ("mxfp4", 1, 1024, 2304, 2304, False): (60.8, 55.1),
-    ("mxfp4", 8, 1024, 2304, 2304, False): (721.4, 327.5),
-    ("mxfp4", 1, 1536, 3584, 3584, False): (191.9, 189.2),
-    ("mxfp4", 8, 1536, 3584, 3584, False): (2142.7, 1227.0),
+    ("mxfp4", 1, None, 1024, 2304, 2304, False): (60.8, 55.1),
+    ("mxfp4", 8, 64, 1024, 2304, 2304, False): (721.4, 327.5),
+    ("mxfp4", 1, None, 1536, 3584, 3584, False): (191.9, 189.2),
+    ("mxfp4", 8, 64, 1536, 3584, 3584, False): (2142.7, 1227.0),
 }
 MARGIN = 1.05
 
 
 def _key(w, B: int, shared) -> tuple:
+    """The MEASURED key of a call (the default Config's row; a call with another Config is gated by it too)."""
     E, I, In, Out, _ = _dims(w)
     fmt = "mxfp4" if isinstance(w.experts_w2, MXFP4) else "bf16"
-    return fmt, 1 if B == 1 else 8, I, In, Out, shared is not None
+    return fmt, 1 if B == 1 else 8, None if B == 1 else E, I, In, Out, shared is not None
 
 
 def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Config | None = None,
          only_where_faster: bool = True, **_) -> str | None:
-    E, I, In, Out, _ = _dims(w)
+    _, I, In, Out, _ = _dims(w)
     cf = _resolve(config or Config(), z_BL.shape[0] if z_BL.ndim == 2 else 1, In, I, Out)
     if not (pow2(cf.bn) and pow2(cf.bk)) or cf.bk < G32 or cf.bn < 16:
         return f"moe_experts kernel needs bn >= 16 and bk >= {G32}, powers of two (Triton blocks), got {cf.bn}, {cf.bk}"
@@ -549,12 +556,12 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
     return None
 
 
-# Proven on an H200 (2026-12-02, third session): its compiled tests (tests/test_kernels.py, tiny dims in three
-# tilings and all three decodes; tests/test_kernels_real.py at K3 TP 1/2/8 and Kimi-Linear-48B, bf16 and MXFP4,
-# B 1 and 8) pass, and `fits` lets auto take it only at the shapes where it beat XLA (MEASURED): bf16 at
-# Kimi-Linear (B 1, 8) and K3 B 8.
+# Proven on an H200 (2026-12-02, third session): its compiled tests pass (tests/test_kernels.py: tiny dims in three
+# tilings, each decode; tests/test_kernels_real.py at K3 TP 1/2/8 and Kimi-Linear-48B, bf16 and MXFP4, B 1 and 8,
+# MXFP4 with the select decode: the f16 default was compiled at tiny dims only), and `fits` lets auto take it only
+# at the shapes where it beat XLA (MEASURED): bf16 at Kimi-Linear B 1 and, with 64 experts kept, B 8 and K3 B 8.
 register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits,
                 measured="bf16: 1.23x XLA at Kimi-Linear-48B B=1 and 1.21x at B=8 (serving layout, shared experts "
                          "fused; inside the B=1 step: even), 1.91x at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps "
-                         "XLA); MXFP4: 0.91-0.99x at B=1 with the f16 decode, 0.45x at B=8 (auto keeps XLA) (H200, "
-                         "jax 0.11.2, 2026-12-02; MEASURED)"))
+                         "XLA; B=8 with 64 experts kept); MXFP4: 0.91-0.99x at B=1 with the f16 decode, 0.45-0.57x at "
+                         "B=8 with the select decode (auto keeps XLA) (H200, jax 0.11.2, 2026-12-02; MEASURED)"))

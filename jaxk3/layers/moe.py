@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxk3 import collectives, kernels
 from jaxk3.config import MXFP4_GROUP, KimiK3Config
+from jaxk3.kernels import moe_experts
 from jaxk3.kernels.moe_experts import (MXFP4, SharedMLP, act, compute_dtype, dequantize,  # noqa: F401
                                        e8m0_scales, expert_rows, experts_partial)
 from jaxk3.kernels.rms_norm import rms_norm
@@ -141,7 +142,12 @@ def router_logits(gate_ED: jax.Array, x_BD: jax.Array) -> jax.Array:
 
 
 def _experts_decode(cfg, w, z_BL, w_Bk, ids_Bk, mode: str) -> jax.Array:
-    """`experts_partial`, through the `moe_experts` device kernel where `mode` and the platform allow."""
+    """`experts_partial`, through the `moe_experts` device kernel where `mode` and the platform allow.
+    The kernel is for decode rows (<= moe_experts.MAX_B) of bf16 or MXFP4 experts: with kernels="on" larger
+    batches and other dtypes keep XLA's path (as `linear` does for the GEMV), not an error."""
+    if mode == "on" and (z_BL.shape[0] > moe_experts.MAX_B or (
+            not isinstance(w.experts_w2, MXFP4) and w.experts_w2.dtype != jnp.bfloat16)):
+        mode = "auto"
     return kernels.call("moe_experts", cfg, w, z_BL, w_Bk, ids_Bk, mode=mode)
 
 

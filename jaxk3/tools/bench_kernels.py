@@ -56,7 +56,7 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
     E, I, L = experts, cfg.moe_intermediate_size // tp, cfg.moe_hidden
     k = cfg.num_experts_per_token
     key = jax.random.key(seed)
-    ks = jax.random.split(key, 8)
+    ks = jax.random.split(key, 10)
     dense = moe.MoEWeights(
         gate=None, e_score_correction_bias=None,
         experts_w1=(jax.random.normal(ks[0], (E, I, L), jnp.float32) * 0.02).astype(jnp.bfloat16),
@@ -79,8 +79,8 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
             return dataclasses.replace(w, experts_w1=None, experts_w3=None, experts_w13=w13)
         dense, mx = joined(dense), joined(mx)
         if cfg.routed_expert_hidden_size is None and cfg.num_shared_experts and cfg.shared_intermediate_size // tp == I:
-            shared = SharedMLP((jax.random.normal(ks[6], (2 * I, L), jnp.float32) * 0.02).astype(jnp.bfloat16),
-                               (jax.random.normal(ks[7], (L, I), jnp.float32) * 0.02).astype(jnp.bfloat16))
+            shared = SharedMLP((jax.random.normal(ks[8], (2 * I, L), jnp.float32) * 0.02).astype(jnp.bfloat16),
+                               (jax.random.normal(ks[9], (L, I), jnp.float32) * 0.02).astype(jnp.bfloat16))
     elif layout != "checkpoint":
         raise ValueError(f"layout: 'checkpoint' or 'serving', got {layout!r}")
     kcfg = dataclasses.replace(cfg, num_experts=E)

@@ -382,7 +382,8 @@ def profile_times(xplane_path: str, census: dict[str, Any], steps: int) -> dict[
     us = {b: ns[b] / per / 1e3 for b in ns if b != UNATTRIBUTED}
     ops: dict[str, list] = defaultdict(list)
     for (b, op), t in op_ns.most_common():
-        ops[b].append([op, round(t / per / 1e3, 2)])
+        if b != UNATTRIBUTED:  # (those are "unattributed_ops")
+            ops[b].append([op, round(t / per / 1e3, 2)])
     return {"us": us, "ops": dict(ops), "events": {b: n_ev[b] / per for b in n_ev if b != UNATTRIBUTED}, "devices": len(devices),
             "source": source, "unattributed_us": ns.get(UNATTRIBUTED, 0.0) / per / 1e3,
             "unattributed_events": n_ev.get(UNATTRIBUTED, 0) / per,

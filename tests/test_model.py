@@ -245,11 +245,17 @@ def test_from_weights_equals_init_random(k3_f32):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.slow  # the first suite only: `make demo`'s job (four compiles); its generate calls, gathers and psums
-# (auto and lax at TP 2) meet the newest jax in test_bitwise_paths and test_generation
-def test_demo_runs_and_agrees():
-    from jaxk3.tools.demo import run_demo
+@pytest.mark.slow  # the first suite only: `make demo`'s job (two models' compiles); its generate calls, gathers
+# and psums (auto and lax at TP 2) meet the newest jax in test_bitwise_paths and test_generation
+def test_demo_runs_and_agrees(monkeypatch):
+    """run_demo end to end on the tiny K3's first four layers (tests/small_models.py: every kind of layer, so
+    every gather and psum site the demo compares; the demo's code does not depend on the depth, and its
+    compiles cost half the 8-layer model's: 59 -> 32 CPU seconds).  Batch 2, prompt 8
+    and 6 new tokens make its one-shot model's prefill test_tp_sizes_agree's TP-2 one (compiled once)."""
+    from jaxk3.tools import demo
 
-    r = run_demo(tp=2, prompt_len=3, new_tokens=3, verbose=False)
-    assert r["tokens_equal"] and len(r["tokens"][0]) == 3
+    cfg = tiny_k3_4l()
+    monkeypatch.setattr(demo, "KimiK3Config", type("Tiny4", (), {"tiny_k3": staticmethod(lambda: cfg)}))
+    r = demo.run_demo(tp=2, prompt_len=len(PROMPTS[0]), new_tokens=NEW, batch=len(PROMPTS), verbose=False)
+    assert r["tokens_equal"] and len(r["tokens"]) == 2 and len(r["tokens"][0]) == NEW
     assert len(r["fast_step_ms"]) == len(r["lax_step_ms"]) == 3 and r["speedup"] > 0

@@ -45,19 +45,28 @@ def test_threads_with_models_equal_serial_runs():
 
 
 @pytest.mark.slow
-def test_prefill_on_two_cpu_devices_finishes():
+def test_prefill_on_two_cpu_devices_finishes(tmp_path):
     """A 2-device process: the KDA prefill once used XLA's CPU triangular solve (a LAPACK custom
     call), which starved the 2-thread runtime and hung forever; `jaxk3 bench generate` runs the
-    prefill and the decode loop end to end here, bounded by the subprocess timeout."""
+    prefill and the decode loop end to end here, bounded by the subprocess timeout.  The model is the
+    tiny K3's first four layers (tests/small_models.py, given to --config as a config.json: three KDA
+    layers and an MLA one, each prefilled in two 64-token chunks): the hang was per KDA prefill, and
+    the bench's compiles and random weights cost half the 8-layer model's."""
+    import json
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "jaxk3.cli", "bench", "generate", "--cpu-devices", "2", "--config", "tiny", "--tp",
-           "2", "--batch", "1", "--prompt", "70", "--new", "4", "--prefill-chunk", "64", "--decode-chunk", "3",
+    from small_models import tiny_k3_4l
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(tiny_k3_4l().to_hf_dict()))
+    cmd = [sys.executable, "-m", "jaxk3.cli", "bench", "generate", "--cpu-devices", "2", "--config", str(config),
+           "--tp", "2", "--batch", "1", "--prompt", "70", "--new", "4", "--prefill-chunk", "64", "--decode-chunk", "3",
            "--copy-mb", "1"]  # the default 1 GiB per device bandwidth copy took 2 of this test's 3.5 minutes
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)  # several tiny compiles
     assert r.returncode == 0, r.stderr[-2000:]
     assert "TTFT s" in r.stdout and "decode tok/s" in r.stdout and "TTFT floor s" in r.stdout
+    assert "(4 layers, " in r.stdout, r.stdout[-2000:]  # the config file, not a preset
 
 
 _UNAWAITED = r"""

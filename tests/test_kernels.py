@@ -149,10 +149,10 @@ def test_moe_experts_bits_decode_is_the_select_decode_bit_for_bit():
 
     code = jnp.arange(16, dtype=jnp.int32)[:, None]
     s = jnp.arange(256, dtype=jnp.int32)[None, :]
-    want = np.asarray(ME._e2m1(code) * ME._scale(s.astype(jnp.uint8)))
+    want = np.asarray(ME._e2m1(code) * ME.e8m0_scales(s.astype(jnp.uint8)))
     got = np.asarray(ME._e2m1_scaled_bits(code, s))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-    scale = ME._scale(s.astype(jnp.uint8))  # the "f16" decode: float16's bits, times 2^14, times the scale
+    scale = ME.e8m0_scales(s.astype(jnp.uint8))  # the "f16" decode: float16's bits, times 2^14, times the scale
     got = np.asarray(ME._e2m1_f16(code) * jnp.float32(2.0 ** 14) * scale)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1)

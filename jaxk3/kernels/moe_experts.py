@@ -209,7 +209,7 @@ def _e2m1_scaled_bits(code: jax.Array, s: jax.Array) -> jax.Array:
     bits = jnp.where((e == 0) & (m == 0), 0, (field << 23) | jnp.where(e == 0, 0, m << 22)) | ((code >> 3) << 31)
     # per group: 2^(s − c) as the reference's own scale times 2^(127 − c), so that a platform that flushes
     # the subnormal 2^-127 (s = 0) to zero flushes it here too
-    rest = _scale(s) * lax.bitcast_convert_type((254 - c) << 23, F32)
+    rest = e8m0_scales(s) * lax.bitcast_convert_type((254 - c) << 23, F32)
     return lax.bitcast_convert_type(bits, F32) * rest
 
 
@@ -223,12 +223,6 @@ def _e2m1_f16(code: jax.Array) -> jax.Array:
     Triton both truncate)."""
     bits = ((code & 7) << 9) | ((code & 8) << 12)
     return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
-
-
-def _scale(s_u8: jax.Array) -> jax.Array:
-    """E8M0 bytes -> float32 2**(s - 127), exactly (as moe.e8m0_scales; 0 -> 2**-127)."""
-    s = s_u8.astype(jnp.int32)
-    return jnp.where(s == 0, F32(2.0 ** -127), lax.bitcast_convert_type(s << 23, F32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +258,7 @@ def _tile(sp: _Spec, w, e, rows, i):
     if sp.decode == "bits":
         s = w[1][(*lead, rows, grp)].astype(jnp.int32)[:, :, None]
         return _e2m1_scaled_bits(codes & 15, s), _e2m1_scaled_bits(codes >> 4, s)
-    s = _scale(w[1][(*lead, rows, grp)])[:, :, None]
+    s = e8m0_scales(w[1][(*lead, rows, grp)])[:, :, None]
     if sp.decode == "f16":
         return _e2m1_f16(codes & 15) * F32(2.0 ** 14) * s, _e2m1_f16(codes >> 4) * F32(2.0 ** 14) * s
     return _e2m1(codes & 15) * s, _e2m1(codes >> 4) * s

@@ -329,14 +329,31 @@ def served_spec(fz: Fuse, specs: list) -> P:
     return P(TP, None) if any(TP in tuple(s) for s in specs) else P()
 
 
+def _fieldwise(combine):
+    """`combine(fuse, members)` applied field by field where the members are dataclasses (a weight of several
+    arrays, MXFP4: packed, scale), as it is to plain leaves."""
+    def each(fz: Fuse, members: list):
+        if dataclasses.is_dataclass(members[0]):
+            return dataclasses.replace(members[0], **{f.name: each(fz, [getattr(m, f.name) for m in members])
+                                                      for f in dataclasses.fields(members[0])})
+        return combine(fz, members)
+    return each
+
+
+def _join_local(fz: Fuse, arrays) -> jax.Array:
+    """One rank's join of a Fuse's member arrays: concatenated along `fz.axis` ("rows") or stacked."""
+    return jnp.concatenate(arrays, axis=fz.axis) if fz.how == "rows" else jnp.stack(arrays, 0)
+
+
 def serve_specs(spec_tree):
     """The serving layout's PartitionSpecs (`partition_specs(...)` of the checkpoint layout, fused)."""
-    def spec(fz: Fuse, members: list):
-        if dataclasses.is_dataclass(members[0]):  # MXFP4 and the like: field-wise
-            return dataclasses.replace(members[0], **{f.name: served_spec(fz, [getattr(m, f.name) for m in members])
-                                                      for f in dataclasses.fields(members[0])})
-        return served_spec(fz, members)
-    return serve(spec_tree, spec)
+    return serve(spec_tree, _fieldwise(served_spec))
+
+
+def serve_local(tree):
+    """A tree of one rank's (unplaced or single-device) arrays in the serving layout: each Fuse's members
+    joined as `serve_arrays` joins each rank's slices (kernel tests and benches of one block)."""
+    return serve(tree, _fieldwise(_join_local))
 
 
 def serve_arrays(weights, mesh, donate: bool = False):
@@ -349,13 +366,9 @@ def serve_arrays(weights, mesh, donate: bool = False):
     from jaxk3._compat import call_shard_map
 
     def join(fz: Fuse, arrays: list):
-        if dataclasses.is_dataclass(arrays[0]):  # a weight of several arrays (MXFP4: packed, scale): field-wise
-            return dataclasses.replace(arrays[0], **{f.name: join(fz, [getattr(a, f.name) for a in arrays])
-                                                     for f in dataclasses.fields(arrays[0])})
         specs = [_spec_of(a) for a in arrays]
-        local = (lambda *xs: jnp.concatenate(xs, axis=fz.axis)) if fz.how == "rows" else (lambda *xs: jnp.stack(xs, 0))
-        f = call_shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=served_spec(fz, specs),
-                           check_vma=False)
+        f = call_shard_map(lambda *xs: _join_local(fz, xs), mesh=mesh, in_specs=tuple(specs),
+                           out_specs=served_spec(fz, specs), check_vma=False)
         out = jax.jit(f)(*arrays)
         if donate:  # free the members now (XLA cannot reuse them for the larger output: donation would not)
             out.block_until_ready()
@@ -363,7 +376,7 @@ def serve_arrays(weights, mesh, donate: bool = False):
                 a.delete()
         return out
 
-    return serve(weights, join)
+    return serve(weights, _fieldwise(join))
 
 
 def _spec_of(a: jax.Array) -> P:

@@ -83,17 +83,10 @@ def _moe_case(fmt: str, dtype, B: int, seed: int = 0, duplicate: bool = True):
 
 
 def _joined(w):
-    """The serving layout's experts: w1 | w3 as one [E, 2I, L] stack (dense or MXFP4)."""
-    import dataclasses
+    """The serving layout's experts: w1 | w3 as one [E, 2I, L] stack (dense or MXFP4), as the model joins them."""
+    from jaxk3 import params
 
-    from jaxk3.layers import moe
-
-    if isinstance(w.experts_w1, moe.MXFP4):
-        w13 = moe.MXFP4(*(jnp.concatenate([a, b], axis=1) for a, b in
-                          ((w.experts_w1.packed, w.experts_w3.packed), (w.experts_w1.scale, w.experts_w3.scale))))
-    else:
-        w13 = jnp.concatenate([w.experts_w1, w.experts_w3], axis=1)
-    return dataclasses.replace(w, experts_w1=None, experts_w3=None, experts_w13=w13)
+    return params.serve_local(w)
 
 
 def _shared(w, dtype, seed: int = 7):
@@ -288,14 +281,7 @@ def _grouped_case(fmt: str, N: int, fused: bool, seed: int = 0):
                         jnp.asarray(rng.standard_normal((N, cfg.hidden_size)), jnp.bfloat16))
     ids = ids.at[-1].set(ids[0])
     if fused:
-        if fmt == "dense":
-            w13 = jnp.concatenate([w.experts_w1, w.experts_w3], axis=1)
-        else:
-            w13 = moe.MXFP4(*(jnp.concatenate([a, b], axis=1) for a, b in
-                              ((w.experts_w1.packed, w.experts_w3.packed), (w.experts_w1.scale, w.experts_w3.scale))))
-        import dataclasses
-
-        w = dataclasses.replace(w, experts_w1=None, experts_w3=None, experts_w13=w13)
+        w = _joined(w)
     z = jnp.asarray(rng.standard_normal((N, cfg.moe_hidden)), jnp.bfloat16)
     return cfg, w, z, wk, ids
 

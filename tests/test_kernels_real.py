@@ -100,13 +100,11 @@ def case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, fmt: str = "d
         if cfg.routed_expert_hidden_size is None:  # Kimi-Linear: the serving layout's w1 | w3 (+ shared, bf16)
             from jaxk3.kernels.moe_experts import SharedMLP
 
+            from jaxk3 import params
+
             if fmt == "dense":
-                w13 = jnp.concatenate([ex[0], ex[2]], axis=1)
                 shared = SharedMLP(a(2 * I, L, s=0.02, dt=jnp.bfloat16), a(L, I, s=0.02, dt=jnp.bfloat16))
-            else:
-                w13 = moe.MXFP4(jnp.concatenate([ex[0].packed, ex[2].packed], axis=1),
-                                jnp.concatenate([ex[0].scale, ex[2].scale], axis=1))
-            w = dataclasses.replace(w, experts_w1=None, experts_w3=None, experts_w13=w13)
+            w = params.serve_local(w)
         # every preset shape, also where auto keeps XLA (only_where_faster=False)
         return (kcfg, w, a(B, L, dt=jnp.bfloat16), wk, ids, shared), {"only_where_faster": False}
     if kernel == "moe_grouped":  # a prefill chunk of PREFILL_TOKENS * B tokens over GROUPED_EXPERTS experts

@@ -49,7 +49,7 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
     moe_experts.Config in `configs` (None: the default; path "kernel", else "kernel <config>").  `layout`
     "serving": w1 | w3 joined as the serving layout stores them, and (bf16, a config whose routed experts read
     the hidden state: Kimi-Linear) the shared experts fused in the kernel, their bytes counted."""
-    from jaxk3 import kernels
+    from jaxk3 import kernels, params
     from jaxk3.kernels.moe_experts import SharedMLP, plan
     from jaxk3.layers import moe
 
@@ -70,14 +70,7 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
                              experts_w3=packed(ks[5], I, L))
     shared = None
     if layout == "serving":
-        def joined(w):
-            if isinstance(w.experts_w1, moe.MXFP4):
-                w13 = moe.MXFP4(jnp.concatenate([w.experts_w1.packed, w.experts_w3.packed], axis=1),
-                                jnp.concatenate([w.experts_w1.scale, w.experts_w3.scale], axis=1))
-            else:
-                w13 = jnp.concatenate([w.experts_w1, w.experts_w3], axis=1)
-            return dataclasses.replace(w, experts_w1=None, experts_w3=None, experts_w13=w13)
-        dense, mx = joined(dense), joined(mx)
+        dense, mx = params.serve_local(dense), params.serve_local(mx)
         if cfg.routed_expert_hidden_size is None and cfg.num_shared_experts and cfg.shared_intermediate_size // tp == I:
             shared = SharedMLP((jax.random.normal(ks[8], (2 * I, L), jnp.float32) * 0.02).astype(jnp.bfloat16),
                                (jax.random.normal(ks[9], (L, I), jnp.float32) * 0.02).astype(jnp.bfloat16))

@@ -16,6 +16,7 @@ import sys
 sys.path.insert(0, os.getcwd())
 
 from jaxk3 import kernels  # noqa: E402
+from jaxk3.kernels import registry  # noqa: E402
 from jaxk3.cli import main as cli_main  # noqa: E402
 
 
@@ -26,11 +27,9 @@ def patch(name: str) -> None:
         print(f"patched: {name} left out (auto keeps XLA's path; this process only)", flush=True)
         return
     k = kernels.REGISTRY[name]
-    fits = k.fits
 
-    def anywhere(*a, **kw):
-        return fits(*a, **{**kw, "only_where_faster": False}) if "only_where_faster" in fits.__code__.co_varnames \
-            else fits(*a, **kw)
+    def anywhere(*a, **kw):  # as kernels="on" calls a speed-gated kernel's fits (the registry's own rule)
+        return k.fits(*a, **registry._on_runs_anywhere(k, "on", kw))
     kernels.REGISTRY[name] = dataclasses.replace(k, unproven=None, fits=anywhere)
     print(f"patched: {name} taken by auto wherever it fits (this process only)", flush=True)
 

@@ -291,9 +291,12 @@ fi
 if has census48; then
   echo "== kernel census, Kimi-Linear-48B, serving/auto ($(date -u +%T))"
   XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout ${CENSUS_TIMEOUT:-300} $PY -m jaxk3.cli bench decode \
-    --config kimi-linear-48b --layers all --experts 64 --tp 1 --batch 1 --context 4k --strategies stock \
-    --variants ${CENSUS_VARIANTS:-serving/auto} --steps 10 --census --json "$OUT/census48.json" 2>&1 | tee "$OUT/census48.log"
+    --config kimi-linear-48b --layers ${CENSUS_LAYERS:-all} --experts 64 --tp 1 --batch ${CENSUS_BATCH:-1} --context 4k \
+    --strategies stock --variants ${CENSUS_VARIANTS:-serving/auto} --steps 10 --census --json "$OUT/census48.json" \
+    --hlo-dir /tmp/jaxk3_census_hlo 2>&1 | tee "$OUT/census48.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # the compiled step's optimized HLO, whose fusion names the census's per-op times use
+  tar -C /tmp -czf "$OUT/census48_hlo.tgz" jaxk3_census_hlo 2>/dev/null || true
 fi
 
 if has bench_off; then

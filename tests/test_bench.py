@@ -275,8 +275,12 @@ def test_bench_decode_kernel_modes(tmp_path, capsys):
     base = ["bench", "decode", "--config", "tiny", "--layers", "6-7", "--tp", "2", "--batch", "1", "--context", "64",
             "--steps", "1", "--repeats", "1", "--copy-mb", "1", "--strategies", "stock"]
     out = tmp_path / "d.json"
-    assert cli.main(base + ["--kernels", "off", "--json", str(out)]) == 0
+    assert cli.main(base + ["--kernels", "off", "--json", str(out), "--hlo-dir", str(tmp_path / "hlo")]) == 0
     assert {r["strategy"] for r in json.loads(out.read_text())["rows"]} == {"stock[kernels=off]"}
+    (hlo,) = (tmp_path / "hlo").iterdir()  # the compiled step's HLO, named after the strategy
+    assert hlo.name == "decode_stock_kernels_off__B1_S64.hlo.txt" and "HloModule" in hlo.read_text()
+    # a variant's name holds a slash ("stock[serving/auto]"): the file stays in the directory
+    assert bd._file_part("stock[serving/auto]") == "stock_serving_auto_"
     capsys.readouterr()
     assert cli.main(base + ["--kernels", "on"]) == 2
     err = capsys.readouterr().err

@@ -378,6 +378,11 @@ def _gather_paths(cfg, mesh, batch, gather, shard_latent) -> dict[str, str]:
     return out
 
 
+def _file_part(name: str) -> str:
+    """A strategy's name as part of a file name: 'stock[serving/auto]' -> 'stock_serving_auto_'."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
 def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int | None = 32, tp: int = 2,
                  batches=(1, 8), contexts=(4096, 32768), dtype: str = "bfloat16", steps: int = 20, repeats: int = 5,
                  synced: int = 20, check_tokens: int = 4, copy_bytes: int = 1 << 30, strategies=STRATEGIES,
@@ -408,7 +413,7 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                 census = hlo_census(compiled.as_text())
                 if hlo_dir:
                     os.makedirs(hlo_dir, exist_ok=True)
-                    with open(os.path.join(hlo_dir, f"decode_{name.replace('+', '_')}_B{batch}_S{context}.hlo.txt"), "w") as fh:
+                    with open(os.path.join(hlo_dir, f"decode_{_file_part(name)}_B{batch}_S{context}.hlo.txt"), "w") as fh:
                         fh.write(compiled.as_text())
                 cbytes = cache_bytes_per_rank(cfg, cache)
                 tokens = []
@@ -546,7 +551,7 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
                 text = compiled.as_text()
                 if hlo_dir:
                     os.makedirs(hlo_dir, exist_ok=True)
-                    with open(os.path.join(hlo_dir, f"census_{name.replace('+', '_')}_B{batch}_S{context}.hlo.txt"),
+                    with open(os.path.join(hlo_dir, f"census_{_file_part(name)}_B{batch}_S{context}.hlo.txt"),
                               "w") as fh:
                         fh.write(text)
                 kc = census.kernel_census(text, blocks)

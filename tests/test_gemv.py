@@ -5,6 +5,12 @@ on a GPU at the presets' projection shapes.  Tolerance: both paths take bf16 pro
 fp32; the kernel sums in another order (tiles, then K splits), so results agree to fp32 rounding of
 a K-term sum (~K·2^-24 relative to the sum of |terms|, < 1e-5 of max|y| here); a wrong tile, row or
 split is off by O(1).
+
+With a norm weight (the RMSNorm prologue) the kernel sums x² in another order than XLA's reduce, so
+the normed input's scale differs in its last fp32 bits, which can move an element's rounding to the
+activation dtype by one bf16 ulp (2^-8 relative): the outputs then agree to 2^-8 of the sum of
+|w·xn| in the worst case; tested at 4e-3 of max|y| (a wrong row scale, a missing weight or a wrong
+row is off by O(1)), and most outputs (no rounding moved) to the plain GEMV's 1e-5.
 """
 import jax
 import jax.numpy as jnp
@@ -36,6 +42,54 @@ def test_gemv_kernel_matches_reference(B, N, K, layout, cfg):
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("N,K", [(12576, 2304), (6720, 2304), (2048, 2304), (18432, 2304), (6284, 7168), (64, 2304),
+                                 (256, 2304)])
+def test_gemv_norm_prologue_on_gpu(B, N, K):
+    """Compiled with the RMSNorm prologue at the fused input projections' shapes (the blocks' first
+    GEMVs, which take the residual stream and its norm weight), against XLA's norm then dot; rows of
+    different scale (a row normed by another's scale is off by O(1))."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    x, w = _xw(B, N, K)
+    r = np.random.default_rng(1)
+    x = (x.astype(jnp.float32) * jnp.asarray(10.0 ** r.uniform(-1, 2, (B, 1)), jnp.float32)).astype(jnp.bfloat16)
+    g = jnp.asarray(r.uniform(0.5, 1.5, K), jnp.bfloat16)
+    assert kernels.REGISTRY["gemv_norm"].fits(x, w, g, 1e-5, only_where_faster=False) is None
+    f = jax.jit(lambda x, w, g: kernels.call("gemv_norm", x, w, g, 1e-5, mode="on"))
+    got = np.asarray(f(x, w, g))
+    ref = np.asarray(G.reference(x, w, norm_w=g, eps=1e-5))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+    assert np.mean(np.abs(got - ref) <= 1e-5 * np.abs(ref).max()) > 0.9
+
+
+@pytest.mark.parametrize("B,N,K,cfg", [(1, 64, 512, G.Config(bn=16, bk=128, splits=2)),
+                                       (1, 44, 384, G.Config(bn=16, bk=64, splits=3)),
+                                       (3, 32, 2304, G.Config(bn=16, bk=256, splits=3, dot=True)),
+                                       (8, 64, 512, None)])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_gemv_norm_prologue_matches_reference(B, N, K, cfg, layout):
+    """x normed in the kernel (RMSNorm with a weight, rows of very different scale) equals XLA's
+    norm then the GEMV; the raw x is not the normed one (else the prologue could be a no-op)."""
+    x, w = _xw(B, N, K)
+    r = np.random.default_rng(7)
+    x = (x.astype(jnp.float32) * jnp.asarray(10.0 ** r.uniform(-2, 2, (B, 1)), jnp.float32)).astype(jnp.bfloat16)
+    g = jnp.asarray(r.uniform(0.5, 1.5, K), jnp.bfloat16)
+    ww = w if layout == "nk" else w.T
+    assert G.fits(x, ww, layout, cfg, only_where_faster=False, norm_w=g, eps=1e-5) is None
+    got = np.asarray(G.gemv(x, ww, layout, cfg, interpret=True, norm_w=g, eps=1e-5))
+    ref = np.asarray(G.reference(x, ww, layout, norm_w=g, eps=1e-5))
+    assert got.shape == ref.shape == (B, N)
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * scale)
+    assert np.mean(np.abs(got - ref) <= 1e-5 * scale) > 0.9
+    raw = np.asarray(G.reference(x, ww, layout))
+    assert np.abs(raw - ref).max() > 0.1 * scale
+    assert "norm weight must be [K]" in G.fits(x, ww, layout, cfg, norm_w=g[:-1], eps=1e-5)
+
+
 def test_gemv_fits_and_selection():
     x, w = _xw(1, 64, 512)
     assert G.fits(x, w, only_where_faster=False) is None
@@ -64,6 +118,15 @@ def test_gemv_fits_and_selection():
     assert G.config_for(1, 12352, 2304).bn == G.CONFIGS[("nk", 1, 12288, 2304)].bn == 32
     assert G.measured(1, 3000, 2304) is None and not G.prefer_kernel(1, 3000, 2304)
     assert G.prefer_kernel(1, 6720, 2304) and not G.prefer_kernel(1, 2048, 2304) and G.prefer_kernel(8, 2048, 2304)
+    for (B, N, K), c in G.NORM_CONFIGS.items():  # the normed GEMV's tilings fit their shapes (the router's)
+        xs, ws = s((B, K), jnp.bfloat16), s((N, K), jnp.bfloat16)
+        assert G.norm_config_for(B, N, K) == c and c.splits == 1
+        gn = kernels.REGISTRY["gemv_norm"]
+        assert gn.fits(xs, ws, s((K,), jnp.bfloat16), 1e-5, only_where_faster=False) is None
+        # auto takes the normed GEMV for one row only (the B = 8 step lost with it); kernels="on" anywhere it fits
+        assert (gn.fits(xs, ws, s((K,), jnp.bfloat16), 1e-5) is None) == (B == 1)
+        assert kernels.explain("gemv_norm", xs, ws, s((K,), jnp.bfloat16), 1e-5, platform="gpu", mode="on"
+                               ).startswith("device")
     for (l, B, N, K), c in G.CONFIGS.items():  # every tuned config fits its shape
         assert G.fits(s((B, K), jnp.bfloat16), s((N, K), jnp.bfloat16), only_where_faster=False) is None
         assert (B, N, K) in G.MEASURED
@@ -93,3 +156,28 @@ def test_gemv_kernel_on_gpu(B, N, K):
     ref = np.asarray(G.reference(x, w))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_gemv_norm_kernel_on_the_registry_paths():
+    """kernels.call('gemv_norm', ...) in every mode reaches a function that takes what the registry passes
+    (mode 'on' adds only_where_faster=False): the reference on the CPU, the kernel (interpret) where a
+    device path is taken."""
+    import dataclasses
+
+    x, w = _xw(1, 64, 512)
+    g = jnp.asarray(np.random.default_rng(3).uniform(0.5, 1.5, 512), jnp.bfloat16)
+    ref = np.asarray(G.reference(x, w, norm_w=g, eps=1e-5))
+    for mode in ("auto", "off"):
+        np.testing.assert_array_equal(np.asarray(kernels.call("gemv_norm", x, w, g, 1e-5, mode=mode)), ref)
+    k = kernels.REGISTRY["gemv_norm"]
+    k.reference(x, w, g, 1e-5, only_where_faster=False)
+    got = k.device(x, w, g, 1e-5, interpret=True, only_where_faster=False)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+    cpu = dataclasses.replace(k, platforms=("cpu",),
+                              device=lambda *a, **kw: k.device(*a, interpret=True, **kw))
+    kernels.REGISTRY["gemv_norm"] = cpu
+    try:
+        got = kernels.call("gemv_norm", x, w, g, 1e-5, mode="on")
+    finally:
+        kernels.REGISTRY["gemv_norm"] = k
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=4e-3 * np.abs(ref).max())

@@ -16,6 +16,13 @@ Two ways to multiply a tile, chosen per shape (`Config.dot`):
              tile and reduced over K once at the end;
   dot=True   x padded to 16 rows, tl.dot on the tensor cores (bf16 in, fp32 accumulate): any B <= 8.
 
+With `norm_w` the input is RMSNorm(x; norm_w, eps), cast to x's dtype, computed in the kernel's
+prologue instead of by XLA before it (two kernels of the step: the sum of squares, then the scaling):
+each program first sums x² over the whole row (the row is a few KB, read from L2 by every program),
+then scales each input tile as it loads it, in the reference's order ((w ⊙ x) · rsqrt(mean + eps)).
+Only the sum's order differs from XLA's, so the normed input agrees to one rounding of the activation
+dtype at most.
+
 Weight layout ("serving layout", made at load): "nk" is the checkpoint's [N, K] row-major, "kn" its
 transpose [K, N].  The per-shape configurations (`CONFIGS`) come from the sweep on an H200 recorded
 in docs/PERF.md; shapes not in the table take `default_config`.
@@ -29,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
+from jaxk3.kernels.rms_norm import rms_norm
 
 F32 = jnp.float32
 MAX_B = 8
@@ -148,9 +156,11 @@ def _loop(steps: int, body, init, unroll: bool):
     return acc
 
 
-def _kernel(x_ref, w_ref, o_ref, *, layout: str, bn: int, bk: int, steps: int, dot: bool, unroll: bool, N: int):
+def _kernel(x_ref, w_ref, *refs, layout: str, bn: int, bk: int, steps: int, dot: bool, unroll: bool, N: int,
+            eps: float | None, K: int):
     from jax.experimental import pallas as pl
 
+    g_ref, o_ref = refs if eps is not None else (None, refs[0])
     n, s = pl.program_id(0), pl.program_id(1)
     if N % bn:  # the last program's rows end at N: it overlaps its neighbour, writing the same values there
         rows = pl.ds(jnp.minimum(n * bn, N - bn), bn)
@@ -163,10 +173,28 @@ def _kernel(x_ref, w_ref, o_ref, *, layout: str, bn: int, bk: int, steps: int, d
         w = w_ref[rows, cols] if layout == "nk" else w_ref[cols, rows]  # [bn, bk] or [bk, bn]
         return cols, w
 
+    if eps is not None:  # the prologue: rsqrt(mean(x²) + eps) over the whole row (each row's with dot: [16, 1])
+        # x² accumulated element-wise over the row's tiles (all loads issued at once: the loop is written out)
+        # and reduced once: a reduction per tile would chain K / bk cross-warp reductions before the first weight
+        acc = None
+        for i in range(K // bk):
+            xt = (x_ref[:, pl.ds(i * bk, bk)] if dot else x_ref[0, pl.ds(i * bk, bk)]).astype(F32)
+            acc = xt * xt if acc is None else acc + xt * xt
+        ss = jnp.sum(acc, axis=1, keepdims=True) if dot else jnp.sum(acc)
+        r = jax.lax.rsqrt(ss / K + eps)
+
+    def xin(cols):
+        """The input at `cols` ([16, bk] with dot, else row 0's [bk]), normed as the prologue says."""
+        x = x_ref[:, cols] if dot else x_ref[0, cols]
+        if eps is None:
+            return x
+        xn = (g_ref[cols].astype(F32) * x.astype(F32)) * r
+        return xn.astype(x_ref.dtype).astype(w_ref.dtype)
+
     if dot:
         def body(i, acc):
             cols, w = tile(i)
-            x = x_ref[:, cols]  # [16, bk]
+            x = xin(cols)  # [16, bk]
             if layout == "nk":
                 return acc + _dot_nt(x, w)
             return acc + jnp.dot(x, w, preferred_element_type=F32)
@@ -175,7 +203,7 @@ def _kernel(x_ref, w_ref, o_ref, *, layout: str, bn: int, bk: int, steps: int, d
     else:
         def body(i, acc):
             cols, w = tile(i)
-            x = x_ref[0, cols].astype(F32)  # [bk]
+            x = xin(cols).astype(F32)  # [bk]
             if layout == "nk":
                 return acc + w.astype(F32) * x[None, :]
             return acc + w.astype(F32) * x[:, None]
@@ -185,7 +213,7 @@ def _kernel(x_ref, w_ref, o_ref, *, layout: str, bn: int, bk: int, steps: int, d
 
 
 def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
-             interpret: bool = False) -> jax.Array:
+             interpret: bool = False, norm_w: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
     """The kernel's raw output: fp32 [splits, Bp, N] partial sums (Bp = 16 with dot, else 1)."""
     from jax.experimental import pallas as pl
 
@@ -194,33 +222,44 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
     c = config or config_for(B, N, K, layout)
     steps = K // c.splits // c.bk
     Bp = 16 if c.dot else 1
-    x = x_BK.astype(w.dtype)
+    x = x_BK.astype(w.dtype) if norm_w is None else x_BK  # normed: the prologue reads x as it is
     if Bp != B:
         x = jnp.pad(x, ((0, Bp - B), (0, 0)))
+    args = (x, w) if norm_w is None else (x, w, norm_w)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     kw = triton_params(c.num_warps, c.num_stages, interpret)
     return pl.pallas_call(
-        functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot, unroll=c.unroll, N=N),
-        grid=(-(-N // c.bn), c.splits), in_specs=[any_, any_], out_specs=any_,
-        out_shape=jax.ShapeDtypeStruct((c.splits, Bp, N), F32), interpret=interpret, **kw)(x, w)
+        functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot, unroll=c.unroll, N=N,
+                          eps=None if norm_w is None else float(eps), K=K),
+        grid=(-(-N // c.bn), c.splits), in_specs=[any_] * len(args), out_specs=any_,
+        out_shape=jax.ShapeDtypeStruct((c.splits, Bp, N), F32), interpret=interpret, **kw)(*args)
 
 
 def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
-         interpret: bool = False, only_where_faster: bool = True) -> jax.Array:
-    """The same function as the reference: fp32 [B, N] = x @ W^T (W [N, K] for "nk", [K, N] for "kn")."""
-    p = partials(x_BK, w, layout, config, interpret)
+         interpret: bool = False, only_where_faster: bool = True, norm_w: jax.Array | None = None,
+         eps: float = 0.0) -> jax.Array:
+    """The same function as the reference: fp32 [B, N] = x @ W^T (W [N, K] for "nk", [K, N] for "kn"),
+    x first normed (RMSNorm(x; norm_w, eps) in x's dtype) where `norm_w` is given."""
+    p = partials(x_BK, w, layout, config, interpret, norm_w, eps)
     y = p[0] if p.shape[0] == 1 else jnp.sum(p, axis=0)
     return y[: x_BK.shape[0]]
 
 
+def normed(x_BK: jax.Array, norm_w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm(x; norm_w, eps) in x's dtype: the input the kernel's prologue computes."""
+    return rms_norm(x_BK, norm_w, eps).astype(x_BK.dtype)
+
+
 def reference(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
-              only_where_faster: bool = True) -> jax.Array:
+              only_where_faster: bool = True, norm_w: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
+    if norm_w is not None:
+        x_BK = normed(x_BK, norm_w, eps)
     spec = "bk,nk->bn" if layout == "nk" else "bk,kn->bn"
     return jnp.einsum(spec, x_BK.astype(w.dtype), w, preferred_element_type=F32)
 
 
 def fits(x_BK, w, layout: str = "nk", config: Config | None = None, only_where_faster: bool = True,
-         **_) -> str | None:
+         norm_w: jax.Array | None = None, eps: float = 0.0, **_) -> str | None:
     """Why this call does not suit the kernel (None: it does).  With `only_where_faster` (the default)
     a shape where the kernel did not beat XLA's dot on the H200 (`MEASURED`), or was not measured, is
     refused with the numbers, so that kernels="auto" keeps XLA there; False: any shape that fits."""
@@ -236,6 +275,8 @@ def fits(x_BK, w, layout: str = "nk", config: Config | None = None, only_where_f
         return f"gemv kernel is for decode (B <= {MAX_B}), got B = {B}"
     if w.dtype != jnp.bfloat16:
         return f"gemv kernel streams bf16 weights, got {w.dtype}"
+    if norm_w is not None and norm_w.shape != (K,):
+        return f"gemv kernel: the norm weight must be [K] = [{K}], got {norm_w.shape}"
     c = config or config_for(B, N, K, layout)
     if B > 1 and not c.dot:
         return f"gemv kernel: B = {B} needs the dot variant (config {c})"
@@ -256,3 +297,52 @@ def fits(x_BK, w, layout: str = "nk", config: Config | None = None, only_where_f
 register(Kernel("gemv", reference, gemv, platforms=("gpu",), fits=fits,
                 measured="B=1: 1.04-1.71x XLA's dot at the fused and >= 22 MB projections, 0.8-0.9x at <= 19 MB "
                          "(auto keeps XLA there); B=8: 0.95-1.30x (H200, jax 0.11.2, 2026-12-01; MEASURED)"))
+
+
+# (B bucket, N, K) -> the normed GEMV's tiling where it differs from `config_for`'s: the MoE router's logits
+# (E rows: 64 kept by the benches, 256 in Kimi-Linear-48B) in one pass over K, so that no XLA kernel adds K
+# splits' partial sums before the router's own kernel reads them.
+NORM_CONFIGS: dict[tuple[int, int, int], Config] = {
+    (1, 64, 2304): Config(bn=8, bk=256, splits=1), (1, 256, 2304): Config(bn=8, bk=256, splits=1),
+    (8, 64, 2304): Config(bn=16, bk=128, splits=1, dot=True), (8, 256, 2304): Config(bn=16, bk=128, splits=1, dot=True),
+}
+
+
+def norm_config_for(B: int, N: int, K: int, layout: str = "nk") -> Config:
+    c = NORM_CONFIGS.get((1 if B == 1 else 8, N, K)) if layout == "nk" else None
+    return c or config_for(B, N, K, layout)
+
+
+def _norm_reference(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
+                    only_where_faster: bool = True) -> jax.Array:
+    return reference(x_BK, w, layout, config, norm_w=norm_w, eps=eps)
+
+
+def _norm_device(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
+                 interpret: bool = False, only_where_faster: bool = True) -> jax.Array:
+    c = config or norm_config_for(x_BK.shape[0], w.shape[0] if layout == "nk" else w.shape[1], x_BK.shape[1], layout)
+    return gemv(x_BK, w, layout, c, interpret, norm_w=norm_w, eps=eps)
+
+
+def _norm_fits(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
+               only_where_faster: bool = True, **_) -> str | None:
+    """The GEMV's own conditions without its speed gate (where the input is normed, XLA's path is the norm's
+    two kernels and then the dot, so the prologue saves those), for one row: `auto` takes it at B = 1 only,
+    where the Kimi-Linear-48B step gained by it; at B = 8 the step lost (docs/PERF.md) and the dot variant's
+    prologue is not proven (only_where_faster=False, as kernels="on" passes, runs it)."""
+    if only_where_faster and x_BK.ndim == 2 and x_BK.shape[0] != 1:
+        return (f"gemv_norm kernel: auto takes it for one row (B = 1), where it was measured faster in the step; "
+                f"got B = {x_BK.shape[0]}")
+    if x_BK.ndim == 2 and w.ndim == 2 and config is None:
+        config = norm_config_for(x_BK.shape[0], w.shape[0] if layout == "nk" else w.shape[1], x_BK.shape[1], layout)
+    return fits(x_BK, w, layout, config, only_where_faster=False, norm_w=norm_w, eps=eps)
+
+
+# The GEMV with the RMSNorm prologue: the blocks' first projections at decode take it (jaxk3.layers.common.Normed).
+# Proven at B = 1: its compiled tests (tests/test_gemv.py, the fused input projections and the router's logits)
+# passed on an H200, and the Kimi-Linear-48B step took 2739.0 us with it against 2790.6 without (2026-12-02,
+# fourth session; docs/PERF.md).
+register(Kernel("gemv_norm", _norm_reference, _norm_device, platforms=("gpu",), fits=_norm_fits,
+                measured="B=1, Kimi-Linear-48B: the step 1.9% faster with it (2739.0 vs 2790.6 us; KDA blocks 42.8 -> "
+                         "38.4 us, MLA 44.6 -> 41.0); B=8 not taken (the step 0.8% slower) (H200, jax 0.11.2, "
+                         "2026-12-02)"))

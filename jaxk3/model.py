@@ -35,7 +35,7 @@ from jaxk3.layers import embed as embed_lib
 from jaxk3.layers import kda as kda_lib
 from jaxk3.layers import mla as mla_lib
 from jaxk3.layers import moe as moe_lib
-from jaxk3.layers.common import TP
+from jaxk3.layers.common import TP, Normed
 from jaxk3.layers.kda import KDACache, KDAWeights, kda_prefill, kda_step
 from jaxk3.layers.mla import MLACache, MLAWeights, mla_prefill, mla_step
 from jaxk3.layers.moe import MLPWeights, MoEWeights, mlp, moe
@@ -181,10 +181,14 @@ def ffn_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: MLPWeights | MoEWe
     return moe(cfg, w, xn_ND, opt.tp, grouped=many)
 
 
-def _mix_norm(sources, res_norm, res_proj, ln_w, eps: float) -> jax.Array:
-    """A block's normed input (fp32): AttnRes over `sources` then RMSNorm (jaxk3.kernels.attn_res_norm's
-    math; its Pallas kernel lost to XLA at every AttnRes preset on the H200 and was removed)."""
-    return mix_norm(list(sources), res_norm, res_proj, ln_w, eps)
+def _block_input(sources, res_norm, res_proj, ln_w, eps: float, dt, shape, decode: bool) -> jax.Array | Normed:
+    """A block's normed input in the activation dtype: AttnRes over `sources` then RMSNorm
+    (jaxk3.kernels.attn_res_norm's math; its Pallas kernel lost to XLA at every AttnRes preset on the
+    H200 and was removed).  At decode without AttnRes (Kimi-Linear) the residual row and its norm
+    weight as a `Normed`, which the block's first GEMVs norm in their prologue."""
+    if decode and res_norm is None and len(sources) == 1 and sources[0].dtype == dt:
+        return Normed(sources[0], ln_w, eps)
+    return mix_norm(list(sources), res_norm, res_proj, ln_w, eps).astype(dt).reshape(shape)
 
 
 def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache, tokens: jax.Array,
@@ -207,13 +211,14 @@ def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache,
         g = opt.layer_offset + l  # the layer's global index (AttnRes schedule)
         with jax.named_scope(f"layer{g}_{cfg.layer_attn[l]}"):
             srcs, st = res.attention_sources(st, g, Bs)
-            xn = _mix_norm(srcs, lw.self_attention_res_norm, lw.self_attention_res_proj, lw.input_layernorm,
-                           eps).astype(dt).reshape(shape)
+            xn = _block_input(srcs, lw.self_attention_res_norm, lw.self_attention_res_proj, lw.input_layernorm,
+                              eps, dt, shape, not prefill)
             a, c = attention_block(cfg, opt, l, lw.attn, xn, cache.layers[l], cache.length, valid)
             new_caches.append(c)
         with jax.named_scope(f"layer{g}_{cfg.layer_ffn[l]}"):
             srcs, st = res.ffn_sources(st, a.reshape(B * T, -1), g, Bs)
-            xn = _mix_norm(srcs, lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attention_layernorm, eps).astype(dt)
+            xn = _block_input(srcs, lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attention_layernorm, eps, dt,
+                              (B * T, -1), not prefill)
             f = ffn_block(cfg, opt, l, lw.ffn, xn, prefill)
             st = res.ffn_done(st, f, Bs)
     with jax.named_scope("head"):

@@ -242,6 +242,40 @@ def test_model_kernels_option():
     np.testing.assert_array_equal(a.logits, b.logits)
 
 
+def test_decode_norms_in_the_kernels_prologues(monkeypatch):
+    """The Kimi-Linear decode step hands each block its input un-normed (layers.common.Normed): with the
+    `gemv_norm` and `router_topk` kernels running (here in interpret mode, registered for the CPU) the
+    blocks' first GEMVs and the router norm it, and the logits agree with kernels='off' (XLA's norm, then
+    the same products) to 2e-3 of max|logit|: here they agree exactly, and the bound leaves room for a
+    bf16 rounding of a normed element moved by the order of the sum of squares; a prologue GEMV off by
+    1% fails it (checked by mutation).  Both kernels must have been traced."""
+    import dataclasses
+
+    import jaxk3
+    from jaxk3.config import KimiK3Config
+    from jaxk3.kernels import router
+
+    calls: dict[str, int] = {}
+    for name in ("gemv_norm", "router_topk"):
+        k = kernels.REGISTRY[name]
+
+        def dev(*a, _k=k, _n=name, **kw):
+            calls[_n] = calls.get(_n, 0) + 1
+            return _k.device(*a, interpret=True, **kw)
+        monkeypatch.setitem(kernels.REGISTRY, name, dataclasses.replace(k, platforms=("cpu",), device=dev, unproven=None))
+    monkeypatch.setattr(router, "NORMED_PROVEN", True)
+    cfg = KimiK3Config.tiny_kimi_linear()  # 8 layers: KDA, MLA (4, 7, 8), the dense MLP (0), MoE
+    prompt = [[5, 6, 7, 8]]
+    off = jaxk3.init_random_model(cfg, tp=1, kernels="off", layout="serving").generate(prompt, 3, return_logits=True)
+    assert not calls
+    auto = jaxk3.init_random_model(cfg, tp=1, layout="serving").generate(prompt, 3, return_logits=True)
+    # every decode block: KDA / MLA in_proj, the dense MLP's gate|up, each MoE's router (+ shared gate|up)
+    assert calls.get("gemv_norm", 0) >= cfg.num_hidden_layers * 2 and calls.get("router_topk", 0) >= 4, calls
+    a, b = np.asarray(off.logits, np.float32), np.asarray(auto.logits, np.float32)
+    np.testing.assert_array_equal(a[:, 0], b[:, 0])  # the prefill's logits: no Normed there
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("B", [1, 3, 8])
@@ -753,6 +787,20 @@ def test_router_topk_kernel_matches_reference(which, B):
     rw, rids = k.reference(cfg, jnp.asarray(logits), bias)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(rids))
     np.testing.assert_allclose(np.asarray(w), np.asarray(rw), rtol=1e-6)
+    # the form that also norms the experts' input (rows of very different scale; D = 96: three parts of 32)
+    x = jnp.asarray(r.standard_normal((B, 96)) * 10.0 ** r.uniform(-2, 2, (B, 1)), jnp.bfloat16)
+    g = jnp.asarray(r.uniform(0.5, 1.5, 96), jnp.bfloat16)
+    assert k.fits(cfg, jnp.asarray(logits), bias, x_BD=x, norm_w=g, eps=1e-5, only_where_faster=False) is None
+    w2, ids2, xn = k.device(cfg, jnp.asarray(logits), bias, x_BD=x, norm_w=g, eps=1e-5, interpret=True)
+    rw2, rids2, rxn = k.reference(cfg, jnp.asarray(logits), bias, x_BD=x, norm_w=g, eps=1e-5)
+    np.testing.assert_array_equal(np.asarray(ids2), np.asarray(rids))
+    np.testing.assert_allclose(np.asarray(w2), np.asarray(rw), rtol=1e-6)
+    assert xn.dtype == x.dtype and xn.shape == x.shape
+    # the sum of squares in another order: at most one bf16 rounding apart (2^-8 relative)
+    np.testing.assert_allclose(np.asarray(xn, np.float32), np.asarray(rxn, np.float32), rtol=2 ** -7, atol=0)
+    assert np.mean(np.asarray(xn) == np.asarray(rxn)) > 0.9
+    assert "norm weight [D]" in k.fits(cfg, jnp.asarray(logits), bias, x_BD=x, norm_w=g[:-1], only_where_faster=False)
+    assert "not yet compiled" in k.fits(cfg, jnp.asarray(logits), bias, x_BD=x, norm_w=g)
     grouped = dataclasses.replace(KimiK3Config.tiny_k3(), num_expert_group=4, topk_group=2)
     assert "group-limited" in k.fits(grouped, jnp.asarray(logits[:, :16]), bias[:16], only_where_faster=False)
 
@@ -809,6 +857,30 @@ def test_router_topk_kernel_on_gpu():
     np.testing.assert_allclose(np.asarray(w), np.asarray(rw), rtol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+def test_router_topk_normed_on_gpu(B):
+    """The form that norms the experts' input, compiled at Kimi-Linear-48B's router (256 experts, k 8, D 2304)."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    from jaxk3.tools.bench_decode import load_config
+
+    cfg = load_config("kimi-linear-48b")
+    r = np.random.default_rng(B)
+    E, D = cfg.num_experts, cfg.hidden_size
+    logits = jnp.asarray(r.standard_normal((B, E)), jnp.float32)
+    bias = jnp.asarray(0.01 * r.standard_normal(E), jnp.float32)
+    x = jnp.asarray(30.0 * r.standard_normal((B, D)), jnp.bfloat16)
+    g = jnp.asarray(r.uniform(0.5, 1.5, D), jnp.bfloat16)
+    f = jax.jit(lambda a, b, x, g: kernels.call("router_topk", cfg, a, b, x_BD=x, norm_w=g, eps=1e-5, mode="on"))
+    w, ids, xn = f(logits, bias, x, g)
+    rw, rids, rxn = kernels.REGISTRY["router_topk"].reference(cfg, logits, bias, x_BD=x, norm_w=g, eps=1e-5)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(rids))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(rw), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(xn, np.float32), np.asarray(rxn, np.float32), rtol=2 ** -7, atol=0)
+    assert np.mean(np.asarray(xn) == np.asarray(rxn)) > 0.9
+
+
 def test_status_says_what_auto_does():
     """`kernels.status` (printed by `jaxk3 info`): on the CPU every kernel runs its reference; on a GPU
     the proven ones run on the device and the unproven ones say why not."""
@@ -819,7 +891,8 @@ def test_status_says_what_auto_does():
     assert gpu["rms_norm"] == gpu["kda_decode"] == gpu["gemv"] == gpu["router_topk"] == gpu["mla_decode"] == "device"
     assert gpu["mla_prefill"] == gpu["kda_prefill"] == "device"
     assert gpu["moe_grouped"] == gpu["moe_experts"] == "device"
-    assert set(kernels.REGISTRY) == {"gemv", "kda_decode", "kda_prefill", "mla_decode", "mla_prefill", "moe_experts",
+    assert gpu["gemv_norm"] == "device"
+    assert set(kernels.REGISTRY) == {"gemv", "gemv_norm", "kda_decode", "kda_prefill", "mla_decode", "mla_prefill", "moe_experts",
                                      "moe_grouped", "rms_norm", "router_topk"}
     assert "1.23x XLA at Kimi-Linear-48B B=1" in kernels.speeds()["moe_experts"]
 

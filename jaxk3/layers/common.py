@@ -34,10 +34,51 @@ def as_tp(tp: TP | str | None) -> TP | None:
     return TP(tp) if isinstance(tp, str) else tp
 
 
-def linear(x_BD: jax.Array, w_FD: jax.Array, tp: TP | str | None = None) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class Normed:
+    """A block's input RMSNorm(h; w, eps) in h's dtype, not yet computed (a trace-time value): the decode
+    step hands it to the block instead of the normed array, so that the GEMVs that read it can norm h in
+    their prologue (the `gemv_norm` kernel; the MoE router's kernel writes the normed row for the
+    experts) rather than XLA in two kernels of its own before them.  `value()` is the normed array
+    (what every other reader gets; XLA computes it once however many readers ask)."""
+    h: jax.Array  # [B, D] the residual stream
+    w: jax.Array  # [D] the norm weight
+    eps: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.h.shape
+
+    @property
+    def dtype(self):
+        return self.h.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.h.ndim
+
+    def value(self) -> jax.Array:
+        return gemv.normed(self.h, self.w, self.eps)
+
+
+def value(x: jax.Array | Normed) -> jax.Array:
+    """The array itself, or a `Normed` input computed."""
+    return x.value() if isinstance(x, Normed) else x
+
+
+def linear(x_BD: jax.Array | Normed, w_FD: jax.Array, tp: TP | str | None = None) -> jax.Array:
     """`x @ w.T` for a weight `w [out, in]` (the checkpoint's and the serving layout's), inputs in w's
     dtype, fp32 accumulate/out: the `gemv` kernel where the kernel mode of `tp` and the shape allow
-    (decode rows, bf16 weights, a shape where it beat XLA's dot: jaxk3.kernels.gemv), else XLA's dot."""
+    (decode rows, bf16 weights, a shape where it beat XLA's dot: jaxk3.kernels.gemv), else XLA's dot.
+    A `Normed` input is normed in the kernel's prologue (`gemv_norm`) where that kernel runs, else
+    computed first."""
+    if isinstance(x_BD, Normed):
+        mode = kernel_mode(tp)
+        args = (x_BD.h, w_FD)
+        kw = dict(norm_w=x_BD.w, eps=x_BD.eps)
+        if x_BD.h.ndim == 2 and kernels.explain("gemv_norm", *args, mode=mode, **kw).startswith("device"):
+            return kernels.call("gemv_norm", *args, mode=mode, **kw)
+        x_BD = x_BD.value()
     if x_BD.ndim != 2:
         return jnp.einsum("...d,fd->...f", x_BD.astype(w_FD.dtype), w_FD, preferred_element_type=F32)
     mode = kernel_mode(tp)

@@ -38,7 +38,7 @@ from jaxk3.kernels.moe_experts import (MXFP4, SharedMLP, act, compute_dtype, deq
                                        e8m0_scales, expert_rows, experts_partial)
 from jaxk3.kernels.rms_norm import rms_norm
 from jaxk3.kernels.router import select_experts
-from jaxk3.layers.common import F32, TP, as_tp, kernel_mode, linear, psum, split
+from jaxk3.layers.common import F32, TP, Normed, as_tp, kernel_mode, linear, psum, split, value
 from jaxk3.params import COL, LATENT, LATENT_ROW, REP, ROW, Fuse, Param, weight
 
 
@@ -170,16 +170,40 @@ def _experts_prefill(cfg, w, z_NL, w_Nk, ids_Nk, mode: str) -> jax.Array:
     return kernels.call("moe_grouped", cfg, w, z_NL, w_Nk, ids_Nk, mode=mode)
 
 
-def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array, tp: TP | str | None, grouped: bool = False) -> jax.Array:
+def _route_normed(cfg, w: MoEWeights, x: Normed, mode: str) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """(weights_Bk, ids_Bk, the normed input) of a decode MoE block whose input comes un-normed, where both
+    kernels run: the logits by the GEMV that norms x in its prologue (`gemv_norm`: bf16 products summed in
+    fp32, `router_logits`' arithmetic), the selection and the experts' normed row by the router kernel.
+    None where either does not (the caller norms x and routes as before)."""
+    E = w.gate.shape[0]
+    kw = dict(norm_w=x.w, eps=x.eps)
+    if w.gate.dtype != x.dtype or not kernels.explain("gemv_norm", x.h, w.gate, mode=mode, **kw).startswith("device"):
+        return None
+    logits = jax.ShapeDtypeStruct((x.shape[0], E), F32)
+    if not kernels.explain("router_topk", cfg, logits, w.e_score_correction_bias, x_BD=x.h, mode=mode,
+                           **kw).startswith("device"):
+        return None
+    return kernels.call("router_topk", cfg, kernels.call("gemv_norm", x.h, w.gate, mode=mode, **kw),
+                        w.e_score_correction_bias, x_BD=x.h, mode=mode, **kw)
+
+
+def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str | None,
+        grouped: bool = False) -> jax.Array:
     """The MoE block on B tokens: fp32 [B, D], summed over TP.  `grouped` (prefill): the experts
     over all tokens at once (dense GEMMs over the local experts, in token blocks) instead of
     per-token GEMVs (decode): jaxk3.kernels.moe_grouped has the forms (dense GEMMs over the local
-    experts in token blocks, today's path; the grouped-GEMM kernel; `experts_grouped`, ragged_dot)."""
+    experts in token blocks, today's path; the grouped-GEMM kernel; `experts_grouped`, ragged_dot).
+    A `Normed` input (decode) is normed by the routing kernels (`_route_normed`)."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
     experts = functools.partial(_experts_prefill if grouped else _experts_decode, mode=mode)
-    w_Bk, ids_Bk = kernels.call("router_topk", cfg, router_logits(w.gate, x_BD), w.e_score_correction_bias,
-                                mode=mode)
+    routed = _route_normed(cfg, w, x_BD, mode) if isinstance(x_BD, Normed) else None
+    if routed is not None:
+        w_Bk, ids_Bk, x_BD = routed
+    else:
+        x_BD = value(x_BD)
+        w_Bk, ids_Bk = kernels.call("router_topk", cfg, router_logits(w.gate, x_BD), w.e_score_correction_bias,
+                                    mode=mode)
     if w.routed_expert_down_proj is None and not grouped:  # Kimi-Linear decode: shared experts in the kernel?
         fused = _shared_in_kernel(cfg, w, x_BD, w_Bk, ids_Bk, mode)
         if fused is not None:

@@ -244,7 +244,7 @@ def test_model_kernels_option():
 
 def test_decode_norms_in_the_kernels_prologues(monkeypatch):
     """The Kimi-Linear decode step hands each block its input un-normed (layers.common.Normed): with the
-    `gemv_norm` and `router_topk` kernels running (here in interpret mode, registered for the CPU) the
+    `gemv_norm` and `router_topk` kernels running (and `kda_decode_in`, the KDA core reading in_proj's output) (here in interpret mode, registered for the CPU) the
     blocks' first GEMVs and the router norm it, and the logits agree with kernels='off' (XLA's norm, then
     the same products) to 2e-3 of max|logit|: here they agree exactly, and the bound leaves room for a
     bf16 rounding of a normed element moved by the order of the sum of squares; a prologue GEMV off by
@@ -256,7 +256,7 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch):
     from jaxk3.kernels import router
 
     calls: dict[str, int] = {}
-    for name in ("gemv_norm", "router_topk"):
+    for name in ("gemv_norm", "router_topk", "kda_decode_in"):
         k = kernels.REGISTRY[name]
 
         def dev(*a, _k=k, _n=name, **kw):
@@ -271,6 +271,7 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch):
     auto = jaxk3.init_random_model(cfg, tp=1, layout="serving").generate(prompt, 3, return_logits=True)
     # every decode block: KDA / MLA in_proj, the dense MLP's gate|up, each MoE's router (+ shared gate|up)
     assert calls.get("gemv_norm", 0) >= cfg.num_hidden_layers * 2 and calls.get("router_topk", 0) >= 4, calls
+    assert calls.get("kda_decode_in", 0) == len(cfg.kda_layers), calls  # the KDA core reading in_proj's output
     a, b = np.asarray(off.logits, np.float32), np.asarray(auto.logits, np.float32)
     np.testing.assert_array_equal(a[:, 0], b[:, 0])  # the prefill's logits: no Normed there
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
@@ -481,6 +482,77 @@ def test_kda_decode_kernel_on_gpu(mode, bv):
     cfg, args = _kda_case(mode, jnp.bfloat16, 3)
     got = jax.jit(lambda *a: kernels.call("kda_decode", cfg, *a, mode="on", config=Config(bv=bv)))(*args)
     ref = kernels.REGISTRY["kda_decode"].reference(cfg, *args)
+    for g, r_ in zip(got, ref):
+        np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)), np.asarray(r_.astype(jnp.float32)), rtol=0,
+                                   atol=1e-4 * float(jnp.abs(r_.astype(jnp.float32)).max()))
+
+
+def _kda_in_case(dtype, B: int, seed: int = 0, real: bool = False):
+    """Kimi-Linear's serving-layout decode inputs: in_proj's raw output [q | k | v | f_a | b | g_a] (fp32,
+    random, not rounded to the activation dtype, so the kernel's casts matter) and the stacked [f_b, g_b];
+    `real`: at Kimi-Linear-48B's dims (32 heads of 128, conv 4)."""
+    cfg, args = _kda_case("kl", dtype, B, seed)
+    if real:
+        from jaxk3.tools.bench_decode import load_config
+
+        cfg = load_config("kimi-linear-48b")
+        C, H, Kd, K = cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
+        r = np.random.default_rng(seed)
+
+        def a(*shape, s=1.0, dt=jnp.float32):
+            return jnp.asarray(r.standard_normal(shape) * s, dt)
+        from jaxk3.layers import kda
+        cw = kda.CoreWeights(conv_3CK=a(3, C, K, s=0.3), dt_bias_C=a(C),
+                             A_log_H=jnp.log(jnp.asarray(r.uniform(1, 16, H), jnp.float32)), o_norm_K=1 + a(Kd, s=0.1))
+        args = (None, a(B, 3, C, K - 1, dt=dtype), cw, None, None, None, a(B, H, Kd, Kd, s=0.1),
+                jnp.asarray([True] * (B - 1) + [B == 1], bool))
+    u, conv, cw, f, beta, z, state, valid = args
+    C, H, d = cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim
+    r = np.random.default_rng(seed + 11)
+    y = jnp.asarray(r.standard_normal((B, 3 * C + 2 * d + H)), jnp.float32)
+    gb = jnp.asarray(r.standard_normal((2, C, d)) * d ** -0.5, dtype)
+    return cfg, (y, gb, conv, cw, state, valid)
+
+
+@pytest.mark.parametrize("dtype,B,bv", [(jnp.bfloat16, 1, 32), (jnp.bfloat16, 3, 8), (jnp.float32, 3, 32)])
+def test_kda_decode_in_kernel_matches_reference(dtype, B, bv):
+    """The form that reads in_proj's output and the low-rank weights itself (interpret mode) against
+    `glue` then `decode_core` (XLA's path): tolerance as kda_decode's, plus the two low-rank products'
+    d-term fp32 sums in another order (~1e-7 relative); the conv window is the same cast of y (bitwise)."""
+    from jaxk3.kernels.kda_decode import Config, glue
+
+    cfg, args = _kda_in_case(dtype, B)
+    k = kernels.REGISTRY["kda_decode_in"]
+    assert k.fits(cfg, *args, config=Config(bv=bv), only_where_faster=False) is None
+    got = k.device(cfg, *args, interpret=True, config=Config(bv=bv))
+    ref = k.reference(cfg, *args)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-4
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=0, atol=tol * float(jnp.abs(ref[0]).max()))
+    np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32)), np.asarray(ref[1].astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=0, atol=tol * float(jnp.abs(ref[2]).max()))
+    # the glue matters: without the low-rank products (f = z = 0) the output is another one
+    u, f, beta, z = glue(cfg, args[0], args[1], args[2].dtype)
+    other = kernels.REGISTRY["kda_decode"].reference(cfg, u, args[2], args[3], 0 * f, beta, 0 * z, *args[4:])
+    assert np.abs(np.asarray(other[0]) - np.asarray(ref[0])).max() > 0.1 * float(jnp.abs(ref[0]).max())
+    bad = jnp.zeros((B, args[0].shape[1] + 1), jnp.float32)
+    assert "in_proj's output must be" in k.fits(cfg, bad, *args[1:], only_where_faster=False)
+    # auto takes it for one row only (measured there); kernels="on" at any B
+    assert (k.fits(cfg, *args) is None) == (B == 1)
+    assert kernels.explain("kda_decode_in", cfg, *args, mode="on", platform="gpu").startswith("device")
+    assert "stacked [f_b, g_b]" in k.fits(cfg, args[0], args[1][:1], *args[2:], only_where_faster=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bv,real,B", [(32, False, 3), (8, False, 3), (32, True, 1), (32, True, 8)])
+def test_kda_decode_in_kernel_on_gpu(bv, real, B):
+    """Compiled, at the tiny dims and at Kimi-Linear-48B's (B 1 and 8), against glue + decode_core."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    from jaxk3.kernels.kda_decode import Config
+
+    cfg, args = _kda_in_case(jnp.bfloat16, B, real=real)
+    got = jax.jit(lambda *a: kernels.call("kda_decode_in", cfg, *a, mode="on", config=Config(bv=bv)))(*args)
+    ref = kernels.REGISTRY["kda_decode_in"].reference(cfg, *args)
     for g, r_ in zip(got, ref):
         np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)), np.asarray(r_.astype(jnp.float32)), rtol=0,
                                    atol=1e-4 * float(jnp.abs(r_.astype(jnp.float32)).max()))
@@ -892,7 +964,8 @@ def test_status_says_what_auto_does():
     assert gpu["mla_prefill"] == gpu["kda_prefill"] == "device"
     assert gpu["moe_grouped"] == gpu["moe_experts"] == "device"
     assert gpu["gemv_norm"] == "device"
-    assert set(kernels.REGISTRY) == {"gemv", "gemv_norm", "kda_decode", "kda_prefill", "mla_decode", "mla_prefill", "moe_experts",
+    assert gpu["kda_decode_in"] == "device"
+    assert set(kernels.REGISTRY) == {"gemv", "gemv_norm", "kda_decode", "kda_decode_in", "kda_prefill", "mla_decode", "mla_prefill", "moe_experts",
                                      "moe_grouped", "rms_norm", "router_topk"}
     assert "1.23x XLA at Kimi-Linear-48B B=1" in kernels.speeds()["moe_experts"]
 

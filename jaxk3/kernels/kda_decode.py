@@ -11,6 +11,11 @@ columns of the head's fp32 state (in registers), and writes its output columns, 
 its conv windows (rows with valid False keep both caches).  The gated RMSNorm spans the head's Kd
 values, so it runs after the kernel, in jnp (`gated_rms_norm`).
 
+`kda_decode_in` is the same kernel reading the serving layout's in_proj output [q | k | v | f_a | b | g_a] and the
+stacked low-rank weights [f_b, g_b] itself (Kimi-Linear): the split, the casts, the q|k|v stack, beta's sigmoid
+and the two low-rank products (`glue`, five XLA kernels per layer) happen in its programs, which also write z
+for the norm after it.
+
 Every value is float32 as in the reference; the conv taps and the state contractions are summed in
 another order, so results agree to float32 rounding (tests/test_kernels.py).
 """
@@ -87,30 +92,51 @@ class Config:
     num_warps: int = 4
 
 
-def _kernel(u_ref, conv_ref, cw_ref, dtb_ref, alog_ref, f_ref, beta_ref, s_ref, valid_ref,
-            o_ref, conv_out_ref, s_out_ref, *, Kd: int, W: int, bv: int, lb: float | None):
+def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int, int, int] | None):
+    """`fused` None: the inputs are the projections' parts (u, f, beta; z is the wrapper's).  `fused` = (C, H, d):
+    the in_proj GEMV's raw output y = [q | k | v | f_a | b | g_a] (fp32) and the stacked low-rank weights
+    [f_b, g_b] [2, C, d]: the program takes its parts of y, casts them as the reference does, forms f (its head's
+    channels) and z (its value channels) by the two low-rank products, and writes z for the wrapper's norm."""
     from jax.experimental import pallas as pl
 
+    if fused:
+        y_ref, gb_ref, conv_ref, cw_ref, dtb_ref, alog_ref, s_ref, valid_ref, o_ref, z_ref, conv_out_ref, s_out_ref = refs
+        C, H, d = fused
+    else:
+        u_ref, conv_ref, cw_ref, dtb_ref, alog_ref, f_ref, beta_ref, s_ref, valid_ref, o_ref, conv_out_ref, s_out_ref = refs
+    dt = conv_out_ref.dtype
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ch = pl.ds(h * Kd, Kd)  # the head's q/k channels (every program recomputes them: K taps of Kd values)
     cv = pl.ds(h * Kd + j * bv, bv)  # this program's value channels
     vs = pl.ds(j * bv, bv)  # its columns of the state
 
+    def U(i, chans):  # the raw projection of q (0), k (1) or v (2) at `chans`, in the activation dtype
+        if fused:
+            return y_ref[b, pl.ds(i * C + chans.start, chans.size)].astype(dt)
+        return u_ref[b, i, chans]
+
     def conv(i, chans):  # conv over the K-1 cached taps and the new projection, then SiLU
-        acc = u_ref[b, i, chans].astype(F32) * cw_ref[i, chans, W]
+        acc = U(i, chans).astype(F32) * cw_ref[i, chans, W]
         for t in range(W):
             acc = acc + conv_ref[b, i, chans, t].astype(F32) * cw_ref[i, chans, t]
         return acc * jax.nn.sigmoid(acc)
     q, k, v = conv(0, ch), conv(1, ch), conv(2, cv)
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * Kd ** -0.5
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
-    f = f_ref[b, ch].astype(F32) + dtb_ref[ch]
+    if fused:  # the low-rank products of f_a and g_a (in the activation dtype, fp32 sums), as `glue`
+        fa = y_ref[b, pl.ds(3 * C, d)].astype(dt).astype(F32)
+        f = jnp.sum(gb_ref[0, ch, :].astype(F32) * fa[None, :], axis=1)
+        ga = y_ref[b, pl.ds(3 * C + d + H, d)].astype(dt).astype(F32)
+        z_ref[b, cv] = jnp.sum(gb_ref[1, cv, :].astype(F32) * ga[None, :], axis=1)
+        beta = jax.nn.sigmoid(y_ref[b, 3 * C + d + h])
+    else:
+        f, beta = f_ref[b, ch].astype(F32), beta_ref[b, h]
+    f = f + dtb_ref[ch]
     a = jnp.exp(alog_ref[h])
     if lb is not None:
         g = lb * jax.nn.sigmoid(a * f)
     else:
         g = -a * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
-    beta = beta_ref[b, h]
     S0 = s_ref[b, h, :, vs]
     S = S0 * jnp.exp(g)[:, None]  # [K, bv]
     pred = jnp.sum(S * k[:, None], axis=0)  # [bv]
@@ -123,7 +149,7 @@ def _kernel(u_ref, conv_ref, cw_ref, dtb_ref, alog_ref, f_ref, beta_ref, s_ref, 
         @pl.when(own)
         def _():
             for t in range(W):  # the window moves one tap: the oldest drops, the new projection enters
-                new = u_ref[b, i, chans] if t == W - 1 else conv_ref[b, i, chans, t + 1]
+                new = U(i, chans) if t == W - 1 else conv_ref[b, i, chans, t + 1]
                 conv_out_ref[b, i, chans, t] = jnp.where(keep, new, conv_ref[b, i, chans, t])
 
 
@@ -144,7 +170,7 @@ def kda_decode(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid
     bv = min(c.bv, Kd)
     W = conv_B3CW.shape[-1]
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound)
+    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=None)
     o, conv, state = pl.pallas_call(
         kernel, grid=(B, H, Kd // bv), in_specs=[any_] * 9, out_specs=[any_] * 3,
         out_shape=(jax.ShapeDtypeStruct((B, C), F32), jax.ShapeDtypeStruct(conv_B3CW.shape, conv_B3CW.dtype),
@@ -177,9 +203,84 @@ def fits(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, co
     return None
 
 
+def glue(cfg: KimiK3Config, y_NX: jax.Array, gate_b_2Cd: jax.Array, dt) -> tuple[jax.Array, ...]:
+    """The serving layout's in_proj output y = [q | k | v | f_a | b | g_a] (fp32, the local channels C, heads H
+    and low rank d) and the stacked low-rank weights [f_b, g_b] [2, C, d], made the decode core's inputs:
+    (u_N3C the raw q|k|v projections in `dt`, f_NC, beta_NH, z_NC), as jaxk3.layers.kda.projections computes
+    them: one batched product of [f_a, g_a] in `dt` with fp32 sums."""
+    C, d = gate_b_2Cd.shape[1], gate_b_2Cd.shape[2]
+    H = y_NX.shape[-1] - 3 * C - 2 * d
+    q, k, v, fa, b, g = (y_NX[:, o:o + n] for o, n in zip((0, C, 2 * C, 3 * C, 3 * C + d, 3 * C + d + H),
+                                                          (C, C, C, d, H, d)))
+    u_N3C = jnp.stack([q, k, v], 1).astype(dt)
+    fg = jnp.einsum("njd,jcd->njc", jnp.stack([fa, g], 1).astype(dt), gate_b_2Cd, preferred_element_type=F32)
+    return u_N3C, fg[:, 0], jax.nn.sigmoid(b), fg[:, 1]
+
+
+def fused_reference(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, config: Config | None = None,
+                    only_where_faster: bool = True):
+    """`kda_decode_in`'s reference: `glue`, then `decode_core` (what the layer computes without the kernel)."""
+    u, f, beta, z = glue(cfg, y_BX, gate_b_2Cd, conv_B3CW.dtype)
+    return decode_core(cfg, u, conv_B3CW, cw, f, beta, z, state_BHKV, valid_B)
+
+
+def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, interpret: bool = False,
+                  config: Config | None = None, only_where_faster: bool = True):
+    """The same function as `fused_reference`: the kernel reads in_proj's raw output and the low-rank weights
+    itself (the XLA kernels that split, stack, cast and multiply them go), writing z beside o for the norm."""
+    from jax.experimental import pallas as pl
+
+    from jaxk3.kernels.registry import triton_params
+
+    c = config or Config()
+    B = y_BX.shape[0]
+    C, d = gate_b_2Cd.shape[1], gate_b_2Cd.shape[2]
+    H, Kd = state_BHKV.shape[1], cfg.kda_head_dim
+    bv = min(c.bv, Kd)
+    W = conv_B3CW.shape[-1]
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=(C, H, d))
+    o, z, conv, state = pl.pallas_call(
+        kernel, grid=(B, H, Kd // bv), in_specs=[any_] * 8, out_specs=[any_] * 4,
+        out_shape=(jax.ShapeDtypeStruct((B, C), F32), jax.ShapeDtypeStruct((B, C), F32),
+                   jax.ShapeDtypeStruct(conv_B3CW.shape, conv_B3CW.dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32)),
+        input_output_aliases={6: 3}, interpret=interpret, **triton_params(c.num_warps, 1, interpret),
+    )(y_BX.astype(F32), gate_b_2Cd, conv_B3CW, cw.conv_3CK, cw.dt_bias_C.astype(F32), cw.A_log_H.astype(F32),
+      state_BHKV, valid_B.astype(jnp.int32))
+    o = gated_rms_norm(o.reshape(B, H, Kd), cw.o_norm_K, z.reshape(B, H, Kd), cfg.rms_norm_eps)
+    return o.reshape(B, C), conv, state
+
+
+def fused_fits(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, config: Config | None = None,
+               only_where_faster: bool = True, **_) -> str | None:
+    """Why this call does not suit `kda_decode_in` (None: it does).  `auto` takes it for one row (B = 1), where
+    the Kimi-Linear-48B step was measured faster with it; only_where_faster=False (kernels="on") at any B."""
+    if only_where_faster and y_BX.ndim == 2 and y_BX.shape[0] != 1:
+        return (f"kda_decode_in kernel: auto takes it for one row (B = 1), where the step was measured faster; "
+                f"got B = {y_BX.shape[0]}")
+    if gate_b_2Cd.ndim != 3 or gate_b_2Cd.shape[0] != 2:
+        return f"kda_decode_in kernel takes the stacked [f_b, g_b] [2, C, d], got {gate_b_2Cd.shape}"
+    C, d = gate_b_2Cd.shape[1], gate_b_2Cd.shape[2]
+    H = state_BHKV.shape[1]
+    if y_BX.ndim != 2 or y_BX.shape[1] != 3 * C + 2 * d + H or conv_B3CW.shape[2] != C:
+        return (f"kda_decode_in kernel: in_proj's output must be [B, 3C + 2d + H] = [B, {3 * C + 2 * d + H}] for C "
+                f"{C}, d {d}, H {H}, got {y_BX.shape} (conv {conv_B3CW.shape})")
+    if d & (d - 1) or d > 256:
+        return f"kda_decode_in kernel needs a power-of-two low rank <= 256 (Triton blocks), got {d}"
+    u = jax.ShapeDtypeStruct((y_BX.shape[0], 3, C), conv_B3CW.dtype)
+    return fits(cfg, u, conv_B3CW, cw, None, None, None, state_BHKV, valid_B, config)
+
+
 # Proven on an H200: the compiled real-dims tests (tests/test_kernels_real.py, K3 TP 1/2/8 and Kimi-Linear-48B,
 # B 1 and 8) passed (2026-12-01 and, split by value columns, 2026-12-02 third session; with the state in place:
 # the tiny-dims tests and K3 TP 1 at real dims), and it beats the XLA path at each of those shapes.
 register(Kernel("kda_decode", reference, kda_decode, platforms=("gpu",), fits=fits,
                 measured="1.33-7.3x XLA at B=1, 1.66-1.87x at B=8, K3 TP 1/2/8 and Kimi-Linear-48B (32 value "
                          "columns per program; H200, jax 0.11.2, 2026-12-02; docs/PERF.md)"))
+
+# The decode core reading in_proj's output and the low-rank weights itself (Kimi-Linear's serving layout).  Proven
+# on an H200 (2026-12-02, fourth session): compiled tests at the tiny dims and at Kimi-Linear-48B's (B 1 and 8), and
+# the 48B step at B = 1 took 2657.5 us with it against 2705.5 without in the same call (docs/PERF.md).
+register(Kernel("kda_decode_in", fused_reference, kda_decode_in, platforms=("gpu",), fits=fused_fits,
+                measured="B=1, Kimi-Linear-48B: the step 1.8% faster with it (2657.5 vs 2705.5 us, 100 fewer kernels); "
+                         "B > 1 not measured, auto keeps kda_decode there (H200, jax 0.11.2, 2026-12-02)"))

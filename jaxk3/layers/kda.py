@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxk3 import kernels
 from jaxk3.config import KimiK3Config
-from jaxk3.kernels.kda_decode import CoreWeights, kda_gate, l2norm
+from jaxk3.kernels.kda_decode import CoreWeights, glue, kda_gate, l2norm
 from jaxk3.kernels.rms_norm import gated_rms_norm
 from jaxk3.layers.common import F32, TP, kernel_mode, linear, psum, split
 from jaxk3.params import COL, REP, ROW, Buffer, Fuse, Param, weight
@@ -58,10 +58,12 @@ class KDAWeights:
     # the serving layout (params.Fuse, made at load; the checkpoint keeps the members above)
     in_proj: jax.Array | None = None  # per rank [q | k | v | f_a | b | g or g_a] rows, [*, D]
     gate_b_proj: jax.Array | None = None  # [2, C, d]  f_b and g_b stacked (Kimi-Linear)
+    conv1d: jax.Array | None = None  # [3, C, 1, K] the q | k | v conv taps stacked (the decode kernel's operand)
 
     FUSE = (Fuse("in_proj", ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_proj")),
             Fuse("in_proj", ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")),
-            Fuse("gate_b_proj", ("f_b_proj", "g_b_proj"), "stack"))
+            Fuse("gate_b_proj", ("f_b_proj", "g_b_proj"), "stack"),
+            Fuse("conv1d", ("q_conv1d", "k_conv1d", "v_conv1d"), "stack"))
 
 
 def abstract(cfg: KimiK3Config, prefix: str) -> KDAWeights:
@@ -104,11 +106,22 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array, conv_B3CW: jax.A
              valid_B: jax.Array, tp: TP | str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KDA decode step.  Returns (out_BD fp32 summed over TP, new conv_B3CW, new state_BHKV)."""
     dt = x_BD.dtype
-    # -- projections (GEMVs); the rest of the step is `decode_core` (one device kernel where it runs)
-    u_B3C, f_BC, beta_BH, z_BC = projections(cfg, w, x_BD, tp)
-    o_BC, new_conv, new_state = kernels.call(
-        "kda_decode", cfg, u_B3C, conv_B3CW, core_weights(w), f_BC, beta_BH, z_BC, state_BHKV, valid_B,
-        mode=kernel_mode(tp))
+    mode = kernel_mode(tp)
+    cw = core_weights(w)
+    if w.in_proj is not None and w.gate_b_proj is not None:  # Kimi-Linear's serving layout
+        y_BX = linear(x_BD, w.in_proj, tp)  # [q | k | v | f_a | b | g_a], fp32
+        args = (cfg, y_BX, w.gate_b_proj, conv_B3CW, cw, state_BHKV, valid_B)
+        if kernels.explain("kda_decode_in", *args, mode=mode).startswith("device"):  # the glue inside the kernel
+            o_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode)
+        else:
+            u_B3C, f_BC, beta_BH, z_BC = glue(cfg, y_BX, w.gate_b_proj, dt)
+            o_BC, new_conv, new_state = kernels.call(
+                "kda_decode", cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, mode=mode)
+    else:
+        # -- projections (GEMVs); the rest of the step is `decode_core` (one device kernel where it runs)
+        u_B3C, f_BC, beta_BH, z_BC = projections(cfg, w, x_BD, tp)
+        o_BC, new_conv, new_state = kernels.call(
+            "kda_decode", cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, mode=mode)
     out_BD = psum(linear(o_BC.astype(dt), w.o_proj, tp), tp)
     return out_BD, new_conv, new_state
 
@@ -121,6 +134,8 @@ def projections(cfg: KimiK3Config, w: KDAWeights, x_ND: jax.Array, tp: TP | str 
     and one batched product (`gate_b_proj`) the two low-rank second halves; in the checkpoint layout,
     one GEMV per weight (the same values; the sums of a fused product may run in another order)."""
     dt = x_ND.dtype
+    if w.in_proj is not None and w.gate_b_proj is not None:  # Kimi-Linear's serving layout
+        return glue(cfg, linear(x_ND, w.in_proj, tp), w.gate_b_proj, dt)
     if w.in_proj is not None:
         c, h, d = w.dt_bias.shape[0], w.A_log.shape[0], cfg.kda_head_dim  # local channels and heads
         q, k, v, fa, b, g = split(linear(x_ND, w.in_proj, tp), (c, c, c, d, h, c if cfg.use_full_rank_gate else d))
@@ -138,8 +153,13 @@ def projections(cfg: KimiK3Config, w: KDAWeights, x_ND: jax.Array, tp: TP | str 
 
 
 def core_weights(w: KDAWeights) -> CoreWeights:
-    return CoreWeights(conv_3CK=jnp.stack([w.q_conv1d[:, 0], w.k_conv1d[:, 0], w.v_conv1d[:, 0]], 0).astype(F32),
-                       dt_bias_C=w.dt_bias, A_log_H=w.A_log, o_norm_K=w.o_norm)
+    """The small weights the decode core reads; the conv taps as [3, C, K] fp32: stacked at load in the serving
+    layout (`conv1d`), else here (in the step: a kernel of its own every step, measured 1.4 us per KDA layer)."""
+    if w.conv1d is not None:
+        conv = w.conv1d[:, :, 0]
+    else:
+        conv = jnp.stack([w.q_conv1d[:, 0], w.k_conv1d[:, 0], w.v_conv1d[:, 0]], 0)
+    return CoreWeights(conv_3CK=conv.astype(F32), dt_bias_C=w.dt_bias, A_log_H=w.A_log, o_norm_K=w.o_norm)
 
 
 def kda_prefill(cfg: KimiK3Config, w: KDAWeights, x_BTD: jax.Array, conv_B3CW: jax.Array, state_BHKV: jax.Array,

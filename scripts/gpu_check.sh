@@ -290,6 +290,7 @@ fi
 
 if has census48; then
   echo "== kernel census, Kimi-Linear-48B, serving/auto ($(date -u +%T))"
+  rm -rf /tmp/jaxk3_census_hlo  # a reused machine's earlier HLO must not ship with this run's
   XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout ${CENSUS_TIMEOUT:-300} $PY -m jaxk3.cli bench decode \
     --config kimi-linear-48b --layers ${CENSUS_LAYERS:-all} --experts 64 --tp 1 --batch ${CENSUS_BATCH:-1} --context 4k \
     --strategies stock --variants ${CENSUS_VARIANTS:-serving/auto} --steps 10 --census --json "$OUT/census48.json" \

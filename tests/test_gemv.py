@@ -123,10 +123,18 @@ def test_gemv_fits_and_selection():
         assert G.norm_config_for(B, N, K) == c and c.splits == 1
         gn = kernels.REGISTRY["gemv_norm"]
         assert gn.fits(xs, ws, s((K,), jnp.bfloat16), 1e-5, only_where_faster=False) is None
-        # auto takes the normed GEMV for one row only (the B = 8 step lost with it); kernels="on" anywhere it fits
-        assert (gn.fits(xs, ws, s((K,), jnp.bfloat16), 1e-5) is None) == (B == 1)
+        # the router's shapes were never timed in the step: auto keeps XLA there; kernels="on" runs it
+        assert "measured faster" in gn.fits(xs, ws, s((K,), jnp.bfloat16), 1e-5)
         assert kernels.explain("gemv_norm", xs, ws, s((K,), jnp.bfloat16), 1e-5, platform="gpu", mode="on"
                                ).startswith("device")
+    # auto takes the normed GEMV at the 48B's first GEMVs for one row (measured); not at B = 8 (the step lost)
+    gn = kernels.REGISTRY["gemv_norm"]
+    for (B, N, K) in G.NORM_MEASURED:
+        args = (s((1, K), jnp.bfloat16), s((N, K), jnp.bfloat16), s((K,), jnp.bfloat16), 1e-5)
+        assert gn.fits(*args) is None and kernels.explain("gemv_norm", *args, platform="gpu").startswith("device")
+        assert "measured faster" in gn.fits(s((8, K), jnp.bfloat16), *args[1:])
+    assert "measured faster" in gn.fits(s((1, 2304), jnp.bfloat16), s((2304, 2304), jnp.bfloat16),
+                                        s((2304,), jnp.bfloat16), 1e-5)
     for (l, B, N, K), c in G.CONFIGS.items():  # every tuned config fits its shape
         assert G.fits(s((B, K), jnp.bfloat16), s((N, K), jnp.bfloat16), only_where_faster=False) is None
         assert (B, N, K) in G.MEASURED

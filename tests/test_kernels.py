@@ -243,17 +243,18 @@ def test_model_kernels_option():
 
 
 def test_decode_norms_in_the_kernels_prologues(monkeypatch):
-    """The Kimi-Linear decode step hands each block its input un-normed (layers.common.Normed): with the
-    `gemv_norm` and `router_topk` kernels running (and `kda_decode_in`, the KDA core reading in_proj's output) (here in interpret mode, registered for the CPU) the
-    blocks' first GEMVs and the router norm it, and the logits agree with kernels='off' (XLA's norm, then
+    """The Kimi-Linear decode step hands each block its input un-normed (layers.common.Normed). With
+    `gemv_norm`, `router_topk` and `kda_decode_in` (the KDA core reading in_proj's output) running, in
+    interpret mode and registered for the CPU, the blocks' first GEMVs and the router norm it, and the logits agree with kernels='off' (XLA's norm, then
     the same products) to 2e-3 of max|logit|: here they agree exactly, and the bound leaves room for a
     bf16 rounding of a normed element moved by the order of the sum of squares; a prologue GEMV off by
-    1% fails it (checked by mutation).  Both kernels must have been traced."""
+    1% fails it (checked by mutation).  Each kernel must have been traced (auto takes each wherever it fits
+    here: the tiny dims were never timed)."""
     import dataclasses
 
     import jaxk3
     from jaxk3.config import KimiK3Config
-    from jaxk3.kernels import router
+    from jaxk3.kernels import registry, router
 
     calls: dict[str, int] = {}
     for name in ("gemv_norm", "router_topk", "kda_decode_in"):
@@ -262,7 +263,11 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch):
         def dev(*a, _k=k, _n=name, **kw):
             calls[_n] = calls.get(_n, 0) + 1
             return _k.device(*a, interpret=True, **kw)
-        monkeypatch.setitem(kernels.REGISTRY, name, dataclasses.replace(k, platforms=("cpu",), device=dev, unproven=None))
+
+        def anywhere(*a, _k=k, **kw):  # auto takes each where it fits (the tiny dims were never timed)
+            return _k.fits(*a, **registry._on_runs_anywhere(_k, "on", kw))
+        monkeypatch.setitem(kernels.REGISTRY, name, dataclasses.replace(k, platforms=("cpu",), device=dev, fits=anywhere,
+                                                                        unproven=None))
     monkeypatch.setattr(router, "NORMED_PROVEN", True)
     cfg = KimiK3Config.tiny_kimi_linear()  # 8 layers: KDA, MLA (4, 7, 8), the dense MLP (0), MoE
     prompt = [[5, 6, 7, 8]]
@@ -536,9 +541,15 @@ def test_kda_decode_in_kernel_matches_reference(dtype, B, bv):
     assert np.abs(np.asarray(other[0]) - np.asarray(ref[0])).max() > 0.1 * float(jnp.abs(ref[0]).max())
     bad = jnp.zeros((B, args[0].shape[1] + 1), jnp.float32)
     assert "in_proj's output must be" in k.fits(cfg, bad, *args[1:], only_where_faster=False)
-    # auto takes it for one row only (measured there); kernels="on" at any B
-    assert (k.fits(cfg, *args) is None) == (B == 1)
+    # auto takes it only where the step was measured with it (48B dims, B = 1, bf16); kernels="on" wherever it fits
+    assert "measured faster" in k.fits(cfg, *args)
     assert kernels.explain("kda_decode_in", cfg, *args, mode="on", platform="gpu").startswith("device")
+    s = jax.ShapeDtypeStruct
+    real, rargs = _kda_in_case(jnp.bfloat16, 1, real=True)
+    shapes = [s(a.shape, a.dtype) if hasattr(a, "shape") else a for a in rargs]
+    assert k.fits(real, *shapes) is None
+    y8 = s((8, shapes[0].shape[1]), jnp.float32)
+    assert "measured faster" in k.fits(real, y8, *shapes[1:])
     assert "stacked [f_b, g_b]" in k.fits(cfg, args[0], args[1][:1], *args[2:], only_where_faster=False)
 
 
@@ -872,7 +883,7 @@ def test_router_topk_kernel_matches_reference(which, B):
     np.testing.assert_allclose(np.asarray(xn, np.float32), np.asarray(rxn, np.float32), rtol=2 ** -7, atol=0)
     assert np.mean(np.asarray(xn) == np.asarray(rxn)) > 0.9
     assert "norm weight [D]" in k.fits(cfg, jnp.asarray(logits), bias, x_BD=x, norm_w=g[:-1], only_where_faster=False)
-    assert "not yet compiled" in k.fits(cfg, jnp.asarray(logits), bias, x_BD=x, norm_w=g)
+    assert "made the 48B step's MoE block slower" in k.fits(cfg, jnp.asarray(logits), bias, x_BD=x, norm_w=g)
     grouped = dataclasses.replace(KimiK3Config.tiny_k3(), num_expert_group=4, topk_group=2)
     assert "group-limited" in k.fits(grouped, jnp.asarray(logits[:, :16]), bias[:16], only_where_faster=False)
 

@@ -207,7 +207,7 @@ def glue(cfg: KimiK3Config, y_NX: jax.Array, gate_b_2Cd: jax.Array, dt) -> tuple
     """The serving layout's in_proj output y = [q | k | v | f_a | b | g_a] (fp32, the local channels C, heads H
     and low rank d) and the stacked low-rank weights [f_b, g_b] [2, C, d], made the decode core's inputs:
     (u_N3C the raw q|k|v projections in `dt`, f_NC, beta_NH, z_NC), as jaxk3.layers.kda.projections computes
-    them: one batched product of [f_a, g_a] in `dt` with fp32 sums."""
+    them (its serving-layout branch is this): one batched product of [f_a, g_a] in `dt` with fp32 sums."""
     C, d = gate_b_2Cd.shape[1], gate_b_2Cd.shape[2]
     H = y_NX.shape[-1] - 3 * C - 2 * d
     q, k, v, fa, b, g = (y_NX[:, o:o + n] for o, n in zip((0, C, 2 * C, 3 * C, 3 * C + d, 3 * C + d + H),
@@ -215,6 +215,11 @@ def glue(cfg: KimiK3Config, y_NX: jax.Array, gate_b_2Cd: jax.Array, dt) -> tuple
     u_N3C = jnp.stack([q, k, v], 1).astype(dt)
     fg = jnp.einsum("njd,jcd->njc", jnp.stack([fa, g], 1).astype(dt), gate_b_2Cd, preferred_element_type=F32)
     return u_N3C, fg[:, 0], jax.nn.sigmoid(b), fg[:, 1]
+
+
+# (B, local channels C, heads H, low rank d, activation dtype) where the step was measured faster with kda_decode_in:
+# Kimi-Linear-48B at TP 1, B = 1 (docs/PERF.md, 2026-12-02, fourth session).
+IN_MEASURED = {(1, 4096, 32, 128, jnp.dtype(jnp.bfloat16))}
 
 
 def fused_reference(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, config: Config | None = None,
@@ -253,11 +258,14 @@ def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, int
 
 def fused_fits(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, config: Config | None = None,
                only_where_faster: bool = True, **_) -> str | None:
-    """Why this call does not suit `kda_decode_in` (None: it does).  `auto` takes it for one row (B = 1), where
-    the Kimi-Linear-48B step was measured faster with it; only_where_faster=False (kernels="on") at any B."""
-    if only_where_faster and y_BX.ndim == 2 and y_BX.shape[0] != 1:
-        return (f"kda_decode_in kernel: auto takes it for one row (B = 1), where the step was measured faster; "
-                f"got B = {y_BX.shape[0]}")
+    """Why this call does not suit `kda_decode_in` (None: it does).  `auto` takes it where the step was measured
+    faster with it (`IN_MEASURED`: one row, bf16 activations, Kimi-Linear-48B's per-rank dims at TP 1);
+    only_where_faster=False (kernels="on") wherever it fits."""
+    if only_where_faster and gate_b_2Cd.ndim == 3 and y_BX.ndim == 2:
+        at = (y_BX.shape[0], gate_b_2Cd.shape[1], state_BHKV.shape[1], gate_b_2Cd.shape[2], jnp.dtype(conv_B3CW.dtype))
+        if at not in IN_MEASURED:
+            return (f"kda_decode_in kernel: auto takes it where the step was measured faster with it (B, C, H, d, "
+                    f"dtype in {sorted(map(str, IN_MEASURED))}), got {at}")
     if gate_b_2Cd.ndim != 3 or gate_b_2Cd.shape[0] != 2:
         return f"kda_decode_in kernel takes the stacked [f_b, g_b] [2, C, d], got {gate_b_2Cd.shape}"
     C, d = gate_b_2Cd.shape[1], gate_b_2Cd.shape[2]
@@ -282,5 +290,5 @@ register(Kernel("kda_decode", reference, kda_decode, platforms=("gpu",), fits=fi
 # on an H200 (2026-12-02, fourth session): compiled tests at the tiny dims and at Kimi-Linear-48B's (B 1 and 8), and
 # the 48B step at B = 1 took 2657.5 us with it against 2705.5 without in the same call (docs/PERF.md).
 register(Kernel("kda_decode_in", fused_reference, kda_decode_in, platforms=("gpu",), fits=fused_fits,
-                measured="B=1, Kimi-Linear-48B: the step 1.8% faster with it (2657.5 vs 2705.5 us, 100 fewer kernels); "
-                         "B > 1 not measured, auto keeps kda_decode there (H200, jax 0.11.2, 2026-12-02)"))
+                measured="B=1, Kimi-Linear-48B TP 1: the step 1.8% faster with it (2657.5 vs 2705.5 us, 100 fewer "
+                         "kernels); elsewhere not measured, auto keeps kda_decode (H200, jax 0.11.2, 2026-12-02)"))

@@ -26,6 +26,12 @@ def rms_norm(x_BD: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
 reference = rms_norm  # the kernel's oracle
 
 
+def rms_norm_as(x_BD: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm(x; w, eps) in x's dtype: a block's normed input as the step stores it (and as the kernels that norm
+    it in their prologue produce it: gemv_norm, router_topk's normed form)."""
+    return rms_norm(x_BD, w_D, eps).astype(x_BD.dtype)
+
+
 def gated_rms_norm(x_BHK: jax.Array, w_K: jax.Array, gate_BHK: jax.Array, eps: float) -> jax.Array:
     """FusedRMSNormGated(activation="sigmoid"): `RMSNorm(x) ⊙ sigmoid(gate)`, per head, fp32."""
     return rms_norm(x_BHK, w_K, eps) * jax.nn.sigmoid(gate_BHK.astype(F32))

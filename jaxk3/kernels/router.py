@@ -11,9 +11,10 @@ as `jnp.sum` over the k slots does, so weights agree to float32 rounding and ids
 
 With `x_BD` (decode, Kimi-Linear: the block's input handed over un-normed, jaxk3.layers.common.Normed)
 the program also writes the token's normed row RMSNorm(x; w) for the experts, so that neither the norm
-nor the five small kernels of XLA's selection run in the step: the logits come from the `gemv_norm`
-kernel, which norms x in its prologue.  A chosen expert's weight is its logit read back and passed
-through the sigmoid, the same float32 operation as the reference's gather of the sigmoid.
+nor the five small kernels of XLA's selection would run in the step: the logits come from the `gemv_norm`
+kernel, which norms x in its prologue.  That form compiled and passed its tests on an H200 but made the
+48B step's MoE block slower (56.0 vs 51.2 us: two latency-bound kernels against XLA's eight), so `auto`
+does not take it (`NORMED_PROVEN`); kernels="on" runs it.
 
 Measured on an H200 (docs/PERF.md, issue 22): 1.30-1.36x faster than XLA at K3's router (896
 experts, k 16) and 0.56-0.65x at Kimi-Linear's (256 experts, k 8), B = 1 and 8; its compiled
@@ -29,7 +30,7 @@ from jax import lax
 
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels.registry import Kernel, register
-from jaxk3.kernels.rms_norm import rms_norm
+from jaxk3.kernels.rms_norm import rms_norm_as
 
 F32 = jnp.float32
 # (B bucket (1 or 8), E, k) -> (kernel us, XLA us): a dependent chain of 20 router calls, same run
@@ -84,12 +85,13 @@ def _kernel(logits_ref, bias_ref, *refs, E: int, Ep: int, k: int, renorm: bool, 
     idx = jnp.arange(Ep)
     inside = idx < E
     lg = jnp.where(inside, logits_ref[b, pl.ds(0, Ep)], 0.0)  # padded tail masked below
-    sel = jnp.where(inside, jax.nn.sigmoid(lg) + jnp.where(inside, bias_ref[pl.ds(0, Ep)], 0.0), -jnp.inf)
+    s = jax.nn.sigmoid(lg)
+    sel = jnp.where(inside, s + jnp.where(inside, bias_ref[pl.ds(0, Ep)], 0.0), -jnp.inf)
     ws, ids = [], []
     for _ in range(k):
         best = jnp.max(sel)
         i = jnp.min(jnp.where(sel == best, idx, Ep)).astype(jnp.int32)  # the lowest index among equal scores
-        ws.append(jax.nn.sigmoid(logits_ref[b, i]))  # its weight: the chosen logit read back, no reduction
+        ws.append(jnp.sum(jnp.where(idx == i, s, 0.0)))
         ids.append(i)
         sel = jnp.where(idx == i, -jnp.inf, sel)
     tot = functools.reduce(lambda a, c: a + c, ws) + 1e-20 if renorm else None
@@ -162,7 +164,7 @@ def reference(cfg, logits_BE: jax.Array, bias_E: jax.Array, only_where_faster: b
     w, ids = select_experts(cfg, logits_BE, bias_E)
     if x_BD is None:
         return w, ids
-    return w, ids, rms_norm(x_BD, norm_w, eps).astype(x_BD.dtype)
+    return w, ids, rms_norm_as(x_BD, norm_w, eps)
 
 
 def fits(cfg, logits_BE, bias_E, only_where_faster: bool = True, x_BD=None, norm_w=None, eps: float = 0.0,
@@ -170,8 +172,8 @@ def fits(cfg, logits_BE, bias_E, only_where_faster: bool = True, x_BD=None, norm
     """Why this call does not suit the kernel (None: it does).  With `only_where_faster` (the default)
     a shape where the kernel did not beat XLA on the H200 (`MEASURED`), or was not measured, is refused
     with the numbers, so that kernels="auto" keeps XLA there; False: any shape the kernel can run.  The
-    form that also norms the experts' input (`x_BD`) is not gated by that table: XLA's path there is the
-    norm's two kernels besides its five of the selection."""
+    form that also norms the experts' input (`x_BD`) is gated by `NORMED_PROVEN` instead (XLA's path there
+    is the norm's two kernels besides the selection's)."""
     if cfg.use_grouped_topk and cfg.num_expert_group > 1:
         return f"router_topk kernel has no group-limited selection (num_expert_group {cfg.num_expert_group})"
     B, E = logits_BE.shape
@@ -185,7 +187,8 @@ def fits(cfg, logits_BE, bias_E, only_where_faster: bool = True, x_BD=None, norm
         if _chunk(x_BD.shape[1]) < 16:
             return f"router_topk kernel: D = {x_BD.shape[1]} has no power-of-two part >= 16 to norm it by"
         if only_where_faster and not NORMED_PROVEN:
-            return "router_topk kernel: the form that norms the experts' input is not yet compiled on a GPU"
+            return ("router_topk kernel: the form that norms the experts' input made the 48B step's MoE block slower "
+                    "on an H200 (56.0 vs 51.2 us); kernels='on' runs it")
         return None
     if only_where_faster and not prefer_kernel(B, E, k):
         m = MEASURED.get((_bucket(B), E, k))

@@ -9,6 +9,7 @@ from jax import lax
 
 from jaxk3 import collectives, kernels
 from jaxk3.kernels import gemv
+from jaxk3.kernels.rms_norm import rms_norm_as
 
 F32 = jnp.float32
 
@@ -38,9 +39,9 @@ def as_tp(tp: TP | str | None) -> TP | None:
 class Normed:
     """A block's input RMSNorm(h; w, eps) in h's dtype, not yet computed (a trace-time value): the decode
     step hands it to the block instead of the normed array, so that the GEMVs that read it can norm h in
-    their prologue (the `gemv_norm` kernel; the MoE router's kernel writes the normed row for the
-    experts) rather than XLA in two kernels of its own before them.  `value()` is the normed array
-    (what every other reader gets; XLA computes it once however many readers ask)."""
+    their prologue (the `gemv_norm` kernel, where auto takes it) rather than XLA in two kernels of its own
+    before them (the MoE block's router has such a form too, not taken: jaxk3.kernels.router).  `value()`
+    is the normed array (what every other reader gets; XLA computes it once however many readers ask)."""
     h: jax.Array  # [B, D] the residual stream
     w: jax.Array  # [D] the norm weight
     eps: float
@@ -58,7 +59,7 @@ class Normed:
         return self.h.ndim
 
     def value(self) -> jax.Array:
-        return gemv.normed(self.h, self.w, self.eps)
+        return rms_norm_as(self.h, self.w, self.eps)
 
 
 def value(x: jax.Array | Normed) -> jax.Array:

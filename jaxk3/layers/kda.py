@@ -31,7 +31,7 @@ from jaxk3 import kernels
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels.kda_decode import CoreWeights, glue, kda_gate, l2norm
 from jaxk3.kernels.rms_norm import gated_rms_norm
-from jaxk3.layers.common import F32, TP, kernel_mode, linear, psum, split
+from jaxk3.layers.common import F32, TP, Normed, kernel_mode, linear, psum, split
 from jaxk3.params import COL, REP, ROW, Buffer, Fuse, Param, weight
 
 
@@ -102,9 +102,10 @@ def cache_abstract(cfg: KimiK3Config, batch: int) -> KDACache:
                     state=Buffer((batch, cfg.kda_num_heads, d, d), "fp32", tp_dim=1))
 
 
-def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array, conv_B3CW: jax.Array, state_BHKV: jax.Array,
-             valid_B: jax.Array, tp: TP | str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One KDA decode step.  Returns (out_BD fp32 summed over TP, new conv_B3CW, new state_BHKV)."""
+def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array | Normed, conv_B3CW: jax.Array,
+             state_BHKV: jax.Array, valid_B: jax.Array, tp: TP | str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One KDA decode step on the normed input (or a `Normed`, which the first GEMV norms).  Returns (out_BD fp32
+    summed over TP, new conv_B3CW, new state_BHKV)."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
     cw = core_weights(w)
@@ -144,9 +145,6 @@ def projections(cfg: KimiK3Config, w: KDAWeights, x_ND: jax.Array, tp: TP | str 
                                                           w.g_proj if cfg.use_full_rank_gate else w.g_a_proj))
     u_N3C = jnp.stack([q, k, v], 1).astype(dt)
     beta_NH = jax.nn.sigmoid(b)
-    if w.gate_b_proj is not None:  # f_b and g_b: one batched product of [f_a(x), g_a(x)]
-        fg = jnp.einsum("njd,jcd->njc", jnp.stack([fa, g], 1).astype(dt), w.gate_b_proj, preferred_element_type=F32)
-        return u_N3C, fg[:, 0], beta_NH, fg[:, 1]
     f_NC = linear(fa.astype(dt), w.f_b_proj, tp)
     z_NC = g if cfg.use_full_rank_gate else linear(g.astype(dt), w.g_b_proj, tp)
     return u_N3C, f_NC, beta_NH, z_NC

@@ -26,6 +26,7 @@ echo "== 48B step, serving/auto, as main before ($(date -u +%T))"
 timeout -k 10 ${S_TIMEOUT:-200} $PY -m jaxk3.cli bench decode $STEP --variants serving/auto --json "$OUT/step_base.json" 2>&1 \
   | grep -v "^  \.\. " | grep -E "^ +[0-9]+ \|" | tail -4
 echo "== census of the patched step, layers ${CENSUS_LAYERS:-0-3} ($(date -u +%T))"
+rm -rf /tmp/jaxk3_phlo  # a reused machine's earlier HLO must not ship with this run's
 XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout -k 10 ${C_TIMEOUT:-150} $PY scripts/gpu/step_with_kernel.py $PATCH -- \
   --config kimi-linear-48b --layers ${CENSUS_LAYERS:-0-3} --experts 64 --tp 1 --batch 1 --context 4k --strategies stock \
   --variants serving/auto --steps 10 --census --json "$OUT/census_patched.json" --hlo-dir /tmp/jaxk3_phlo 2>&1 \

@@ -242,6 +242,10 @@ def test_model_kernels_option():
     np.testing.assert_array_equal(a.logits, b.logits)
 
 
+# slow: interpret-mode kernels inside a model; with the newest jax each kernel's own interpret test takes its paths
+# (test_gemv_norm_prologue_matches_reference, test_router_topk_kernel_matches_reference,
+# test_kda_decode_in_kernel_matches_reference) and test_serving the model's
+@pytest.mark.slow
 def test_decode_norms_in_the_kernels_prologues(monkeypatch):
     """The Kimi-Linear decode step hands each block its input un-normed (layers.common.Normed). With
     `gemv_norm`, `router_topk` and `kda_decode_in` (the KDA core reading in_proj's output) running, in
@@ -253,7 +257,8 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch):
     import dataclasses
 
     import jaxk3
-    from jaxk3.config import KimiK3Config
+    from small_models import tiny_kimi_linear_4l
+
     from jaxk3.kernels import registry, router
 
     calls: dict[str, int] = {}
@@ -269,13 +274,14 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch):
         monkeypatch.setitem(kernels.REGISTRY, name, dataclasses.replace(k, platforms=("cpu",), device=dev, fits=anywhere,
                                                                         unproven=None))
     monkeypatch.setattr(router, "NORMED_PROVEN", True)
-    cfg = KimiK3Config.tiny_kimi_linear()  # 8 layers: KDA, MLA (4, 7, 8), the dense MLP (0), MoE
+    cfg = tiny_kimi_linear_4l()  # KDA (0-2), MLA (3), the dense MLP (0), MoE (1-3)
     prompt = [[5, 6, 7, 8]]
     off = jaxk3.init_random_model(cfg, tp=1, kernels="off", layout="serving").generate(prompt, 3, return_logits=True)
     assert not calls
     auto = jaxk3.init_random_model(cfg, tp=1, layout="serving").generate(prompt, 3, return_logits=True)
     # every decode block: KDA / MLA in_proj, the dense MLP's gate|up, each MoE's router (+ shared gate|up)
-    assert calls.get("gemv_norm", 0) >= cfg.num_hidden_layers * 2 and calls.get("router_topk", 0) >= 4, calls
+    moe = sum(f == "moe" for f in cfg.layer_ffn)
+    assert calls.get("gemv_norm", 0) >= cfg.num_hidden_layers * 2 and calls.get("router_topk", 0) >= moe >= 1, calls
     assert calls.get("kda_decode_in", 0) == len(cfg.kda_layers), calls  # the KDA core reading in_proj's output
     a, b = np.asarray(off.logits, np.float32), np.asarray(auto.logits, np.float32)
     np.testing.assert_array_equal(a[:, 0], b[:, 0])  # the prefill's logits: no Normed there

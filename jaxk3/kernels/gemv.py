@@ -142,6 +142,11 @@ def config_for(B: int, N: int, K: int, layout: str = "nk") -> Config:
     return c or default_config(B, N, K)
 
 
+def _rows(w: jax.Array, layout: str) -> int:
+    """N, the output rows of a weight in `layout` ("nk": [N, K]; "kn": [K, N])."""
+    return w.shape[0] if layout == "nk" else w.shape[1]
+
+
 def _dot_nt(a, b):
     """a [M, K] @ b[N, K].T -> [M, N], bf16 in, fp32 out (tensor cores)."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
@@ -218,7 +223,7 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
     from jax.experimental import pallas as pl
 
     B, K = x_BK.shape
-    N = w.shape[0] if layout == "nk" else w.shape[1]
+    N = _rows(w, layout)
     c = config or config_for(B, N, K, layout)
     steps = K // c.splits // c.bk
     Bp = 16 if c.dot else 1
@@ -325,9 +330,8 @@ def _norm_reference(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Con
 
 def _norm_device(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
                  interpret: bool = False, only_where_faster: bool = True) -> jax.Array:
-    N = w.shape[0] if layout == "nk" else w.shape[1]
-    return gemv(x_BK, w, layout, config or norm_config_for(x_BK.shape[0], N, x_BK.shape[1], layout), interpret,
-                norm_w=norm_w, eps=eps)
+    c = config or norm_config_for(x_BK.shape[0], _rows(w, layout), x_BK.shape[1], layout)
+    return gemv(x_BK, w, layout, c, interpret, norm_w=norm_w, eps=eps)
 
 
 def _norm_fits(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
@@ -339,7 +343,7 @@ def _norm_fits(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config |
     if x_BK.ndim != 2 or w.ndim != 2:
         return fits(x_BK, w, layout, config, only_where_faster=False, norm_w=norm_w, eps=eps)
     B, K = x_BK.shape
-    N = w.shape[0] if layout == "nk" else w.shape[1]
+    N = _rows(w, layout)
     if only_where_faster and not _norm_measured(B, N, K):
         return (f"gemv_norm kernel: auto takes it where the step was measured faster with it (B = 1 at N x K in "
                 f"{sorted((n, k) for _, n, k in NORM_MEASURED)}), got B {B}, N {N}, K {K}")

@@ -109,18 +109,19 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array | Normed, conv_B3
     dt = x_BD.dtype
     mode = kernel_mode(tp)
     cw = core_weights(w)
+    # -- projections (GEMVs); the rest of the step is `decode_core` (one device kernel where it runs)
+    parts = None
     if w.in_proj is not None and w.gate_b_proj is not None:  # Kimi-Linear's serving layout
         y_BX = linear(x_BD, w.in_proj, tp)  # [q | k | v | f_a | b | g_a], fp32
         args = (cfg, y_BX, w.gate_b_proj, conv_B3CW, cw, state_BHKV, valid_B)
         if kernels.explain("kda_decode_in", *args, mode=mode).startswith("device"):  # the glue inside the kernel
             o_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode)
         else:
-            u_B3C, f_BC, beta_BH, z_BC = glue(cfg, y_BX, w.gate_b_proj, dt)
-            o_BC, new_conv, new_state = kernels.call(
-                "kda_decode", cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, mode=mode)
+            parts = glue(cfg, y_BX, w.gate_b_proj, dt)
     else:
-        # -- projections (GEMVs); the rest of the step is `decode_core` (one device kernel where it runs)
-        u_B3C, f_BC, beta_BH, z_BC = projections(cfg, w, x_BD, tp)
+        parts = projections(cfg, w, x_BD, tp)
+    if parts is not None:
+        u_B3C, f_BC, beta_BH, z_BC = parts
         o_BC, new_conv, new_state = kernels.call(
             "kda_decode", cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, mode=mode)
     out_BD = psum(linear(o_BC.astype(dt), w.o_proj, tp), tp)

@@ -318,11 +318,56 @@ def _store(ref, lead: tuple, rows, y) -> None:
         ref[(*lead, slice(None), rows)] = y.astype(ref.dtype)
 
 
-def _gate_up_kernel(uniq_ref, *refs, sp: _Spec, nx: int, nw: int, joined: bool, shared: bool, I: int, steps: int,
-                    act):
-    """Program (u, n): slot u's activations, rows [n·bn, (n+1)·bn) of I, for every token.  Slot U (when
-    `shared`) is the shared experts'; a padded slot (expert -1) writes zeros."""
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """The router's selection done inside the kernels (`experts_routed`, one token): E experts' logits padded to
+    Ep (a power of two), k chosen, the weights renormalised (`renorm`) and scaled."""
+    E: int
+    Ep: int
+    k: int
+    renorm: bool
+    scale: float
+    chunk: int = 32  # columns of the [Ep, chunk] comparison tiles the ranks are summed over
+
+
+def _route_ranks(logits_ref, bias_ref, rt: _Route):
+    """(s, rank, idx) [Ep] each: s = sigmoid(logits) (0 on the padding), and rank_i = the number of experts
+    before expert i in lax.top_k's order of the selection score s + bias (larger first, the lower index first
+    among equal ones; the padding after every expert), so that slot u (< k) is the expert whose rank is u.  One
+    comparison tile and one sum per `chunk` columns: no loop of k dependent reductions as in the router kernel."""
     pl = _pl()
+
+    def scores(start: int, n: int):
+        j = start + lax.broadcasted_iota(jnp.int32, (n,), 0)
+        inside = j < rt.E
+        s = jnp.where(inside, jax.nn.sigmoid(logits_ref[0, pl.ds(start, n)]), 0.0)
+        return s, jnp.where(inside, s + bias_ref[pl.ds(start, n)], -jnp.inf), j
+
+    s, sel, idx = scores(0, rt.Ep)
+    rank = jnp.zeros((rt.Ep,), jnp.int32)
+    for c in range(0, rt.Ep, rt.chunk):
+        _, sj, j = scores(c, rt.chunk)
+        before = (sj[None, :] > sel[:, None]) | ((sj[None, :] == sel[:, None]) & (j[None, :] < idx[:, None]))
+        rank = rank + jnp.sum(before.astype(jnp.int32), axis=1)
+    return s, rank, idx
+
+
+def _routed_slot(s, rank, idx, u, tot, rt: _Route):
+    """(expert id, routing weight) of slot u from `_route_ranks`, as `select_experts` computes the weight:
+    s_e / (Σ over the k chosen s + 1e-20) · scale (`tot` the sum), or s_e · scale without renormalising."""
+    hit = rank == u
+    e = jnp.sum(jnp.where(hit, idx, 0))
+    w = jnp.sum(jnp.where(hit, s, 0.0))
+    return e, (w / tot if rt.renorm else w) * F32(rt.scale)
+
+
+def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, nw: int, joined: bool, shared: bool,
+                    I: int, steps: int, act):
+    """Program (u, n): slot u's activations, rows [n·bn, (n+1)·bn) of I, for every token.  Slot U (when
+    `shared`) is the shared experts'; a padded slot (expert -1) writes zeros.  The slot's expert is
+    uniq[u] (the first ref), or with `route` the u-th choice of the router's logits and bias (the first two)."""
+    pl = _pl()
+    sel, refs = refs[:nsel], refs[nsel:]
     x, refs = refs[:nx], refs[nx:]
     w1, refs = refs[:nw], refs[nw:]
     w3, refs = (w1, refs) if joined else (refs[:nw], refs[nw:])
@@ -330,8 +375,13 @@ def _gate_up_kernel(uniq_ref, *refs, sp: _Spec, nx: int, nw: int, joined: bool, 
     u, n = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(pl.multiple_of(n * sp.bn, sp.bn), sp.bn)
     up = pl.ds(pl.multiple_of(I + n * sp.bn, sp.bn), sp.bn)  # the up rows of a [gate | up] join
-    U = uniq_ref.shape[0]
-    e = uniq_ref[jnp.minimum(u, U - 1)]
+    if route is None:
+        U = sel[0].shape[0]
+        e = sel[0][jnp.minimum(u, U - 1)]
+    else:
+        U = route.k
+        s, rank, idx = _route_ranks(*sel, route)
+        e = jnp.sum(jnp.where(rank == jnp.minimum(u, U - 1), idx, 0))
 
     def gate_up(w1, w3, e, rows3):
         h1 = _gemv_rows(sp, w1, e, rows, x, (), steps)
@@ -354,29 +404,39 @@ def _gate_up_kernel(uniq_ref, *refs, sp: _Spec, nx: int, nw: int, joined: bool, 
             gate_up(s13, s13, None, up)
 
 
-def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared: bool, steps: int):
+def _down_kernel(*refs, sp: _Spec, route: _Route | None, na: int, nw: int, shared: bool, steps: int):
     """Program (n, s): output rows [n·bn, (n+1)·bn), the s-th part of I: Σ over the slots u of
     coef[:, u] · W2[read[u]] a[u] (+ the shared experts' down projection of slot U), one partial sum
-    (coef [Bp, U]: at B = 1 the routing weights as the router gives them)."""
+    (the first two refs: read [U] and coef [Bp, U], at B = 1 the routing weights as the router gives them;
+    with `route` the router's logits and bias, each slot's expert and weight chosen here as in kernel 1)."""
     pl = _pl()
+    (r0, r1), refs = refs[:2], refs[2:]
     a, w2, o_ref = refs[:na], refs[na:na + nw], refs[-1]
     n, s = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(pl.multiple_of(n * sp.bn, sp.bn), sp.bn)
     start = s * steps
-    U = read_ref.shape[0]
+    if route is None:
+        U = r0.shape[0]
+    else:
+        U = route.k
+        sig, rank, idx = _route_ranks(r0, r1, route)
+        tot = jnp.sum(jnp.where(rank < U, sig, 0.0)) + F32(1e-20)
 
-    def scaled(y, u):  # coef[:, u] (token b's routing weight of slot u) times the slot's product, per token
+    def scaled(y, u, c):  # token b's routing weight of slot u (c: one token's, routed) times the slot's product
+        if c is not None:
+            return c * y
         if isinstance(y, tuple):
-            return tuple(coef_ref[b, u] * yb for b, yb in enumerate(y))
+            return tuple(r1[b, u] * yb for b, yb in enumerate(y))
         if y.ndim == 1:
-            return coef_ref[0, u] * y
-        return coef_ref[:, u][:, None] * y
+            return r1[0, u] * y
+        return r1[:, u][:, None] * y
 
     def add(acc, y):
         return tuple(p + q for p, q in zip(acc, y)) if isinstance(acc, tuple) else acc + y
 
     def body(u, acc):
-        return add(acc, scaled(_gemv_rows(sp, w2, read_ref[u], rows, a, (u,), steps, start), u))
+        e, c = (r0[u], None) if route is None else _routed_slot(sig, rank, idx, u, tot, route)
+        return add(acc, scaled(_gemv_rows(sp, w2, e, rows, a, (u,), steps, start), u, c))
 
     if sp.dot:
         zero = jnp.zeros((16, sp.bn), F32)
@@ -438,6 +498,42 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared:
             interpret: bool = False, config: Config | None = None, only_where_faster: bool = True) -> jax.Array:
     """The same function as the reference: fp32 [B, Out] = Σ_k w_k · W2_k act(W1_k z, W3_k z) over the
     local intermediate shard (+ the shared experts' partial)."""
+    B = z_BL.shape[0]
+    E, *_ = _dims(w)
+    uniq, coef = plan(ids_Bk, w_Bk, E)
+    Bp = _rows_padded(w, B)
+    # padded slots (B > 1) re-read the last expert (just read by the same program: cached), times 0
+    read = uniq if B == 1 else jnp.where(uniq < 0, jnp.max(uniq), uniq)
+    coef = w_Bk.astype(F32) if B == 1 else jnp.pad(coef.T, ((0, Bp - B), (0, 0)))  # [Bp, U]: B = 1 as routed
+    return _launch(cfg, w, z_BL, [uniq], [read, coef], uniq.shape[0], None, shared, interpret, config)
+
+
+def experts_routed(cfg, w, z_BL: jax.Array, logits_BE: jax.Array, bias_E: jax.Array,
+                   shared: SharedMLP | None = None, interpret: bool = False, config: Config | None = None,
+                   only_where_faster: bool = True) -> jax.Array:
+    """`experts` of one token (B = 1) with the router's selection inside the two kernels: the same function as
+    `select_experts` (sigmoid, + bias, top-k, renormalise, scale) then `experts_partial`.  Each program reads
+    the E logits and ranks them itself (`_route_ranks`), so that XLA's selection chain (the sigmoid and add, the
+    TopK sort, the slice, the renormalising sum and product: five kernels) does not run in the step."""
+    E = logits_BE.shape[-1]
+    Ep = 1 << (E - 1).bit_length()
+    rt = _Route(E=E, Ep=Ep, k=cfg.num_experts_per_token, renorm=cfg.moe_renormalize,
+                scale=float(cfg.routed_scaling_factor), chunk=min(Ep, _Route.chunk))
+    logits, bias = logits_BE.astype(F32), bias_E.astype(F32)
+    if Ep != E:  # masked in the kernels
+        logits, bias = jnp.pad(logits, ((0, 0), (0, Ep - E))), jnp.pad(bias, (0, Ep - E))
+    return _launch(cfg, w, z_BL, [logits, bias], [logits, bias], rt.k, rt, shared, interpret, config)
+
+
+def _rows_padded(w, B: int) -> int:
+    """The kernels' token rows: 1 (element-wise), 16 (dense, the dot) or B's power of two (MXFP4)."""
+    return 1 if B == 1 else (1 << (B - 1).bit_length() if isinstance(w.experts_w2, MXFP4) else 16)
+
+
+def _launch(cfg, w, z_BL, sel_up: list, sel_down: list, U: int, route: _Route | None, shared, interpret: bool,
+            config: Config | None) -> jax.Array:
+    """The two pallas_calls over U selected slots (+ the shared experts' slot), the selection given to kernel 1
+    as `sel_up` and to kernel 2 as `sel_down` (ids and coefficients, or with `route` the logits and bias)."""
     pl = _pl()
     B = z_BL.shape[0]
     E, I, In, Out, joined = _dims(w)
@@ -446,13 +542,8 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared:
     w13v, packed = _weight_views(w.experts_w13 if joined else w.experts_w1)
     w3v = [] if joined else _weight_views(w.experts_w3)[0]
     w2v, _ = _weight_views(w.experts_w2)
-    Bp = 1 if B == 1 else (1 << (B - 1).bit_length() if packed else 16)
+    Bp = _rows_padded(w, B)
     sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=cf.decode)
-    uniq, coef = plan(ids_Bk, w_Bk, E)
-    U = uniq.shape[0]
-    # padded slots (B > 1) re-read the last expert (just read by the same program: cached), times 0
-    read = uniq if B == 1 else jnp.where(uniq < 0, jnp.max(uniq), uniq)
-    coef = w_Bk.astype(F32) if B == 1 else jnp.pad(coef.T, ((0, Bp - B), (0, 0)))  # [Bp, U]: B = 1 as routed
     xs = _x_views(jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0))), packed)
     s13, s2 = ([shared.gate_up], [shared.down]) if shared is not None else ([], [])
     act = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
@@ -461,18 +552,18 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared:
     kw = triton_params(cf.num_warps, cf.num_stages, interpret)
     P = U + (shared is not None)
 
-    ins = [uniq, *xs, *w13v, *w3v, *s13]
+    ins = [*sel_up, *xs, *w13v, *w3v, *s13]
     a = pl.pallas_call(
-        functools.partial(_gate_up_kernel, sp=sp, nx=len(xs), nw=len(w13v), joined=joined, shared=shared is not None,
-                          I=I, steps=In // cf.bk, act=act),
+        functools.partial(_gate_up_kernel, sp=sp, nsel=len(sel_up), route=route, nx=len(xs), nw=len(w13v),
+                          joined=joined, shared=shared is not None, I=I, steps=In // cf.bk, act=act),
         grid=(P, I // cf.bn), in_specs=[any_] * len(ins), out_specs=any_,
         out_shape=jax.ShapeDtypeStruct((P, Bp, I), dt), interpret=interpret, **kw)(*ins)
 
     S = _splits(cf, Out, I)
     av = _x_views(a, packed)
-    ins = [read, coef, *av, *w2v, *s2]
+    ins = [*sel_down, *av, *w2v, *s2]
     y = pl.pallas_call(
-        functools.partial(_down_kernel, sp=sp, na=len(av), nw=len(w2v), shared=shared is not None,
+        functools.partial(_down_kernel, sp=sp, route=route, na=len(av), nw=len(w2v), shared=shared is not None,
                           steps=I // S // cf.bk),
         grid=(Out // cf.bn, S), in_specs=[any_] * len(ins), out_specs=any_,
         out_shape=jax.ShapeDtypeStruct((S, Bp, Out), F32), interpret=interpret, **kw)(*ins)
@@ -559,3 +650,56 @@ register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits
                          "fused; inside the B=1 step: even), 1.91x at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps "
                          "XLA; B=8 with 64 experts kept); MXFP4: 0.91-0.99x at B=1 with the f16 decode, 0.45-0.57x at "
                          "B=8 with the select decode (auto keeps XLA) (H200, jax 0.11.2, 2026-12-02; MEASURED)"))
+
+
+def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,
+                     only_where_faster: bool = True) -> jax.Array:
+    """`experts_routed`'s function in jnp: the router's `select_experts`, then `experts_partial`."""
+    from jaxk3.kernels.router import select_experts
+
+    w_Bk, ids_Bk = select_experts(cfg, logits_BE, bias_E)
+    return experts_partial(cfg, w, z_BL, w_Bk, ids_Bk, shared)
+
+
+MAX_ROUTED_EXPERTS = 256  # the ranks compare every pair of the Ep logits: [Ep, 32] tiles per program
+# (format, E, I, In, Out, shared) where the whole B = 1 step was measured faster with the selection in the kernels
+# than with XLA's chain before `moe_experts` (docs/PERF.md); `auto` takes the routed form only there.
+# Measured 2026-12-02 (fifth session, call 1): the 48B step (64 experts kept, TP 1, B = 1) 2519.8 us with it against
+# 2632.7 without in the same call, 391 launch ops against 521.  All 256 experts (more ranks per program) not yet.
+ROUTED_MEASURED: set[tuple] = {("bf16", 64, 1024, 2304, 2304, True)}
+
+
+def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,
+                only_where_faster: bool = True, **_) -> str | None:
+    """Why this call does not suit `experts_routed` (None: it does): one token, an ungrouped top-k over at most
+    MAX_ROUTED_EXPERTS logits of this block's experts, and `moe_experts`' own conditions; `auto` takes it only
+    where the step was measured faster with it (`ROUTED_MEASURED`)."""
+    if cfg.use_grouped_topk and cfg.num_expert_group > 1:
+        return f"moe_experts routed form has no group-limited selection (num_expert_group {cfg.num_expert_group})"
+    E = _dims(w)[0]
+    if z_BL.ndim != 2 or z_BL.shape[0] != 1:
+        return f"moe_experts routed form is for one token (B > 1 reads a plan of distinct experts), got z {z_BL.shape}"
+    if logits_BE.shape != (1, E) or bias_E.shape != (E,):
+        return (f"moe_experts routed form: logits [1, {E}] and bias [{E}] for the block's {E} experts, got "
+                f"{logits_BE.shape} and {bias_E.shape}")
+    k = cfg.num_experts_per_token
+    if not 1 <= k <= E or E > MAX_ROUTED_EXPERTS:
+        return f"moe_experts routed form ranks 1 <= k <= E <= {MAX_ROUTED_EXPERTS} experts in registers, got k {k}, E {E}"
+    why = fits(cfg, w, z_BL, None, None, shared=shared, config=config, only_where_faster=False)
+    if why:
+        return why
+    if only_where_faster:
+        fmt, _, _, I, In, Out, sh = _key(w, 1, shared)
+        key = (fmt, E, I, In, Out, sh)
+        if key not in ROUTED_MEASURED:
+            return (f"moe_experts routed form: the step at {key} was not measured faster with it on an H200 "
+                    "(kernels='on' runs it)")
+    return None
+
+
+# Proven on an H200 (2026-12-02, fifth session): compiled at Kimi-Linear-48B's dims with 64 and 256 experts
+# (tests/test_kernels.py::test_moe_experts_routed_on_gpu), and the 48B step at B = 1 (64 experts) 4.3% faster with it.
+register(Kernel("moe_experts_routed", routed_reference, experts_routed, platforms=("gpu",), fits=routed_fits,
+                measured="B=1, Kimi-Linear-48B TP 1, 64 experts: the step 4.3% faster with it (2519.8 vs 2632.7 us, "
+                         "130 fewer kernels); elsewhere not measured, auto keeps XLA's selection (H200, jax 0.11.2, "
+                         "2026-12-02)"))

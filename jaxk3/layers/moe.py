@@ -164,6 +164,23 @@ def _shared_in_kernel(cfg, w: MoEWeights, x_BD, w_Bk, ids_Bk, mode: str) -> Shar
     return None
 
 
+def _experts_routed(cfg, w: MoEWeights, x_BD: jax.Array, logits_BE: jax.Array, mode: str, tp) -> jax.Array | None:
+    """The routed and shared experts' partial of one token with the router's selection inside the `moe_experts`
+    kernels (`moe_experts_routed`: no selection kernels of XLA's in the step), where that form runs; else None.
+    The shared experts go into the kernels too where they can (their gate | up in the serving layout, the routed
+    experts' shapes), else through `mlp_partial`."""
+    args = (cfg, w, x_BD, logits_BE, w.e_score_correction_bias)
+    s = w.shared_experts
+    if s is not None and s.gate_up_proj is not None:
+        shared = SharedMLP(s.gate_up_proj, s.down_proj)
+        if kernels.explain("moe_experts_routed", *args, shared=shared, mode=mode).startswith("device"):
+            return kernels.call("moe_experts_routed", *args, shared=shared, mode=mode)
+    if not kernels.explain("moe_experts_routed", *args, mode=mode).startswith("device"):
+        return None
+    out = kernels.call("moe_experts_routed", *args, mode=mode)
+    return out if s is None else out + mlp_partial(cfg, s, x_BD, tp)
+
+
 def _experts_prefill(cfg, w, z_NL, w_Nk, ids_Nk, mode: str) -> jax.Array:
     """`experts_partial` for many tokens: the `moe_grouped` kernel (grouped GEMMs over the pairs sorted by
     expert) where `mode` and the platform allow, else the dense form (jaxk3.kernels.moe_grouped)."""
@@ -202,8 +219,12 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
         w_Bk, ids_Bk, x_BD = routed
     else:
         x_BD = value(x_BD)
-        w_Bk, ids_Bk = kernels.call("router_topk", cfg, router_logits(w.gate, x_BD), w.e_score_correction_bias,
-                                    mode=mode)
+        logits_BE = router_logits(w.gate, x_BD)
+        if w.routed_expert_down_proj is None and not grouped:  # Kimi-Linear decode: the selection in the kernels?
+            out = _experts_routed(cfg, w, x_BD, logits_BE, mode, tp)
+            if out is not None:
+                return psum(out, tp)
+        w_Bk, ids_Bk = kernels.call("router_topk", cfg, logits_BE, w.e_score_correction_bias, mode=mode)
     if w.routed_expert_down_proj is None and not grouped:  # Kimi-Linear decode: shared experts in the kernel?
         fused = _shared_in_kernel(cfg, w, x_BD, w_Bk, ids_Bk, mode)
         if fused is not None:

@@ -136,11 +136,12 @@ def test_moe_experts_kernel_matches_reference(fmt, dtype, B, layout):
         assert np.abs(ref - np.asarray(ME.reference(cfg, w, z, wk, ids))).max() > 1e-3 * np.abs(ref).max()
 
 
-def _routed_case(fmt: str, dtype, E: int | None = None, ties: bool = True, seed: int = 3):
-    """`_moe_case` at B = 1 with the experts cut to E (a count not a power of two pads the logits), random router
-    logits and bias, and (ties) two experts whose selection scores are equal, both chosen, so that the order
-    of slots on ties (the lower index first, as lax.top_k) is tested."""
-    cfg, w, z, _, _ = _moe_case(fmt, dtype, 1, seed=seed)
+def _routed_case(fmt: str, dtype, E: int | None = None, ties: bool = True, seed: int = 3, B: int = 1):
+    """`_moe_case` with the experts cut to E (a count not a power of two pads the logits), B tokens' random router
+    logits and a bias, and (ties) two experts whose selection scores are equal and the highest for every token
+    (so the order of slots on ties, the lower index first as lax.top_k's, is tested, and at B > 1 the tokens share
+    experts: each is read once)."""
+    cfg, w, z, _, _ = _moe_case(fmt, dtype, B, seed=seed)
     if E is not None:
         from jaxk3.kernels import moe_experts as ME
 
@@ -149,26 +150,28 @@ def _routed_case(fmt: str, dtype, E: int | None = None, ties: bool = True, seed:
         w = dataclasses.replace(w, experts_w1=cut(w.experts_w1), experts_w2=cut(w.experts_w2), experts_w3=cut(w.experts_w3))
     E = w.experts_w2.shape[0] if not hasattr(w.experts_w2, "packed") else w.experts_w2.packed.shape[0]
     r = np.random.default_rng(seed)
-    logits = r.standard_normal((1, E)).astype(np.float32)
+    logits = r.standard_normal((B, E)).astype(np.float32)
     bias = (0.1 * r.standard_normal(E)).astype(np.float32)
     if ties:  # experts 1 and 4: the two highest selection scores, equal
-        logits[0, [1, 4]] = 6.0
+        logits[:, [1, 4]] = 6.0
         bias[[1, 4]] = 0.5
     return cfg, w, z, jnp.asarray(logits), jnp.asarray(bias)
 
 
-@pytest.mark.parametrize("fmt,layout,E", [("dense", "joined+shared", None), ("dense", "checkpoint", 24),
-                                          ("mxfp4", "joined", None)])
-def test_moe_experts_routed_matches_reference(fmt, layout, E):
-    """The routed form (the router's selection inside the two kernels, one token) in interpret mode against
-    `select_experts` then `experts_partial`: the same experts in the same slot order, ties included (so the
-    same float32 sums), and weights from the same float32 arithmetic but for the renormalising sum's order;
-    the bound is `test_moe_experts_kernel_matches_reference`'s (2e-6 of max|ref|).  One slot given another
-    expert moves the result by over 100 times the bound (checked below)."""
+@pytest.mark.parametrize("fmt,layout,E,B", [("dense", "joined+shared", None, 1), ("dense", "checkpoint", 24, 1),
+                                            ("mxfp4", "joined", None, 1), ("dense", "joined+shared", None, 8),
+                                            ("dense", "checkpoint", 24, 3)])
+def test_moe_experts_routed_matches_reference(fmt, layout, E, B):
+    """The routed form (the router's selection inside the two kernels) in interpret mode against `select_experts`
+    then `experts_partial`: the same experts in the same slot order, ties included (so the same float32 sums), and
+    weights from the same float32 arithmetic but for the renormalising sum's order; the bound is
+    `test_moe_experts_kernel_matches_reference`'s (2e-6 of max|ref|).  B > 1: the distinct experts read once, in
+    `plan`'s order (the same kernels given `plan`'s ids agree to the bound).  One slot given another expert moves
+    the result by over 100 times the bound (checked below)."""
     from jaxk3.kernels import moe_experts as ME
     from jaxk3.kernels.router import select_experts
 
-    cfg, w, z, logits, bias = _routed_case(fmt, jnp.float32, E)
+    cfg, w, z, logits, bias = _routed_case(fmt, jnp.float32, E, B=B)
     if layout != "checkpoint":
         w = _joined(w)
     shared = _shared(w, w.experts_w2.dtype) if layout.endswith("shared") else None
@@ -176,12 +179,12 @@ def test_moe_experts_routed_matches_reference(fmt, layout, E):
     if fmt == "mxfp4":  # (dense float32 experts: the kernel streams bf16 only; interpret mode runs them alike)
         assert ME.routed_fits(cfg, w, z, logits, bias, shared=shared, config=c, only_where_faster=False) is None
     wk, ids = select_experts(cfg, logits, bias)
-    assert {1, 4} <= set(np.asarray(ids[0]).tolist())
+    assert all({1, 4} <= set(row) for row in np.asarray(ids).tolist())
     got = np.asarray(ME.experts_routed(cfg, w, z, logits, bias, shared=shared, interpret=True, config=c))
     ref = np.asarray(ME.routed_reference(cfg, w, z, logits, bias, shared=shared))
-    assert got.shape == ref.shape == (1, cfg.moe_hidden) and np.abs(ref).max() > 0
+    assert got.shape == ref.shape == (B, cfg.moe_hidden) and np.abs(ref).max() > 0
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
-    # the kernel's own path with the ids and weights given agrees with it, and a different weight does not
+    # the kernel's own path with the ids and weights given agrees with it, and a wrong expert does not
     via_ids = np.asarray(ME.experts(cfg, w, z, wk, ids, shared=shared, interpret=True, config=c))
     np.testing.assert_allclose(got, via_ids, rtol=0, atol=2e-6 * np.abs(ref).max())
     other = next(e for e in range(logits.shape[1]) if e not in set(np.asarray(ids[0]).tolist()))
@@ -190,25 +193,31 @@ def test_moe_experts_routed_matches_reference(fmt, layout, E):
 
 
 def test_moe_experts_routed_fits(monkeypatch):
-    """What the routed form refuses, by name: more than one token, grouped top-k, logits of another expert
-    count, too many experts to rank in registers; and `auto` only where the step was measured with it."""
+    """What the routed form refuses, by name: grouped top-k, logits of another shape, too many experts to rank
+    in registers, MXFP4 or too many experts to plan at B > 1; and `auto` only where the step was measured."""
     from jaxk3.kernels import moe_experts as ME
 
     cfg, w, z, logits, bias = _routed_case("dense", jnp.bfloat16, ties=False)
     w = _joined(w)
-    assert "one token" in ME.routed_fits(cfg, w, jnp.concatenate([z, z]), logits, bias, only_where_faster=False)
     grouped = dataclasses.replace(cfg, use_grouped_topk=True, num_expert_group=2)
     assert "group-limited" in ME.routed_fits(grouped, w, z, logits, bias, only_where_faster=False)
     assert "logits [1," in ME.routed_fits(cfg, w, z, logits[:, :-1], bias, only_where_faster=False)
+    assert "logits [2," in ME.routed_fits(cfg, w, jnp.concatenate([z, z]), logits, bias, only_where_faster=False)
     assert ME.routed_fits(cfg, w, z, logits, bias, only_where_faster=False) is None
+    z2, l2 = jnp.concatenate([z, z]), jnp.concatenate([logits, logits])
+    assert ME.routed_fits(cfg, w, z2, l2, bias, only_where_faster=False) is None
     assert "not measured" in ME.routed_fits(cfg, w, z, logits, bias)
+    mcfg, mw, mz, ml, mb = _routed_case("mxfp4", jnp.bfloat16, ties=False, B=2)
+    assert "bf16 experts" in ME.routed_fits(mcfg, mw, mz, ml, mb, only_where_faster=False)
+    monkeypatch.setattr(ME, "MAX_ROUTED_PLAN", logits.shape[1] - 1)
+    assert "<= 15 experts" in ME.routed_fits(cfg, w, z2, l2, bias, only_where_faster=False)
     monkeypatch.setattr(ME, "MAX_ROUTED_EXPERTS", logits.shape[1] - 1)
     assert "k <= E <=" in ME.routed_fits(cfg, w, z, logits, bias, only_where_faster=False)
 
 
-def _routed_real(E: int, seed: int = 5):
+def _routed_real(E: int, seed: int = 5, B: int = 1):
     """Kimi-Linear-48B's MoE block at TP 1 in the serving layout with E experts kept (bf16, w1 | w3 joined, the
-    shared experts fused), one token, random logits with two tied at the top: the step's routed-form call."""
+    shared experts fused), B tokens, random logits with two tied at the top of every token's: the step's call."""
     from jaxk3.kernels.moe_experts import SharedMLP
     from jaxk3.layers import moe
     from jaxk3.tools.bench_decode import load_config
@@ -222,22 +231,23 @@ def _routed_real(E: int, seed: int = 5):
     w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=None, experts_w3=None,
                        experts_w2=a(E, L, I), experts_w13=a(E, 2 * I, L))
     r = np.random.default_rng(seed)
-    logits = r.standard_normal((1, E)).astype(np.float32)
+    logits = r.standard_normal((B, E)).astype(np.float32)
     bias = (0.1 * r.standard_normal(E)).astype(np.float32)
-    logits[0, [3, E - 2]], bias[[3, E - 2]] = 6.0, 0.5
-    return cfg, w, a(1, L, s=1.0), jnp.asarray(logits), jnp.asarray(bias), SharedMLP(a(2 * I, L), a(L, I))
+    logits[:, [3, E - 2]], bias[[3, E - 2]] = 6.0, 0.5
+    return cfg, w, a(B, L, s=1.0), jnp.asarray(logits), jnp.asarray(bias), SharedMLP(a(2 * I, L), a(L, I))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("E", [64, 256])
-def test_moe_experts_routed_on_gpu(E):
-    """Compiled at Kimi-Linear-48B's dims (64 experts as the bench keeps, and all 256) against `select_experts`
-    + `experts_partial` in XLA: 4e-3 of max|ref| as tests/test_kernels_real.py argues for moe_experts (the bf16
-    intermediate rounded from fp32 sums in another order); and against the same kernels given the ids and
-    weights (the same sums in the same order, the weights but for the renormalising sum's order): 1e-5."""
+@pytest.mark.parametrize("E,B", [(64, 1), (256, 1), (64, 8), (64, 3)])
+def test_moe_experts_routed_on_gpu(E, B):
+    """Compiled at Kimi-Linear-48B's dims (64 experts as the bench keeps, and all 256; B 1, and 3 and 8 with the
+    distinct experts planned in the kernels) against `select_experts` + `experts_partial` in XLA: 4e-3 of
+    max|ref| as tests/test_kernels_real.py argues for moe_experts (the bf16 intermediate rounded from fp32 sums
+    in another order); and against the same kernels given the ids and weights (the same sums in the same order,
+    the weights but for the renormalising sum's order): 1e-5."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
-    cfg, w, z, logits, bias, shared = _routed_real(E)
+    cfg, w, z, logits, bias, shared = _routed_real(E, B=B)
     assert kernels.explain("moe_experts_routed", cfg, w, z, logits, bias, shared=shared, mode="on").startswith("device")
     got = np.asarray(jax.jit(lambda *a: kernels.call("moe_experts_routed", cfg, *a, shared=shared, mode="on"))(
         w, z, logits, bias))
@@ -407,8 +417,9 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch):
 
 
 @pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
-def test_decode_routes_in_the_experts_kernels(monkeypatch):
-    """A Kimi-Linear decode step at B = 1 with `moe_experts_routed` running (interpret mode, registered for the
+@pytest.mark.parametrize("prompt", [[[5, 6, 7, 8]], [[5, 6, 7, 8], [9, 3, 2]]])
+def test_decode_routes_in_the_experts_kernels(monkeypatch, prompt):
+    """A Kimi-Linear decode step (B = 1, and 2 ragged rows) with `moe_experts_routed` running (interpret mode, registered for the
     CPU): each MoE block's selection happens in the experts' kernels, and the logits agree with kernels='off'
     (XLA's selection, then the experts' GEMVs) to 2e-3 of max|logit| (test_decode_norms_in_the_kernels_prologues'
     bound: the experts' sums in another order); the routed form must have been traced once per MoE block
@@ -430,12 +441,11 @@ def test_decode_routes_in_the_experts_kernels(monkeypatch):
     monkeypatch.setitem(kernels.REGISTRY, "moe_experts_routed",
                         dataclasses.replace(k, platforms=("cpu",), device=dev, fits=anywhere, unproven=None))
     cfg = tiny_kimi_linear_4l()
-    prompt = [[5, 6, 7, 8]]
     off = jaxk3.init_random_model(cfg, tp=1, kernels="off", layout="serving").generate(prompt, 3, return_logits=True)
     assert not calls
     auto = jaxk3.init_random_model(cfg, tp=1, layout="serving").generate(prompt, 3, return_logits=True)
     moe = sum(f == "moe" for f in cfg.layer_ffn)
-    assert moe >= 1 and len(calls) >= moe and all(c == (1, cfg.hidden_size) for c in calls), calls
+    assert moe >= 1 and len(calls) >= moe and all(c == (len(prompt), cfg.hidden_size) for c in calls), calls
     a, b = np.asarray(off.logits, np.float32), np.asarray(auto.logits, np.float32)
     np.testing.assert_array_equal(a[:, 0], b[:, 0])  # the prefill's logits
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())

@@ -320,27 +320,31 @@ def _store(ref, lead: tuple, rows, y) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Route:
-    """The router's selection done inside the kernels (`experts_routed`, one token): E experts' logits padded to
-    Ep (a power of two), k chosen, the weights renormalised (`renorm`) and scaled."""
+    """The router's selection done inside the kernels (`experts_routed`): B tokens' logits over E experts padded
+    to Ep (a power of two), k chosen per token, the weights renormalised (`renorm`) and scaled; U slots (k at
+    B = 1, in the router's order; else min(E, B·k) for the distinct chosen experts in index order, then padding)."""
     E: int
     Ep: int
     k: int
     renorm: bool
     scale: float
+    B: int = 1
+    U: int = 0
     chunk: int = 32  # columns of the [Ep, chunk] comparison tiles the ranks are summed over
 
 
-def _route_ranks(logits_ref, bias_ref, rt: _Route):
-    """(s, rank, idx) [Ep] each: s = sigmoid(logits) (0 on the padding), and rank_i = the number of experts
-    before expert i in lax.top_k's order of the selection score s + bias (larger first, the lower index first
-    among equal ones; the padding after every expert), so that slot u (< k) is the expert whose rank is u.  One
-    comparison tile and one sum per `chunk` columns: no loop of k dependent reductions as in the router kernel."""
+def _route_ranks(logits_ref, bias_ref, rt: _Route, b: int = 0):
+    """(s, rank, idx) [Ep] each for token b: s = sigmoid(logits) (0 on the padding), and rank_i = the number of
+    experts before expert i in lax.top_k's order of the selection score s + bias (larger first, the lower index
+    first among equal ones; the padding after every expert), so that the token's slot u (< k) is the expert whose
+    rank is u.  One comparison tile and one sum per `chunk` columns: no loop of k dependent reductions as in the
+    router kernel."""
     pl = _pl()
 
     def scores(start: int, n: int):
         j = start + lax.broadcasted_iota(jnp.int32, (n,), 0)
         inside = j < rt.E
-        s = jnp.where(inside, jax.nn.sigmoid(logits_ref[0, pl.ds(start, n)]), 0.0)
+        s = jnp.where(inside, jax.nn.sigmoid(logits_ref[b, pl.ds(start, n)]), 0.0)
         return s, jnp.where(inside, s + bias_ref[pl.ds(start, n)], -jnp.inf), j
 
     s, sel, idx = scores(0, rt.Ep)
@@ -352,13 +356,29 @@ def _route_ranks(logits_ref, bias_ref, rt: _Route):
     return s, rank, idx
 
 
-def _routed_slot(s, rank, idx, u, tot, rt: _Route):
-    """(expert id, routing weight) of slot u from `_route_ranks`, as `select_experts` computes the weight:
-    s_e / (Σ over the k chosen s + 1e-20) · scale (`tot` the sum), or s_e · scale without renormalising."""
-    hit = rank == u
-    e = jnp.sum(jnp.where(hit, idx, 0))
-    w = jnp.sum(jnp.where(hit, s, 0.0))
-    return e, (w / tot if rt.renorm else w) * F32(rt.scale)
+def _weights(s, rank, rt: _Route):
+    """Each expert's routing weight for one token from `_route_ranks`, as `select_experts` computes it: s_e / (Σ
+    over the k chosen s + 1e-20) · scale (or s_e · scale without renormalising) for the chosen, 0 elsewhere."""
+    mine = rank < rt.k
+    if rt.renorm:
+        s = s / (jnp.sum(jnp.where(mine, s, 0.0)) + F32(1e-20))
+    return jnp.where(mine, s * F32(rt.scale), 0.0)
+
+
+def _route_plan(logits_ref, bias_ref, rt: _Route, Bp: int):
+    """B > 1: (slot [Ep]: expert i's slot among the distinct chosen experts in index order, as `plan` orders them,
+    or -1 where no token chose it; count, the number of distinct chosen; W [Bp, Ep]: token b's routing weight of
+    each expert (0 where b did not choose it, and on the padding rows); idx [Ep])."""
+    rows = lax.broadcasted_iota(jnp.int32, (Bp,), 0)
+    chosen = W = None
+    for b in range(rt.B):
+        s, rank, idx = _route_ranks(logits_ref, bias_ref, rt, b)
+        row = jnp.where((rows == b)[:, None], _weights(s, rank, rt)[None, :], 0.0)
+        W = row if W is None else W + row
+        chosen = rank < rt.k if chosen is None else chosen | (rank < rt.k)
+    before = chosen[None, :] & (idx[None, :] < idx[:, None])  # [Ep (i), Ep (j)]: chosen j before i
+    slot = jnp.where(chosen, jnp.sum(before.astype(jnp.int32), axis=1), -1)
+    return slot, jnp.sum(chosen.astype(jnp.int32)), W, idx
 
 
 def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, nw: int, joined: bool, shared: bool,
@@ -378,10 +398,14 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
     if route is None:
         U = sel[0].shape[0]
         e = sel[0][jnp.minimum(u, U - 1)]
-    else:
-        U = route.k
+    elif route.B == 1:
+        U = route.U
         s, rank, idx = _route_ranks(*sel, route)
         e = jnp.sum(jnp.where(rank == jnp.minimum(u, U - 1), idx, 0))
+    else:  # the u-th distinct chosen expert; -1 past them (a padded slot: zeros)
+        U = route.U
+        slot, count, _, idx = _route_plan(*sel, route, sp.Bp)
+        e = jnp.where(u < count, jnp.sum(jnp.where(slot == u, idx, 0)), -1)
 
     def gate_up(w1, w3, e, rows3):
         h1 = _gemv_rows(sp, w1, e, rows, x, (), steps)
@@ -417,14 +441,26 @@ def _down_kernel(*refs, sp: _Spec, route: _Route | None, na: int, nw: int, share
     start = s * steps
     if route is None:
         U = r0.shape[0]
-    else:
-        U = route.k
+    elif route.B == 1:
+        U = route.U
         sig, rank, idx = _route_ranks(r0, r1, route)
-        tot = jnp.sum(jnp.where(rank < U, sig, 0.0)) + F32(1e-20)
+        wts = _weights(sig, rank, route)
+    else:
+        U = route.U
+        slot, count, W, idx = _route_plan(r0, r1, route, sp.Bp)
+        last = jnp.sum(jnp.where(slot == count - 1, idx, 0))  # a padded slot re-reads it (cached) times 0
 
-    def scaled(y, u, c):  # token b's routing weight of slot u (c: one token's, routed) times the slot's product
+    def routed(u):  # (expert, weight: one token's, or [Bp] per token) of slot u chosen in this kernel
+        if route.B == 1:
+            hit = rank == u
+            return jnp.sum(jnp.where(hit, idx, 0)), jnp.sum(jnp.where(hit, wts, 0.0))
+        hit = slot == u
+        return (jnp.where(u < count, jnp.sum(jnp.where(hit, idx, 0)), last),
+                jnp.sum(jnp.where(hit[None, :], W, 0.0), axis=1))
+
+    def scaled(y, u, c):  # token b's routing weight of slot u times the slot's product (c: chosen here)
         if c is not None:
-            return c * y
+            return c * y if c.ndim == 0 else c[:, None] * y
         if isinstance(y, tuple):
             return tuple(r1[b, u] * yb for b, yb in enumerate(y))
         if y.ndim == 1:
@@ -435,7 +471,7 @@ def _down_kernel(*refs, sp: _Spec, route: _Route | None, na: int, nw: int, share
         return tuple(p + q for p, q in zip(acc, y)) if isinstance(acc, tuple) else acc + y
 
     def body(u, acc):
-        e, c = (r0[u], None) if route is None else _routed_slot(sig, rank, idx, u, tot, route)
+        e, c = (r0[u], None) if route is None else routed(u)
         return add(acc, scaled(_gemv_rows(sp, w2, e, rows, a, (u,), steps, start), u, c))
 
     if sp.dot:
@@ -511,18 +547,20 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared:
 def experts_routed(cfg, w, z_BL: jax.Array, logits_BE: jax.Array, bias_E: jax.Array,
                    shared: SharedMLP | None = None, interpret: bool = False, config: Config | None = None,
                    only_where_faster: bool = True) -> jax.Array:
-    """`experts` of one token (B = 1) with the router's selection inside the two kernels: the same function as
-    `select_experts` (sigmoid, + bias, top-k, renormalise, scale) then `experts_partial`.  Each program reads
-    the E logits and ranks them itself (`_route_ranks`), so that XLA's selection chain (the sigmoid and add, the
-    TopK sort, the slice, the renormalising sum and product: five kernels) does not run in the step."""
-    E = logits_BE.shape[-1]
+    """`experts` with the router's selection inside the two kernels: the same function as `select_experts`
+    (sigmoid, + bias, top-k, renormalise, scale) then `experts_partial`.  Each program reads the B·E logits and
+    ranks them itself (`_route_ranks`; for B > 1 also the distinct chosen experts and each token's weights,
+    `_route_plan`), so that XLA's selection chain (the sigmoid and add, the TopK sort, the slice, the
+    renormalising sum and product, and for B > 1 `plan`'s unique and coefficients) does not run in the step."""
+    B, E = logits_BE.shape
     Ep = 1 << (E - 1).bit_length()
-    rt = _Route(E=E, Ep=Ep, k=cfg.num_experts_per_token, renorm=cfg.moe_renormalize,
-                scale=float(cfg.routed_scaling_factor), chunk=min(Ep, _Route.chunk))
+    k = cfg.num_experts_per_token
+    rt = _Route(E=E, Ep=Ep, k=k, renorm=cfg.moe_renormalize, scale=float(cfg.routed_scaling_factor), B=B,
+                U=k if B == 1 else min(E, B * k), chunk=min(Ep, _Route.chunk))
     logits, bias = logits_BE.astype(F32), bias_E.astype(F32)
     if Ep != E:  # masked in the kernels
         logits, bias = jnp.pad(logits, ((0, 0), (0, Ep - E))), jnp.pad(bias, (0, Ep - E))
-    return _launch(cfg, w, z_BL, [logits, bias], [logits, bias], rt.k, rt, shared, interpret, config)
+    return _launch(cfg, w, z_BL, [logits, bias], [logits, bias], rt.U, rt, shared, interpret, config)
 
 
 def _rows_padded(w, B: int) -> int:
@@ -662,35 +700,39 @@ def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None =
 
 
 MAX_ROUTED_EXPERTS = 256  # the ranks compare every pair of the Ep logits: [Ep, 32] tiles per program
-# (format, E, I, In, Out, shared) where the whole B = 1 step was measured faster with the selection in the kernels
+MAX_ROUTED_PLAN = 64  # B > 1: the distinct experts' positions from one [Ep, Ep] tile
+# (format, B bucket, E, I, In, Out, shared) where the whole step was measured faster with the selection in the kernels
 # than with XLA's chain before `moe_experts` (docs/PERF.md); `auto` takes the routed form only there.
 # Measured 2026-12-02 (fifth session, call 1): the 48B step (64 experts kept, TP 1, B = 1) 2519.8 us with it against
 # 2632.7 without in the same call, 391 launch ops against 521.  All 256 experts (more ranks per program) not yet.
-ROUTED_MEASURED: set[tuple] = {("bf16", 64, 1024, 2304, 2304, True)}
+ROUTED_MEASURED: set[tuple] = {("bf16", 1, 64, 1024, 2304, 2304, True)}
 
 
 def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,
                 only_where_faster: bool = True, **_) -> str | None:
-    """Why this call does not suit `experts_routed` (None: it does): one token, an ungrouped top-k over at most
-    MAX_ROUTED_EXPERTS logits of this block's experts, and `moe_experts`' own conditions; `auto` takes it only
-    where the step was measured faster with it (`ROUTED_MEASURED`)."""
+    """Why this call does not suit `experts_routed` (None: it does): `moe_experts`' own conditions, an ungrouped
+    top-k over at most MAX_ROUTED_EXPERTS logits of this block's experts (B > 1: bf16 experts, at most
+    MAX_ROUTED_PLAN); `auto` takes it only where the step was measured faster with it (`ROUTED_MEASURED`)."""
     if cfg.use_grouped_topk and cfg.num_expert_group > 1:
         return f"moe_experts routed form has no group-limited selection (num_expert_group {cfg.num_expert_group})"
     E = _dims(w)[0]
-    if z_BL.ndim != 2 or z_BL.shape[0] != 1:
-        return f"moe_experts routed form is for one token (B > 1 reads a plan of distinct experts), got z {z_BL.shape}"
-    if logits_BE.shape != (1, E) or bias_E.shape != (E,):
-        return (f"moe_experts routed form: logits [1, {E}] and bias [{E}] for the block's {E} experts, got "
-                f"{logits_BE.shape} and {bias_E.shape}")
-    k = cfg.num_experts_per_token
-    if not 1 <= k <= E or E > MAX_ROUTED_EXPERTS:
-        return f"moe_experts routed form ranks 1 <= k <= E <= {MAX_ROUTED_EXPERTS} experts in registers, got k {k}, E {E}"
     why = fits(cfg, w, z_BL, None, None, shared=shared, config=config, only_where_faster=False)
     if why:
         return why
+    B = z_BL.shape[0]
+    if logits_BE.shape != (B, E) or bias_E.shape != (E,):
+        return (f"moe_experts routed form: logits [{B}, {E}] and bias [{E}] for {B} tokens and the block's {E} "
+                f"experts, got {logits_BE.shape} and {bias_E.shape}")
+    k = cfg.num_experts_per_token
+    if not 1 <= k <= E or E > MAX_ROUTED_EXPERTS:
+        return f"moe_experts routed form ranks 1 <= k <= E <= {MAX_ROUTED_EXPERTS} experts in registers, got k {k}, E {E}"
+    if B > 1 and (isinstance(w.experts_w2, MXFP4) or E > MAX_ROUTED_PLAN):
+        return (f"moe_experts routed form for B > 1 plans the distinct experts of bf16 experts over <= "
+                f"{MAX_ROUTED_PLAN} experts ([E, E] tiles), got {'MXFP4' if isinstance(w.experts_w2, MXFP4) else 'bf16'}"
+                f" and E {E}")
     if only_where_faster:
-        fmt, _, _, I, In, Out, sh = _key(w, 1, shared)
-        key = (fmt, E, I, In, Out, sh)
+        fmt, bb, _, I, In, Out, sh = _key(w, B, shared)
+        key = (fmt, bb, E, I, In, Out, sh)
         if key not in ROUTED_MEASURED:
             return (f"moe_experts routed form: the step at {key} was not measured faster with it on an H200 "
                     "(kernels='on' runs it)")

@@ -385,12 +385,16 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
                     I: int, steps: int, act):
     """Program (u, n): slot u's activations, rows [n·bn, (n+1)·bn) of I, for every token.  Slot U (when
     `shared`) is the shared experts'; a padded slot (expert -1) writes zeros.  The slot's expert is
-    uniq[u] (the first ref), or with `route` the u-th choice of the router's logits and bias (the first two)."""
+    uniq[u] (the first ref), or with `route` the u-th choice of the router's logits and bias (the first two);
+    then the programs (u, 0) also write the slot's expert to read and its weights (`read` [U], `coef` [Bp, U],
+    kernel 2's inputs: a padded slot re-reads the last chosen expert, cached, times 0)."""
     pl = _pl()
     sel, refs = refs[:nsel], refs[nsel:]
     x, refs = refs[:nx], refs[nx:]
     w1, refs = refs[:nw], refs[nw:]
     w3, refs = (w1, refs) if joined else (refs[:nw], refs[nw:])
+    if route is not None:
+        refs, (read_ref, coef_ref) = refs[:-2], refs[-2:]
     a_ref = refs[-1]
     u, n = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(pl.multiple_of(n * sp.bn, sp.bn), sp.bn)
@@ -401,11 +405,23 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
     elif route.B == 1:
         U = route.U
         s, rank, idx = _route_ranks(*sel, route)
-        e = jnp.sum(jnp.where(rank == jnp.minimum(u, U - 1), idx, 0))
+        hit = rank == jnp.minimum(u, U - 1)
+        e = jnp.sum(jnp.where(hit, idx, 0))
+
+        @pl.when((u < U) & (n == 0))
+        def _():
+            read_ref[u] = e
+            coef_ref[0, u] = jnp.sum(jnp.where(hit, _weights(s, rank, route), 0.0))
     else:  # the u-th distinct chosen expert; -1 past them (a padded slot: zeros)
         U = route.U
-        slot, count, _, idx = _route_plan(*sel, route, sp.Bp)
-        e = jnp.where(u < count, jnp.sum(jnp.where(slot == u, idx, 0)), -1)
+        slot, count, W, idx = _route_plan(*sel, route, sp.Bp)
+        hit = slot == u
+        e = jnp.where(u < count, jnp.sum(jnp.where(hit, idx, 0)), -1)
+
+        @pl.when((u < U) & (n == 0))
+        def _():
+            read_ref[u] = jnp.where(e >= 0, e, jnp.sum(jnp.where(slot == count - 1, idx, 0)))
+            coef_ref[:, u] = jnp.sum(jnp.where(hit[None, :], W, 0.0), axis=1)
 
     def gate_up(w1, w3, e, rows3):
         h1 = _gemv_rows(sp, w1, e, rows, x, (), steps)
@@ -428,51 +444,29 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
             gate_up(s13, s13, None, up)
 
 
-def _down_kernel(*refs, sp: _Spec, route: _Route | None, na: int, nw: int, shared: bool, steps: int):
+def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared: bool, steps: int):
     """Program (n, s): output rows [n·bn, (n+1)·bn), the s-th part of I: Σ over the slots u of
     coef[:, u] · W2[read[u]] a[u] (+ the shared experts' down projection of slot U), one partial sum
-    (the first two refs: read [U] and coef [Bp, U], at B = 1 the routing weights as the router gives them;
-    with `route` the router's logits and bias, each slot's expert and weight chosen here as in kernel 1)."""
+    (coef [Bp, U]: at B = 1 the routing weights as the router gives them, or as kernel 1 wrote them)."""
     pl = _pl()
-    (r0, r1), refs = refs[:2], refs[2:]
     a, w2, o_ref = refs[:na], refs[na:na + nw], refs[-1]
     n, s = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(pl.multiple_of(n * sp.bn, sp.bn), sp.bn)
     start = s * steps
-    if route is None:
-        U = r0.shape[0]
-    elif route.B == 1:
-        U = route.U
-        sig, rank, idx = _route_ranks(r0, r1, route)
-        wts = _weights(sig, rank, route)
-    else:
-        U = route.U
-        slot, count, W, idx = _route_plan(r0, r1, route, sp.Bp)
-        last = jnp.sum(jnp.where(slot == count - 1, idx, 0))  # a padded slot re-reads it (cached) times 0
+    U = read_ref.shape[0]
 
-    def routed(u):  # (expert, weight: one token's, or [Bp] per token) of slot u chosen in this kernel
-        if route.B == 1:
-            hit = rank == u
-            return jnp.sum(jnp.where(hit, idx, 0)), jnp.sum(jnp.where(hit, wts, 0.0))
-        hit = slot == u
-        return (jnp.where(u < count, jnp.sum(jnp.where(hit, idx, 0)), last),
-                jnp.sum(jnp.where(hit[None, :], W, 0.0), axis=1))
-
-    def scaled(y, u, c):  # token b's routing weight of slot u times the slot's product (c: chosen here)
-        if c is not None:
-            return c * y if c.ndim == 0 else c[:, None] * y
+    def scaled(y, u):  # coef[:, u] (token b's routing weight of slot u) times the slot's product, per token
         if isinstance(y, tuple):
-            return tuple(r1[b, u] * yb for b, yb in enumerate(y))
+            return tuple(coef_ref[b, u] * yb for b, yb in enumerate(y))
         if y.ndim == 1:
-            return r1[0, u] * y
-        return r1[:, u][:, None] * y
+            return coef_ref[0, u] * y
+        return coef_ref[:, u][:, None] * y
 
     def add(acc, y):
         return tuple(p + q for p, q in zip(acc, y)) if isinstance(acc, tuple) else acc + y
 
     def body(u, acc):
-        e, c = (r0[u], None) if route is None else routed(u)
-        return add(acc, scaled(_gemv_rows(sp, w2, e, rows, a, (u,), steps, start), u, c))
+        return add(acc, scaled(_gemv_rows(sp, w2, read_ref[u], rows, a, (u,), steps, start), u))
 
     if sp.dot:
         zero = jnp.zeros((16, sp.bn), F32)
@@ -551,7 +545,9 @@ def experts_routed(cfg, w, z_BL: jax.Array, logits_BE: jax.Array, bias_E: jax.Ar
     (sigmoid, + bias, top-k, renormalise, scale) then `experts_partial`.  Each program reads the B·E logits and
     ranks them itself (`_route_ranks`; for B > 1 also the distinct chosen experts and each token's weights,
     `_route_plan`), so that XLA's selection chain (the sigmoid and add, the TopK sort, the slice, the
-    renormalising sum and product, and for B > 1 `plan`'s unique and coefficients) does not run in the step."""
+    renormalising sum and product, and for B > 1 `plan`'s unique and coefficients) does not run in the step.
+    Only kernel 1 ranks: its programs (u, 0) write slot u's expert and weights, which kernel 2 reads as it reads
+    `experts`' ids and coefficients (kernel 2 is the same kernel)."""
     B, E = logits_BE.shape
     Ep = 1 << (E - 1).bit_length()
     k = cfg.num_experts_per_token
@@ -560,7 +556,7 @@ def experts_routed(cfg, w, z_BL: jax.Array, logits_BE: jax.Array, bias_E: jax.Ar
     logits, bias = logits_BE.astype(F32), bias_E.astype(F32)
     if Ep != E:  # masked in the kernels
         logits, bias = jnp.pad(logits, ((0, 0), (0, Ep - E))), jnp.pad(bias, (0, Ep - E))
-    return _launch(cfg, w, z_BL, [logits, bias], [logits, bias], rt.U, rt, shared, interpret, config)
+    return _launch(cfg, w, z_BL, [logits, bias], None, rt.U, rt, shared, interpret, config)
 
 
 def _rows_padded(w, B: int) -> int:
@@ -568,10 +564,11 @@ def _rows_padded(w, B: int) -> int:
     return 1 if B == 1 else (1 << (B - 1).bit_length() if isinstance(w.experts_w2, MXFP4) else 16)
 
 
-def _launch(cfg, w, z_BL, sel_up: list, sel_down: list, U: int, route: _Route | None, shared, interpret: bool,
-            config: Config | None) -> jax.Array:
+def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _Route | None, shared,
+            interpret: bool, config: Config | None) -> jax.Array:
     """The two pallas_calls over U selected slots (+ the shared experts' slot), the selection given to kernel 1
-    as `sel_up` and to kernel 2 as `sel_down` (ids and coefficients, or with `route` the logits and bias)."""
+    as `sel_up` (the ids, or with `route` the logits and bias) and to kernel 2 as `sel_down` (the experts to read
+    and their coefficients; with `route`, kernel 1 writes them)."""
     pl = _pl()
     B = z_BL.shape[0]
     E, I, In, Out, joined = _dims(w)
@@ -591,17 +588,20 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list, U: int, route: _Route | 
     P = U + (shared is not None)
 
     ins = [*sel_up, *xs, *w13v, *w3v, *s13]
-    a = pl.pallas_call(
+    outs = [jax.ShapeDtypeStruct((P, Bp, I), dt)]
+    if route is not None:  # kernel 1 also writes each slot's expert and weights for kernel 2
+        outs += [jax.ShapeDtypeStruct((U,), jnp.int32), jax.ShapeDtypeStruct((Bp, U), F32)]
+    a, *sel = pl.pallas_call(
         functools.partial(_gate_up_kernel, sp=sp, nsel=len(sel_up), route=route, nx=len(xs), nw=len(w13v),
                           joined=joined, shared=shared is not None, I=I, steps=In // cf.bk, act=act),
-        grid=(P, I // cf.bn), in_specs=[any_] * len(ins), out_specs=any_,
-        out_shape=jax.ShapeDtypeStruct((P, Bp, I), dt), interpret=interpret, **kw)(*ins)
+        grid=(P, I // cf.bn), in_specs=[any_] * len(ins), out_specs=[any_] * len(outs),
+        out_shape=tuple(outs), interpret=interpret, **kw)(*ins)
 
     S = _splits(cf, Out, I)
     av = _x_views(a, packed)
-    ins = [*sel_down, *av, *w2v, *s2]
+    ins = [*(sel_down if route is None else sel), *av, *w2v, *s2]
     y = pl.pallas_call(
-        functools.partial(_down_kernel, sp=sp, route=route, na=len(av), nw=len(w2v), shared=shared is not None,
+        functools.partial(_down_kernel, sp=sp, na=len(av), nw=len(w2v), shared=shared is not None,
                           steps=I // S // cf.bk),
         grid=(Out // cf.bn, S), in_specs=[any_] * len(ins), out_specs=any_,
         out_shape=jax.ShapeDtypeStruct((S, Bp, Out), F32), interpret=interpret, **kw)(*ins)

@@ -644,9 +644,12 @@ def _key(w, B: int, shared) -> tuple:
 def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Config | None = None,
          only_where_faster: bool = True, **_) -> str | None:
     _, I, In, Out, _ = _dims(w)
-    cf = _resolve(config or Config(), z_BL.shape[0] if z_BL.ndim == 2 else 1, In, I, Out)
-    if not (pow2(cf.bn) and pow2(cf.bk)) or cf.bk < G32 or cf.bn < 16:
-        return f"moe_experts kernel needs bn >= 16 and bk >= {G32}, powers of two (Triton blocks), got {cf.bn}, {cf.bk}"
+    B = z_BL.shape[0] if z_BL.ndim == 2 else 1
+    cf = _resolve(config or Config(), B, In, I, Out)
+    min_bn = 8 if B == 1 else 16  # one token: element-wise [bn, bk] tiles; more: the dot's 16-row tiles
+    if not (pow2(cf.bn) and pow2(cf.bk)) or cf.bk < G32 or cf.bn < min_bn:
+        return (f"moe_experts kernel needs bn >= {min_bn} (B = {B}) and bk >= {G32}, powers of two (Triton blocks), "
+                f"got {cf.bn}, {cf.bk}")
     if cf.decode not in ("select", "bits", "f16"):
         return f"moe_experts kernel: decode must be 'select', 'bits' or 'f16', got {cf.decode!r}"
     if z_BL.ndim != 2 or not 1 <= z_BL.shape[0] <= MAX_B:

@@ -6,6 +6,9 @@ same run); a kernel is proven only by its compiled tests and its timing against 
 
     python scripts/gpu/step_with_kernel.py moe_experts -- --config kimi-linear-48b --layers all --experts 64 ...
     python scripts/gpu/step_with_kernel.py -moe_experts -- ...
+
+An argument MODULE:CLASS.FIELD=VALUE (e.g. `moe_experts:Config.bn=8`, a module of jaxk3.kernels) sets the default of
+a kernel's config dataclass in this process: the step with another tiling than the one its sweep chose.
 """
 from __future__ import annotations
 
@@ -20,7 +23,24 @@ from jaxk3.kernels import registry  # noqa: E402
 from jaxk3.cli import main as cli_main  # noqa: E402
 
 
+def set_default(arg: str) -> None:
+    """MODULE:CLASS.FIELD=VALUE: calls of the kernel module's CLASS() take VALUE (an int, else the string)."""
+    import functools
+    import importlib
+
+    where, value = arg.split("=", 1)
+    mod_name, attr = where.split(":")
+    cls_name, field = attr.split(".")
+    mod = importlib.import_module(f"jaxk3.kernels.{mod_name}")
+    v = int(value) if value.lstrip("-").isdigit() else value
+    setattr(mod, cls_name, functools.partial(getattr(mod, cls_name), **{field: v}))
+    print(f"patched: {mod_name}.{cls_name}() takes {field}={v!r} (this process only)", flush=True)
+
+
 def patch(name: str) -> None:
+    if ":" in name:
+        set_default(name)
+        return
     if name.startswith("-"):
         name = name[1:]
         kernels.REGISTRY[name] = dataclasses.replace(kernels.REGISTRY[name], unproven="left out by step_with_kernel.py")

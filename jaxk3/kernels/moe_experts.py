@@ -706,8 +706,10 @@ MAX_ROUTED_EXPERTS = 256  # the ranks compare every pair of the Ep logits: [Ep, 
 MAX_ROUTED_PLAN = 64  # B > 1: the distinct experts' positions from one [Ep, Ep] tile
 # (format, B bucket, E, I, In, Out, shared) where the whole step was measured faster with the selection in the kernels
 # than with XLA's chain before `moe_experts` (docs/PERF.md); `auto` takes the routed form only there.
-# Measured 2026-12-02 (fifth session, call 1): the 48B step (64 experts kept, TP 1, B = 1) 2519.8 us with it against
-# 2632.7 without in the same call, 391 launch ops against 521.  All 256 experts (more ranks per program) not yet.
+# Measured 2026-12-02 (fifth session, call 3, kernel 2 reading kernel 1's choices): the 48B step (64 experts kept,
+# TP 1, B = 1) 2465.5 us with it against 2647.1 without in the same call, 391 launch ops against 521 (call 1, both
+# kernels ranking: 2519.8 vs 2632.7).  B = 8 (call 2, every program planning the distinct experts): 9130.6 us against
+# 7402.9, slower.  All 256 experts (8 comparison tiles per program instead of 2) not yet measured.
 ROUTED_MEASURED: set[tuple] = {("bf16", 1, 64, 1024, 2304, 2304, True)}
 
 
@@ -742,9 +744,9 @@ def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None
     return None
 
 
-# Proven on an H200 (2026-12-02, fifth session): compiled at Kimi-Linear-48B's dims with 64 and 256 experts
-# (tests/test_kernels.py::test_moe_experts_routed_on_gpu), and the 48B step at B = 1 (64 experts) 4.3% faster with it.
+# Proven on an H200 (2026-12-02, fifth session): compiled at Kimi-Linear-48B's dims with 64 and 256 experts, B 1, 3
+# and 8 (tests/test_kernels.py::test_moe_experts_routed_on_gpu), and the 48B step at B = 1 (64 experts) 6.9% faster.
 register(Kernel("moe_experts_routed", routed_reference, experts_routed, platforms=("gpu",), fits=routed_fits,
-                measured="B=1, Kimi-Linear-48B TP 1, 64 experts: the step 4.3% faster with it (2519.8 vs 2632.7 us, "
-                         "130 fewer kernels); elsewhere not measured, auto keeps XLA's selection (H200, jax 0.11.2, "
-                         "2026-12-02)"))
+                measured="B=1, Kimi-Linear-48B TP 1, 64 experts: the step 6.9% faster with it (2465.5 vs 2647.1 us, "
+                         "130 fewer kernels); B=8: 23% slower (auto keeps XLA's selection); 256 experts not measured "
+                         "(H200, jax 0.11.2, 2026-12-02)"))

@@ -189,3 +189,67 @@ def test_gemv_norm_kernel_on_the_registry_paths():
     finally:
         kernels.REGISTRY["gemv_norm"] = k
     np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+
+
+def _gnorm_case(N: int, H: int, d: int, seed: int = 3):
+    """KDA's o (fp32, heads of very different scale), its gate z, the norm weight [d] (fp32) and o_proj [N, H·d]."""
+    r = np.random.default_rng(seed)
+    K = H * d
+    x = r.standard_normal((1, H, d)) * 10.0 ** r.uniform(-2, 2, (1, H, 1))
+    z = r.standard_normal((1, K)) * 2
+    g = r.uniform(0.5, 1.5, d)
+    w = r.standard_normal((N, K)) * 0.05
+    return (jnp.asarray(x.reshape(1, K), jnp.float32), jnp.asarray(z, jnp.float32), jnp.asarray(g, jnp.float32),
+            jnp.asarray(w, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("N,H,d,cfg", [(64, 8, 32, G.Config(bn=16, bk=64, splits=2)),
+                                       (32, 4, 64, G.Config(bn=8, bk=64, splits=1, unroll=True)),
+                                       (48, 6, 16, G.Config(bn=16, bk=32, splits=3))])
+def test_gemv_gnorm_matches_reference(N, H, d, cfg):
+    """o_proj with KDA's gated per-head RMSNorm in its prologue (interpret mode) against gated_rms_norm, the cast to
+    bf16 and XLA's dot: the same fp32 expression but for the order of each head's sum of squares, so a normed
+    element may round to the neighbouring bf16 value: 4e-3 of max|ref| as gemv_norm's test, and 90% of the outputs
+    within 1e-5; without the norm, or with the gate dropped, the result is another one."""
+    from jaxk3.kernels.rms_norm import gated_rms_norm
+
+    x, z, g, w = _gnorm_case(N, H, d)
+    assert G.gnorm_fits(x, z, g, 1e-5, w, jnp.bfloat16, config=cfg, only_where_faster=False) is None
+    got = np.asarray(G.gemv_gnorm(x, z, g, 1e-5, w, jnp.bfloat16, config=cfg, interpret=True))
+    ref = np.asarray(G.gnorm_reference(x, z, g, 1e-5, w, jnp.bfloat16))
+    assert got.shape == ref.shape == (1, N)
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * scale)
+    assert np.mean(np.abs(got - ref) <= 1e-5 * scale) > 0.9
+    ungated = gated_rms_norm(x.reshape(1, H, d), g, jnp.full((1, H, d), 30.0), 1e-5).reshape(1, -1)
+    assert np.abs(np.asarray(G.reference(ungated.astype(jnp.bfloat16), w)) - ref).max() > 0.1 * scale
+    assert np.abs(np.asarray(G.reference(x.astype(jnp.bfloat16), w)) - ref).max() > 0.1 * scale
+
+
+def test_gemv_gnorm_fits():
+    """What the gated-norm GEMV refuses, by name, and auto only where the step was measured with it."""
+    x, z, g, w = _gnorm_case(64, 8, 32)
+    assert G.gnorm_fits(x, z, g, 1e-5, w, jnp.bfloat16, only_where_faster=False) is None
+    assert "one row" in G.gnorm_fits(jnp.concatenate([x, x]), z, g, 1e-5, w, jnp.bfloat16)
+    assert "power-of-two d" in G.gnorm_fits(x, z, g[:-1], 1e-5, w, jnp.bfloat16)
+    assert "bf16 weights" in G.gnorm_fits(x, z, g, 1e-5, w.astype(jnp.float32), jnp.bfloat16)
+    assert "whole heads" in G.gnorm_fits(x, z, g, 1e-5, w, jnp.bfloat16, config=G.Config(bn=16, bk=16),
+                                         only_where_faster=False)
+    assert "not measured" in G.gnorm_fits(x, z, g, 1e-5, w, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,H,d", [(2304, 32, 128), (7168, 24, 128), (64, 8, 32)])
+def test_gemv_gnorm_on_gpu(N, H, d):
+    """Compiled at Kimi-Linear-48B's o_proj (2304 x 32 heads of 128) and K3's at TP 8 (7168 x 24 heads), against
+    the reference with the bound of test_gemv_gnorm_matches_reference."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    x, z, g, w = _gnorm_case(N, H, d)
+    got = np.asarray(jax.jit(lambda *a: kernels.call("gemv_gnorm", *a[:3], 1e-5, a[3], jnp.bfloat16, mode="on"))(
+        x, z, g, w))
+    ref = np.asarray(G.gnorm_reference(x, z, g, 1e-5, w, jnp.bfloat16))
+    scale = np.abs(ref).max()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * scale)
+    assert np.mean(np.abs(got - ref) <= 1e-5 * scale) > 0.9

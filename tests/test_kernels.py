@@ -376,7 +376,8 @@ def test_model_kernels_option():
 @pytest.mark.slow
 def test_decode_norms_in_the_kernels_prologues(monkeypatch):
     """The Kimi-Linear decode step hands each block its input un-normed (layers.common.Normed). With
-    `gemv_norm`, `router_topk` and `kda_decode_in` (the KDA core reading in_proj's output) running, in
+    `gemv_norm`, `router_topk`, `kda_decode_in` (the KDA core reading in_proj's output) and `gemv_gnorm` (o_proj
+    norming the core's output) running, in
     interpret mode and registered for the CPU, the blocks' first GEMVs and the router norm it, and the logits agree with kernels='off' (XLA's norm, then
     the same products) to 2e-3 of max|logit|: here they agree exactly, and the bound leaves room for a
     bf16 rounding of a normed element moved by the order of the sum of squares; a prologue GEMV off by
@@ -390,7 +391,7 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch):
     from jaxk3.kernels import registry, router
 
     calls: dict[str, int] = {}
-    for name in ("gemv_norm", "router_topk", "kda_decode_in"):
+    for name in ("gemv_norm", "router_topk", "kda_decode_in", "gemv_gnorm"):
         k = kernels.REGISTRY[name]
 
         def dev(*a, _k=k, _n=name, **kw):
@@ -411,6 +412,7 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch):
     moe = sum(f == "moe" for f in cfg.layer_ffn)
     assert calls.get("gemv_norm", 0) >= cfg.num_hidden_layers * 2 and calls.get("router_topk", 0) >= moe >= 1, calls
     assert calls.get("kda_decode_in", 0) == len(cfg.kda_layers), calls  # the KDA core reading in_proj's output
+    assert calls.get("gemv_gnorm", 0) == len(cfg.kda_layers), calls  # and o_proj norming its output
     a, b = np.asarray(off.logits, np.float32), np.asarray(auto.logits, np.float32)
     np.testing.assert_array_equal(a[:, 0], b[:, 0])  # the prefill's logits: no Normed there
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())

@@ -359,3 +359,103 @@ register(Kernel("gemv_norm", _norm_reference, _norm_device, platforms=("gpu",), 
                 measured="B=1, Kimi-Linear-48B: the step 1.9% faster with it (2739.0 vs 2790.6 us; KDA blocks 42.8 -> "
                          "38.4 us, MLA 44.6 -> 41.0); B=8 not taken (the step 0.8% slower) (H200, jax 0.11.2, "
                          "2026-12-02)"))
+
+
+# ---------------------------------------------------------------- the gated per-head norm in the prologue
+# KDA's output o (fp32, per head of d values) reaches o_proj as gated_rms_norm(o; w, z) = RMSNorm over each head's d
+# values ⊙ sigmoid(z), cast to the activation dtype: two XLA fusions per layer before o_proj's dot.  Here one program
+# of the GEMV norms the heads of its own K range as it loads them (a head never straddles a tile: tiles are whole
+# heads), so the norm costs no kernel of its own.  One row, "nk" weights.
+
+
+def _gnorm_kernel(x_ref, z_ref, g_ref, w_ref, o_ref, *, bn: int, hk: int, d: int, steps: int, eps: float, dt,
+                  unroll: bool):
+    """Program (n, s): output rows [n·bn, (n+1)·bn), heads [s·steps·hk, (s+1)·steps·hk) of K (x, z viewed [1, H, d],
+    w [N, H, d]): Σ over its tiles of w[rows, heads, :] · gated_rms_norm(x[heads]) in `dt`, one partial sum."""
+    from jax.experimental import pallas as pl
+
+    n, s = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(pl.multiple_of(n * bn, bn), bn)
+    g = g_ref[...].astype(F32)  # [d]
+
+    def body(i, acc):
+        heads = pl.ds(pl.multiple_of((s * steps + i) * hk, hk), hk)
+        x = x_ref[0, heads, :].astype(F32)  # [hk, d]
+        r = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / d + eps)  # the reference's mean over the head
+        xn = (g[None, :] * x) * r[:, None] * jax.nn.sigmoid(z_ref[0, heads, :].astype(F32))
+        xn = xn.astype(dt).astype(w_ref.dtype).astype(F32)
+        return acc + w_ref[rows, heads, :].astype(F32) * xn[None]
+    acc = _loop(steps, body, jnp.zeros((bn, hk, d), F32), unroll)
+    o_ref[s, 0, rows] = jnp.sum(jnp.sum(acc, axis=2), axis=1)
+
+
+def gnorm_reference(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, w: jax.Array, dt,
+                    config: Config | None = None, only_where_faster: bool = True) -> jax.Array:
+    """fp32 [B, N] = gated_rms_norm(x; norm_w, z) per head of d = len(norm_w) values, cast to `dt`, @ W^T (W [N, K]):
+    what KDA's decode computes between its core and o_proj through XLA."""
+    from jaxk3.kernels.rms_norm import gated_rms_norm
+
+    B, K = x_BK.shape
+    d = norm_w.shape[0]
+    xn = gated_rms_norm(x_BK.reshape(B, K // d, d), norm_w, z_BK.reshape(B, K // d, d), eps).reshape(B, K)
+    return reference(xn.astype(dt), w)
+
+
+def gnorm_config(N: int, K: int, d: int) -> Config:
+    """The GEMV's tiling at (1, N, K) with tiles of whole heads (bk a multiple of d)."""
+    c = config_for(1, N, K)
+    return dataclasses.replace(c, bk=max(c.bk, d))
+
+
+def gemv_gnorm(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, w: jax.Array, dt,
+               config: Config | None = None, interpret: bool = False, only_where_faster: bool = True) -> jax.Array:
+    """The same function as `gnorm_reference`, the norm in the GEMV's prologue: fp32 [1, N]."""
+    from jax.experimental import pallas as pl
+
+    N, K = w.shape
+    d = norm_w.shape[0]
+    c = config or gnorm_config(N, K, d)
+    hk = c.bk // d
+    H = K // d
+    steps = H // c.splits // hk
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    p = pl.pallas_call(
+        functools.partial(_gnorm_kernel, bn=c.bn, hk=hk, d=d, steps=steps, eps=float(eps), dt=jnp.dtype(dt),
+                          unroll=c.unroll),
+        grid=(N // c.bn, c.splits), in_specs=[any_] * 4, out_specs=any_,
+        out_shape=jax.ShapeDtypeStruct((c.splits, 1, N), F32), interpret=interpret,
+        **triton_params(c.num_warps, c.num_stages, interpret),
+    )(x_BK.reshape(1, H, d), z_BK.reshape(1, H, d), norm_w, w.reshape(N, H, d))
+    return p[0] if c.splits == 1 else jnp.sum(p, axis=0)
+
+
+# (N, K, d) where the step was measured faster with the gated norm in o_proj's prologue; auto takes it only there.
+GNORM_MEASURED: set[tuple[int, int, int]] = set()
+
+
+def gnorm_fits(x_BK, z_BK, norm_w, eps: float, w, dt, config: Config | None = None, only_where_faster: bool = True,
+               **_) -> str | None:
+    """Why this call does not suit `gemv_gnorm` (None: it does): one row of x and z [1, K], K whole heads of a
+    power-of-two d = len(norm_w), bf16 [N, K] weights, tiles of whole heads that divide the shape; `auto` only
+    where the step was measured faster with it (`GNORM_MEASURED`)."""
+    if x_BK.ndim != 2 or x_BK.shape[0] != 1 or z_BK.shape != x_BK.shape or w.ndim != 2:
+        return (f"gemv_gnorm kernel takes one row of x and z [1, K] and a 2-D weight, got {x_BK.shape}, "
+                f"{getattr(z_BK, 'shape', None)}, {w.shape}")
+    N, K = w.shape
+    d = norm_w.shape[0] if norm_w.ndim == 1 else 0
+    if K != x_BK.shape[1] or not pow2(d) or K % d:
+        return f"gemv_gnorm kernel: K = {x_BK.shape[1]} whole heads of a power-of-two d (the norm weight), got w {w.shape}, norm {norm_w.shape}"
+    if w.dtype != jnp.bfloat16:
+        return f"gemv_gnorm kernel streams bf16 weights, got {w.dtype}"
+    c = config or gnorm_config(N, K, d)
+    if c.dot or not pow2(c.bn) or c.bn < 8 or c.bk % d or N % c.bn or K % (c.splits * c.bk):
+        return (f"gemv_gnorm kernel: tiles of bn {c.bn} rows (a power of two >= 8 dividing N {N}) by bk {c.bk} "
+                f"columns (whole heads of {d}), {c.splits} splits dividing K {K}, element-wise (no dot)")
+    if only_where_faster and (N, K, d) not in GNORM_MEASURED:
+        return (f"gemv_gnorm kernel: the step at (N, K, d) = {(N, K, d)} was not measured faster with it on an H200 "
+                "(kernels='on' runs it)")
+    return None
+
+
+register(Kernel("gemv_gnorm", gnorm_reference, gemv_gnorm, platforms=("gpu",), fits=gnorm_fits,
+                unproven="its compiled tests have not yet run on a GPU", measured="not measured"))

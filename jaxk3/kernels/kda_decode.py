@@ -59,12 +59,13 @@ class CoreWeights:
 
 
 def decode_core(cfg: KimiK3Config, u_B3C: jax.Array, conv_B3CW: jax.Array, cw: CoreWeights, f_BC: jax.Array,
-                beta_BH: jax.Array, z_BC: jax.Array, state_BHKV: jax.Array, valid_B: jax.Array
+                beta_BH: jax.Array, z_BC: jax.Array, state_BHKV: jax.Array, valid_B: jax.Array, gated: bool = True
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Everything of the KDA decode step between the projections and o_proj, per local head:
     the short causal conv + SiLU, the q/k l2 norms, the forget gate, the gated delta rule on the
     fp32 state and the gated output RMSNorm.  (o_BC fp32, new conv_B3CW, new state_BHKV); rows with
-    valid_B False keep their caches.  The jnp reference of the `kda_decode` kernel."""
+    valid_B False keep their caches.  The jnp reference of the `kda_decode` kernel.  `gated` False: o
+    before the gated norm (o_proj's prologue norms it: jaxk3.kernels.gemv.gemv_gnorm)."""
     B, Kd = u_B3C.shape[0], cfg.kda_head_dim
     win_B3CK = jnp.concatenate([conv_B3CW, u_B3C[..., None]], axis=-1)
     y_B3C = jax.nn.silu(jnp.einsum("bjck,jck->bjc", win_B3CK.astype(F32), cw.conv_3CK))
@@ -79,7 +80,8 @@ def decode_core(cfg: KimiK3Config, u_B3C: jax.Array, conv_B3CW: jax.Array, cw: C
     upd_BHV = beta_BH[..., None] * (v_BHK - pred_BHV)
     S = S + jnp.einsum("bhk,bhv->bhkv", k_BHK, upd_BHV)
     o_BHV = jnp.einsum("bhkv,bhk->bhv", S, q_BHK)
-    o_BHV = gated_rms_norm(o_BHV, cw.o_norm_K, z_BC.reshape(o_BHV.shape), cfg.rms_norm_eps)
+    if gated:
+        o_BHV = gated_rms_norm(o_BHV, cw.o_norm_K, z_BC.reshape(o_BHV.shape), cfg.rms_norm_eps)
     keep = valid_B.astype(bool)
     new_conv = jnp.where(keep[:, None, None, None], win_B3CK[..., 1:], conv_B3CW)
     new_state = jnp.where(keep[:, None, None, None], S, state_BHKV)
@@ -223,16 +225,19 @@ IN_MEASURED = {(1, 4096, 32, 128, jnp.dtype(jnp.bfloat16))}
 
 
 def fused_reference(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, config: Config | None = None,
-                    only_where_faster: bool = True):
-    """`kda_decode_in`'s reference: `glue`, then `decode_core` (what the layer computes without the kernel)."""
+                    only_where_faster: bool = True, gated: bool = True):
+    """`kda_decode_in`'s reference: `glue`, then `decode_core` (what the layer computes without the kernel).
+    `gated` False: (o before the gated norm, z, new conv, new state), for o_proj's prologue to norm."""
     u, f, beta, z = glue(cfg, y_BX, gate_b_2Cd, conv_B3CW.dtype)
-    return decode_core(cfg, u, conv_B3CW, cw, f, beta, z, state_BHKV, valid_B)
+    o, conv, state = decode_core(cfg, u, conv_B3CW, cw, f, beta, z, state_BHKV, valid_B, gated=gated)
+    return (o, conv, state) if gated else (o, z, conv, state)
 
 
 def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, interpret: bool = False,
-                  config: Config | None = None, only_where_faster: bool = True):
+                  config: Config | None = None, only_where_faster: bool = True, gated: bool = True):
     """The same function as `fused_reference`: the kernel reads in_proj's raw output and the low-rank weights
-    itself (the XLA kernels that split, stack, cast and multiply them go), writing z beside o for the norm."""
+    itself (the XLA kernels that split, stack, cast and multiply them go), writing z beside o for the norm
+    (`gated` False: o and z as they are, the norm left to o_proj's prologue)."""
     from jax.experimental import pallas as pl
 
     from jaxk3.kernels.registry import triton_params
@@ -252,12 +257,14 @@ def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, int
         input_output_aliases={6: 3}, interpret=interpret, **triton_params(c.num_warps, 1, interpret),
     )(y_BX.astype(F32), gate_b_2Cd, conv_B3CW, cw.conv_3CK, cw.dt_bias_C.astype(F32), cw.A_log_H.astype(F32),
       state_BHKV, valid_B.astype(jnp.int32))
+    if not gated:
+        return o, z, conv, state
     o = gated_rms_norm(o.reshape(B, H, Kd), cw.o_norm_K, z.reshape(B, H, Kd), cfg.rms_norm_eps)
     return o.reshape(B, C), conv, state
 
 
 def fused_fits(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, config: Config | None = None,
-               only_where_faster: bool = True, **_) -> str | None:
+               only_where_faster: bool = True, gated: bool = True, **_) -> str | None:
     """Why this call does not suit `kda_decode_in` (None: it does).  `auto` takes it where the step was measured
     faster with it (`IN_MEASURED`: one row, bf16 activations, Kimi-Linear-48B's per-rank dims at TP 1);
     only_where_faster=False (kernels="on") wherever it fits."""

@@ -322,7 +322,8 @@ def _store(ref, lead: tuple, rows, y) -> None:
 class _Route:
     """The router's selection done inside the kernels (`experts_routed`): B tokens' logits over E experts padded
     to Ep (a power of two), k chosen per token, the weights renormalised (`renorm`) and scaled; U slots (k at
-    B = 1, in the router's order; else min(E, B·k) for the distinct chosen experts in index order, then padding)."""
+    B = 1, in the router's order; else B·k rounded up to a power of two, at most Ep, for the distinct chosen
+    experts in index order, then padding)."""
     E: int
     Ep: int
     k: int
@@ -365,20 +366,28 @@ def _weights(s, rank, rt: _Route):
     return jnp.where(mine, s * F32(rt.scale), 0.0)
 
 
-def _route_plan(logits_ref, bias_ref, rt: _Route, Bp: int):
-    """B > 1: (slot [Ep]: expert i's slot among the distinct chosen experts in index order, as `plan` orders them,
-    or -1 where no token chose it; count, the number of distinct chosen; W [Bp, Ep]: token b's routing weight of
-    each expert (0 where b did not choose it, and on the padding rows); idx [Ep])."""
-    rows = lax.broadcasted_iota(jnp.int32, (Bp,), 0)
-    chosen = W = None
+def _plan_kernel(logits_ref, bias_ref, uniq_ref, read_ref, coef_ref, *, rt: _Route, Bp: int):
+    """One program (B > 1): `plan` of the B tokens' choices from their logits, as kernel 1's programs rank one
+    token's: uniq [U] the distinct chosen experts in index order, then -1; read [U] the same with the last chosen
+    expert for the padding (kernel 2 re-reads it, cached, times 0); coef [Bp, U] token b's weight of slot u (0
+    where b did not choose it, and on the padding rows).  Each token's ranks, then one [Ep, Ep] tile gives each
+    chosen expert's slot and one [U, Ep] tile per token its weights: no sort, no chain of k reductions."""
+    wts, chosen = [], None
     for b in range(rt.B):
         s, rank, idx = _route_ranks(logits_ref, bias_ref, rt, b)
-        row = jnp.where((rows == b)[:, None], _weights(s, rank, rt)[None, :], 0.0)
-        W = row if W is None else W + row
+        wts.append(_weights(s, rank, rt))
         chosen = rank < rt.k if chosen is None else chosen | (rank < rt.k)
     before = chosen[None, :] & (idx[None, :] < idx[:, None])  # [Ep (i), Ep (j)]: chosen j before i
-    slot = jnp.where(chosen, jnp.sum(before.astype(jnp.int32), axis=1), -1)
-    return slot, jnp.sum(chosen.astype(jnp.int32)), W, idx
+    slot = jnp.where(chosen, jnp.sum(before.astype(jnp.int32), axis=1), -1)  # [Ep]
+    count = jnp.sum(chosen.astype(jnp.int32))
+    u = lax.broadcasted_iota(jnp.int32, (rt.U,), 0)
+    hit = slot[None, :] == u[:, None]  # [U, Ep]: slot u holds expert i
+    e = jnp.sum(jnp.where(hit, idx[None, :], 0), axis=1)  # [U]
+    last = jnp.sum(jnp.where(slot == count - 1, idx, 0))
+    uniq_ref[...] = jnp.where(u < count, e, -1)
+    read_ref[...] = jnp.where(u < count, e, last)
+    for b in range(Bp):
+        coef_ref[b, :] = jnp.sum(jnp.where(hit, wts[b][None, :], 0.0), axis=1) if b < rt.B else jnp.zeros((rt.U,), F32)
 
 
 def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, nw: int, joined: bool, shared: bool,
@@ -402,7 +411,7 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
     if route is None:
         U = sel[0].shape[0]
         e = sel[0][jnp.minimum(u, U - 1)]
-    elif route.B == 1:
+    else:  # one token (B > 1 plans in `_plan_kernel` first)
         U = route.U
         s, rank, idx = _route_ranks(*sel, route)
         hit = rank == jnp.minimum(u, U - 1)
@@ -412,16 +421,6 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
         def _():
             read_ref[u] = e
             coef_ref[0, u] = jnp.sum(jnp.where(hit, _weights(s, rank, route), 0.0))
-    else:  # the u-th distinct chosen expert; -1 past them (a padded slot: zeros)
-        U = route.U
-        slot, count, W, idx = _route_plan(*sel, route, sp.Bp)
-        hit = slot == u
-        e = jnp.where(u < count, jnp.sum(jnp.where(hit, idx, 0)), -1)
-
-        @pl.when((u < U) & (n == 0))
-        def _():
-            read_ref[u] = jnp.where(e >= 0, e, jnp.sum(jnp.where(slot == count - 1, idx, 0)))
-            coef_ref[:, u] = jnp.sum(jnp.where(hit[None, :], W, 0.0), axis=1)
 
     def gate_up(w1, w3, e, rows3):
         h1 = _gemv_rows(sp, w1, e, rows, x, (), steps)
@@ -541,22 +540,32 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared:
 def experts_routed(cfg, w, z_BL: jax.Array, logits_BE: jax.Array, bias_E: jax.Array,
                    shared: SharedMLP | None = None, interpret: bool = False, config: Config | None = None,
                    only_where_faster: bool = True) -> jax.Array:
-    """`experts` with the router's selection inside the two kernels: the same function as `select_experts`
-    (sigmoid, + bias, top-k, renormalise, scale) then `experts_partial`.  Each program reads the B·E logits and
-    ranks them itself (`_route_ranks`; for B > 1 also the distinct chosen experts and each token's weights,
-    `_route_plan`), so that XLA's selection chain (the sigmoid and add, the TopK sort, the slice, the
-    renormalising sum and product, and for B > 1 `plan`'s unique and coefficients) does not run in the step.
-    Only kernel 1 ranks: its programs (u, 0) write slot u's expert and weights, which kernel 2 reads as it reads
-    `experts`' ids and coefficients (kernel 2 is the same kernel)."""
+    """`experts` with the router's selection done by the kernels: the same function as `select_experts` (sigmoid,
+    + bias, top-k, renormalise, scale) then `experts_partial`, without XLA's selection chain (the sigmoid and add,
+    the TopK sort, the slice, the renormalising sum and product; for B > 1 also `plan`'s unique and coefficients).
+    One token: every program of kernel 1 ranks the E logits itself (`_route_ranks`) and its programs (u, 0)
+    write slot u's expert and weight, which kernel 2 reads as it reads `experts`' ids and coefficients.  B > 1:
+    one small kernel plans the distinct experts and every token's weights (`_plan_kernel`), then `experts`' two."""
+    pl = _pl()
     B, E = logits_BE.shape
     Ep = 1 << (E - 1).bit_length()
     k = cfg.num_experts_per_token
+    # B > 1: slots for every distinct choice, a power of two (the plan kernel's [U, E] tile), the rest padding
     rt = _Route(E=E, Ep=Ep, k=k, renorm=cfg.moe_renormalize, scale=float(cfg.routed_scaling_factor), B=B,
-                U=k if B == 1 else min(E, B * k), chunk=min(Ep, _Route.chunk))
+                U=k if B == 1 else min(Ep, 1 << (B * k - 1).bit_length()), chunk=min(Ep, _Route.chunk))
     logits, bias = logits_BE.astype(F32), bias_E.astype(F32)
     if Ep != E:  # masked in the kernels
         logits, bias = jnp.pad(logits, ((0, 0), (0, Ep - E))), jnp.pad(bias, (0, Ep - E))
-    return _launch(cfg, w, z_BL, [logits, bias], None, rt.U, rt, shared, interpret, config)
+    if B == 1:
+        return _launch(cfg, w, z_BL, [logits, bias], None, rt.U, rt, shared, interpret, config)
+    Bp = _rows_padded(w, B)
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    uniq, read, coef = pl.pallas_call(
+        functools.partial(_plan_kernel, rt=rt, Bp=Bp), grid=(1,), in_specs=[any_] * 2, out_specs=[any_] * 3,
+        out_shape=(jax.ShapeDtypeStruct((rt.U,), jnp.int32), jax.ShapeDtypeStruct((rt.U,), jnp.int32),
+                   jax.ShapeDtypeStruct((Bp, rt.U), F32)),
+        interpret=interpret, **triton_params(4, 1, interpret))(logits, bias)
+    return _launch(cfg, w, z_BL, [uniq], [read, coef], rt.U, None, shared, interpret, config)
 
 
 def _rows_padded(w, B: int) -> int:
@@ -703,7 +712,7 @@ def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None =
 
 
 MAX_ROUTED_EXPERTS = 256  # the ranks compare every pair of the Ep logits: [Ep, 32] tiles per program
-MAX_ROUTED_PLAN = 64  # B > 1: the distinct experts' positions from one [Ep, Ep] tile
+MAX_ROUTED_PLAN = 64  # B > 1: the distinct experts' positions from one [Ep, Ep] tile (one program)
 # (format, B bucket, E, I, In, Out, shared) where the whole step was measured faster with the selection in the kernels
 # than with XLA's chain before `moe_experts` (docs/PERF.md); `auto` takes the routed form only there.
 # Measured 2026-12-02 (fifth session, call 3, kernel 2 reading kernel 1's choices): the 48B step (64 experts kept,
@@ -716,8 +725,8 @@ ROUTED_MEASURED: set[tuple] = {("bf16", 1, 64, 1024, 2304, 2304, True)}
 def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,
                 only_where_faster: bool = True, **_) -> str | None:
     """Why this call does not suit `experts_routed` (None: it does): `moe_experts`' own conditions, an ungrouped
-    top-k over at most MAX_ROUTED_EXPERTS logits of this block's experts (B > 1: bf16 experts, at most
-    MAX_ROUTED_PLAN); `auto` takes it only where the step was measured faster with it (`ROUTED_MEASURED`)."""
+    top-k over at most MAX_ROUTED_EXPERTS logits of this block's experts (B > 1: at most MAX_ROUTED_PLAN); `auto`
+    takes it only where the step was measured faster with it (`ROUTED_MEASURED`)."""
     if cfg.use_grouped_topk and cfg.num_expert_group > 1:
         return f"moe_experts routed form has no group-limited selection (num_expert_group {cfg.num_expert_group})"
     E = _dims(w)[0]
@@ -731,10 +740,9 @@ def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None
     k = cfg.num_experts_per_token
     if not 1 <= k <= E or E > MAX_ROUTED_EXPERTS:
         return f"moe_experts routed form ranks 1 <= k <= E <= {MAX_ROUTED_EXPERTS} experts in registers, got k {k}, E {E}"
-    if B > 1 and (isinstance(w.experts_w2, MXFP4) or E > MAX_ROUTED_PLAN):
-        return (f"moe_experts routed form for B > 1 plans the distinct experts of bf16 experts over <= "
-                f"{MAX_ROUTED_PLAN} experts ([E, E] tiles), got {'MXFP4' if isinstance(w.experts_w2, MXFP4) else 'bf16'}"
-                f" and E {E}")
+    if B > 1 and E > MAX_ROUTED_PLAN:
+        return (f"moe_experts routed form for B > 1 plans the distinct experts over <= {MAX_ROUTED_PLAN} experts in "
+                f"one program ([E, E] tiles), got E {E}")
     if only_where_faster:
         fmt, bb, _, I, In, Out, sh = _key(w, B, shared)
         key = (fmt, bb, E, I, In, Out, sh)

@@ -1,0 +1,65 @@
+"""The newest device kernels lowered to Triton IR for an sm_90 on the CPU, at the Kimi-Linear-48B preset's real
+dims (jaxk3.tools.triton_lowering): a block that is not a power of two, an unsupported primitive or a bad index
+fails here, before a GPU call (the moe_experts_routed plan kernel's 24-slot tile did, at B = 3).  Shapes only:
+nothing is allocated.  What lowering cannot see (PTX register and shared-memory limits, speed) is the GPU's.
+
+Each kernel's first GPU call also runs its `gpu`-marked tests (tests/test_kernels.py, tests/test_gemv.py); this
+covers the forms whose GPU run is pending or recent."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxk3.tools.triton_lowering import lower
+
+S = jax.ShapeDtypeStruct
+BF16 = jnp.bfloat16
+
+
+def _cfg48():
+    from jaxk3.tools.bench_decode import load_config
+
+    return load_config("kimi-linear-48b")
+
+
+@pytest.mark.parametrize("E,B", [(64, 1), (256, 1), (64, 3), (64, 8)])
+def test_moe_experts_routed_lowers(E, B):
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.layers import moe
+
+    cfg = dataclasses.replace(_cfg48(), num_experts=E)
+    I, L = cfg.moe_intermediate_size, cfg.hidden_size
+    w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=None, experts_w3=None,
+                       experts_w2=S((E, L, I), BF16), experts_w13=S((E, 2 * I, L), BF16))
+    shared = ME.SharedMLP(S((2 * I, L), BF16), S((L, I), BF16))
+    z, logits, bias = S((B, L), BF16), S((B, E), jnp.float32), S((E,), jnp.float32)
+    assert ME.routed_fits(cfg, w, z, logits, bias, shared=shared, only_where_faster=False) is None
+    n = lower(lambda w, z, lg, b, sh: ME.experts_routed(cfg, w, z, lg, b, shared=sh), w, z, logits, bias, shared)
+    assert n == (2 if B == 1 else 3)  # kernel 1 and 2 (+ the plan kernel for B > 1)
+
+
+def test_gemv_gnorm_lowers():
+    from jaxk3.kernels import gemv as G
+
+    cfg = _cfg48()
+    C, d, D = cfg.kda_dim, cfg.kda_head_dim, cfg.hidden_size
+    x, g, w = S((1, C), jnp.float32), S((d,), jnp.float32), S((D, C), BF16)
+    assert G.gnorm_fits(x, x, g, 1e-5, w, BF16, only_where_faster=False) is None
+    assert lower(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, BF16), x, x, g, w) == 1
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_kda_decode_in_lowers(gated):
+    from jaxk3.kernels import kda_decode as KD
+
+    cfg = _cfg48()
+    C, H, d, K = cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
+    f32 = jnp.float32
+    cw = KD.CoreWeights(conv_3CK=S((3, C, K), f32), dt_bias_C=S((C,), f32), A_log_H=S((H,), f32), o_norm_K=S((d,), f32))
+    args = (S((1, 3 * C + 2 * d + H), f32), S((2, C, d), BF16), S((1, 3, C, K - 1), BF16), cw, S((1, H, d, d), f32),
+            S((1,), jnp.bool_))
+    assert KD.fused_fits(cfg, *args, only_where_faster=False) is None
+    assert lower(lambda *a: KD.kda_decode_in(cfg, *a, gated=gated), *args) == 1

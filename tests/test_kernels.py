@@ -368,11 +368,27 @@ def test_model_kernels_option():
     np.testing.assert_array_equal(a.logits, b.logits)
 
 
+@pytest.fixture
+def fresh_steps():
+    """The model's compiled steps forgotten before and after a test that patches the kernel registry: kernels are
+    chosen when a step is traced, and jaxk3.generation caches its jitted steps per (config, options, mesh), so a
+    step traced by an earlier test would run without the patch (and a patched one would outlive the test)."""
+    from jaxk3 import generation
+
+    def clear():
+        generation.build_prefill.cache_clear()
+        generation.build_decode_loop.cache_clear()
+        jax.clear_caches()
+    clear()
+    yield
+    clear()
+
+
 # slow: interpret-mode kernels inside a model; with the newest jax each kernel's own interpret test takes its paths
 # (test_gemv_norm_prologue_matches_reference, test_router_topk_kernel_matches_reference,
 # test_kda_decode_in_kernel_matches_reference) and test_serving the model's
 @pytest.mark.slow
-def test_decode_norms_in_the_kernels_prologues(monkeypatch):
+def test_decode_norms_in_the_kernels_prologues(monkeypatch, fresh_steps):
     """The Kimi-Linear decode step hands each block its input un-normed (layers.common.Normed). With
     `gemv_norm`, `router_topk`, `kda_decode_in` (the KDA core reading in_proj's output) and `gemv_gnorm` (o_proj
     norming the core's output) running, in
@@ -418,7 +434,7 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch):
 
 @pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
 @pytest.mark.parametrize("prompt", [[[5, 6, 7, 8]], [[5, 6, 7, 8], [9, 3, 2]]])
-def test_decode_routes_in_the_experts_kernels(monkeypatch, prompt):
+def test_decode_routes_in_the_experts_kernels(monkeypatch, fresh_steps, prompt):
     """A Kimi-Linear decode step (B = 1, and 2 ragged rows) with `moe_experts_routed` running (interpret mode, registered for the
     CPU): each MoE block's selection happens in the experts' kernels, and the logits agree with kernels='off'
     (XLA's selection, then the experts' GEMVs) to 2e-3 of max|logit| (test_decode_norms_in_the_kernels_prologues'

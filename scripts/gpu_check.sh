@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
-#                        [mxfp4] [moestep]
+#                        [mxfp4] [moestep] [targets]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -18,7 +18,8 @@
 #   ragged_dot and a GEMM of the same FLOPs at Kimi-Linear-48B dims); `attn` the prefill's MLA kernel and KDA form
 #   against the paths they replace; `kda` KDA's prefill forms inside 48B's first four layers with their longest kernels;
 #   `mxfp4` the MoE decode experts kernel's compiled tests and its configurations against XLA (Kimi-Linear-48B
-#   serving layout with the shared experts, K3 TP 2 share); `moestep` the 48B step with that kernel patched in.
+#   serving layout with the shared experts, K3 TP 2 share); `moestep` the 48B step with that kernel patched in;
+#   `targets` issue 22's 32K-context and K3-layers figures (one GPU).
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -285,6 +286,22 @@ if has step48; then
   timeout ${STEP_TIMEOUT:-420} $PY -m jaxk3.cli bench decode --config kimi-linear-48b --layers all --experts 64 \
     --tp 1 --batch ${STEP_BATCH:-1,8} --context 4k --strategies stock --variants ${STEP_VARIANTS:-checkpoint/off,serving/auto} \
     --steps 20 --repeats 5 --json "$OUT/step48.json" 2>&1 | grep -v "^  \.\. " | tee "$OUT/step48.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has targets; then
+  # Issue 22's targets that no other stage re-measures, each in its own process, after step48's 4K figures:
+  # the 48B step at 32K context (B = 1, serving/auto), and K3 layers 11-14 at TP 1 on one GPU (32 experts kept,
+  # stock vs packed MXFP4 experts, B = 1 and 8, kernels auto).  `generate` gives the decode tokens/s target.
+  echo "== decode step, Kimi-Linear-48B, 32K context ($(date -u +%T))"
+  timeout ${TARGET_TIMEOUT:-300} $PY -m jaxk3.cli bench decode --config kimi-linear-48b --layers all --experts 64 \
+    --tp 1 --batch 1 --context 32k --strategies stock --variants serving/auto --steps 20 --repeats 5 \
+    --json "$OUT/step48_32k.json" 2>&1 | grep -v "^  \.\. " | tee "$OUT/step48_32k.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "== decode step, K3 layers 11-14, TP 1, stock vs packed ($(date -u +%T))"
+  timeout ${TARGET_TIMEOUT:-300} $PY -m jaxk3.cli bench decode --config k3 --layers 11-14 --experts 32 --tp 1 \
+    --batch 1,8 --context 4k --strategies stock,packed+sharded+one-shot --json "$OUT/k3_tp1.json" 2>&1 | grep -v "^  \.\. " \
+    | tee "$OUT/k3_tp1.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

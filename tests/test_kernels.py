@@ -467,6 +467,39 @@ def test_decode_routes_in_the_experts_kernels(monkeypatch, fresh_steps, prompt):
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
 
 
+@pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
+def test_decode_merges_mla_parts_with_w_uv(monkeypatch, fresh_steps):
+    """A Kimi-Linear decode step whose MLA layer takes `mla_decode_uv` (the attention's parts merged and W_UV
+    applied in one kernel; interpret mode, registered for the CPU; latent and rope dims the kernel's tiles take):
+    traced once per decode step, and the logits agree with kernels='off' to 2e-3 of max|logit| (measured 1.3e-4:
+    the attention's bf16 operands move the MLA output by up to MLA_TOL of itself, a small part of the residual)."""
+    import jaxk3
+    from small_models import tiny_kimi_linear_4l
+
+    from jaxk3.kernels import registry
+
+    calls = []
+    k = kernels.REGISTRY["mla_decode_uv"]
+
+    def dev(*a, **kw):
+        calls.append(a[0].shape)
+        return k.device(*a, interpret=True, **kw)
+
+    def anywhere(*a, **kw):
+        return k.fits(*a, **registry._on_runs_anywhere(k, "on", kw))
+    monkeypatch.setitem(kernels.REGISTRY, "mla_decode_uv",
+                        dataclasses.replace(k, platforms=("cpu",), device=dev, fits=anywhere, unproven=None))
+    cfg = tiny_kimi_linear_4l(kv_lora_rank=64, qk_rope_head_dim=16)
+    prompt = [[5, 6, 7, 8]]
+    off = jaxk3.init_random_model(cfg, tp=1, kernels="off", layout="serving").generate(prompt, 3, return_logits=True)
+    assert not calls
+    auto = jaxk3.init_random_model(cfg, tp=1, layout="serving").generate(prompt, 3, return_logits=True)
+    assert len(calls) >= len(cfg.mla_layers) >= 1, calls
+    a, b = np.asarray(off.logits, np.float32), np.asarray(auto.logits, np.float32)
+    np.testing.assert_array_equal(a[:, 0], b[:, 0])  # the prefill's logits
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("B", [1, 3, 8])
@@ -805,6 +838,31 @@ def test_mla_decode_kernel_matches_reference(B, H, S, R, P, lengths, tile):
     np.testing.assert_allclose(got, ref, rtol=0, atol=MLA_TOL * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("B,H,S,R,P,lengths,tile,V", [
+    (1, 16, 64, 64, 16, [63], {}, 32),  # one part
+    (3, 20, 256, 64, 16, [0, 31, 130], dict(split=64), 64),  # 4 parts, two head groups (20 -> 32), ragged
+    (1, 32, 512, 64, 16, [300], dict(block_h=32, split=32), 64),  # 16 parts: two chunks of 8 in the merge
+])
+def test_mla_decode_uv_matches_reference(B, H, S, R, P, lengths, tile, V):
+    """The parts merged and W_UV applied in one kernel (interpret mode) against `latent_attention` then the fp32
+    einsum with kv_b_proj's value rows (read in place from row v0 = 16 of each head's rows), on the NaN-poisoned
+    cache.  Tolerance: MLA_TOL of the output (the attention's bf16 operands; the merge adds its parts in another
+    order, ~1e-7); the value rows taken from the wrong offset (the key rows) move it far outside."""
+    ql, qpe, kv, poisoned, length = _mla_case(B, H, S, R, P, lengths)
+    v0 = 16
+    wkvb = jnp.asarray(np.random.default_rng(5).standard_normal((H, v0 + V, R)) * R ** -0.5, jnp.bfloat16)
+    k = kernels.REGISTRY["mla_decode_uv"]
+    assert k.fits(ql, qpe, poisoned, length, 0.07, wkvb, v0, only_where_faster=False, **tile) is None
+    got = np.asarray(k.device(ql, qpe, poisoned, length, 0.07, wkvb, v0, interpret=True, **tile))
+    ref = np.asarray(k.reference(ql, qpe, kv, length, 0.07, wkvb, v0))
+    assert got.shape == ref.shape == (B, H, V) and np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=MLA_TOL * np.abs(ref).max())
+    wrong = np.asarray(k.reference(ql, qpe, kv, length, 0.07, wkvb[:, :V], 0))
+    assert np.abs(wrong - ref).max() > 10 * MLA_TOL * np.abs(ref).max()
+    assert "must divide V" in k.fits(ql, qpe, poisoned, length, 0.07, wkvb, v0 + 1, only_where_faster=False, **tile)
+    assert "not measured" in k.fits(ql, qpe, poisoned, length, 0.07, wkvb, v0, **tile)
+
+
 def test_mla_decode_fits_and_tiles():
     """`fits` names what does not suit the kernel; the default tiles give the dots M, N, K >= 16."""
     from jaxk3.kernels import mla_decode as M
@@ -840,6 +898,23 @@ def test_mla_decode_kernel_on_gpu():
     got = jax.jit(lambda *a: kernels.call("mla_decode", *a, 0.07, mode="on"))(ql, qpe, poisoned, length)
     with jax.default_matmul_precision("highest"):
         ref = kernels.REGISTRY["mla_decode"].reference(ql, qpe, kv, length, 0.07)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=MLA_TOL * float(jnp.abs(ref).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,lengths", [(1, [4095]), (8, [4095, 777, 2048, 5, 4000, 1, 3000, 1234])])
+def test_mla_decode_uv_on_gpu(B, lengths):
+    """Compiled at Kimi-Linear-48B's MLA (32 heads, R 512, P 64, 4K context, W_UV rows 128: of each head's 256)
+    against the reference at full float32 precision, slots past the lengths poisoned.  Tolerance: MLA_TOL."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    ql, qpe, kv, poisoned, length = _mla_case(B, 32, 4096, 512, 64, lengths)
+    wkvb = jnp.asarray(np.random.default_rng(5).standard_normal((32, 256, 512)) * 512 ** -0.5, jnp.bfloat16)
+    got = jax.jit(lambda *a: kernels.call("mla_decode_uv", *a[:4], 0.07, a[4], 128, mode="on"))(
+        ql, qpe, poisoned, length, wkvb)
+    with jax.default_matmul_precision("highest"):
+        ref = kernels.REGISTRY["mla_decode_uv"].reference(ql, qpe, kv, length, 0.07, wkvb, 128)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=MLA_TOL * float(jnp.abs(ref).max()))
 
@@ -1161,9 +1236,10 @@ def test_status_says_what_auto_does():
     assert gpu["moe_grouped"] == gpu["moe_experts"] == "device"
     assert gpu["gemv_norm"] == "device"
     assert gpu["kda_decode_in"] == gpu["moe_experts_routed"] == "device"
-    assert set(kernels.REGISTRY) == {"gemv", "gemv_norm", "kda_decode", "kda_decode_in", "kda_prefill", "mla_decode",
-                                     "mla_prefill", "moe_experts", "moe_experts_routed", "moe_grouped", "rms_norm",
-                                     "router_topk"}
+    assert gpu["gemv_gnorm"].startswith("reference: unproven") and gpu["mla_decode_uv"].startswith("reference: unproven")
+    assert set(kernels.REGISTRY) == {"gemv", "gemv_gnorm", "gemv_norm", "kda_decode", "kda_decode_in", "kda_prefill",
+                                     "mla_decode", "mla_decode_uv", "mla_prefill", "moe_experts", "moe_experts_routed",
+                                     "moe_grouped", "rms_norm", "router_topk"}
     assert "1.23x XLA at Kimi-Linear-48B B=1" in kernels.speeds()["moe_experts"]
 
 

@@ -63,3 +63,16 @@ def test_kda_decode_in_lowers(gated):
             S((1,), jnp.bool_))
     assert KD.fused_fits(cfg, *args, only_where_faster=False) is None
     assert lower(lambda *a: KD.kda_decode_in(cfg, *a, gated=gated), *args) == 1
+
+
+@pytest.mark.parametrize("B", [1, 8])
+def test_mla_decode_uv_lowers(B):
+    from jaxk3.kernels import mla_decode as MD
+
+    cfg = _cfg48()
+    H, R, P, n, v = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
+                     cfg.v_head_dim)
+    args = (S((B, H, R), jnp.float32), S((B, H, P), jnp.float32), S((B, 4096, R + P), BF16), S((B,), jnp.int32))
+    wkvb = S((H, n + v, R), BF16)
+    assert MD.uv_fits(*args, 0.07, wkvb, n, only_where_faster=False) is None
+    assert lower(lambda q, p, kv, ln, w: MD.mla_decode_uv(q, p, kv, ln, 0.07, w, n), *args, wkvb) == 2

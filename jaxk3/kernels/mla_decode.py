@@ -137,6 +137,17 @@ def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool 
                block_s: int | None = None, split: int | None = None, num_warps: int = 4,
                num_stages: int = 2) -> jax.Array:
     """The reference's function with bf16 dot operands (q, p; the bf16 cache): fp32 [B, H, R]."""
+    m, l, acc = _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, interpret, block_h, block_s, split, num_warps,
+                       num_stages)
+    B, H, R = ql_BHR.shape
+    w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # parts past the length: m = NEG, weight 0
+    out = jnp.sum(w[..., None] * acc, axis=2) / jnp.sum(w * l, axis=2)[..., None]
+    return out.reshape(B, -1, R)[:, :H]
+
+
+def _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool, block_h, block_s, split, num_warps: int,
+           num_stages: int):
+    """The kernel's per-part softmax statistics and sums: m, l [B, G, parts, Hb] and acc [B, G, parts, Hb, R]."""
     from jax.experimental import pallas as pl
 
     B, H, R = ql_BHR.shape
@@ -158,9 +169,7 @@ def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool 
                    jax.ShapeDtypeStruct((B, G, parts, Hb, R), F32)),
         interpret=interpret,
     )(length_B.astype(jnp.int32), heads(ql_BHR), heads(qpe_BHP), kv_BSR)
-    w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # parts past the length: m = NEG, weight 0
-    out = jnp.sum(w[..., None] * acc, axis=2) / jnp.sum(w * l, axis=2)[..., None]
-    return out.reshape(B, G * Hb, R)[:, :H]
+    return m, l, acc
 
 
 reference = latent_attention
@@ -208,3 +217,88 @@ def tile_limits(kernel: str, rows: str, m: int, bs: int, R: int, P: int, num_war
 register(Kernel("mla_decode", reference, mla_decode, platforms=("gpu",), fits=fits,
                 measured="4K context: 1.18-1.33x XLA at B=1, 2.06-2.51x at B=8, K3 TP 1/2/8 and Kimi-Linear-48B "
                          "(H200, jax 0.11.2, 2026-12-01)"))
+
+
+# ---------------------------------------------------------------- the parts merged and W_UV applied in one kernel
+# After the attention, XLA merges the context parts (their max, the weighted sums and the division: three fusions)
+# and applies each head's W_UV ([v, R] rows of kv_b_proj) in a fourth.  `mla_decode_uv` does both in one kernel:
+# a program per (row, head, block of `bv` value rows) merges its head's parts over R in chunks of parts and
+# multiplies the merged latent by its W_UV rows.
+
+
+def _merge_uv_kernel(m_ref, l_ref, acc_ref, w_ref, o_ref, *, Hb: int, parts: int, pc: int, bv: int, v0: int):
+    from jax.experimental import pallas as pl
+
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g, hi = h // Hb, h % Hb
+    m = m_ref[b, g, :, hi]  # [parts]
+    mx = jnp.max(m)
+    den = jnp.sum(jnp.exp(m - mx) * l_ref[b, g, :, hi])
+
+    def body(c, olat):  # the weighted sum of a chunk of parts
+        ps = pl.ds(pl.multiple_of(c * pc, pc), pc)
+        wc = jnp.exp(m_ref[b, g, ps, hi] - mx)  # [pc]
+        return olat + jnp.sum(wc[:, None] * acc_ref[b, g, ps, hi, :], axis=0)
+    R = acc_ref.shape[-1]
+    olat = jax.lax.fori_loop(0, parts // pc, body, jnp.zeros((R,), F32)) / den
+    rows = pl.ds(pl.multiple_of(j * bv, bv), bv)
+    o_ref[b, h, rows] = jnp.sum(w_ref[h, pl.ds(v0 + j * bv, bv), :].astype(F32) * olat[None, :], axis=1)
+
+
+def uv_reference(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: jax.Array, v0: int, **_) -> jax.Array:
+    """fp32 [B, H, X - v0]: `latent_attention`, then each head's W_UV (rows v0: of its kv_b_proj rows [X, R], in fp32),
+    as the MLA layer computes it."""
+    olat = latent_attention(ql_BHR, qpe_BHP, kv_BSR, length_B, scale)
+    return jnp.einsum("bhr,hvr->bhv", olat, w_kvb_HXR[:, v0:].astype(F32))
+
+
+UV_BLOCK = 32  # value rows per program of the merge (4 programs per head of 128 values)
+
+
+def mla_decode_uv(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: jax.Array, v0: int,
+                  interpret: bool = False, block_v: int = UV_BLOCK, **kw) -> jax.Array:
+    """`uv_reference`'s function: the attention kernel's parts, then one kernel merging them and applying W_UV (the
+    rows v0: of each head's kv_b_proj rows, read in place: no slice of the weight is copied)."""
+    from jax.experimental import pallas as pl
+
+    B, H, R = ql_BHR.shape
+    V = w_kvb_HXR.shape[1] - v0
+    m, l, acc = _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, interpret, kw.get("block_h"), kw.get("block_s"),
+                       kw.get("split"), kw.get("num_warps", 4), kw.get("num_stages", 2))
+    Hb, parts = m.shape[3], m.shape[2]
+    pc = min(8, parts & -parts)  # a power of two dividing parts
+    bv = min(block_v, V)
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_merge_uv_kernel, Hb=Hb, parts=parts, pc=pc, bv=bv, v0=v0), grid=(B, H, V // bv),
+        in_specs=[any_] * 4, out_specs=any_, out_shape=jax.ShapeDtypeStruct((B, H, V), F32), interpret=interpret,
+        **triton_params(4, 1, interpret))(m, l, acc, w_kvb_HXR)
+
+
+# the MLA step's shapes (B, H, S, V) where the step was measured faster with the merge in one kernel
+UV_MEASURED: set[tuple] = set()
+
+
+def uv_fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, w_kvb_HXR, v0: int, block_v: int = UV_BLOCK,
+            only_where_faster: bool = True, **kw) -> str | None:
+    """`mla_decode`'s conditions, kv_b_proj's rows [H, X, R] for the heads with W_UV its rows v0: (V = X - v0 in
+    blocks of a power of two); `auto` only where the step was measured faster with it (`UV_MEASURED`)."""
+    why = fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, **kw)
+    if why:
+        return why
+    B, H, R = ql_BHR.shape
+    if w_kvb_HXR.ndim != 3 or w_kvb_HXR.shape[0] != H or w_kvb_HXR.shape[2] != R or not 0 <= v0 < w_kvb_HXR.shape[1]:
+        return (f"mla_decode_uv kernel: kv_b_proj's rows must be [H, X, R] = [{H}, X, {R}] with W_UV from row v0 < X, "
+                f"got {w_kvb_HXR.shape}, v0 {v0}")
+    V = w_kvb_HXR.shape[1] - v0
+    bv = min(block_v, V)
+    if not pow2(bv) or V % bv:
+        return f"mla_decode_uv kernel: value blocks of {bv} (a power of two) must divide V {V}"
+    if only_where_faster and (B, H, kv_BSR.shape[1], V) not in UV_MEASURED:
+        return (f"mla_decode_uv kernel: the step at (B, H, S, V) = {(B, H, kv_BSR.shape[1], V)} was not measured "
+                "faster with it on an H200 (kernels='on' runs it)")
+    return None
+
+
+register(Kernel("mla_decode_uv", uv_reference, mla_decode_uv, platforms=("gpu",), fits=uv_fits,
+                unproven="its compiled tests have not yet run on a GPU", measured="not measured"))

@@ -153,8 +153,13 @@ def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Arra
     # -- absorbed attention over slots t <= length_B
     wkvb_HXR = w.kv_b_proj.reshape(-1, n + v, R).astype(F32)
     ql_BHR = jnp.einsum("bhn,hnr->bhr", qn_BHN, wkvb_HXR[:, :n])
-    olat_BHR = kernels.call("mla_decode", ql_BHR, qpe_BHP, kv_BSR, length_B, (n + r) ** -0.5, mode=kernel_mode(tp))
-    o_BHV = jnp.einsum("bhr,hvr->bhv", olat_BHR, wkvb_HXR[:, n:])
+    mode, att = kernel_mode(tp), (ql_BHR, qpe_BHP, kv_BSR, length_B, (n + r) ** -0.5)
+    wkvb = w.kv_b_proj.reshape(-1, n + v, R)
+    if kernels.explain("mla_decode_uv", *att, wkvb, n, mode=mode).startswith("device"):  # merge + W_UV: one kernel
+        o_BHV = kernels.call("mla_decode_uv", *att, wkvb, n, mode=mode)
+    else:
+        olat_BHR = kernels.call("mla_decode", *att, mode=mode)
+        o_BHV = jnp.einsum("bhr,hvr->bhv", olat_BHR, wkvb_HXR[:, n:])
     o_BF = o_BHV.reshape(B, -1)
     if g_BF is not None:
         o_BF = o_BF * jax.nn.sigmoid(g_BF)

@@ -384,6 +384,38 @@ def fresh_steps():
     clear()
 
 
+def _on_cpu(monkeypatch, name: str, arg: int) -> list:
+    """Register kernel `name` for the CPU in interpret mode, taken by auto wherever it fits (the tiny dims were never
+    timed); the list it returns collects the shape of argument `arg` of every call."""
+    from jaxk3.kernels import registry
+
+    calls = []
+    k = kernels.REGISTRY[name]
+
+    def dev(*a, **kw):
+        calls.append(a[arg].shape)
+        return k.device(*a, interpret=True, **kw)
+
+    def anywhere(*a, **kw):
+        return k.fits(*a, **registry._on_runs_anywhere(k, "on", kw))
+    monkeypatch.setitem(kernels.REGISTRY, name,
+                        dataclasses.replace(k, platforms=("cpu",), device=dev, fits=anywhere, unproven=None))
+    return calls
+
+
+def _off_and_auto(cfg, prompt, calls: list):
+    """The tiny model's prompt and 3 decode steps with kernels='off' (no patched kernel may run) and 'auto': both
+    logits [B, 4, V] as float32; the prefill's (position 0) must agree exactly (no decode kernel runs there)."""
+    import jaxk3
+
+    off = jaxk3.init_random_model(cfg, tp=1, kernels="off", layout="serving").generate(prompt, 3, return_logits=True)
+    assert not calls
+    auto = jaxk3.init_random_model(cfg, tp=1, layout="serving").generate(prompt, 3, return_logits=True)
+    a, b = np.asarray(off.logits, np.float32), np.asarray(auto.logits, np.float32)
+    np.testing.assert_array_equal(a[:, 0], b[:, 0])
+    return a, b
+
+
 # slow: interpret-mode kernels inside a model; with the newest jax each kernel's own interpret test takes its paths
 # (test_gemv_norm_prologue_matches_reference, test_router_topk_kernel_matches_reference,
 # test_kda_decode_in_kernel_matches_reference) and test_serving the model's
@@ -397,38 +429,21 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch, fresh_steps):
     bf16 rounding of a normed element moved by the order of the sum of squares; a prologue GEMV off by
     1% fails it (checked by mutation).  Each kernel must have been traced (auto takes each wherever it fits
     here: the tiny dims were never timed)."""
-    import dataclasses
-
-    import jaxk3
     from small_models import tiny_kimi_linear_4l
 
-    from jaxk3.kernels import registry, router
+    from jaxk3.kernels import router
 
-    calls: dict[str, int] = {}
-    for name in ("gemv_norm", "router_topk", "kda_decode_in", "gemv_gnorm"):
-        k = kernels.REGISTRY[name]
-
-        def dev(*a, _k=k, _n=name, **kw):
-            calls[_n] = calls.get(_n, 0) + 1
-            return _k.device(*a, interpret=True, **kw)
-
-        def anywhere(*a, _k=k, **kw):  # auto takes each where it fits (the tiny dims were never timed)
-            return _k.fits(*a, **registry._on_runs_anywhere(_k, "on", kw))
-        monkeypatch.setitem(kernels.REGISTRY, name, dataclasses.replace(k, platforms=("cpu",), device=dev, fits=anywhere,
-                                                                        unproven=None))
+    names = {"gemv_norm": 0, "router_topk": 1, "kda_decode_in": 1, "gemv_gnorm": 0}  # kernel -> an array argument
+    calls = {name: _on_cpu(monkeypatch, name, arg) for name, arg in names.items()}
     monkeypatch.setattr(router, "NORMED_PROVEN", True)
     cfg = tiny_kimi_linear_4l()  # KDA (0-2), MLA (3), the dense MLP (0), MoE (1-3)
-    prompt = [[5, 6, 7, 8]]
-    off = jaxk3.init_random_model(cfg, tp=1, kernels="off", layout="serving").generate(prompt, 3, return_logits=True)
-    assert not calls
-    auto = jaxk3.init_random_model(cfg, tp=1, layout="serving").generate(prompt, 3, return_logits=True)
+    a, b = _off_and_auto(cfg, [[5, 6, 7, 8]], [c for name in names for c in calls[name]])
+    n = {name: len(c) for name, c in calls.items()}
     # every decode block: KDA / MLA in_proj, the dense MLP's gate|up, each MoE's router (+ shared gate|up)
     moe = sum(f == "moe" for f in cfg.layer_ffn)
-    assert calls.get("gemv_norm", 0) >= cfg.num_hidden_layers * 2 and calls.get("router_topk", 0) >= moe >= 1, calls
-    assert calls.get("kda_decode_in", 0) == len(cfg.kda_layers), calls  # the KDA core reading in_proj's output
-    assert calls.get("gemv_gnorm", 0) == len(cfg.kda_layers), calls  # and o_proj norming its output
-    a, b = np.asarray(off.logits, np.float32), np.asarray(auto.logits, np.float32)
-    np.testing.assert_array_equal(a[:, 0], b[:, 0])  # the prefill's logits: no Normed there
+    assert n["gemv_norm"] >= cfg.num_hidden_layers * 2 and n["router_topk"] >= moe >= 1, n
+    assert n["kda_decode_in"] == len(cfg.kda_layers), n  # the KDA core reading in_proj's output
+    assert n["gemv_gnorm"] == len(cfg.kda_layers), n  # and o_proj norming its output
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
 
 
@@ -440,30 +455,13 @@ def test_decode_routes_in_the_experts_kernels(monkeypatch, fresh_steps, prompt):
     (XLA's selection, then the experts' GEMVs) to 2e-3 of max|logit| (test_decode_norms_in_the_kernels_prologues'
     bound: the experts' sums in another order); the routed form must have been traced once per MoE block
     and decode step, and never at the prefill (many tokens: the grouped path)."""
-    import jaxk3
     from small_models import tiny_kimi_linear_4l
 
-    from jaxk3.kernels import registry
-
-    calls = []
-    k = kernels.REGISTRY["moe_experts_routed"]
-
-    def dev(*a, **kw):
-        calls.append(a[2].shape)
-        return k.device(*a, interpret=True, **kw)
-
-    def anywhere(*a, **kw):
-        return k.fits(*a, **registry._on_runs_anywhere(k, "on", kw))
-    monkeypatch.setitem(kernels.REGISTRY, "moe_experts_routed",
-                        dataclasses.replace(k, platforms=("cpu",), device=dev, fits=anywhere, unproven=None))
+    calls = _on_cpu(monkeypatch, "moe_experts_routed", 2)
     cfg = tiny_kimi_linear_4l()
-    off = jaxk3.init_random_model(cfg, tp=1, kernels="off", layout="serving").generate(prompt, 3, return_logits=True)
-    assert not calls
-    auto = jaxk3.init_random_model(cfg, tp=1, layout="serving").generate(prompt, 3, return_logits=True)
+    a, b = _off_and_auto(cfg, prompt, calls)
     moe = sum(f == "moe" for f in cfg.layer_ffn)
     assert moe >= 1 and len(calls) >= moe and all(c == (len(prompt), cfg.hidden_size) for c in calls), calls
-    a, b = np.asarray(off.logits, np.float32), np.asarray(auto.logits, np.float32)
-    np.testing.assert_array_equal(a[:, 0], b[:, 0])  # the prefill's logits
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
 
 
@@ -473,30 +471,12 @@ def test_decode_merges_mla_parts_with_w_uv(monkeypatch, fresh_steps):
     applied in one kernel; interpret mode, registered for the CPU; latent and rope dims the kernel's tiles take):
     traced once per decode step, and the logits agree with kernels='off' to 2e-3 of max|logit| (measured 1.3e-4:
     the attention's bf16 operands move the MLA output by up to MLA_TOL of itself, a small part of the residual)."""
-    import jaxk3
     from small_models import tiny_kimi_linear_4l
 
-    from jaxk3.kernels import registry
-
-    calls = []
-    k = kernels.REGISTRY["mla_decode_uv"]
-
-    def dev(*a, **kw):
-        calls.append(a[0].shape)
-        return k.device(*a, interpret=True, **kw)
-
-    def anywhere(*a, **kw):
-        return k.fits(*a, **registry._on_runs_anywhere(k, "on", kw))
-    monkeypatch.setitem(kernels.REGISTRY, "mla_decode_uv",
-                        dataclasses.replace(k, platforms=("cpu",), device=dev, fits=anywhere, unproven=None))
+    calls = _on_cpu(monkeypatch, "mla_decode_uv", 0)
     cfg = tiny_kimi_linear_4l(kv_lora_rank=64, qk_rope_head_dim=16)
-    prompt = [[5, 6, 7, 8]]
-    off = jaxk3.init_random_model(cfg, tp=1, kernels="off", layout="serving").generate(prompt, 3, return_logits=True)
-    assert not calls
-    auto = jaxk3.init_random_model(cfg, tp=1, layout="serving").generate(prompt, 3, return_logits=True)
+    a, b = _off_and_auto(cfg, [[5, 6, 7, 8]], calls)
     assert len(calls) >= len(cfg.mla_layers) >= 1, calls
-    a, b = np.asarray(off.logits, np.float32), np.asarray(auto.logits, np.float32)
-    np.testing.assert_array_equal(a[:, 0], b[:, 0])  # the prefill's logits
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
 
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One GPU call for several kernels' step A/Bs (issue 22): their compiled tests ($TEST_FILES, pytest -k "$TEST_K"),
+# then the Kimi-Linear-48B step (27 layers, $EXPERTS experts, TP 1, 4K, serving/auto) once per batch size as main
+# has it and once per NAME:B pair of $AB with that kernel patched in (scripts/gpu/step_with_kernel.py: taken by auto
+# wherever it fits), each in its own process.  One start for what three prologue_call.sh calls would measure.
+#   AB="gemv_gnorm:1 mla_decode_uv:1 moe_experts_routed:8" TEST_K="gnorm or mla_decode_uv or routed" \
+#     bash scripts/gpu/ab_call.sh
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/out/gpu}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.92
+S="--config kimi-linear-48b --layers all --experts ${EXPERTS:-64} --tp 1 --context 4k --strategies stock --variants serving/auto --steps 20 --repeats 5"
+row() { grep -E "^ +[0-9]+ \|" | tail -3; }
+if [ -n "${TEST_K:-}" ]; then
+  echo "== compiled tests ($(date -u +%T))"
+  timeout -k 10 ${T_TIMEOUT:-200} python3 -m pytest ${TEST_FILES:-tests/test_gemv.py tests/test_kernels.py} -m gpu -q -rfEs \
+    -p no:cacheprovider -k "$TEST_K" > "$OUT/ab_tests.log" 2>&1
+  echo "tests rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/ab_tests.log" | cut -c1-300 | tail -12
+fi
+for B in $(for p in ${AB:?AB=NAME:B ...}; do echo "${p##*:}"; done | sort -u); do
+  echo "== B = $B, main ($(date -u +%T))"
+  timeout -k 10 ${S_TIMEOUT:-150} python3 -m jaxk3.cli bench decode $S --batch "$B" --json "$OUT/ab_base_b$B.json" 2>&1 | row
+done
+for p in $AB; do
+  name=${p%%:*}; B=${p##*:}
+  echo "== B = $B, $name patched in ($(date -u +%T))"
+  timeout -k 10 ${S_TIMEOUT:-150} python3 scripts/gpu/step_with_kernel.py "$name" -- $S --batch "$B" \
+    --json "$OUT/ab_${name}_b$B.json" 2>&1 | row
+done
+echo "== done ($(date -u +%T))"

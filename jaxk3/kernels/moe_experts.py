@@ -26,6 +26,11 @@ Products and sums are float32, as in the reference; the sums run in another orde
 agree to float32 rounding (tests/test_kernels.py).  Padded slots of `plan` (expert id -1, B > 1) write
 zeros in kernel 1; kernel 2 re-reads the last expert's rows for them (just read by the same program, so
 from cache) times a zero coefficient, rather than branch inside its loop.
+
+`moe_experts_routed` is the same two kernels handed the router's fp32 logits and bias instead of ids and weights,
+so that XLA's selection chain does not run in the step: for one token every program of kernel 1 ranks the logits
+itself (lax.top_k's order, by comparison tiles) and its programs (u, 0) write slot u's expert and weight for
+kernel 2; for B > 1 one small kernel plans the distinct experts and the tokens' weights first.
 """
 from __future__ import annotations
 

@@ -210,7 +210,8 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     over all tokens at once (dense GEMMs over the local experts, in token blocks) instead of
     per-token GEMVs (decode): jaxk3.kernels.moe_grouped has the forms (dense GEMMs over the local
     experts in token blocks, today's path; the grouped-GEMM kernel; `experts_grouped`, ragged_dot).
-    A `Normed` input (decode) is normed by the routing kernels (`_route_normed`)."""
+    A `Normed` input (decode) is normed by the routing kernels (`_route_normed`) where they run; at decode the
+    Kimi-Linear experts may also take the router's logits and select inside their kernels (`_experts_routed`)."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
     experts = functools.partial(_experts_prefill if grouped else _experts_decode, mode=mode)

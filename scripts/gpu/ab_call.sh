@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One GPU call for several kernels' step A/Bs (issue 22): their compiled tests ($TEST_FILES, pytest -k "$TEST_K"),
 # then the Kimi-Linear-48B step (27 layers, $EXPERTS experts, TP 1, 4K, serving/auto) once per batch size as main
-# has it and once per NAME:B pair of $AB with that kernel patched in (scripts/gpu/step_with_kernel.py: taken by auto
-# wherever it fits), each in its own process.  One start for what three prologue_call.sh calls would measure.
-#   AB="gemv_gnorm:1 mla_decode_uv:1 moe_experts_routed:8" TEST_K="gnorm or mla_decode_uv or routed" \
+# has it and once per PATCH@B entry of $AB with the patch applied (scripts/gpu/step_with_kernel.py's arguments joined
+# by '+': NAME taken by auto wherever it fits, -NAME left out, MODULE:CLASS.FIELD=VALUE a config default), each in
+# its own process.  One start for what several prologue_call.sh calls would measure.
+#   AB="gemv_gnorm@1 mla_decode_uv@1 moe_experts_routed@8" TEST_K="gnorm or mla_decode_uv or routed" \
 #     bash scripts/gpu/ab_call.sh
+#   AB="-moe_experts_routed@1 moe_experts:Config.bn=8+moe_experts:Config.splits=4@1" bash scripts/gpu/ab_call.sh
+#   EXPERTS=256 S_TIMEOUT=330 AB="moe_experts_routed@1" bash scripts/gpu/ab_call.sh   # random weights take minutes
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out/gpu}; mkdir -p "$OUT"
@@ -17,14 +20,15 @@ if [ -n "${TEST_K:-}" ]; then
     -p no:cacheprovider -k "$TEST_K" > "$OUT/ab_tests.log" 2>&1
   echo "tests rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/ab_tests.log" | cut -c1-300 | tail -12
 fi
-for B in $(for p in ${AB:?AB=NAME:B ...}; do echo "${p##*:}"; done | sort -u); do
+for B in $(for p in ${AB:?AB=PATCH@B ...}; do echo "${p##*@}"; done | sort -u); do
   echo "== B = $B, main ($(date -u +%T))"
   timeout -k 10 ${S_TIMEOUT:-150} python3 -m jaxk3.cli bench decode $S --batch "$B" --json "$OUT/ab_base_b$B.json" 2>&1 | row
 done
 for p in $AB; do
-  name=${p%%:*}; B=${p##*:}
-  echo "== B = $B, $name patched in ($(date -u +%T))"
-  timeout -k 10 ${S_TIMEOUT:-150} python3 scripts/gpu/step_with_kernel.py "$name" -- $S --batch "$B" \
-    --json "$OUT/ab_${name}_b$B.json" 2>&1 | row
+  patch=${p%@*}; B=${p##*@}
+  tag=$(echo "$patch" | sed 's/moe_experts:Config\.//g' | tr -c 'a-zA-Z0-9_=\n' '_' | tr '=' '_')
+  echo "== B = $B, $patch ($(date -u +%T))"
+  timeout -k 10 ${S_TIMEOUT:-150} python3 scripts/gpu/step_with_kernel.py ${patch//+/ } -- $S --batch "$B" \
+    --json "$OUT/ab_${tag}_b$B.json" 2>&1 | row
 done
 echo "== done ($(date -u +%T))"

@@ -138,9 +138,8 @@ def test_moe_experts_kernel_matches_reference(fmt, dtype, B, layout):
 
 def _routed_case(fmt: str, dtype, E: int | None = None, ties: bool = True, seed: int = 3, B: int = 1):
     """`_moe_case` with the experts cut to E (a count not a power of two pads the logits), B tokens' random router
-    logits and a bias, and (ties) two experts whose selection scores are equal and the highest for every token
-    (so the order of slots on ties, the lower index first as lax.top_k's, is tested, and at B > 1 the tokens share
-    experts: each is read once)."""
+    logits and a bias, and (ties) k - 1 clear leaders and two experts tied for the k-th place for every token (so
+    lax.top_k's rule, the lower index first, decides which one is read, and at B > 1 the tokens share experts)."""
     cfg, w, z, _, _ = _moe_case(fmt, dtype, B, seed=seed)
     if E is not None:
         from jaxk3.kernels import moe_experts as ME
@@ -152,16 +151,20 @@ def _routed_case(fmt: str, dtype, E: int | None = None, ties: bool = True, seed:
     r = np.random.default_rng(seed)
     logits = r.standard_normal((B, E)).astype(np.float32)
     bias = (0.1 * r.standard_normal(E)).astype(np.float32)
-    if ties:  # experts 1 and 4: the two highest selection scores, equal
-        logits[:, [1, 4]] = 6.0
-        bias[[1, 4]] = 0.5
+    if ties:  # experts 1 and 4 tie for the k-th place behind k - 1 clear leaders: lax.top_k keeps 1, drops 4
+        k = cfg.num_experts_per_token
+        lead = [e for e in range(E) if e not in (1, 4)][:k - 1]
+        logits[:, lead], bias[lead] = 8.0, 0.5
+        logits[:, [1, 4]], bias[[1, 4]] = 6.0, 0.5
     return cfg, w, z, jnp.asarray(logits), jnp.asarray(bias)
 
 
-@pytest.mark.parametrize("fmt,layout,E,B", [("dense", "joined+shared", None, 1), ("dense", "checkpoint", 24, 1),
-                                            ("mxfp4", "joined", None, 1), ("dense", "joined+shared", None, 8),
-                                            ("dense", "checkpoint", 24, 3), ("mxfp4", "joined", None, 3)])
-def test_moe_experts_routed_matches_reference(fmt, layout, E, B):
+@pytest.mark.parametrize("fmt,layout,E,B,route", [
+    ("dense", "joined+shared", None, 1, {}), ("dense", "checkpoint", 12, 1, dict(routed_scaling_factor=2.5)),
+    ("mxfp4", "joined", None, 1, dict(moe_renormalize=False)), ("dense", "joined+shared", None, 8, {}),
+    ("dense", "checkpoint", 12, 3, dict(routed_scaling_factor=2.5, moe_renormalize=False)),
+    ("mxfp4", "joined", None, 3, {})])
+def test_moe_experts_routed_matches_reference(fmt, layout, E, B, route):
     """The routed form (the router's selection inside the two kernels) in interpret mode against `select_experts`
     then `experts_partial`: the same experts in the same slot order, ties included (so the same float32 sums), and
     weights from the same float32 arithmetic but for the renormalising sum's order; the bound is
@@ -172,6 +175,7 @@ def test_moe_experts_routed_matches_reference(fmt, layout, E, B):
     from jaxk3.kernels.router import select_experts
 
     cfg, w, z, logits, bias = _routed_case(fmt, jnp.float32, E, B=B)
+    cfg = dataclasses.replace(cfg, **route)  # the scale and the renormalisation as the router applies them
     if layout != "checkpoint":
         w = _joined(w)
     shared = _shared(w, w.experts_w2.dtype) if layout.endswith("shared") else None
@@ -179,7 +183,7 @@ def test_moe_experts_routed_matches_reference(fmt, layout, E, B):
     if fmt == "mxfp4":  # (dense float32 experts: the kernel streams bf16 only; interpret mode runs them alike)
         assert ME.routed_fits(cfg, w, z, logits, bias, shared=shared, config=c, only_where_faster=False) is None
     wk, ids = select_experts(cfg, logits, bias)
-    assert all({1, 4} <= set(row) for row in np.asarray(ids).tolist())
+    assert all(1 in row and 4 not in row for row in np.asarray(ids).tolist())  # the tie broken as lax.top_k does
     got = np.asarray(ME.experts_routed(cfg, w, z, logits, bias, shared=shared, interpret=True, config=c))
     ref = np.asarray(ME.routed_reference(cfg, w, z, logits, bias, shared=shared))
     assert got.shape == ref.shape == (B, cfg.moe_hidden) and np.abs(ref).max() > 0
@@ -822,6 +826,8 @@ def test_mla_decode_kernel_matches_reference(B, H, S, R, P, lengths, tile):
     (1, 16, 64, 64, 16, [63], {}, 32),  # one part
     (3, 20, 256, 64, 16, [0, 31, 130], dict(split=64), 64),  # 4 parts, two head groups (20 -> 32), ragged
     (1, 32, 512, 64, 16, [300], dict(block_h=32, split=32), 64),  # 16 parts: two chunks of 8 in the merge
+    (2, 16, 384, 64, 16, [383, 40], dict(split=32), 32),  # 12 parts (not a power of two): three chunks of 4
+    (1, 16, 192, 64, 16, [150], dict(split=64), 32),  # 3 parts: chunks of 1
 ])
 def test_mla_decode_uv_matches_reference(B, H, S, R, P, lengths, tile, V):
     """The parts merged and W_UV applied in one kernel (interpret mode) against `latent_attention` then the fp32

@@ -15,7 +15,7 @@ import pytest
 
 from jaxk3.tools.triton_lowering import lower
 
-S = jax.ShapeDtypeStruct
+S = SD = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
 
 
@@ -65,15 +65,17 @@ def test_kda_decode_in_lowers(gated):
     assert lower(lambda *a: KD.kda_decode_in(cfg, *a, gated=gated), *args) == 1
 
 
-@pytest.mark.parametrize("B,tp", [(1, None), (8, None), (1, 8)])  # tp: K3's heads at that TP (12 at TP 8: padded)
-def test_mla_decode_uv_lowers(B, tp):
+# tp: K3's heads at that TP (12 at TP 8: padded); S 3072: the engine's caches come in multiples of 512, so the
+# attention's parts need not be a power of two (48 here)
+@pytest.mark.parametrize("B,tp,S", [(1, None, 4096), (8, None, 4096), (1, 8, 4096), (1, None, 3072)])
+def test_mla_decode_uv_lowers(B, tp, S):
     from jaxk3.config import KimiK3Config
     from jaxk3.kernels import mla_decode as MD
 
     cfg = _cfg48() if tp is None else KimiK3Config.k3()
     H, R, P, n, v = (cfg.num_attention_heads // (tp or 1), cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                      cfg.qk_nope_head_dim, cfg.v_head_dim)
-    args = (S((B, H, R), jnp.float32), S((B, H, P), jnp.float32), S((B, 4096, R + P), BF16), S((B,), jnp.int32))
-    wkvb = S((H, n + v, R), BF16)
+    args = (SD((B, H, R), jnp.float32), SD((B, H, P), jnp.float32), SD((B, S, R + P), BF16), SD((B,), jnp.int32))
+    wkvb = SD((H, n + v, R), BF16)
     assert MD.uv_fits(*args, 0.07, wkvb, n, only_where_faster=False) is None
     assert lower(lambda q, p, kv, ln, w: MD.mla_decode_uv(q, p, kv, ln, 0.07, w, n), *args, wkvb) == 2

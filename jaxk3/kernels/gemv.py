@@ -448,9 +448,9 @@ def gnorm_fits(x_BK, z_BK, norm_w, eps: float, w, dt, config: Config | None = No
     if w.dtype != jnp.bfloat16:
         return f"gemv_gnorm kernel streams bf16 weights, got {w.dtype}"
     c = config or gnorm_config(N, K, d)
-    if c.dot or not pow2(c.bn) or c.bn < 8 or c.bk % d or N % c.bn or K % (c.splits * c.bk):
+    if c.dot or not (pow2(c.bn) and pow2(c.bk)) or c.bn < 8 or c.bk % d or N % c.bn or K % (c.splits * c.bk):
         return (f"gemv_gnorm kernel: tiles of bn {c.bn} rows (a power of two >= 8 dividing N {N}) by bk {c.bk} "
-                f"columns (whole heads of {d}), {c.splits} splits dividing K {K}, element-wise (no dot)")
+                f"columns (a power of two of whole heads of {d}), {c.splits} splits dividing K {K}, element-wise (no dot)")
     if only_where_faster and (N, K, d) not in GNORM_MEASURED:
         return (f"gemv_gnorm kernel: the step at (N, K, d) = {(N, K, d)} was not measured faster with it on an H200 "
                 "(kernels='on' runs it)")

@@ -231,16 +231,19 @@ def _merge_uv_kernel(m_ref, l_ref, acc_ref, w_ref, o_ref, *, Hb: int, parts: int
 
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g, hi = h // Hb, h % Hb
-    m = m_ref[b, g, :, hi]  # [parts]
-    mx = jnp.max(m)
-    den = jnp.sum(jnp.exp(m - mx) * l_ref[b, g, :, hi])
 
-    def body(c, olat):  # the weighted sum of a chunk of parts
-        ps = pl.ds(pl.multiple_of(c * pc, pc), pc)
-        wc = jnp.exp(m_ref[b, g, ps, hi] - mx)  # [pc]
-        return olat + jnp.sum(wc[:, None] * acc_ref[b, g, ps, hi, :], axis=0)
+    def chunk(c):  # parts [c·pc, (c+1)·pc): pc a power of two dividing parts (which need not be one)
+        return pl.ds(pl.multiple_of(c * pc, pc), pc)
+    mx = jax.lax.fori_loop(0, parts // pc, lambda c, mx: jnp.maximum(mx, jnp.max(m_ref[b, g, chunk(c), hi])), F32(NEG))
+
+    def body(c, carry):  # the weighted sums of a chunk of parts
+        olat, den = carry
+        wc = jnp.exp(m_ref[b, g, chunk(c), hi] - mx)  # [pc]
+        return (olat + jnp.sum(wc[:, None] * acc_ref[b, g, chunk(c), hi, :], axis=0),
+                den + jnp.sum(wc * l_ref[b, g, chunk(c), hi]))
     R = acc_ref.shape[-1]
-    olat = jax.lax.fori_loop(0, parts // pc, body, jnp.zeros((R,), F32)) / den
+    olat, den = jax.lax.fori_loop(0, parts // pc, body, (jnp.zeros((R,), F32), F32(0.0)))
+    olat = olat / den
     rows = pl.ds(pl.multiple_of(j * bv, bv), bv)
     o_ref[b, h, rows] = jnp.sum(w_ref[h, pl.ds(v0 + j * bv, bv), :].astype(F32) * olat[None, :], axis=1)
 

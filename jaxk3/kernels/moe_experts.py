@@ -387,8 +387,8 @@ def _plan_kernel(logits_ref, bias_ref, uniq_ref, read_ref, coef_ref, *, rt: _Rou
     count = jnp.sum(chosen.astype(jnp.int32))
     u = lax.broadcasted_iota(jnp.int32, (rt.U,), 0)
     hit = slot[None, :] == u[:, None]  # [U, Ep]: slot u holds expert i
-    e = jnp.sum(jnp.where(hit, idx[None, :], 0), axis=1)  # [U]
-    last = jnp.sum(jnp.where(slot == count - 1, idx, 0))
+    e = jnp.minimum(jnp.sum(jnp.where(hit, idx[None, :], 0), axis=1), rt.E - 1)  # [U] (NaN logits: in bounds)
+    last = jnp.minimum(jnp.sum(jnp.where(slot == count - 1, idx, 0)), rt.E - 1)
     uniq_ref[...] = jnp.where(u < count, e, -1)
     read_ref[...] = jnp.where(u < count, e, last)
     for b in range(Bp):
@@ -420,7 +420,7 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
         U = route.U
         s, rank, idx = _route_ranks(*sel, route)
         hit = rank == jnp.minimum(u, U - 1)
-        e = jnp.sum(jnp.where(hit, idx, 0))
+        e = jnp.minimum(jnp.sum(jnp.where(hit, idx, 0)), route.E - 1)  # NaN logits can share a rank: stay in bounds
 
         @pl.when((u < U) & (n == 0))
         def _():

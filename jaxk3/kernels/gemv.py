@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
-from jaxk3.kernels.rms_norm import rms_norm_as
+from jaxk3.kernels.rms_norm import gated_rms_norm, rms_norm_as
 
 F32 = jnp.float32
 MAX_B = 8
@@ -370,8 +370,8 @@ register(Kernel("gemv_norm", _norm_reference, _norm_device, platforms=("gpu",), 
 
 def _gnorm_kernel(x_ref, z_ref, g_ref, w_ref, o_ref, *, bn: int, hk: int, d: int, steps: int, eps: float, dt,
                   unroll: bool):
-    """Program (n, s): output rows [n·bn, (n+1)·bn), heads [s·steps·hk, (s+1)·steps·hk) of K (x, z viewed [1, H, d],
-    w [N, H, d]): Σ over its tiles of w[rows, heads, :] · gated_rms_norm(x[heads]) in `dt`, one partial sum."""
+    """Program (n, s): output rows [n·bn, (n+1)·bn), heads [s·steps·hk, (s+1)·steps·hk) of K (x, z viewed
+    [1, H, d], w [N, H, d]): Σ over its tiles of w[rows, heads, :] · gated_rms_norm(x[heads]) in `dt`, one partial sum."""
     from jax.experimental import pallas as pl
 
     n, s = pl.program_id(0), pl.program_id(1)
@@ -393,8 +393,6 @@ def gnorm_reference(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: fl
                     config: Config | None = None, only_where_faster: bool = True) -> jax.Array:
     """fp32 [B, N] = gated_rms_norm(x; norm_w, z) per head of d = len(norm_w) values, cast to `dt`, @ W^T (W [N, K]):
     what KDA's decode computes between its core and o_proj through XLA."""
-    from jaxk3.kernels.rms_norm import gated_rms_norm
-
     B, K = x_BK.shape
     d = norm_w.shape[0]
     xn = gated_rms_norm(x_BK.reshape(B, K // d, d), norm_w, z_BK.reshape(B, K // d, d), eps).reshape(B, K)
@@ -444,13 +442,15 @@ def gnorm_fits(x_BK, z_BK, norm_w, eps: float, w, dt, config: Config | None = No
     N, K = w.shape
     d = norm_w.shape[0] if norm_w.ndim == 1 else 0
     if K != x_BK.shape[1] or not pow2(d) or K % d:
-        return f"gemv_gnorm kernel: K = {x_BK.shape[1]} whole heads of a power-of-two d (the norm weight), got w {w.shape}, norm {norm_w.shape}"
+        return (f"gemv_gnorm kernel: K = {x_BK.shape[1]} whole heads of a power-of-two d (the norm weight), got w "
+                f"{w.shape}, norm {norm_w.shape}")
     if w.dtype != jnp.bfloat16:
         return f"gemv_gnorm kernel streams bf16 weights, got {w.dtype}"
     c = config or gnorm_config(N, K, d)
     if c.dot or not (pow2(c.bn) and pow2(c.bk)) or c.bn < 8 or c.bk % d or N % c.bn or K % (c.splits * c.bk):
         return (f"gemv_gnorm kernel: tiles of bn {c.bn} rows (a power of two >= 8 dividing N {N}) by bk {c.bk} "
-                f"columns (a power of two of whole heads of {d}), {c.splits} splits dividing K {K}, element-wise (no dot)")
+                f"columns (a power of two of whole heads of {d}), {c.splits} splits dividing K {K}, element-wise "
+                "(no dot)")
     if only_where_faster and (N, K, d) not in GNORM_MEASURED:
         return (f"gemv_gnorm kernel: the step at (N, K, d) = {(N, K, d)} was not measured faster with it on an H200 "
                 "(kernels='on' runs it)")

@@ -264,7 +264,7 @@ def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, int
 
 
 def fused_fits(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, config: Config | None = None,
-               only_where_faster: bool = True, gated: bool = True, **_) -> str | None:
+               only_where_faster: bool = True, **_) -> str | None:
     """Why this call does not suit `kda_decode_in` (None: it does).  `auto` takes it where the step was measured
     faster with it (`IN_MEASURED`: one row, bf16 activations, Kimi-Linear-48B's per-rank dims at TP 1);
     only_where_faster=False (kernels="on") wherever it fits."""

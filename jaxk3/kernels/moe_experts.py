@@ -744,7 +744,8 @@ def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None
                 f"experts, got {logits_BE.shape} and {bias_E.shape}")
     k = cfg.num_experts_per_token
     if not 1 <= k <= E or E > MAX_ROUTED_EXPERTS:
-        return f"moe_experts routed form ranks 1 <= k <= E <= {MAX_ROUTED_EXPERTS} experts in registers, got k {k}, E {E}"
+        return (f"moe_experts routed form ranks 1 <= k <= E <= {MAX_ROUTED_EXPERTS} experts in registers, got k {k}, "
+                f"E {E}")
     if B > 1 and E > MAX_ROUTED_PLAN:
         return (f"moe_experts routed form for B > 1 plans the distinct experts over <= {MAX_ROUTED_PLAN} experts in "
                 f"one program ([E, E] tiles), got E {E}")

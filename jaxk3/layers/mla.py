@@ -151,10 +151,10 @@ def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Arra
     old_BR = kv_BSR[rows, slot_B]
     kv_BSR = kv_BSR.at[rows, slot_B].set(jnp.where(valid_B[:, None], entry_BR.astype(kv_BSR.dtype), old_BR))
     # -- absorbed attention over slots t <= length_B
-    wkvb_HXR = w.kv_b_proj.reshape(-1, n + v, R).astype(F32)
+    wkvb = w.kv_b_proj.reshape(-1, n + v, R)
+    wkvb_HXR = wkvb.astype(F32)
     ql_BHR = jnp.einsum("bhn,hnr->bhr", qn_BHN, wkvb_HXR[:, :n])
     mode, att = kernel_mode(tp), (ql_BHR, qpe_BHP, kv_BSR, length_B, (n + r) ** -0.5)
-    wkvb = w.kv_b_proj.reshape(-1, n + v, R)
     if kernels.explain("mla_decode_uv", *att, wkvb, n, mode=mode).startswith("device"):  # merge + W_UV: one kernel
         o_BHV = kernels.call("mla_decode_uv", *att, wkvb, n, mode=mode)
     else:

@@ -151,17 +151,22 @@ def _experts_decode(cfg, w, z_BL, w_Bk, ids_Bk, mode: str) -> jax.Array:
     return kernels.call("moe_experts", cfg, w, z_BL, w_Bk, ids_Bk, mode=mode)
 
 
+def _shared_mlp(w: MoEWeights) -> SharedMLP | None:
+    """The shared experts as the experts kernels take them (the serving layout's gate | up and down), or None
+    (no shared experts, or the checkpoint layout's gate and up apart)."""
+    s = w.shared_experts
+    return None if s is None or s.gate_up_proj is None else SharedMLP(s.gate_up_proj, s.down_proj)
+
+
 def _shared_in_kernel(cfg, w: MoEWeights, x_BD, w_Bk, ids_Bk, mode: str) -> SharedMLP | None:
     """The shared experts as the `moe_experts` kernel takes them beside the routed ones (their gate | up and
     down in its two kernels: no kernels of their own), where the routed experts read the same input and the
     kernel runs; else None (the shared experts go through `mlp_partial`)."""
-    s = w.shared_experts
-    if s is None or s.gate_up_proj is None:
+    shared = _shared_mlp(w)
+    if shared is None:
         return None
-    shared = SharedMLP(s.gate_up_proj, s.down_proj)
-    if kernels.explain("moe_experts", cfg, w, x_BD, w_Bk, ids_Bk, shared=shared, mode=mode).startswith("device"):
-        return shared
-    return None
+    how = kernels.explain("moe_experts", cfg, w, x_BD, w_Bk, ids_Bk, shared=shared, mode=mode)
+    return shared if how.startswith("device") else None
 
 
 def _experts_routed(cfg, w: MoEWeights, x_BD: jax.Array, logits_BE: jax.Array, mode: str, tp) -> jax.Array | None:
@@ -170,14 +175,14 @@ def _experts_routed(cfg, w: MoEWeights, x_BD: jax.Array, logits_BE: jax.Array, m
     The shared experts go into the kernels too where they can (their gate | up in the serving layout, the routed
     experts' shapes), else through `mlp_partial`."""
     args = (cfg, w, x_BD, logits_BE, w.e_score_correction_bias)
-    s = w.shared_experts
-    if s is not None and s.gate_up_proj is not None:
-        shared = SharedMLP(s.gate_up_proj, s.down_proj)
-        if kernels.explain("moe_experts_routed", *args, shared=shared, mode=mode).startswith("device"):
-            return kernels.call("moe_experts_routed", *args, shared=shared, mode=mode)
+    shared = _shared_mlp(w)
+    if shared is not None and kernels.explain("moe_experts_routed", *args, shared=shared,
+                                              mode=mode).startswith("device"):
+        return kernels.call("moe_experts_routed", *args, shared=shared, mode=mode)
     if not kernels.explain("moe_experts_routed", *args, mode=mode).startswith("device"):
         return None
     out = kernels.call("moe_experts_routed", *args, mode=mode)
+    s = w.shared_experts
     return out if s is None else out + mlp_partial(cfg, s, x_BD, tp)
 
 

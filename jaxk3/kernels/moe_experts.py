@@ -30,7 +30,8 @@ from cache) times a zero coefficient, rather than branch inside its loop.
 `moe_experts_routed` is the same two kernels handed the router's fp32 logits and bias instead of ids and weights,
 so that XLA's selection chain does not run in the step: for one token every program of kernel 1 ranks the logits
 itself (lax.top_k's order, by comparison tiles) and its programs (u, 0) write slot u's expert and weight for
-kernel 2; for B > 1 one small kernel plans the distinct experts and the tokens' weights first.
+kernel 2.  One token only: two forms for B > 1 (every program planning the distinct experts, then one planning
+kernel before the two) made the 48B step 23% and 12% slower on an H200 and were removed (docs/PERF.md).
 """
 from __future__ import annotations
 
@@ -325,22 +326,18 @@ def _store(ref, lead: tuple, rows, y) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Route:
-    """The router's selection done inside the kernels (`experts_routed`): B tokens' logits over E experts padded
-    to Ep (a power of two), k chosen per token, the weights renormalised (`renorm`) and scaled; U slots (k at
-    B = 1, in the router's order; else B·k rounded up to a power of two, at most Ep, for the distinct chosen
-    experts in index order, then padding)."""
+    """The router's selection done inside the kernels (`experts_routed`): one token's logits over E experts padded
+    to Ep (a power of two), k chosen, in the router's order, the weights renormalised (`renorm`) and scaled."""
     E: int
     Ep: int
     k: int
     renorm: bool
     scale: float
-    B: int = 1
-    U: int = 0
     chunk: int = 32  # columns of the [Ep, chunk] comparison tiles the ranks are summed over
 
 
-def _route_ranks(logits_ref, bias_ref, rt: _Route, b: int = 0):
-    """(s, rank, idx) [Ep] each for token b: s = sigmoid(logits) (0 on the padding), and rank_i = the number of
+def _route_ranks(logits_ref, bias_ref, rt: _Route):
+    """(s, rank, idx) [Ep] each for the token: s = sigmoid(logits) (0 on the padding), and rank_i = the number of
     experts before expert i in lax.top_k's order of the selection score s + bias (larger first, the lower index
     first among equal ones; the padding after every expert), so that the token's slot u (< k) is the expert whose
     rank is u.  One comparison tile and one sum per `chunk` columns: no loop of k dependent reductions as in the
@@ -350,7 +347,7 @@ def _route_ranks(logits_ref, bias_ref, rt: _Route, b: int = 0):
     def scores(start: int, n: int):
         j = start + lax.broadcasted_iota(jnp.int32, (n,), 0)
         inside = j < rt.E
-        s = jnp.where(inside, jax.nn.sigmoid(logits_ref[b, pl.ds(start, n)]), 0.0)
+        s = jnp.where(inside, jax.nn.sigmoid(logits_ref[0, pl.ds(start, n)]), 0.0)
         return s, jnp.where(inside, s + bias_ref[pl.ds(start, n)], -jnp.inf), j
 
     s, sel, idx = scores(0, rt.Ep)
@@ -369,30 +366,6 @@ def _weights(s, rank, rt: _Route):
     if rt.renorm:
         s = s / (jnp.sum(jnp.where(mine, s, 0.0)) + F32(1e-20))
     return jnp.where(mine, s * F32(rt.scale), 0.0)
-
-
-def _plan_kernel(logits_ref, bias_ref, uniq_ref, read_ref, coef_ref, *, rt: _Route, Bp: int):
-    """One program (B > 1): `plan` of the B tokens' choices from their logits, as kernel 1's programs rank one
-    token's: uniq [U] the distinct chosen experts in index order, then -1; read [U] the same with the last chosen
-    expert for the padding (kernel 2 re-reads it, cached, times 0); coef [Bp, U] token b's weight of slot u (0
-    where b did not choose it, and on the padding rows).  Each token's ranks, then one [Ep, Ep] tile gives each
-    chosen expert's slot and one [U, Ep] tile per token its weights: no sort, no chain of k reductions."""
-    wts, chosen = [], None
-    for b in range(rt.B):
-        s, rank, idx = _route_ranks(logits_ref, bias_ref, rt, b)
-        wts.append(_weights(s, rank, rt))
-        chosen = rank < rt.k if chosen is None else chosen | (rank < rt.k)
-    before = chosen[None, :] & (idx[None, :] < idx[:, None])  # [Ep (i), Ep (j)]: chosen j before i
-    slot = jnp.where(chosen, jnp.sum(before.astype(jnp.int32), axis=1), -1)  # [Ep]
-    count = jnp.sum(chosen.astype(jnp.int32))
-    u = lax.broadcasted_iota(jnp.int32, (rt.U,), 0)
-    hit = slot[None, :] == u[:, None]  # [U, Ep]: slot u holds expert i
-    e = jnp.minimum(jnp.sum(jnp.where(hit, idx[None, :], 0), axis=1), rt.E - 1)  # [U] (NaN logits: in bounds)
-    last = jnp.minimum(jnp.sum(jnp.where(slot == count - 1, idx, 0)), rt.E - 1)
-    uniq_ref[...] = jnp.where(u < count, e, -1)
-    read_ref[...] = jnp.where(u < count, e, last)
-    for b in range(Bp):
-        coef_ref[b, :] = jnp.sum(jnp.where(hit, wts[b][None, :], 0.0), axis=1) if b < rt.B else jnp.zeros((rt.U,), F32)
 
 
 def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, nw: int, joined: bool, shared: bool,
@@ -416,8 +389,8 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
     if route is None:
         U = sel[0].shape[0]
         e = sel[0][jnp.minimum(u, U - 1)]
-    else:  # one token (B > 1 plans in `_plan_kernel` first)
-        U = route.U
+    else:  # one token: slot u is the expert of rank u
+        U = route.k
         s, rank, idx = _route_ranks(*sel, route)
         hit = rank == jnp.minimum(u, U - 1)
         e = jnp.minimum(jnp.sum(jnp.where(hit, idx, 0)), route.E - 1)  # NaN logits can share a rank: stay in bounds
@@ -545,32 +518,21 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared:
 def experts_routed(cfg, w, z_BL: jax.Array, logits_BE: jax.Array, bias_E: jax.Array,
                    shared: SharedMLP | None = None, interpret: bool = False, config: Config | None = None,
                    only_where_faster: bool = True) -> jax.Array:
-    """`experts` with the router's selection done by the kernels: the same function as `select_experts` (sigmoid,
-    + bias, top-k, renormalise, scale) then `experts_partial`, without XLA's selection chain (the sigmoid and add,
-    the TopK sort, the slice, the renormalising sum and product; for B > 1 also `plan`'s unique and coefficients).
-    One token: every program of kernel 1 ranks the E logits itself (`_route_ranks`) and its programs (u, 0)
-    write slot u's expert and weight, which kernel 2 reads as it reads `experts`' ids and coefficients.  B > 1:
-    one small kernel plans the distinct experts and every token's weights (`_plan_kernel`), then `experts`' two."""
-    pl = _pl()
+    """`experts` with the router's selection done by the kernels, for one token: the same function as
+    `select_experts` (sigmoid, + bias, top-k, renormalise, scale) then `experts_partial`, without XLA's selection
+    chain (the sigmoid and add, the TopK sort, the slice, the renormalising sum and product).  Every program of
+    kernel 1 ranks the E logits itself (`_route_ranks`) and its programs (u, 0) write slot u's expert and weight,
+    which kernel 2 reads as it reads `experts`' ids and coefficients."""
     B, E = logits_BE.shape
+    if B != 1:  # routed_fits refuses it; a direct call gets the same words
+        raise ValueError(f"moe_experts routed form takes one token, got logits {logits_BE.shape}")
     Ep = 1 << (E - 1).bit_length()
-    k = cfg.num_experts_per_token
-    # B > 1: slots for every distinct choice, a power of two (the plan kernel's [U, E] tile), the rest padding
-    rt = _Route(E=E, Ep=Ep, k=k, renorm=cfg.moe_renormalize, scale=float(cfg.routed_scaling_factor), B=B,
-                U=k if B == 1 else min(Ep, 1 << (B * k - 1).bit_length()), chunk=min(Ep, _Route.chunk))
+    rt = _Route(E=E, Ep=Ep, k=cfg.num_experts_per_token, renorm=cfg.moe_renormalize,
+                scale=float(cfg.routed_scaling_factor), chunk=min(Ep, _Route.chunk))
     logits, bias = logits_BE.astype(F32), bias_E.astype(F32)
     if Ep != E:  # masked in the kernels
         logits, bias = jnp.pad(logits, ((0, 0), (0, Ep - E))), jnp.pad(bias, (0, Ep - E))
-    if B == 1:
-        return _launch(cfg, w, z_BL, [logits, bias], None, rt.U, rt, shared, interpret, config)
-    Bp = _rows_padded(w, B)
-    any_ = pl.BlockSpec(memory_space=pl.ANY)
-    uniq, read, coef = pl.pallas_call(
-        functools.partial(_plan_kernel, rt=rt, Bp=Bp), grid=(1,), in_specs=[any_] * 2, out_specs=[any_] * 3,
-        out_shape=(jax.ShapeDtypeStruct((rt.U,), jnp.int32), jax.ShapeDtypeStruct((rt.U,), jnp.int32),
-                   jax.ShapeDtypeStruct((Bp, rt.U), F32)),
-        interpret=interpret, **triton_params(4, 1, interpret))(logits, bias)
-    return _launch(cfg, w, z_BL, [uniq], [read, coef], rt.U, None, shared, interpret, config)
+    return _launch(cfg, w, z_BL, [logits, bias], None, rt.k, rt, shared, interpret, config)
 
 
 def _rows_padded(w, B: int) -> int:
@@ -717,21 +679,22 @@ def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None =
 
 
 MAX_ROUTED_EXPERTS = 256  # the ranks compare every pair of the Ep logits: [Ep, 32] tiles per program
-MAX_ROUTED_PLAN = 64  # B > 1: the distinct experts' positions from one [Ep, Ep] tile (one program)
 # (format, B bucket, E, I, In, Out, shared) where the whole step was measured faster with the selection in the kernels
 # than with XLA's chain before `moe_experts` (docs/PERF.md); `auto` takes the routed form only there.
 # Measured 2026-12-02 (fifth session, call 3, kernel 2 reading kernel 1's choices): the 48B step (64 experts kept,
 # TP 1, B = 1) 2465.5 us with it against 2647.1 without in the same call, 391 launch ops against 521 (call 1, both
 # kernels ranking: 2519.8 vs 2632.7).  B = 8 (call 2, every program planning the distinct experts): 9130.6 us against
-# 7402.9, slower.  All 256 experts (8 comparison tiles per program instead of 2) not yet measured.
+# 7402.9, slower; a second B > 1 form (one planning kernel before the two, sixth session) 8318.0 against 7425.6, slower:
+# both removed, the routed form is for one token.  All 256 experts (8 comparison tiles per program instead of 2) not
+# yet measured.
 ROUTED_MEASURED: set[tuple] = {("bf16", 1, 64, 1024, 2304, 2304, True)}
 
 
 def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,
                 only_where_faster: bool = True, **_) -> str | None:
-    """Why this call does not suit `experts_routed` (None: it does): `moe_experts`' own conditions, an ungrouped
-    top-k over at most MAX_ROUTED_EXPERTS logits of this block's experts (B > 1: at most MAX_ROUTED_PLAN); `auto`
-    takes it only where the step was measured faster with it (`ROUTED_MEASURED`)."""
+    """Why this call does not suit `experts_routed` (None: it does): `moe_experts`' own conditions, one token, an
+    ungrouped top-k over at most MAX_ROUTED_EXPERTS logits of this block's experts; `auto` takes it only where the
+    step was measured faster with it (`ROUTED_MEASURED`)."""
     if cfg.use_grouped_topk and cfg.num_expert_group > 1:
         return f"moe_experts routed form has no group-limited selection (num_expert_group {cfg.num_expert_group})"
     E = _dims(w)[0]
@@ -746,9 +709,9 @@ def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None
     if not 1 <= k <= E or E > MAX_ROUTED_EXPERTS:
         return (f"moe_experts routed form ranks 1 <= k <= E <= {MAX_ROUTED_EXPERTS} experts in registers, got k {k}, "
                 f"E {E}")
-    if B > 1 and E > MAX_ROUTED_PLAN:
-        return (f"moe_experts routed form for B > 1 plans the distinct experts over <= {MAX_ROUTED_PLAN} experts in "
-                f"one program ([E, E] tiles), got E {E}")
+    if B != 1:
+        return (f"moe_experts routed form takes one token (both B > 1 forms made the 48B step slower on an H200 and "
+                f"were removed), got {B}")
     if only_where_faster:
         fmt, bb, _, I, In, Out, sh = _key(w, B, shared)
         key = (fmt, bb, E, I, In, Out, sh)
@@ -762,5 +725,5 @@ def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None
 # and 8 (tests/test_kernels.py::test_moe_experts_routed_on_gpu), and the 48B step at B = 1 (64 experts) 6.9% faster.
 register(Kernel("moe_experts_routed", routed_reference, experts_routed, platforms=("gpu",), fits=routed_fits,
                 measured="B=1, Kimi-Linear-48B TP 1, 64 experts: the step 6.9% faster with it (2465.5 vs 2647.1 us, "
-                         "130 fewer kernels); B=8: 23% slower (auto keeps XLA's selection); 256 experts not measured "
+                         "130 fewer kernels); B>1: two forms 12-23% slower, removed; 256 experts not measured "
                          "(H200, jax 0.11.2, 2026-12-02)"))

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # One GPU call for several kernels' step A/Bs (issue 22): their compiled tests ($TEST_FILES, pytest -k "$TEST_K"),
 # then the Kimi-Linear-48B step (27 layers, $EXPERTS experts, TP 1, 4K, serving/auto) once per batch size as main
-# has it and once per PATCH@B entry of $AB with the patch applied (scripts/gpu/step_with_kernel.py's arguments joined
+# has it (LAYERS: a slice instead of all 27) and once per PATCH@B entry of $AB with the patch applied (scripts/gpu/step_with_kernel.py's arguments joined
 # by '+': NAME taken by auto wherever it fits, -NAME left out, MODULE:CLASS.FIELD=VALUE a config default), each in
 # its own process.  One start for what several prologue_call.sh calls would measure.
 #   AB="gemv_gnorm@1 mla_decode_uv@1 moe_experts_routed@8" TEST_K="gnorm or mla_decode_uv or routed" \
 #     bash scripts/gpu/ab_call.sh
 #   AB="-moe_experts_routed@1 moe_experts:Config.bn=8+moe_experts:Config.splits=4@1" bash scripts/gpu/ab_call.sh
 #   EXPERTS=256 S_TIMEOUT=330 AB="moe_experts_routed@1" bash scripts/gpu/ab_call.sh   # random weights take minutes
+#   EXPERTS=256 LAYERS=0-7 AB="moe_experts_routed@1" bash scripts/gpu/ab_call.sh     # the first 8 layers only
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.92
-S="--config kimi-linear-48b --layers all --experts ${EXPERTS:-64} --tp 1 --context 4k --strategies stock --variants serving/auto --steps 20 --repeats 5"
+S="--config kimi-linear-48b --layers ${LAYERS:-all} --experts ${EXPERTS:-64} --tp 1 --context 4k --strategies stock --variants serving/auto --steps 20 --repeats 5"
 row() { grep -E "^ +[0-9]+ \|" | tail -3; }
 if [ -n "${TEST_K:-}" ]; then
   echo "== compiled tests ($(date -u +%T))"

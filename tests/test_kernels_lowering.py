@@ -79,27 +79,3 @@ def test_mla_decode_uv_lowers(B, tp, S):
     wkvb = SD((H, n + v, R), BF16)
     assert MD.uv_fits(*args, 0.07, wkvb, n, only_where_faster=False) is None
     assert lower(lambda q, p, kv, ln, w: MD.mla_decode_uv(q, p, kv, ln, 0.07, w, n), *args, wkvb) == 2
-
-
-@pytest.mark.parametrize("preset,tp", [("k3", 2), ("kimi-linear-48b", 1)])
-def test_moe_grouped_mxfp4_in_registers_lowers(preset, tp):
-    """The prefill's grouped GEMM with MXFP4 experts decoded in registers (strided even/odd input loads, [bn, 16]
-    byte tiles, K = 16 dots), at K3's TP 2 share and at the 48B's dims had its experts MXFP4, 4096 tokens."""
-    from jaxk3.kernels import moe_experts as ME
-    from jaxk3.kernels import moe_grouped as G
-    from jaxk3.layers import moe
-    from jaxk3.tools.bench_decode import load_config
-
-    E, N = 64, 4096
-    cfg = dataclasses.replace(load_config(preset), num_experts=E)
-    I, L, k = cfg.moe_intermediate_size // tp, cfg.moe_hidden, cfg.num_experts_per_token
-    u8 = jnp.uint8
-
-    def mx(o, i):
-        return ME.MXFP4(S((E, o, i // 2), u8), S((E, o, i // 32), u8))
-    w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=None, experts_w3=None,
-                       experts_w2=mx(L, I), experts_w13=mx(2 * I, L))
-    c = dataclasses.replace(G.config_for(N * k, E, I, L), mxfp4="registers")
-    args = (S((N, L), BF16), S((N, k), jnp.float32), S((N, k), jnp.int32))
-    assert G.fits(cfg, w, *args, config=c) is None
-    assert lower(lambda w, z, wk, ids: G.grouped(cfg, w, z, wk, ids, config=c), w, *args) == 2

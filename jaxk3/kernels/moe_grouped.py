@@ -17,14 +17,13 @@ block of its rows (once per chunk where an expert has at most bm rows), and only
 FLOPs are done: unused blocks (expert -1, the padding of the static block count) return at once.
 Rows of unused blocks are left unwritten and never read back; padded rows inside a block are zeros.
 
-Weights are bf16 [E, O, In] (the checkpoint's layout, or the serving layout's w1|w3 stack [E, 2I, L]),
-or MXFP4.  MXFP4 experts either are dequantised to bf16 once per call first (`Config.mxfp4 = "once"`, as the
-dense form does: every local expert written in bf16 and read back) or stay packed in memory and are decoded
-in registers (`"registers"`): per 32-column scale group a program loads its [bn, 16] bytes, decodes the low
-and high nibbles (the even and odd columns) to their E2M1 values in bf16 (exact), multiplies them on the
-tensor cores by the input's even and odd columns (strided loads), and scales the group's fp32 product by
-its E8M0 power of two: the same products as the dequantised weights' (a power of two commutes with the
-rounding), summed per group, so the results agree to float32 rounding.
+Weights are bf16 [E, O, In] (the checkpoint's layout, or the serving layout's w1|w3 stack [E, 2I, L]);
+MXFP4 experts are dequantised to bf16 once per call first (`dense_experts`, as the dense form does).
+Decoding them in the kernels instead (per 32-column scale group the nibbles as bf16 E2M1 values against the
+input's even and odd columns, K = 16 dots, each group's product times its scale) was built and measured on an
+H200 at 4096 tokens x 8 of 256 experts: 0.47-0.52x the dequantise-first path (8.2-9.0 ms against 4.2; docs/PERF.md,
+2026-12-02 sixth session), so it was removed: each weight's decode (~8 CUDA-core operations) and every group's
+rescale of the [bm, bn] accumulator are shared by only bm rows, which outweighs the tensor cores' product.
 """
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxk3.config import KimiK3Config
-from jaxk3.config import MXFP4_GROUP as G32
-from jaxk3.kernels.moe_experts import MXFP4, _e2m1_f16, act, compute_dtype, dequantize, e8m0_scales, glu
+from jaxk3.kernels.moe_experts import MXFP4, act, compute_dtype, dequantize, glu
 from jaxk3.kernels.gemv import _dot_nt
 from jaxk3.kernels.registry import Kernel, register, triton_params
 
@@ -130,8 +128,6 @@ class Config:
     order: str = "m"  # the grid's fastest axis: "m", the row blocks (programs at once share a weight tile);
     #                   "n", the output tiles (programs at once share a row block's input)
     gather: bool = False  # gate|up reads its rows from z by index (no sorted copy of the inputs; unmeasured)
-    mxfp4: str = "once"  # MXFP4 experts: "once", dequantised to bf16 per call before the kernels; "registers",
-    #                      decoded per tile in the kernels (bk a multiple of 32)
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
@@ -190,37 +186,10 @@ def _grid(c: Config, blocks: int, tiles: int) -> tuple[int, int]:
     return (blocks, tiles) if c.order == "m" else (tiles, blocks)
 
 
-def _products(c: Config, x_ref, x_rows, ws: list, e, rows: list, i, packed: bool) -> list:
-    """Input tile i (bk columns) of x's rows `x_rows` times each weight's rows of expert e: fp32 [bm, bn] each.
-    Dense: one dot per weight.  MXFP4 (each weight its (packed, scale) refs): per scale group, the even and odd
-    input columns against the decoded low and high nibbles (bf16 values x 2^-14, exact), the group's product
-    times 2^14 and its scale."""
+def _gate_up_kernel(expert_ref, src_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Config, steps: int, off3: int,
+                    act_fn):
     from jax.experimental import pallas as pl
 
-    if not packed:
-        ks = pl.ds(pl.multiple_of(i * c.bk, c.bk), c.bk)
-        x = x_ref[x_rows, ks]
-        return [_dot_nt(x, w[0][e, r, ks]) for w, r in zip(ws, rows)]
-    out = [None] * len(ws)
-    ng = c.bk // G32
-    for gi in range(ng):
-        g = i * ng + gi
-        xe = x_ref[x_rows, pl.ds(g * G32, G32 // 2, stride=2)]
-        xo = x_ref[x_rows, pl.ds(g * G32 + 1, G32 // 2, stride=2)]
-        for j, (w, r) in enumerate(zip(ws, rows)):
-            codes = w[0][e, r, pl.ds(g * (G32 // 2), G32 // 2)].astype(jnp.int32)  # [bn, 16] bytes
-            lo = _e2m1_f16(codes & 15).astype(jnp.bfloat16)
-            hi = _e2m1_f16(codes >> 4).astype(jnp.bfloat16)
-            d = (_dot_nt(xe, lo) + _dot_nt(xo, hi)) * F32(2.0 ** 14) * e8m0_scales(w[1][e, r, g])[None, :]
-            out[j] = d if out[j] is None else out[j] + d
-    return out
-
-
-def _gate_up_kernel(*refs, c: Config, nw: int, steps: int, off3: int, act_fn, packed: bool):
-    from jax.experimental import pallas as pl
-
-    expert_ref, src_ref, x_ref = refs[:3]
-    w1, w3, a_ref = refs[3:3 + nw], refs[3 + nw:3 + 2 * nw], refs[-1]
     b, n = _ids(c)
     e = expert_ref[b]
 
@@ -232,18 +201,18 @@ def _gate_up_kernel(*refs, c: Config, nw: int, steps: int, off3: int, act_fn, pa
         x_rows = src_ref[rows] if c.gather else rows  # gather: the block's tokens (N: the zero row)
 
         def body(i, acc):
-            p1, p3 = _products(c, x_ref, x_rows, [w1, w3], e, [g_rows, u_rows], i, packed)
-            return acc[0] + p1, acc[1] + p3
+            ks = pl.ds(pl.multiple_of(i * c.bk, c.bk), c.bk)
+            x = x_ref[x_rows, ks]
+            return acc[0] + _dot_nt(x, w1_ref[e, g_rows, ks]), acc[1] + _dot_nt(x, w3_ref[e, u_rows, ks])
 
         zero = jnp.zeros((c.bm, c.bn), F32)
         h1, h3 = lax.fori_loop(0, steps, body, (zero, zero))
         a_ref[rows, pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)] = act_fn(h1, h3).astype(a_ref.dtype)
 
 
-def _down_kernel(*refs, c: Config, steps: int, packed: bool):
+def _down_kernel(expert_ref, a_ref, w2_ref, y_ref, *, c: Config, steps: int):
     from jax.experimental import pallas as pl
 
-    expert_ref, a_ref, w2, y_ref = refs[0], refs[1], refs[2:-1], refs[-1]
     b, n = _ids(c)
     e = expert_ref[b]
 
@@ -253,26 +222,18 @@ def _down_kernel(*refs, c: Config, steps: int, packed: bool):
         cols = pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)
 
         def body(i, acc):
-            return acc + _products(c, a_ref, rows, [w2], e, [cols], i, packed)[0]
+            ks = pl.ds(pl.multiple_of(i * c.bk, c.bk), c.bk)
+            return acc + _dot_nt(a_ref[rows, ks], w2_ref[e, cols, ks])
 
         y_ref[rows, cols] = lax.fori_loop(0, steps, body, jnp.zeros((c.bm, c.bn), F32))
 
 
-def _views(w, dt, c: Config) -> tuple[list[jax.Array], bool]:
-    """A weight stack as the kernels read it: ([packed, scale], True) for MXFP4 decoded in registers, else
-    ([the bf16 stack], False) (MXFP4 dequantised once here)."""
-    if isinstance(w, MXFP4) and c.mxfp4 == "registers":
-        return [w.packed, w.scale], True
-    return [dense_experts(w, dt)], False
-
-
-def _gate_up_weights(w, dt, c: Config) -> tuple[list[jax.Array], list[jax.Array], int, bool]:
-    """(w1 views, w3 views, row offset of the up rows in w3, packed) over [E, ·, L] stacks (`_views`)."""
+def _gate_up_weights(w, dt) -> tuple[jax.Array, jax.Array, int]:
+    """(w1 ref, w3 ref, row offset of the up rows in w3) over [E, ·, L] bf16 stacks."""
     if w.experts_w13 is not None:
-        v, packed = _views(w.experts_w13, dt, c)
-        return v, v, w.experts_w13.shape[1] // 2, packed
-    v1, packed = _views(w.experts_w1, dt, c)
-    return v1, _views(w.experts_w3, dt, c)[0], 0, packed
+        w13 = dense_experts(w.experts_w13, dt)
+        return w13, w13, w13.shape[1] // 2
+    return dense_experts(w.experts_w1, dt), dense_experts(w.experts_w3, dt), 0
 
 
 def _shapes(w) -> tuple[int, int, int]:
@@ -297,16 +258,15 @@ def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: 
     from jax.experimental import pallas as pl
 
     E, I, L = _shapes(w)
-    w1, w3, off3, packed = _gate_up_weights(w, xs_ML.dtype, c)
+    w1, w3, off3 = _gate_up_weights(w, xs_ML.dtype)
     act_fn = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
                                linear_beta=cfg.activation_situ_linear_beta)
     raw = pl.BlockSpec(memory_space=pl.ANY)
-    ins = [expert_B, src_M, xs_ML, *w1, *w3]
     return pl.pallas_call(
-        functools.partial(_gate_up_kernel, c=c, nw=len(w1), steps=L // c.bk, off3=off3, act_fn=act_fn, packed=packed),
-        grid=_grid(c, expert_B.shape[0], I // c.bn), in_specs=[raw] * len(ins), out_specs=raw,
+        functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn),
+        grid=_grid(c, expert_B.shape[0], I // c.bn), in_specs=[raw] * 5, out_specs=raw,
         out_shape=jax.ShapeDtypeStruct((src_M.shape[0], I), xs_ML.dtype), interpret=interpret,
-        **triton_params(c.num_warps, c.num_stages, interpret))(*ins)
+        **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, src_M, xs_ML, w1, w3)
 
 
 def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = False) -> jax.Array:
@@ -314,13 +274,13 @@ def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = F
     from jax.experimental import pallas as pl
 
     E, I, L = _shapes(w)
-    w2, packed = _views(w.experts_w2, a_MI.dtype, c)
+    w2 = dense_experts(w.experts_w2, a_MI.dtype)
     raw = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_down_kernel, c=c, steps=I // c.bk, packed=packed),
-        grid=_grid(c, expert_B.shape[0], L // c.bn), in_specs=[raw] * (2 + len(w2)), out_specs=raw,
+        functools.partial(_down_kernel, c=c, steps=I // c.bk),
+        grid=_grid(c, expert_B.shape[0], L // c.bn), in_specs=[raw] * 3, out_specs=raw,
         out_shape=jax.ShapeDtypeStruct((a_MI.shape[0], L), F32), interpret=interpret,
-        **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, a_MI, *w2)
+        **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, a_MI, w2)
 
 
 def combine(y_ML: jax.Array, pos_Nk: jax.Array, w_Nk: jax.Array) -> jax.Array:
@@ -355,10 +315,6 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
         return f"moe_grouped kernel: order must be 'm' or 'n', got {c.order!r}"
     if c.bm < 16 or c.bm & (c.bm - 1):
         return f"moe_grouped kernel: bm = {c.bm} must be a power of two >= 16 (tl.dot)"
-    if c.mxfp4 not in ("once", "registers"):
-        return f"moe_grouped kernel: mxfp4 must be 'once' or 'registers', got {c.mxfp4!r}"
-    if c.mxfp4 == "registers" and isinstance(w.experts_w2, MXFP4) and c.bk % G32:
-        return f"moe_grouped kernel decodes MXFP4 in registers by scale groups: bk {c.bk} must be a multiple of {G32}"
     return None
 
 

@@ -10,11 +10,7 @@ replace, in the same run, at N prompt tokens per chunk:
 Per row: ms per call (median of REPS x INNER calls), exact TFLOP/s (6·N·k·L·I / t), and the relative
 error against `ragged` (max |a - b| / max |b|).  Routing is uniform at random (the expected load).
 
-With --mxfp4 the experts are MXFP4 (random codes, scales 2^-8..2^-5: weights of the bf16 case's size): the
-kernels with the experts dequantised to bf16 once per call (`Config.mxfp4 = "once"`, the path before) against
-the kernels decoding them in registers ("registers", the default tiling and MX_SWEEP's), errors against "once".
-
-    python scripts/gpu/moe_grouped.py [--json PATH] [--tokens 512,4096] [--experts 256] [--no-sweep] [--mxfp4]
+    python scripts/gpu/moe_grouped.py [--json PATH] [--tokens 512,4096] [--experts 256] [--no-sweep]
 """
 from __future__ import annotations
 
@@ -33,7 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import timing  # noqa: E402
 
 from jaxk3.kernels import moe_grouped as G  # noqa: E402
-from jaxk3.kernels.moe_experts import MXFP4  # noqa: E402
 from jaxk3.layers import moe  # noqa: E402
 from jaxk3.tools.bench_decode import load_config  # noqa: E402
 
@@ -44,9 +39,6 @@ SWEEP = [G.Config(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=s, order=o)
                                      (16, 128, 64, 4, 3, "n")]] + [
     G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n", gather=True),
     G.Config(bm=16, bn=128, bk=64, num_warps=4, num_stages=3, order="n", gather=True)]
-MX_SWEEP = [G.Config(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=s, order="n", mxfp4="registers")
-            for bm, bn, bk, w, s in [(64, 128, 64, 4, 3), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4),
-                                     (16, 128, 64, 4, 3)]]
 
 
 def phases(kcfg, w, z, wk, ids, c, log, N):
@@ -71,55 +63,17 @@ def phases(kcfg, w, z, wk, ids, c, log, N):
     return out
 
 
-def case(cfg, E: int, N: int, seed: int = 0, mxfp4: bool = False):
+def case(cfg, E: int, N: int, seed: int = 0):
     k, I, L = cfg.num_experts_per_token, cfg.moe_intermediate_size, cfg.moe_hidden
     keys = jax.random.split(jax.random.key(seed), 4)
-
-    def weight(key, o, i):
-        if not mxfp4:
-            return (0.02 * jax.random.normal(key, (E, o, i), jnp.float32)).astype(jnp.bfloat16)
-        kp, ks = jax.random.split(key)
-        return MXFP4(jax.random.randint(kp, (E, o, i // 2), 0, 256, jnp.int32).astype(jnp.uint8),
-                     jax.random.randint(ks, (E, o, i // 32), 119, 123, jnp.int32).astype(jnp.uint8))
     w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=None, experts_w3=None,
-                       experts_w2=weight(keys[0], L, I), experts_w13=weight(keys[1], 2 * I, L))
+                       experts_w2=(0.02 * jax.random.normal(keys[0], (E, L, I), jnp.float32)).astype(jnp.bfloat16),
+                       experts_w13=(0.02 * jax.random.normal(keys[1], (E, 2 * I, L), jnp.float32)).astype(jnp.bfloat16))
     z = jax.random.normal(keys[2], (N, L), jnp.float32).astype(jnp.bfloat16)
     r = np.random.default_rng(seed)
     ids = jnp.asarray(np.stack([r.permutation(E)[:k] for _ in range(N)]), jnp.int32)
     wk = jnp.asarray(r.uniform(0.05, 0.3, (N, k)), jnp.float32)
     return dataclasses.replace(cfg, num_experts=E), w, z, wk, ids
-
-
-def mxfp4_rows(kcfg, w, z, wk, ids, N, a, log) -> list:
-    """The MXFP4 case: the kernels after a per-call dequantisation ("once") against the kernels decoding in
-    registers, default tiling and MX_SWEEP; ratios and errors against "once" (default tiling)."""
-    k, I, L = kcfg.num_experts_per_token, kcfg.moe_intermediate_size, kcfg.moe_hidden
-    flops = 6.0 * N * k * L * I
-    base_c = G.config_for(N * k, a.experts, I, L)
-    cs = [dataclasses.replace(base_c, mxfp4="once"), dataclasses.replace(base_c, mxfp4="registers")]
-    configs = [(("default " if i < 2 else "") + str(c), c) for i, c in enumerate(cs + ([] if a.no_sweep else MX_SWEEP))]
-    rows, base, want = [], None, None
-    for name, c in configs:
-        why = G.fits(kcfg, w, z, wk, ids, config=c)
-        if why:
-            log(f"N {N:5d} mxfp4 {name}: skipped ({why})")
-            continue
-        f = jax.jit(lambda w, z, wk, ids, c=c: G.grouped(kcfg, w, z, wk, ids, config=c))
-        try:
-            t = timing.per_call(f, (w, z, wk, ids), reps=REPS, inner=INNER, chain=1)
-            got = np.asarray(f(w, z, wk, ids))
-        except Exception as e:  # a config that does not compile is a row, not the end of the run
-            log(f"N {N:5d} mxfp4 {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
-            rows.append(dict(tokens=N, path="mxfp4 " + name, error=str(e)[:2000]))
-            continue
-        if want is None:
-            base, want = t, got
-        err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-        log(f"N {N:5d} mxfp4 {name:70s} {t * 1e3:8.3f} ms  {flops / t / 1e12:7.1f} TFLOP/s exact  {base / t:5.2f}x once"
-            f"  rel err {err:.1e}")
-        rows.append(dict(tokens=N, path="mxfp4 " + name, ms=t * 1e3, tflops=flops / t / 1e12, rel_err=err,
-                         vs_once=base / t))
-    return rows
 
 
 def main(argv=None) -> int:
@@ -128,19 +82,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="512,4096,8192")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--mxfp4", action="store_true")
     a = ap.parse_args(argv)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     log = timing.logger(a.json)
     cfg = load_config("kimi-linear-48b")
     rows = []
-    log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; Kimi-Linear-48B MoE dims, {a.experts} experts"
-        + (", MXFP4" if a.mxfp4 else ""))
+    log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; Kimi-Linear-48B MoE dims, {a.experts} experts")
     for N in (int(t) for t in a.tokens.split(",")):
-        kcfg, w, z, wk, ids = case(cfg, a.experts, N, mxfp4=a.mxfp4)
-        if a.mxfp4:
-            rows += mxfp4_rows(kcfg, w, z, wk, ids, N, a, log)
-            continue
+        kcfg, w, z, wk, ids = case(cfg, a.experts, N)
         k, I, L = kcfg.num_experts_per_token, kcfg.moe_intermediate_size, kcfg.moe_hidden
         flops = 6.0 * N * k * L * I
         ref = jax.jit(lambda w, z, wk, ids: G.experts_grouped(kcfg, w, z, wk, ids))

@@ -1,4 +1,4 @@
-"""`jaxk3 bench decode` with named kernels taken by `kernels="auto"` at every shape they fit, proven or not
+"""`jaxk3 bench decode` (or `generate`) with named kernels taken by `kernels="auto"` at every shape they fit, proven or not
 (the registry entry patched in this process only): what a kernel does to the whole step before its speed
 gate is filled in; or, with `-NAME`, the step with that kernel left out (auto keeps XLA's path), what a
 proven kernel adds.  Compare with the same bench without the patch (or the checkpoint/off variant in the
@@ -6,6 +6,11 @@ same run); a kernel is proven only by its compiled tests and its timing against 
 
     python scripts/gpu/step_with_kernel.py moe_experts -- --config kimi-linear-48b --layers all --experts 64 ...
     python scripts/gpu/step_with_kernel.py -moe_experts -- ...
+
+After `--`, `generate ...` runs `jaxk3 bench generate` instead (the decode loop's tokens/s with the patch; `decode`
+or nothing: `bench decode`).
+
+    python scripts/gpu/step_with_kernel.py moe_experts_routed -- generate --config kimi-linear-48b --batch 1
 
 An argument MODULE:CLASS.FIELD=VALUE (e.g. `moe_experts:Config.bn=8`, a module of jaxk3.kernels) sets the default of
 a kernel's config dataclass in this process: the step with another tiling than the one its sweep chose.
@@ -59,4 +64,6 @@ if __name__ == "__main__":
     cut = argv.index("--")
     for n in argv[:cut]:
         patch(n)
-    sys.exit(cli_main(["bench", "decode", *argv[cut + 1:]]))
+    rest = argv[cut + 1:]
+    bench = rest.pop(0) if rest and rest[0] in ("decode", "generate") else "decode"
+    sys.exit(cli_main(["bench", bench, *rest]))

@@ -685,8 +685,9 @@ MAX_ROUTED_EXPERTS = 256  # the ranks compare every pair of the Ep logits: [Ep, 
 # TP 1, B = 1) 2465.5 us with it against 2647.1 without in the same call, 391 launch ops against 521 (call 1, both
 # kernels ranking: 2519.8 vs 2632.7).  B = 8 (call 2, every program planning the distinct experts): 9130.6 us against
 # 7402.9, slower; a second B > 1 form (one planning kernel before the two, sixth session) 8318.0 against 7425.6, slower:
-# both removed, the routed form is for one token.  All 256 experts (8 comparison tiles per program instead of 2) not
-# yet measured.
+# both removed, the routed form is for one token.  All 256 experts (8 comparison tiles per program instead of 2, sixth
+# session, `bench generate` at B = 1 in the same call's two processes): 320.1 decode tokens/s with it against 381.3
+# without: slower, not taken.
 ROUTED_MEASURED: set[tuple] = {("bf16", 1, 64, 1024, 2304, 2304, True)}
 
 
@@ -725,5 +726,5 @@ def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None
 # and 8 (tests/test_kernels.py::test_moe_experts_routed_on_gpu), and the 48B step at B = 1 (64 experts) 6.9% faster.
 register(Kernel("moe_experts_routed", routed_reference, experts_routed, platforms=("gpu",), fits=routed_fits,
                 measured="B=1, Kimi-Linear-48B TP 1, 64 experts: the step 6.9% faster with it (2465.5 vs 2647.1 us, "
-                         "130 fewer kernels); B>1: two forms 12-23% slower, removed; 256 experts not measured "
+                         "130 fewer kernels); B>1: two forms 12-23% slower, removed; 256 experts: decode 16% slower, auto keeps XLA's selection "
                          "(H200, jax 0.11.2, 2026-12-02)"))

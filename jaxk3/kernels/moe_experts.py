@@ -722,9 +722,9 @@ def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None
     return None
 
 
-# Proven on an H200 (2026-12-02, fifth session): compiled at Kimi-Linear-48B's dims with 64 and 256 experts, B 1, 3
-# and 8 (tests/test_kernels.py::test_moe_experts_routed_on_gpu), and the 48B step at B = 1 (64 experts) 6.9% faster.
+# Proven on an H200 (2026-12-02, fifth and sixth sessions): compiled at Kimi-Linear-48B's dims with 64 and 256
+# experts (tests/test_kernels.py::test_moe_experts_routed_on_gpu), and the 48B step at B = 1 (64 experts) 6.9% faster.
 register(Kernel("moe_experts_routed", routed_reference, experts_routed, platforms=("gpu",), fits=routed_fits,
                 measured="B=1, Kimi-Linear-48B TP 1, 64 experts: the step 6.9% faster with it (2465.5 vs 2647.1 us, "
-                         "130 fewer kernels); B>1: two forms 12-23% slower, removed; 256 experts: decode 16% slower, auto keeps XLA's selection "
-                         "(H200, jax 0.11.2, 2026-12-02)"))
+                         "130 fewer kernels); 256 experts: decode 16% slower (auto keeps XLA's selection); B>1: two "
+                         "forms 12-23% slower, removed (H200, jax 0.11.2, 2026-12-02)"))

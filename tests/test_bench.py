@@ -212,7 +212,8 @@ def test_census_decode_tiny_every_layer(tmp_path, capsys):
 
     path = tmp_path / "census.json"
     assert cli.main(["bench", "decode", "--config", "tiny", "--tp", "2", "--batch", "1", "--context", "64",
-                     "--strategies", "sharded+one-shot", "--steps", "2", "--census", "--json", str(path)]) == 0
+                     "--strategies", "sharded+one-shot", "--steps", "2", "--census", "--json", str(path),
+                     "--copy-mb", "8"]) == 0
     out = capsys.readouterr().out
     res = json.loads(path.read_text())
     assert res["kind"] == "decode_census" and res["platform"] == "cpu" and any("CPU" in n for n in res["notes"])
@@ -234,6 +235,31 @@ def test_census_decode_tiny_every_layer(tmp_path, capsys):
     assert row["profile"] is not None, row["profile_unavailable"]
     assert row["profile"]["events"] == {b: float(n) for b, n in c["totals"].items() if n}
     assert f"kernels per step: {c['total']};" in out and "layer7_moe" in out and "us/step" in out
+    assert set(row["bytes"]) == set(names) and all(v > 0 for v in row["bytes"].values())
+    assert res["copy_bandwidth_GBps"] > 0 and "floor us" in out and "at the copy bandwidth" in out
+
+
+def test_block_bytes_sum_to_the_step_floor():
+    """The census's bytes per block add up to what `bench decode`'s floor counts (weights by group + caches) at the
+    tiny config, TP 2, B 1 and 4 (the experts touched grow), and a longer context grows the MLA blocks only."""
+    from jax.sharding import Mesh
+
+    from jaxk3.sharding import TP
+    from jaxk3.tools import bench_decode as bd
+
+    cfg = bd.load_config("tiny")
+    mesh = Mesh(np.asarray(jax.devices()[:2]), (TP,))
+    w = bd.random_weights(cfg, mesh, "bfloat16", shard_latent=True)
+    for batch in (1, 4):
+        cache = bd.random_cache(cfg, mesh, "bfloat16", batch, 64)
+        got = bd.block_bytes(cfg, w, cache, batch)
+        assert set(got) == set(bd.block_names(cfg))
+        want = sum(bd.weight_bytes_per_rank(cfg, w, batch).values()) + bd.cache_bytes_per_rank(cfg, cache)
+        assert sum(got.values()) == want, (batch, sum(got.values()), want)
+    # a longer context: only the MLA blocks grow, each by its layer's latent cache growth
+    longer = bd.block_bytes(cfg, w, bd.random_cache(cfg, mesh, "bfloat16", 4, 128), 4)
+    grew = {b for b in got if longer[b] != got[b]}
+    assert grew == {b for b in got if b.endswith("_mla")} and grew
 
 
 def test_census_more_layers_more_kernels():

@@ -191,7 +191,8 @@ def decode(args) -> int:
             result = bd.census_decode(config=args.config, layers=layers, experts=experts,
                                       tp=args.tp or jax.local_device_count(), batches=args.batch,
                                       contexts=args.context, dtype=args.dtype, steps=args.steps,
-                                      strategies=strategies, hlo_dir=args.hlo_dir, progress=progress)
+                                      strategies=strategies, hlo_dir=args.hlo_dir, progress=progress,
+                                      copy_bytes=args.copy_mb << 20)
         except (ValueError, OSError, KernelUnavailableError) as e:
             return fail(cmd, e)
         if jax.process_index() != 0:

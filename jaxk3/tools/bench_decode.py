@@ -213,6 +213,33 @@ def cache_bytes_per_rank(cfg: KimiK3Config, cache: Cache) -> int:
                for c in cache.layers)
 
 
+def block_bytes(cfg: KimiK3Config, weights: Weights, cache: Cache, batch: int, first: int = 0) -> dict[str, int]:
+    """Bytes one rank's step reads per census block (`block_names`): each block's own weights as
+    `weight_bytes_per_rank` counts them (routed experts: the distinct ones a step is expected to touch; the
+    embedding: the looked-up rows), an attention block also its layer's cache as `cache_bytes_per_rank` does.
+    Weights in the checkpoint layout (the serving layout joins the same bytes)."""
+    tp = weights.embed_tokens.sharding.mesh.shape[TP]
+    tree = abstract_weights(cfg, tp)
+    touched = expected_experts(cfg.num_experts, cfg.num_experts_per_token, batch)
+
+    def count(t, w) -> int:
+        return sum(params.bytes_per_rank(t, w, experts_touched=touched, rows=batch).values())
+
+    def fields(x, *names):
+        return tuple(getattr(x, n) for n in names)
+    head = ("lm_head", "norm", "output_attn_res_norm", "output_attn_res_proj")
+    out = {"embed": count(tree.embed_tokens, weights.embed_tokens), "head": count(fields(tree, *head),
+                                                                               fields(weights, *head))}
+    attn_f = ("attn", "input_layernorm", "self_attention_res_norm", "self_attention_res_proj")
+    ffn_f = ("ffn", "post_attention_layernorm", "mlp_res_norm", "mlp_res_proj")
+    for l, (attn, ffn) in enumerate(zip(cfg.layer_attn, cfg.layer_ffn)):
+        t, w, c = tree.layers[l], weights.layers[l], cache.layers[l]
+        cb = sum(params.shard_bytes(a) for a in jax.tree.leaves(c)) * (2 if isinstance(c, KDACache) else 1)
+        out[f"layer{first + l}_{attn}"] = count(fields(t, *attn_f), fields(w, *attn_f)) + cb
+        out[f"layer{first + l}_{ffn}"] = count(fields(t, *ffn_f), fields(w, *ffn_f))
+    return out
+
+
 def copy_bandwidth(mesh, nbytes: int = 1 << 30, repeats: int = 7, calls: int = 10) -> float:
     """Bytes/s per device of `a + 1` over an nbytes (per device) f32 array: (read + write) / time."""
     tp = mesh.shape[TP]
@@ -525,17 +552,21 @@ def _profile(compiled, weights, cache, ids, valid, steps: int, kc: dict) -> tupl
 
 def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int | None = 32, tp: int = 2,
                   batches=(1,), contexts=(4096,), dtype: str = "bfloat16", steps: int = 10,
-                  strategies=STRATEGIES, hlo_dir: str | None = None, profile: bool = True, progress=None) -> dict:
+                  strategies=STRATEGIES, hlo_dir: str | None = None, profile: bool = True, progress=None,
+                  copy_bytes: int = 1 << 30) -> dict:
     """Kernel census of the decode step (`jaxk3 bench decode --census`), per (batch, context, strategy).
 
     Each row: the compiled step's kernels per block by kind (jaxk3.census.kernel_census of the
     optimized HLO; the blocks are model.forward_local's named scopes) and, with `profile`, the
     device time per block per step from `steps` profiled steps after two warm-up steps
-    (census.profile_times), or the reason there is none.  Same setup as `bench_decode` (random
-    weights and caches of the real shapes, the same strategies), no latency timing."""
+    (census.profile_times), or the reason there is none; and each block's bytes (`block_bytes`) beside the
+    copy bandwidth measured once (`copy_bytes` per device), so that a block's time reads against its floor.  Same
+    setup as `bench_decode` (random weights and caches of the real shapes, the same strategies), no latency timing."""
     full, first, last, cfg, mesh, strategies = _setup(config, layers, experts, tp, batches, strategies)
     devs = jax.devices()
     say = progress or (lambda m: None)
+    say(f"copy bandwidth ({copy_bytes >> 20} MiB per device)")
+    bw = copy_bandwidth(mesh, copy_bytes)
     say("random weights on the devices")
     made = _Weights(cfg, mesh, dtype)
     blocks = block_names(cfg, first)
@@ -555,6 +586,7 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
                               "w") as fh:
                         fh.write(text)
                 kc = census.kernel_census(text, blocks)
+                nbytes = block_bytes(made.config(s), made.get(s), cache, batch, first)
                 times, why = None, "not profiled (profile=False)"
                 if profile:
                     for _ in range(2):  # warm-up, finished before the trace starts (else its events count)
@@ -564,7 +596,8 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
                 del cache
                 public = {k: v for k, v in kc.items() if k != "op_block"}
                 rows.append({"strategy": name, "batch": batch, "context": context, "gathers": paths, "census": public,
-                             "per_layer": census.layer_summary(kc), "profile": times, "profile_unavailable": why})
+                             "per_layer": census.layer_summary(kc), "profile": times, "profile_unavailable": why,
+                             "bytes": nbytes})
                 say(f"   -> {kc['total']} kernels per step" + (f", {times['total_us']:.1f} us summed over its op events per "
                                                                f"step" if times else f"; profile times unavailable: {why}"))
     platform = devs[0].platform
@@ -580,7 +613,7 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
     return {"kind": "decode_census", "config": config, "slice": describe_slice(cfg, first, last), "layers": [first, last],
             "experts": cfg.num_experts, "tp": tp, "dtype": jnp.dtype(dtype).name, "platform": platform,
             "device_kind": devs[0].device_kind, "steps": steps, "blocks": blocks, "notes": notes,
-            "versions": _versions(), "rows": rows}
+            "copy_bandwidth_GBps": bw / 1e9, "versions": _versions(), "rows": rows}
 
 
 def census_report(result: dict) -> str:
@@ -591,7 +624,8 @@ def census_report(result: dict) -> str:
     for r in result["rows"]:
         title = (f"\n== {result['config']}, B={r['batch']}, context {r['context']}, {r['strategy']} "
                  f"(module {r['census']['module']})")
-        out.append(census.census_table(r["census"], r["profile"], title, r["profile_unavailable"]))
+        out.append(census.census_table(r["census"], r["profile"], title, r["profile_unavailable"], r.get("bytes"),
+                                       result.get("copy_bandwidth_GBps")))
     out += [f"note: {n}" for n in result["notes"]]
     return "\n".join(out)
 

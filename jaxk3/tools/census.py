@@ -408,24 +408,37 @@ def layer_summary(census: dict[str, Any]) -> dict[str, Any]:
 
 
 def census_table(census: dict[str, Any], times: dict[str, Any] | None, title: str,
-                 unavailable: str | None = None) -> str:
+                 unavailable: str | None = None, nbytes: dict[str, int] | None = None,
+                 bandwidth_GBps: float | None = None) -> str:
     """The census as text: one row per block (kernel counts by kind, total, µs and events per step
-    from the profile when `times` is given), a total row and a summary line."""
+    from the profile when `times` is given; with `nbytes` per block and the copy bandwidth, its MB, the µs
+    those bytes take at that bandwidth and the block's time over it), a total row and a summary line."""
+    floors = bool(times and nbytes and bandwidth_GBps)
     head = f"{'block':<14} | " + " | ".join(f"{k:>6}" for k in census["kinds"]) + f" | {'total':>5}"
     if times:
         head += f" | {'us/step':>8} | {'events':>6}"
+    if floors:
+        head += f" | {'MB':>7} | {'floor us':>8} | {'x':>5}"
+
+    def floor_cols(us: float, b: int) -> str:
+        f = b / (bandwidth_GBps * 1e3)  # bytes / (GB/s) in us
+        return f" | {b / 1e6:>7.1f} | {f:>8.1f} | " + (f"{us / f:>5.2f}" if f > 0 else f"{'-':>5}")
     lines = [title, head, "-" * len(head)]
     for b in census["blocks"]:
         c = census["counts"][b]
         row = f"{b:<14} | " + " | ".join(f"{c[k]:>6}" for k in census["kinds"]) + f" | {census['totals'][b]:>5}"
         if times:
             row += f" | {times['us'].get(b, 0.0):>8.1f} | {times['events'].get(b, 0.0):>6.1f}"
+        if floors:
+            row += floor_cols(times["us"].get(b, 0.0), nbytes.get(b, 0))
         lines.append(row)
     lines.append("-" * len(head))
     row = f"{'total':<14} | " + " | ".join(f"{census['by_kind'][k]:>6}" for k in census["kinds"]) + \
         f" | {census['total']:>5}"
     if times:
         row += f" | {times['total_us']:>8.1f} | {sum(times['events'].values()):>6.1f}"
+    if floors:
+        row += floor_cols(times["total_us"], sum(nbytes.values()))
     lines.append(row)
     s = layer_summary(census)
     n_layers = len(s["layers"])
@@ -443,6 +456,10 @@ def census_table(census: dict[str, Any], times: dict[str, Any] | None, title: st
     if times:
         lines.append(f"us/step, events: sum of event durations per step per device ({times['devices']} devices, "
                      f"{times['source']})")
+    if floors:
+        lines.append(f"MB: the block's weights (the distinct experts a step is expected to touch) and its layer's cache "
+                     f"per rank; floor us: those bytes at the copy bandwidth ({bandwidth_GBps:.0f} GB/s); x: us/step "
+                     "over it")
         if any(op.startswith("command_buffer") for op in times["unattributed_ops"]):
             lines.append("the kernels ran inside CUDA graphs (XLA command buffers), whose events carry the graph's "
                          "name: for per-block times run with XLA_FLAGS=--xla_gpu_enable_command_buffer=")

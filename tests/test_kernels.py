@@ -654,21 +654,21 @@ def _kda_case(mode: str, dtype, B: int, seed: int = 0):
 
 @pytest.mark.parametrize("mode", ["k3", "kl"])
 # tiny head_dim 32: one value block per head (bv 32), or four (bv 8); each dtype and batch meets both
-@pytest.mark.parametrize("dtype,B,bv", [(jnp.float32, 1, 32), (jnp.float32, 3, 8), (jnp.bfloat16, 1, 8),
-                                        (jnp.bfloat16, 3, 32)])
-def test_kda_decode_kernel_matches_reference(mode, dtype, B, bv):
+@pytest.mark.parametrize("dtype,B,bv,early", [(jnp.float32, 1, 32, False), (jnp.float32, 3, 8, True),
+                                              (jnp.bfloat16, 1, 8, False), (jnp.bfloat16, 3, 32, True)])
+def test_kda_decode_kernel_matches_reference(mode, dtype, B, bv, early):
     """Interpret mode against `kda.decode_core`.  Tolerance: the same float32 arithmetic with the conv
     taps and the state contractions (32 terms) summed in another order: ~1e-7 relative per value,
     and the output RMSNorm divides by a norm of the same rounding; 1e-5 of max|ref| (a wrong tap,
     gate or update is off by >= 1e-2).  The conv window (a copy) is bitwise; invalid rows keep both
-    caches bitwise."""
+    caches bitwise.  `early`: the state loaded first (the same arithmetic)."""
     from jaxk3.kernels.kda_decode import Config
 
     cfg, args = _kda_case(mode, dtype, B)
     k = kernels.REGISTRY["kda_decode"]
     assert k.fits(cfg, *args, config=Config(bv=bv)) is None
     assert "float32 state in place" in k.fits(cfg, *args[:6], args[6].astype(jnp.bfloat16), args[7])
-    got = k.device(cfg, *args, interpret=True, config=Config(bv=bv))
+    got = k.device(cfg, *args, interpret=True, config=Config(bv=bv, early=early))
     ref = k.reference(cfg, *args)
     for g, r_ in zip(got, ref):
         assert g.shape == r_.shape and g.dtype == r_.dtype
@@ -723,17 +723,19 @@ def _kda_in_case(dtype, B: int, seed: int = 0, real: bool = False):
     return cfg, (y, gb, conv, cw, state, valid)
 
 
-@pytest.mark.parametrize("dtype,B,bv", [(jnp.bfloat16, 1, 32), (jnp.bfloat16, 3, 8), (jnp.float32, 3, 32)])
-def test_kda_decode_in_kernel_matches_reference(dtype, B, bv):
+@pytest.mark.parametrize("dtype,B,bv,early", [(jnp.bfloat16, 1, 32, False), (jnp.bfloat16, 3, 8, True),
+                                              (jnp.float32, 3, 32, False), (jnp.float32, 1, 32, True)])
+def test_kda_decode_in_kernel_matches_reference(dtype, B, bv, early):
     """The form that reads in_proj's output and the low-rank weights itself (interpret mode) against
     `glue` then `decode_core` (XLA's path): tolerance as kda_decode's, plus the two low-rank products'
-    d-term fp32 sums in another order (~1e-7 relative); the conv window is the same cast of y (bitwise)."""
+    d-term fp32 sums in another order (~1e-7 relative); the conv window is the same cast of y (bitwise).
+    `early`: the state and the low-rank weights loaded first (the same arithmetic)."""
     from jaxk3.kernels.kda_decode import Config, glue
 
     cfg, args = _kda_in_case(dtype, B)
     k = kernels.REGISTRY["kda_decode_in"]
     assert k.fits(cfg, *args, config=Config(bv=bv), only_where_faster=False) is None
-    got = k.device(cfg, *args, interpret=True, config=Config(bv=bv))
+    got = k.device(cfg, *args, interpret=True, config=Config(bv=bv, early=early))
     ref = k.reference(cfg, *args)
     tol = 1e-5 if dtype == jnp.float32 else 1e-4
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=0, atol=tol * float(jnp.abs(ref[0]).max()))
@@ -758,15 +760,18 @@ def test_kda_decode_in_kernel_matches_reference(dtype, B, bv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bv,real,B", [(32, False, 3), (8, False, 3), (32, True, 1), (32, True, 8)])
-def test_kda_decode_in_kernel_on_gpu(bv, real, B):
-    """Compiled, at the tiny dims and at Kimi-Linear-48B's (B 1 and 8), against glue + decode_core."""
+@pytest.mark.parametrize("bv,real,B,early", [(32, False, 3, False), (8, False, 3, True), (32, True, 1, False),
+                                             (32, True, 8, False), (32, True, 1, True)])
+def test_kda_decode_in_kernel_on_gpu(bv, real, B, early):
+    """Compiled, at the tiny dims and at Kimi-Linear-48B's (B 1 and 8), against glue + decode_core; `early` (the
+    state and low-rank weights loaded first) at the tiny dims and the 48B's B = 1."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
     from jaxk3.kernels.kda_decode import Config
 
     cfg, args = _kda_in_case(jnp.bfloat16, B, real=real)
-    got = jax.jit(lambda *a: kernels.call("kda_decode_in", cfg, *a, mode="on", config=Config(bv=bv)))(*args)
+    c = Config(bv=bv, early=early)
+    got = jax.jit(lambda *a: kernels.call("kda_decode_in", cfg, *a, mode="on", config=c))(*args)
     ref = kernels.REGISTRY["kda_decode_in"].reference(cfg, *args)
     for g, r_ in zip(got, ref):
         np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)), np.asarray(r_.astype(jnp.float32)), rtol=0,

@@ -51,8 +51,8 @@ def test_gemv_gnorm_lowers():
     assert lower(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, BF16), x, x, g, w) == 1
 
 
-@pytest.mark.parametrize("gated", [True, False])
-def test_kda_decode_in_lowers(gated):
+@pytest.mark.parametrize("gated,early", [(True, False), (False, False), (False, True)])
+def test_kda_decode_in_lowers(gated, early):
     from jaxk3.kernels import kda_decode as KD
 
     cfg = _cfg48()
@@ -62,7 +62,7 @@ def test_kda_decode_in_lowers(gated):
     args = (S((1, 3 * C + 2 * d + H), f32), S((2, C, d), BF16), S((1, 3, C, K - 1), BF16), cw, S((1, H, d, d), f32),
             S((1,), jnp.bool_))
     assert KD.fused_fits(cfg, *args, only_where_faster=False) is None
-    assert lower(lambda *a: KD.kda_decode_in(cfg, *a, gated=gated), *args) == 1
+    assert lower(lambda *a: KD.kda_decode_in(cfg, *a, gated=gated, config=KD.Config(early=early)), *args) == 1
 
 
 # tp: K3's heads at that TP (12 at TP 8: padded); S 3072: the engine's caches come in multiples of 512, so the

@@ -203,6 +203,25 @@ def test_profile_parse_degrades_with_a_reason(tmp_path):
     assert "profile times unavailable: no trace (test)" in text and "us/step" not in text
 
 
+def test_census_table_notes_with_and_without_bytes():
+    """Profile times whose events ran inside CUDA graphs: the table says so whether or not the blocks' bytes are
+    given (a JSON from before the bytes existed re-reports the same); with bytes and a bandwidth it adds MB, the
+    bytes' floor and the ratio for each block."""
+    from jaxk3.tools import census
+
+    c = census.kernel_census(SYNTHETIC_HLO, ["embed", "layer0_kda", "layer1_moe", "head"])
+    times = {"us": {b: 10.0 for b in c["blocks"]}, "events": {b: 1.0 for b in c["blocks"]}, "total_us": 50.0,
+             "devices": 1, "source": "test", "unattributed_us": 3.0, "unattributed_events": 2.0,
+             "unattributed_ops": ["command_buffer_0"]}
+    nbytes = {b: 4_000_000 for b in c["blocks"]}
+    for kw in ({}, {"nbytes": nbytes, "bandwidth_GBps": 4000.0}):
+        text = census.census_table(c, times, "t", **kw)
+        assert "CUDA graphs" in text and "unplaced: 3.0 us/step" in text
+        assert ("floor us" in text) == bool(kw)
+    text = census.census_table(c, times, "t", nbytes=nbytes, bandwidth_GBps=4000.0)
+    assert "|     4.0 |      1.0 | 10.00" in text  # 4 MB at 4000 GB/s: 1 us; 10 us over it
+
+
 def test_census_decode_tiny_every_layer(tmp_path, capsys):
     """`jaxk3 bench decode --census` on the tiny config (8 layers, TP 2, CPU): every layer's attention
     and ffn block has kernels, the blocks sum to the total, the JSON holds it, and the CPU profile
@@ -269,7 +288,7 @@ def test_census_more_layers_more_kernels():
 
     stock = tuple(s for s in bd.STRATEGIES if s[0] == "stock")
     got = {l: bd.census_decode(config="tiny", layers=l, experts=None, tp=2, batches=(1,), contexts=(64,),
-                               strategies=stock, profile=False)["rows"][0]
+                               strategies=stock, profile=False)["rows"][0]  # (no profile: no copy bandwidth)
            for l in ("3-4", "3-5")}
     a, b = got["3-4"]["census"], got["3-5"]["census"]
     assert got["3-4"]["profile"] is None and got["3-4"]["profile_unavailable"]

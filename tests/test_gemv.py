@@ -236,6 +236,9 @@ def test_gemv_gnorm_fits():
     assert "whole heads" in G.gnorm_fits(x, z, g, 1e-5, w, jnp.bfloat16, config=G.Config(bn=16, bk=16),
                                          only_where_faster=False)
     assert "not measured" in G.gnorm_fits(x, z, g, 1e-5, w, jnp.bfloat16)
+    S = jax.ShapeDtypeStruct  # the 48B's KDA o_proj, measured in the step: auto takes it
+    x48, g48, w48 = S((1, 4096), jnp.float32), S((128,), jnp.float32), S((2304, 4096), jnp.bfloat16)
+    assert G.gnorm_fits(x48, x48, g48, 1e-5, w48, jnp.bfloat16) is None
     x3, z3, g3, w3 = _gnorm_case(64, 24, 128)  # 3 heads a tile: K divides, but the tile is no power of two
     assert "a power of two" in G.gnorm_fits(x3, z3, g3, 1e-5, w3, jnp.bfloat16, config=G.Config(bn=16, bk=384, splits=2),
                                             only_where_faster=False)

@@ -854,6 +854,12 @@ def test_mla_decode_uv_matches_reference(B, H, S, R, P, lengths, tile, V):
     assert np.abs(wrong - ref).max() > 10 * MLA_TOL * np.abs(ref).max()
     assert "must divide V" in k.fits(ql, qpe, poisoned, length, 0.07, wkvb, v0 + 1, only_where_faster=False, **tile)
     assert "not measured" in k.fits(ql, qpe, poisoned, length, 0.07, wkvb, v0, **tile)
+    from jaxk3.tools.bench_decode import load_config  # the 48B's MLA at B = 1, measured in the step: auto takes it
+    c48, S = load_config("kimi-linear-48b"), jax.ShapeDtypeStruct
+    H48, R48, P48, n48 = c48.num_attention_heads, c48.kv_lora_rank, c48.qk_rope_head_dim, c48.qk_nope_head_dim
+    a48 = (S((1, H48, R48), jnp.float32), S((1, H48, P48), jnp.float32), S((1, 4096, R48 + P48), jnp.bfloat16),
+           S((1,), jnp.int32))
+    assert k.fits(*a48, 0.07, S((H48, n48 + c48.v_head_dim, R48), jnp.bfloat16), n48) is None
 
 
 def test_mla_decode_fits_and_tiles():

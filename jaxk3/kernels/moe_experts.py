@@ -372,9 +372,9 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
                     I: int, steps: int, act):
     """Program (u, n): slot u's activations, rows [n·bn, (n+1)·bn) of I, for every token.  Slot U (when
     `shared`) is the shared experts'; a padded slot (expert -1) writes zeros.  The slot's expert is
-    uniq[u] (the first ref), or with `route` the u-th choice of the router's logits and bias (the first two);
-    then the programs (u, 0) also write the slot's expert to read and its weights (`read` [U], `coef` [Bp, U],
-    kernel 2's inputs: a padded slot re-reads the last chosen expert, cached, times 0)."""
+    uniq[u] (the first ref), or with `route` (one token, U = k, no padded slot) the u-th choice of the router's
+    logits and bias (the first two); then the programs (u, 0) also write the slot's expert and its weight
+    (`read` [U], `coef` [1, U]: kernel 2's inputs)."""
     pl = _pl()
     sel, refs = refs[:nsel], refs[nsel:]
     x, refs = refs[:nx], refs[nx:]

@@ -417,8 +417,10 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
     full, first, last, cfg, mesh, strategies = _setup(config, layers, experts, tp, batches, strategies)
     devs = jax.devices()
     say = progress or (lambda m: None)
-    say(f"copy bandwidth ({copy_bytes >> 20} MiB per device)")
-    bw = copy_bandwidth(mesh, copy_bytes)
+    bw = None
+    if profile:  # only profiled times read against a floor
+        say(f"copy bandwidth ({copy_bytes >> 20} MiB per device)")
+        bw = copy_bandwidth(mesh, copy_bytes)
     say("random weights on the devices")
     t0 = time.perf_counter()
     made = _Weights(cfg, mesh, dtype)
@@ -560,13 +562,16 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
     optimized HLO; the blocks are model.forward_local's named scopes) and, with `profile`, the
     device time per block per step from `steps` profiled steps after two warm-up steps
     (census.profile_times), or the reason there is none; and each block's bytes (`block_bytes`) beside the
-    copy bandwidth measured once (`copy_bytes` per device), so that a block's time reads against its floor.  Same
+    copy bandwidth measured once with `profile` (`copy_bytes` per device), so that a block's time reads against its
+    floor.  Same
     setup as `bench_decode` (random weights and caches of the real shapes, the same strategies), no latency timing."""
     full, first, last, cfg, mesh, strategies = _setup(config, layers, experts, tp, batches, strategies)
     devs = jax.devices()
     say = progress or (lambda m: None)
-    say(f"copy bandwidth ({copy_bytes >> 20} MiB per device)")
-    bw = copy_bandwidth(mesh, copy_bytes)
+    bw = None
+    if profile:  # only profiled times read against a floor
+        say(f"copy bandwidth ({copy_bytes >> 20} MiB per device)")
+        bw = copy_bandwidth(mesh, copy_bytes)
     say("random weights on the devices")
     made = _Weights(cfg, mesh, dtype)
     blocks = block_names(cfg, first)
@@ -613,7 +618,7 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
     return {"kind": "decode_census", "config": config, "slice": describe_slice(cfg, first, last), "layers": [first, last],
             "experts": cfg.num_experts, "tp": tp, "dtype": jnp.dtype(dtype).name, "platform": platform,
             "device_kind": devs[0].device_kind, "steps": steps, "blocks": blocks, "notes": notes,
-            "copy_bandwidth_GBps": bw / 1e9, "versions": _versions(), "rows": rows}
+            "copy_bandwidth_GBps": bw / 1e9 if bw else None, "versions": _versions(), "rows": rows}
 
 
 def census_report(result: dict) -> str:

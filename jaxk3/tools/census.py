@@ -456,10 +456,6 @@ def census_table(census: dict[str, Any], times: dict[str, Any] | None, title: st
     if times:
         lines.append(f"us/step, events: sum of event durations per step per device ({times['devices']} devices, "
                      f"{times['source']})")
-    if floors:
-        lines.append(f"MB: the block's weights (the distinct experts a step is expected to touch) and its layer's cache "
-                     f"per rank; floor us: those bytes at the copy bandwidth ({bandwidth_GBps:.0f} GB/s); x: us/step "
-                     "over it")
         if any(op.startswith("command_buffer") for op in times["unattributed_ops"]):
             lines.append("the kernels ran inside CUDA graphs (XLA command buffers), whose events carry the graph's "
                          "name: for per-block times run with XLA_FLAGS=--xla_gpu_enable_command_buffer=")
@@ -469,4 +465,8 @@ def census_table(census: dict[str, Any], times: dict[str, Any] | None, title: st
                          f"{', '.join(times['unattributed_ops'])})")
     elif unavailable:
         lines.append(f"profile times unavailable: {unavailable}")
+    if floors:
+        lines.append(f"MB: the block's weights (the distinct experts a step is expected to touch) and its layer's cache "
+                     f"per rank; floor us: those bytes at the copy bandwidth ({bandwidth_GBps:.0f} GB/s); x: us/step "
+                     "over it")
     return "\n".join(lines)

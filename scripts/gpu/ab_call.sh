@@ -4,8 +4,7 @@
 # has it (LAYERS: a slice instead of all 27) and once per PATCH@B entry of $AB with the patch applied (scripts/gpu/step_with_kernel.py's arguments joined
 # by '+': NAME taken by auto wherever it fits, -NAME left out, MODULE:CLASS.FIELD=VALUE a config default), each in
 # its own process.  One start for what several prologue_call.sh calls would measure.
-#   AB="gemv_gnorm@1 mla_decode_uv@1 moe_experts_routed@8" TEST_K="gnorm or mla_decode_uv or routed" \
-#     bash scripts/gpu/ab_call.sh
+#   AB="gemv_gnorm@1 mla_decode_uv@1" TEST_K="gnorm or mla_decode_uv" bash scripts/gpu/ab_call.sh
 #   AB="-moe_experts_routed@1 moe_experts:Config.bn=8+moe_experts:Config.splits=4@1" bash scripts/gpu/ab_call.sh
 #   EXPERTS=256 S_TIMEOUT=330 AB="moe_experts_routed@1" bash scripts/gpu/ab_call.sh   # random weights take minutes
 #   EXPERTS=256 LAYERS=0-7 AB="moe_experts_routed@1" bash scripts/gpu/ab_call.sh     # the first 8 layers only

@@ -417,10 +417,8 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
     full, first, last, cfg, mesh, strategies = _setup(config, layers, experts, tp, batches, strategies)
     devs = jax.devices()
     say = progress or (lambda m: None)
-    bw = None
-    if profile:  # only profiled times read against a floor
-        say(f"copy bandwidth ({copy_bytes >> 20} MiB per device)")
-        bw = copy_bandwidth(mesh, copy_bytes)
+    say(f"copy bandwidth ({copy_bytes >> 20} MiB per device)")
+    bw = copy_bandwidth(mesh, copy_bytes)
     say("random weights on the devices")
     t0 = time.perf_counter()
     made = _Weights(cfg, mesh, dtype)
@@ -563,8 +561,8 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
     device time per block per step from `steps` profiled steps after two warm-up steps
     (census.profile_times), or the reason there is none; and each block's bytes (`block_bytes`) beside the
     copy bandwidth measured once with `profile` (`copy_bytes` per device), so that a block's time reads against its
-    floor.  Same
-    setup as `bench_decode` (random weights and caches of the real shapes, the same strategies), no latency timing."""
+    floor.  Same setup as `bench_decode` (random weights and caches of the real shapes, the same strategies), no
+    latency timing."""
     full, first, last, cfg, mesh, strategies = _setup(config, layers, experts, tp, batches, strategies)
     devs = jax.devices()
     say = progress or (lambda m: None)

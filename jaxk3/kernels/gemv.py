@@ -371,7 +371,8 @@ register(Kernel("gemv_norm", _norm_reference, _norm_device, platforms=("gpu",), 
 def _gnorm_kernel(x_ref, z_ref, g_ref, w_ref, o_ref, *, bn: int, hk: int, d: int, steps: int, eps: float, dt,
                   unroll: bool):
     """Program (n, s): output rows [n·bn, (n+1)·bn), heads [s·steps·hk, (s+1)·steps·hk) of K (x, z viewed
-    [1, H, d], w [N, H, d]): Σ over its tiles of w[rows, heads, :] · gated_rms_norm(x[heads]) in `dt`, one partial sum."""
+    [1, H, d], w [N, H, d]): Σ over its tiles of w[rows, heads, :] · gated_rms_norm(x[heads]) in `dt`, one partial
+    sum."""
     from jax.experimental import pallas as pl
 
     n, s = pl.program_id(0), pl.program_id(1)

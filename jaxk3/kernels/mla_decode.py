@@ -288,7 +288,8 @@ UV_MEASURED: set[tuple] = {(1, 32, 128)}
 def uv_fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, w_kvb_HXR, v0: int, block_v: int = UV_BLOCK,
             only_where_faster: bool = True, **kw) -> str | None:
     """`mla_decode`'s conditions, kv_b_proj's rows [H, X, R] for the heads with W_UV its rows v0: (V = X - v0 in
-    blocks of a power of two); `auto` only where the step was measured with it (`UV_MEASURED`: even in time, fewer kernels)."""
+    blocks of a power of two); `auto` only where the step was measured with it (`UV_MEASURED`: even in time, fewer
+    kernels)."""
     why = fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, **kw)
     if why:
         return why

@@ -209,14 +209,18 @@ def weight_bytes_per_rank(cfg: KimiK3Config, weights: Weights, batch: int) -> di
 
 def cache_bytes_per_rank(cfg: KimiK3Config, cache: Cache) -> int:
     """MLA latent cache read once (replicated: every rank reads all of it), KDA state and conv read + written."""
-    return sum(sum(params.shard_bytes(a) for a in jax.tree.leaves(c)) * (2 if isinstance(c, KDACache) else 1)
-               for c in cache.layers)
+    return sum(layer_cache_bytes(c) for c in cache.layers)
+
+
+def layer_cache_bytes(c) -> int:
+    """One layer's cache bytes a step moves per rank: an MLA latent cache read once, a KDA cache read and written."""
+    return sum(params.shard_bytes(a) for a in jax.tree.leaves(c)) * (2 if isinstance(c, KDACache) else 1)
 
 
 def block_bytes(cfg: KimiK3Config, weights: Weights, cache: Cache, batch: int, first: int = 0) -> dict[str, int]:
     """Bytes one rank's step reads per census block (`block_names`): each block's own weights as
     `weight_bytes_per_rank` counts them (routed experts: the distinct ones a step is expected to touch; the
-    embedding: the looked-up rows), an attention block also its layer's cache as `cache_bytes_per_rank` does.
+    embedding: the looked-up rows), an attention block also its layer's cache (`layer_cache_bytes`).
     Weights in the checkpoint layout (the serving layout joins the same bytes)."""
     tp = weights.embed_tokens.sharding.mesh.shape[TP]
     tree = abstract_weights(cfg, tp)
@@ -233,8 +237,7 @@ def block_bytes(cfg: KimiK3Config, weights: Weights, cache: Cache, batch: int, f
     attn_f = ("attn", "input_layernorm", "self_attention_res_norm", "self_attention_res_proj")
     ffn_f = ("ffn", "post_attention_layernorm", "mlp_res_norm", "mlp_res_proj")
     for l, (attn, ffn) in enumerate(zip(cfg.layer_attn, cfg.layer_ffn)):
-        t, w, c = tree.layers[l], weights.layers[l], cache.layers[l]
-        cb = sum(params.shard_bytes(a) for a in jax.tree.leaves(c)) * (2 if isinstance(c, KDACache) else 1)
+        t, w, cb = tree.layers[l], weights.layers[l], layer_cache_bytes(cache.layers[l])
         out[f"layer{first + l}_{attn}"] = count(fields(t, *attn_f), fields(w, *attn_f)) + cb
         out[f"layer{first + l}_{ffn}"] = count(fields(t, *ffn_f), fields(w, *ffn_f))
     return out

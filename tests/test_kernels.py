@@ -15,6 +15,8 @@ import pytest
 
 from jaxk3 import kernels
 
+F32 = jnp.float32
+
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("B", [1, 3, 8])
@@ -654,21 +656,21 @@ def _kda_case(mode: str, dtype, B: int, seed: int = 0):
 
 @pytest.mark.parametrize("mode", ["k3", "kl"])
 # tiny head_dim 32: one value block per head (bv 32), or four (bv 8); each dtype and batch meets both
-@pytest.mark.parametrize("dtype,B,bv,early", [(jnp.float32, 1, 32, False), (jnp.float32, 3, 8, True),
-                                              (jnp.bfloat16, 1, 8, False), (jnp.bfloat16, 3, 32, True)])
-def test_kda_decode_kernel_matches_reference(mode, dtype, B, bv, early):
+@pytest.mark.parametrize("dtype,B,bv", [(jnp.float32, 1, 32), (jnp.float32, 3, 8), (jnp.bfloat16, 1, 8),
+                                        (jnp.bfloat16, 3, 32)])
+def test_kda_decode_kernel_matches_reference(mode, dtype, B, bv):
     """Interpret mode against `kda.decode_core`.  Tolerance: the same float32 arithmetic with the conv
     taps and the state contractions (32 terms) summed in another order: ~1e-7 relative per value,
     and the output RMSNorm divides by a norm of the same rounding; 1e-5 of max|ref| (a wrong tap,
     gate or update is off by >= 1e-2).  The conv window (a copy) is bitwise; invalid rows keep both
-    caches bitwise.  `early`: the state loaded first (the same arithmetic)."""
+    caches bitwise."""
     from jaxk3.kernels.kda_decode import Config
 
     cfg, args = _kda_case(mode, dtype, B)
     k = kernels.REGISTRY["kda_decode"]
     assert k.fits(cfg, *args, config=Config(bv=bv)) is None
     assert "float32 state in place" in k.fits(cfg, *args[:6], args[6].astype(jnp.bfloat16), args[7])
-    got = k.device(cfg, *args, interpret=True, config=Config(bv=bv, early=early))
+    got = k.device(cfg, *args, interpret=True, config=Config(bv=bv))
     ref = k.reference(cfg, *args)
     for g, r_ in zip(got, ref):
         assert g.shape == r_.shape and g.dtype == r_.dtype
@@ -723,19 +725,18 @@ def _kda_in_case(dtype, B: int, seed: int = 0, real: bool = False):
     return cfg, (y, gb, conv, cw, state, valid)
 
 
-@pytest.mark.parametrize("dtype,B,bv,early", [(jnp.bfloat16, 1, 32, False), (jnp.bfloat16, 3, 8, True),
-                                              (jnp.float32, 3, 32, False), (jnp.float32, 1, 32, True)])
-def test_kda_decode_in_kernel_matches_reference(dtype, B, bv, early):
+@pytest.mark.parametrize("dtype,B,bv", [(jnp.bfloat16, 1, 32), (jnp.bfloat16, 3, 8), (jnp.float32, 3, 32),
+                                        (jnp.float32, 1, 8)])
+def test_kda_decode_in_kernel_matches_reference(dtype, B, bv):
     """The form that reads in_proj's output and the low-rank weights itself (interpret mode) against
     `glue` then `decode_core` (XLA's path): tolerance as kda_decode's, plus the two low-rank products'
-    d-term fp32 sums in another order (~1e-7 relative); the conv window is the same cast of y (bitwise).
-    `early`: the state and the low-rank weights loaded first (the same arithmetic)."""
+    d-term fp32 sums in another order (~1e-7 relative); the conv window is the same cast of y (bitwise)."""
     from jaxk3.kernels.kda_decode import Config, glue
 
     cfg, args = _kda_in_case(dtype, B)
     k = kernels.REGISTRY["kda_decode_in"]
     assert k.fits(cfg, *args, config=Config(bv=bv), only_where_faster=False) is None
-    got = k.device(cfg, *args, interpret=True, config=Config(bv=bv, early=early))
+    got = k.device(cfg, *args, interpret=True, config=Config(bv=bv))
     ref = k.reference(cfg, *args)
     tol = 1e-5 if dtype == jnp.float32 else 1e-4
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=0, atol=tol * float(jnp.abs(ref[0]).max()))
@@ -760,17 +761,15 @@ def test_kda_decode_in_kernel_matches_reference(dtype, B, bv, early):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bv,real,B,early", [(32, False, 3, False), (8, False, 3, True), (32, True, 1, False),
-                                             (32, True, 8, False), (32, True, 1, True)])
-def test_kda_decode_in_kernel_on_gpu(bv, real, B, early):
-    """Compiled, at the tiny dims and at Kimi-Linear-48B's (B 1 and 8), against glue + decode_core; `early` (the
-    state and low-rank weights loaded first) at the tiny dims and the 48B's B = 1."""
+@pytest.mark.parametrize("bv,real,B", [(32, False, 3), (8, False, 3), (32, True, 1), (32, True, 8)])
+def test_kda_decode_in_kernel_on_gpu(bv, real, B):
+    """Compiled, at the tiny dims and at Kimi-Linear-48B's (B 1 and 8), against glue + decode_core."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
     from jaxk3.kernels.kda_decode import Config
 
     cfg, args = _kda_in_case(jnp.bfloat16, B, real=real)
-    c = Config(bv=bv, early=early)
+    c = Config(bv=bv)
     got = jax.jit(lambda *a: kernels.call("kda_decode_in", cfg, *a, mode="on", config=c))(*args)
     ref = kernels.REGISTRY["kda_decode_in"].reference(cfg, *args)
     for g, r_ in zip(got, ref):
@@ -1255,3 +1254,137 @@ def test_info_lists_the_kernels(capsys):
     assert info["kernels_auto"] == kernels.status("cpu")
     assert info["kernels_measured"] == kernels.speeds() and all(
         "x" in v or v == "not measured" for v in info["kernels_measured"].values())
+
+
+# ------------------------------------------------------------------ moe_experts_normed (the block from the un-normed row)
+def _normed_case(dtype, E: int = 16, seed: int = 11, scale: float = 3.0, D: int = 256, I: int = 64, k: int | None = None):
+    """Kimi-Linear's MoE block of one token in the serving layout (w1 | w3 joined, shared experts of the routed
+    experts' shapes): random weights in `dtype`, an un-normed row h (scaled by `scale`: the norm matters) and a
+    norm weight around 1.  The tiny Kimi-Linear config's routing (top-k, renormalise, scale, SiLU)."""
+    from jaxk3.config import KimiK3Config
+    from jaxk3.kernels.moe_experts import SharedMLP
+    from jaxk3.layers import moe
+
+    cfg = KimiK3Config.tiny_kimi_linear(num_experts=E, hidden_size=D, moe_intermediate_size=I, num_shared_experts=1,
+                                        **({} if k is None else dict(num_experts_per_token=k)))
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+
+    def a(*shape, s=0.1):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * s).astype(dtype)
+    w = moe.MoEWeights(gate=a(E, D), e_score_correction_bias=(0.1 * jax.random.normal(next(keys), (E,))).astype(F32),
+                       experts_w1=None, experts_w3=None, experts_w2=a(E, D, I), experts_w13=a(E, 2 * I, D))
+    norm_w = (1.0 + 0.2 * jax.random.normal(next(keys), (D,))).astype(dtype)
+    return cfg, w, a(1, D, s=scale), norm_w, SharedMLP(a(2 * I, D), a(D, I))
+
+
+@pytest.mark.parametrize("dtype,shared", [(jnp.float32, True), (jnp.float32, False), (jnp.bfloat16, True)])
+def test_moe_experts_normed_matches_reference(dtype, shared):
+    """The normed form (the router's logits and the normed row by the normed GEMV, then the routed form's two kernels:
+    interpret mode) against the layer's jnp path (RMSNorm in h's dtype, the fp32 router dot, `select_experts`, `experts_partial`).
+    The same experts are chosen (checked through the logits), and the sums run in another order: the norm's sum of
+    squares and the router's dot too.  float32: the bound of test_moe_experts_routed_matches_reference (2e-6 of
+    max|ref|).  bf16: the normed row may round differently in an element where the two sums of squares straddle a
+    rounding boundary (one bf16 ulp, 2^-8 relative, of one of D = 256 inputs: its share of a sum is below 2^-8 of
+    the sum's scale), and the bf16 intermediate after the activation likewise: 2e-3 of max|ref| covers a few such
+    flips (measured 1.4e-7 to 2.6e-7 at three seeds in both dtypes: no element rounded apart); without the norm the
+    result moves by far more (checked)."""
+    from jaxk3.kernels import gemv
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.kernels.rms_norm import rms_norm_as
+
+    cfg, w, h, g, sh = _normed_case(dtype)
+    sh = sh if shared else None
+    c = ME.Config(bn=16, bk=32, splits=2)
+    if dtype == jnp.bfloat16:
+        assert ME.normed_fits(cfg, w, h, g, 1e-5, shared=sh, config=c, only_where_faster=False) is None
+    # the kernel's logits choose the reference's experts
+    x = rms_norm_as(h, g, 1e-5)
+    ref_logits = jnp.einsum("bd,ed->be", x.astype(F32), w.gate.astype(F32))
+    got_logits = gemv.gemv(h, w.gate, config=gemv.norm_config_for(1, w.gate.shape[0], h.shape[1]), interpret=True,
+                           norm_w=g, eps=1e-5)
+    from jaxk3.kernels.router import select_experts
+    ids_ref = np.sort(np.asarray(select_experts(cfg, ref_logits, w.e_score_correction_bias)[1]))
+    ids_got = np.sort(np.asarray(select_experts(cfg, got_logits, w.e_score_correction_bias)[1]))
+    np.testing.assert_array_equal(ids_got, ids_ref)
+    got = np.asarray(ME.experts_normed(cfg, w, h, g, 1e-5, shared=sh, interpret=True, config=c), np.float32)
+    ref = np.asarray(ME.normed_reference(cfg, w, h, g, 1e-5, shared=sh), np.float32)
+    assert got.shape == ref.shape == (1, h.shape[1]) and np.abs(ref).max() > 0
+    tol = (2e-6 if dtype == jnp.float32 else 2e-3) * np.abs(ref).max()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol)
+    # the normed row the GEMV writes is the reference's to one rounding (the sums of squares in another order)
+    y, xn = gemv.gemv(h, w.gate, config=gemv.norm_config_for(1, w.gate.shape[0], h.shape[1]), interpret=True,
+                      norm_w=g, eps=1e-5, emit_x=True)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(got_logits))
+    assert xn.dtype == h.dtype and xn.shape == h.shape
+    ulp = np.abs(np.asarray(x, np.float32)) * (2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -22)
+    assert np.all(np.abs(np.asarray(xn, np.float32) - np.asarray(x, np.float32)) <= ulp)
+    # the norm is applied: the routed form on the raw row (same experts) is far off
+    raw = np.asarray(ME.experts_routed(cfg, w, h, got_logits, w.e_score_correction_bias, shared=sh, interpret=True,
+                                       config=c), np.float32)
+    assert np.abs(raw - ref).max() > 100 * tol
+
+
+def test_moe_experts_normed_fits():
+    """What the normed form refuses, by name: MXFP4 experts, a row in another dtype than the experts, a norm weight
+    of another length, more than one token; `auto` only where the step was measured (NORMED_MEASURED)."""
+    from jaxk3.kernels import moe_experts as ME
+
+    cfg, w, h, g, sh = _normed_case(jnp.bfloat16)
+    assert ME.normed_fits(cfg, w, h, g, 1e-5, shared=sh, only_where_faster=False) is None
+    assert "not measured" in ME.normed_fits(cfg, w, h, g, 1e-5, shared=sh)
+    assert "dense experts' dtype" in ME.normed_fits(cfg, w, h.astype(jnp.float32), g, 1e-5, only_where_faster=False)
+    packed = dataclasses.replace(w, experts_w2=ME.MXFP4(jnp.zeros((16, 256, 32), jnp.uint8),
+                                                        jnp.zeros((16, 256, 2), jnp.uint8)))
+    assert "mxfp4" in ME.normed_fits(cfg, packed, h, g, 1e-5, only_where_faster=False)
+    assert "norm [256]" in ME.normed_fits(cfg, w, h, g[:-1], 1e-5, only_where_faster=False)
+    assert "takes one token" in ME.normed_fits(cfg, w, jnp.concatenate([h, h]), g, 1e-5, only_where_faster=False)
+    key = ("bf16", 1, 16, 64, 256, 256, True)
+    assert str(key) in ME.normed_fits(cfg, w, h, g, 1e-5, shared=sh)
+
+
+@pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
+@pytest.mark.parametrize("prompt", [[[5, 6, 7, 8]], [[5, 6, 7, 8], [9, 3, 2]]])
+def test_decode_norms_the_moe_in_the_experts_kernels(monkeypatch, fresh_steps, prompt):
+    """A Kimi-Linear decode step (B = 1; one shared expert, so that the kernels fuse it) with `moe_experts_normed`
+    running (interpret mode, registered for the CPU): each MoE block takes its input un-normed, and the logits agree
+    with kernels='off' to 2e-3 of max|logit| (test_decode_routes_in_the_experts_kernels' bound); traced once per
+    MoE block and decode step, never at the prefill.  Two ragged rows: refused (one token), the layer falls back."""
+    from small_models import tiny_kimi_linear_4l
+
+    calls = _on_cpu(monkeypatch, "moe_experts_normed", 2)
+    cfg = tiny_kimi_linear_4l(num_shared_experts=1)
+    a, b = _off_and_auto(cfg, prompt, calls)
+    moe = sum(f == "moe" for f in cfg.layer_ffn)
+    if len(prompt) == 1:
+        assert moe >= 1 and len(calls) >= moe and all(c == (1, cfg.hidden_size) for c in calls), calls
+    else:
+        assert not calls
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E", [64, 256])
+def test_moe_experts_normed_on_gpu(E):
+    """Compiled at Kimi-Linear-48B's dims (D 2304, I 1024, top-8; 64 experts as the bench keeps, and all 256) against
+    the layer's XLA path (`normed_reference`): 4e-3 of max|ref| as test_moe_experts_routed_on_gpu argues (the bf16
+    intermediate rounded from fp32 sums in another order), given the same experts are chosen (checked first)."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    from jaxk3.kernels import gemv
+    from jaxk3.kernels.router import select_experts
+    from jaxk3.kernels.rms_norm import rms_norm_as
+
+    cfg, w, h, g, sh = _normed_case(jnp.bfloat16, E=E, D=2304, I=1024, k=8)
+    eps = cfg.rms_norm_eps
+    assert kernels.explain("moe_experts_normed", cfg, w, h, g, eps, shared=sh, mode="on").startswith("device")
+    x = rms_norm_as(h, g, eps)
+    ids_ref = select_experts(cfg, jnp.einsum("bd,ed->be", x.astype(F32), w.gate.astype(F32)), w.e_score_correction_bias)[1]
+    logits = jax.jit(lambda h, gw, g: gemv.gemv(h, gw, config=gemv.norm_config_for(1, E, 2304), norm_w=g, eps=eps))(
+        h, w.gate, g)
+    ids_got = select_experts(cfg, logits, w.e_score_correction_bias)[1]
+    np.testing.assert_array_equal(np.sort(np.asarray(ids_got)), np.sort(np.asarray(ids_ref)))
+    got = np.asarray(jax.jit(lambda *a: kernels.call("moe_experts_normed", cfg, *a, eps, shared=sh, mode="on"))(w, h, g))
+    ref_fn = kernels.REGISTRY["moe_experts_normed"].reference
+    ref = np.asarray(jax.jit(lambda *a: ref_fn(cfg, *a, eps, shared=sh))(w, h, g))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())

@@ -41,6 +41,24 @@ def test_moe_experts_routed_lowers(E, B):
     assert n == 2  # kernel 1 and 2
 
 
+@pytest.mark.parametrize("E", [64, 256])
+def test_moe_experts_normed_lowers(E):
+    """The MoE block from the un-normed row: the router's normed GEMV and the two experts kernels, the first norming
+    the row in its prologue."""
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.layers import moe
+
+    cfg = dataclasses.replace(_cfg48(), num_experts=E)
+    I, L = cfg.moe_intermediate_size, cfg.hidden_size
+    w = moe.MoEWeights(gate=S((E, L), BF16), e_score_correction_bias=S((E,), jnp.float32), experts_w1=None,
+                       experts_w3=None, experts_w2=S((E, L, I), BF16), experts_w13=S((E, 2 * I, L), BF16))
+    shared = ME.SharedMLP(S((2 * I, L), BF16), S((L, I), BF16))
+    h, g = S((1, L), BF16), S((L,), BF16)
+    assert ME.normed_fits(cfg, w, h, g, 1e-5, shared=shared, only_where_faster=False) is None
+    n = lower(lambda w, h, g, sh: ME.experts_normed(cfg, w, h, g, 1e-5, shared=sh), w, h, g, shared)
+    assert n == 3  # the router's GEMV, kernels 1 and 2
+
+
 def test_gemv_gnorm_lowers():
     from jaxk3.kernels import gemv as G
 
@@ -51,8 +69,8 @@ def test_gemv_gnorm_lowers():
     assert lower(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, BF16), x, x, g, w) == 1
 
 
-@pytest.mark.parametrize("gated,early", [(True, False), (False, False), (False, True)])
-def test_kda_decode_in_lowers(gated, early):
+@pytest.mark.parametrize("gated", [True, False])
+def test_kda_decode_in_lowers(gated):
     from jaxk3.kernels import kda_decode as KD
 
     cfg = _cfg48()
@@ -62,7 +80,7 @@ def test_kda_decode_in_lowers(gated, early):
     args = (S((1, 3 * C + 2 * d + H), f32), S((2, C, d), BF16), S((1, 3, C, K - 1), BF16), cw, S((1, H, d, d), f32),
             S((1,), jnp.bool_))
     assert KD.fused_fits(cfg, *args, only_where_faster=False) is None
-    assert lower(lambda *a: KD.kda_decode_in(cfg, *a, gated=gated, config=KD.Config(early=early)), *args) == 1
+    assert lower(lambda *a: KD.kda_decode_in(cfg, *a, gated=gated), *args) == 1
 
 
 # tp: K3's heads at that TP (12 at TP 8: padded); S 3072: the engine's caches come in multiples of 512, so the

@@ -92,12 +92,9 @@ def decode_core(cfg: KimiK3Config, u_B3C: jax.Array, conv_B3CW: jax.Array, cw: C
 class Config:
     bv: int = 32  # value columns of the state per program (a power of two; the head's Kd when larger)
     num_warps: int = 4
-    early: bool = False  # the state's columns and the low-rank weights loaded first, before the conv and the gate
-    #                      (their loads then overlap that arithmetic); not yet timed on a GPU, so off
 
 
-def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int, int, int] | None,
-            early: bool = False):
+def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int, int, int] | None):
     """`fused` None: the inputs are the projections' parts (u, f, beta; z is the wrapper's).  `fused` = (C, H, d):
     the in_proj GEMV's raw output y = [q | k | v | f_a | b | g_a] (fp32) and the stacked low-rank weights
     [f_b, g_b] [2, C, d]: the program takes its parts of y, casts them as the reference does, forms f (its head's
@@ -114,9 +111,6 @@ def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int,
     ch = pl.ds(h * Kd, Kd)  # the head's q/k channels (every program recomputes them: K taps of Kd values)
     cv = pl.ds(h * Kd + j * bv, bv)  # this program's value channels
     vs = pl.ds(j * bv, bv)  # its columns of the state
-    # `early`: the loads that depend on nothing computed here, issued before the arithmetic that precedes their use
-    S0 = s_ref[b, h, :, vs] if early else None
-    gb = (gb_ref[0, ch, :], gb_ref[1, cv, :]) if early and fused else None
 
     def U(i, chans):  # the raw projection of q (0), k (1) or v (2) at `chans`, in the activation dtype
         if fused:
@@ -132,7 +126,7 @@ def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int,
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * Kd ** -0.5
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
     if fused:  # the low-rank products of f_a and g_a (in the activation dtype, fp32 sums), as `glue`
-        fb, gbv = gb if gb is not None else (gb_ref[0, ch, :], gb_ref[1, cv, :])
+        fb, gbv = gb_ref[0, ch, :], gb_ref[1, cv, :]
         fa = y_ref[b, pl.ds(3 * C, d)].astype(dt).astype(F32)
         f = jnp.sum(fb.astype(F32) * fa[None, :], axis=1)
         ga = y_ref[b, pl.ds(3 * C + d + H, d)].astype(dt).astype(F32)
@@ -146,8 +140,7 @@ def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int,
         g = lb * jax.nn.sigmoid(a * f)
     else:
         g = -a * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
-    if S0 is None:
-        S0 = s_ref[b, h, :, vs]
+    S0 = s_ref[b, h, :, vs]
     S = S0 * jnp.exp(g)[:, None]  # [K, bv]
     pred = jnp.sum(S * k[:, None], axis=0)  # [bv]
     upd = beta * (v - pred)
@@ -180,7 +173,7 @@ def kda_decode(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid
     bv = min(c.bv, Kd)
     W = conv_B3CW.shape[-1]
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=None, early=c.early)
+    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=None)
     o, conv, state = pl.pallas_call(
         kernel, grid=(B, H, Kd // bv), in_specs=[any_] * 9, out_specs=[any_] * 3,
         out_shape=(jax.ShapeDtypeStruct((B, C), F32), jax.ShapeDtypeStruct(conv_B3CW.shape, conv_B3CW.dtype),
@@ -257,7 +250,7 @@ def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, int
     bv = min(c.bv, Kd)
     W = conv_B3CW.shape[-1]
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=(C, H, d), early=c.early)
+    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=(C, H, d))
     o, z, conv, state = pl.pallas_call(
         kernel, grid=(B, H, Kd // bv), in_specs=[any_] * 8, out_specs=[any_] * 4,
         out_shape=(jax.ShapeDtypeStruct((B, C), F32), jax.ShapeDtypeStruct((B, C), F32),

@@ -3,7 +3,9 @@
 # then the Kimi-Linear-48B step (27 layers, $EXPERTS experts, TP 1, 4K, serving/auto) once per batch size as main
 # has it (LAYERS: a slice instead of all 27) and once per PATCH@B entry of $AB with the patch applied (scripts/gpu/step_with_kernel.py's arguments joined
 # by '+': NAME taken by auto wherever it fits, -NAME left out, MODULE:CLASS.FIELD=VALUE a config default), each in
-# its own process.  One start for what several prologue_call.sh calls would measure.
+# its own process.  One start for what several prologue_call.sh calls would measure.  AGAIN=1: main once more at the
+# end, so that a drift of the GPU's speed between the processes is seen (each row's floor uses its own process's
+# measured copy bandwidth: compare the ratios to the floor too).
 #   AB="gemv_gnorm@1 mla_decode_uv@1" TEST_K="gnorm or mla_decode_uv" bash scripts/gpu/ab_call.sh
 #   AB="-moe_experts_routed@1 moe_experts:Config.bn=8+moe_experts:Config.splits=4@1" bash scripts/gpu/ab_call.sh
 #   EXPERTS=256 S_TIMEOUT=330 AB="moe_experts_routed@1" bash scripts/gpu/ab_call.sh   # random weights take minutes
@@ -31,4 +33,10 @@ for p in $AB; do
   timeout -k 10 ${S_TIMEOUT:-150} python3 scripts/gpu/step_with_kernel.py ${patch//+/ } -- $S --batch "$B" \
     --json "$OUT/ab_${tag}_b$B.json" 2>&1 | row
 done
+if [ -n "${AGAIN:-}" ]; then  # main once more at the end: the GPU's drift between processes shows (A B ... A)
+  for B in $(for p in $AB; do echo "${p##*@}"; done | sort -u); do
+    echo "== B = $B, main again ($(date -u +%T))"
+    timeout -k 10 ${S_TIMEOUT:-150} python3 -m jaxk3.cli bench decode $S --batch "$B" --json "$OUT/ab_again_b$B.json" 2>&1 | row
+  done
+fi
 echo "== done ($(date -u +%T))"

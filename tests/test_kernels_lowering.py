@@ -41,24 +41,6 @@ def test_moe_experts_routed_lowers(E, B):
     assert n == 2  # kernel 1 and 2
 
 
-@pytest.mark.parametrize("E", [64, 256])
-def test_moe_experts_normed_lowers(E):
-    """The MoE block from the un-normed row: the router's normed GEMV and the two experts kernels, the first norming
-    the row in its prologue."""
-    from jaxk3.kernels import moe_experts as ME
-    from jaxk3.layers import moe
-
-    cfg = dataclasses.replace(_cfg48(), num_experts=E)
-    I, L = cfg.moe_intermediate_size, cfg.hidden_size
-    w = moe.MoEWeights(gate=S((E, L), BF16), e_score_correction_bias=S((E,), jnp.float32), experts_w1=None,
-                       experts_w3=None, experts_w2=S((E, L, I), BF16), experts_w13=S((E, 2 * I, L), BF16))
-    shared = ME.SharedMLP(S((2 * I, L), BF16), S((L, I), BF16))
-    h, g = S((1, L), BF16), S((L,), BF16)
-    assert ME.normed_fits(cfg, w, h, g, 1e-5, shared=shared, only_where_faster=False) is None
-    n = lower(lambda w, h, g, sh: ME.experts_normed(cfg, w, h, g, 1e-5, shared=sh), w, h, g, shared)
-    assert n == 3  # the router's GEMV, kernels 1 and 2
-
-
 def test_gemv_gnorm_lowers():
     from jaxk3.kernels import gemv as G
 

@@ -162,11 +162,10 @@ def _loop(steps: int, body, init, unroll: bool):
 
 
 def _kernel(x_ref, w_ref, *refs, layout: str, bn: int, bk: int, steps: int, dot: bool, unroll: bool, N: int,
-            eps: float | None, K: int, emit_x: bool = False):
+            eps: float | None, K: int):
     from jax.experimental import pallas as pl
 
-    g_ref, refs = (refs[0], refs[1:]) if eps is not None else (None, refs)
-    o_ref, xn_ref = refs if emit_x else (refs[0], None)
+    g_ref, o_ref = refs if eps is not None else (None, refs[0])
     n, s = pl.program_id(0), pl.program_id(1)
     if N % bn:  # the last program's rows end at N: it overlaps its neighbour, writing the same values there
         rows = pl.ds(jnp.minimum(n * bn, N - bn), bn)
@@ -194,15 +193,8 @@ def _kernel(x_ref, w_ref, *refs, layout: str, bn: int, bk: int, steps: int, dot:
         x = x_ref[:, cols] if dot else x_ref[0, cols]
         if eps is None:
             return x
-        xn = ((g_ref[cols].astype(F32) * x.astype(F32)) * r).astype(x_ref.dtype)
-        if xn_ref is not None:  # the normed row, written once (program (0, 0) walks all of K: splits is 1)
-            @pl.when((n == 0) & (s == 0))
-            def _():
-                if dot:
-                    xn_ref[:, cols] = xn
-                else:
-                    xn_ref[0, cols] = xn
-        return xn.astype(w_ref.dtype)
+        xn = (g_ref[cols].astype(F32) * x.astype(F32)) * r
+        return xn.astype(x_ref.dtype).astype(w_ref.dtype)
 
     if dot:
         def body(i, acc):
@@ -226,9 +218,8 @@ def _kernel(x_ref, w_ref, *refs, layout: str, bn: int, bk: int, steps: int, dot:
 
 
 def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
-             interpret: bool = False, norm_w: jax.Array | None = None, eps: float = 0.0, emit_x: bool = False):
-    """The kernel's raw output: fp32 [splits, Bp, N] partial sums (Bp = 16 with dot, else 1); with `emit_x` (a
-    normed GEMV in one pass over K) also the normed input [Bp, K] in x's dtype, as (partials, xn)."""
+             interpret: bool = False, norm_w: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
+    """The kernel's raw output: fp32 [splits, Bp, N] partial sums (Bp = 16 with dot, else 1)."""
     from jax.experimental import pallas as pl
 
     B, K = x_BK.shape
@@ -240,31 +231,23 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
     if Bp != B:
         x = jnp.pad(x, ((0, Bp - B), (0, 0)))
     args = (x, w) if norm_w is None else (x, w, norm_w)
-    if emit_x and (norm_w is None or c.splits != 1):
-        raise ValueError(f"gemv: emit_x writes the normed input of a normed GEMV in one pass over K (norm_w given, "
-                         f"splits 1), got norm_w {'given' if norm_w is not None else None}, splits {c.splits}")
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     kw = triton_params(c.num_warps, c.num_stages, interpret)
-    out = jax.ShapeDtypeStruct((c.splits, Bp, N), F32)
     return pl.pallas_call(
         functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot, unroll=c.unroll, N=N,
-                          eps=None if norm_w is None else float(eps), K=K, emit_x=emit_x),
-        grid=(-(-N // c.bn), c.splits), in_specs=[any_] * len(args), out_specs=[any_, any_] if emit_x else any_,
-        out_shape=(out, jax.ShapeDtypeStruct((Bp, K), x.dtype)) if emit_x else out, interpret=interpret,
-        **kw)(*args)
+                          eps=None if norm_w is None else float(eps), K=K),
+        grid=(-(-N // c.bn), c.splits), in_specs=[any_] * len(args), out_specs=any_,
+        out_shape=jax.ShapeDtypeStruct((c.splits, Bp, N), F32), interpret=interpret, **kw)(*args)
 
 
 def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
          interpret: bool = False, only_where_faster: bool = True, norm_w: jax.Array | None = None,
-         eps: float = 0.0, emit_x: bool = False):
+         eps: float = 0.0) -> jax.Array:
     """The same function as the reference: fp32 [B, N] = x @ W^T (W [N, K] for "nk", [K, N] for "kn"),
-    x first normed (RMSNorm(x; norm_w, eps) in x's dtype) where `norm_w` is given; `emit_x`: (y, the normed
-    x [B, K]), for a second reader of the normed row (jaxk3.kernels.moe_experts' normed form)."""
-    B = x_BK.shape[0]
-    p = partials(x_BK, w, layout, config, interpret, norm_w, eps, emit_x)
-    p, xn = p if emit_x else (p, None)
-    y = (p[0] if p.shape[0] == 1 else jnp.sum(p, axis=0))[:B]
-    return (y, xn[:B]) if emit_x else y
+    x first normed (RMSNorm(x; norm_w, eps) in x's dtype) where `norm_w` is given."""
+    p = partials(x_BK, w, layout, config, interpret, norm_w, eps)
+    y = p[0] if p.shape[0] == 1 else jnp.sum(p, axis=0)
+    return y[: x_BK.shape[0]]
 
 
 def reference(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,

@@ -32,6 +32,9 @@ so that XLA's selection chain does not run in the step: for one token every prog
 itself (lax.top_k's order, by comparison tiles) and its programs (u, 0) write slot u's expert and weight for
 kernel 2.  One token only: two forms for B > 1 (every program planning the distinct experts, then one planning
 kernel before the two) made the 48B step 23% and 12% slower on an H200 and were removed (docs/PERF.md).
+Nor does the block's input norm go into these kernels: two forms (the row normed again in every program of kernel 1;
+the router's normed GEMV writing the normed row for kernel 1) took 44 XLA kernels a step away and made the 48B step
+3.5% slower, and were removed (seventh session; commit 023775a holds the second).
 """
 from __future__ import annotations
 
@@ -728,77 +731,3 @@ register(Kernel("moe_experts_routed", routed_reference, experts_routed, platform
                 measured="B=1, Kimi-Linear-48B TP 1, 64 experts: the step 6.9% faster with it (2465.5 vs 2647.1 us, "
                          "130 fewer kernels); 256 experts: decode 16% slower (auto keeps XLA's selection); B>1: two "
                          "forms 12-23% slower, removed (H200, jax 0.11.2, 2026-12-02)"))
-
-
-# ---------------------------------------------------------------- the MoE block of one token from the un-normed row
-# Kimi-Linear's MoE at decode reads RMSNorm(h) twice, in the router's dot and in the experts' gate | up.  XLA's path is
-# three launches before the experts' kernels: the norm's sum of squares and its scaling, the router's dot.  Here the
-# router's logits come from the GEMV with the norm in its prologue (jaxk3.kernels.gemv, one pass over K), which also
-# writes the normed row it computed for kernel 1 to read: one launch before the two.  (A first form normed the row
-# again in each of kernel 1's programs: 44 fewer launches, the 48B step 1.2% slower against its floor, replaced.)
-def _normed_logits_shape(w, h_BD) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((h_BD.shape[0], w.gate.shape[0]), F32)
-
-
-def normed_reference(cfg, w, h_BD: jax.Array, norm_w: jax.Array, eps: float, shared: SharedMLP | None = None,
-                     config: Config | None = None, only_where_faster: bool = True) -> jax.Array:
-    """The block's routed + shared experts' partial in jnp, as the layer computes it without the kernels:
-    x = RMSNorm(h) in h's dtype, the router's fp32 logits of x, `select_experts`, `experts_partial`."""
-    from jaxk3.kernels.rms_norm import rms_norm_as
-
-    x = rms_norm_as(h_BD, norm_w, eps)
-    logits = jnp.einsum("bd,ed->be", x.astype(F32), w.gate.astype(F32))
-    return routed_reference(cfg, w, x, logits, w.e_score_correction_bias, shared)
-
-
-def experts_normed(cfg, w, h_BD: jax.Array, norm_w: jax.Array, eps: float, shared: SharedMLP | None = None,
-                   interpret: bool = False, config: Config | None = None, only_where_faster: bool = True) -> jax.Array:
-    """The same function as `normed_reference` in three kernels: the router's logits and the normed row (the normed
-    GEMV, `emit_x`), then `experts_routed`'s two.  One token, bf16 (dense) experts."""
-    from jaxk3.kernels import gemv
-
-    B, K = h_BD.shape
-    c = gemv.norm_config_for(B, w.gate.shape[0], K)
-    logits, x = gemv.gemv(h_BD, w.gate, config=c, interpret=interpret, norm_w=norm_w, eps=eps, emit_x=True)
-    return experts_routed(cfg, w, x, logits, w.e_score_correction_bias, shared, interpret, config)
-
-
-# (format, B bucket, E, I, In, Out, shared) where the step was measured with the normed form against the routed form
-# after XLA's norm and router dot (docs/PERF.md); `auto` takes it only there.  Empty until its step A/B on an H200.
-NORMED_MEASURED: set[tuple] = set()
-
-
-def normed_fits(cfg, w, h_BD, norm_w, eps, shared: SharedMLP | None = None, config: Config | None = None,
-                only_where_faster: bool = True, **_) -> str | None:
-    """Why this call does not suit `experts_normed` (None: it does): one token of bf16 (dense) experts in h's dtype,
-    a norm weight [In] and router weights [E, In] the normed GEMV takes, and the routed form's own conditions;
-    `auto` only where the step was measured (`NORMED_MEASURED`)."""
-    from jaxk3.kernels import gemv
-
-    if h_BD.ndim != 2 or getattr(w, "gate", None) is None or w.e_score_correction_bias is None:
-        return f"moe_experts normed form takes one row h [1, D] and the block's router, got h {h_BD.shape}"
-    if isinstance(w.experts_w2, MXFP4) or w.experts_w2.dtype != h_BD.dtype:
-        return (f"moe_experts normed form norms the row in the dense experts' dtype: experts "
-                f"{'mxfp4' if isinstance(w.experts_w2, MXFP4) else w.experts_w2.dtype}, h {h_BD.dtype}")
-    B, K = h_BD.shape
-    if norm_w.shape != (K,) or w.gate.shape[1:] != (K,):
-        return f"moe_experts normed form: norm [{K}] and router [E, {K}] for h {h_BD.shape}, got {norm_w.shape}, {w.gate.shape}"
-    c = gemv.norm_config_for(B, w.gate.shape[0], K)
-    why = gemv.fits(h_BD, w.gate, config=c, only_where_faster=False, norm_w=norm_w, eps=eps)
-    if why or c.splits != 1:
-        return f"moe_experts normed form's router logits (one pass over K): {why or f'{c.splits} splits'}"
-    why = routed_fits(cfg, w, h_BD, _normed_logits_shape(w, h_BD), w.e_score_correction_bias, shared=shared,
-                      config=config, only_where_faster=False)
-    if why:
-        return why
-    if only_where_faster:
-        fmt, bb, _, I, In, Out, sh = _key(w, B, shared)
-        key = (fmt, bb, _dims(w)[0], I, In, Out, sh)
-        if key not in NORMED_MEASURED:
-            return (f"moe_experts normed form: the step at {key} was not measured with it on an H200 "
-                    "(kernels='on' runs it)")
-    return None
-
-
-register(Kernel("moe_experts_normed", normed_reference, experts_normed, platforms=("gpu",), fits=normed_fits,
-                unproven="compiled and timed in the step on an H200 not yet"))

@@ -186,19 +186,6 @@ def _experts_routed(cfg, w: MoEWeights, x_BD: jax.Array, logits_BE: jax.Array, m
     return out if s is None else out + mlp_partial(cfg, s, x_BD, tp)
 
 
-def _experts_normed(cfg, w: MoEWeights, x: Normed, mode: str) -> jax.Array | None:
-    """The routed and shared experts' partial of one token whose input comes un-normed, in three kernels
-    (`moe_experts_normed`: the router's logits and the normed row by the normed GEMV, then `moe_experts_routed`'s
-    two; no XLA kernel for the norm), where that form runs; else None."""
-    shared = _shared_mlp(w)
-    if w.shared_experts is not None and shared is None:  # the shared experts would need the normed row apart
-        return None
-    args = (cfg, w, x.h, x.w, x.eps)
-    if not kernels.explain("moe_experts_normed", *args, shared=shared, mode=mode).startswith("device"):
-        return None
-    return kernels.call("moe_experts_normed", *args, shared=shared, mode=mode)
-
-
 def _experts_prefill(cfg, w, z_NL, w_Nk, ids_Nk, mode: str) -> jax.Array:
     """`experts_partial` for many tokens: the `moe_grouped` kernel (grouped GEMMs over the pairs sorted by
     expert) where `mode` and the platform allow, else the dense form (jaxk3.kernels.moe_grouped)."""
@@ -228,16 +215,11 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     over all tokens at once (dense GEMMs over the local experts, in token blocks) instead of
     per-token GEMVs (decode): jaxk3.kernels.moe_grouped has the forms (dense GEMMs over the local
     experts in token blocks, today's path; the grouped-GEMM kernel; `experts_grouped`, ragged_dot).
-    A `Normed` input (decode) is normed by the kernels where they run: Kimi-Linear's router GEMV
-    (`_experts_normed`), else the routing kernels (`_route_normed`); at decode the Kimi-Linear experts may also take
-    the router's logits and select inside their kernels (`_experts_routed`)."""
+    A `Normed` input (decode) is normed by the routing kernels (`_route_normed`) where they run; at decode the
+    Kimi-Linear experts may also take the router's logits and select inside their kernels (`_experts_routed`)."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
     experts = functools.partial(_experts_prefill if grouped else _experts_decode, mode=mode)
-    if isinstance(x_BD, Normed) and w.routed_expert_down_proj is None and not grouped:  # Kimi-Linear decode
-        out = _experts_normed(cfg, w, x_BD, mode)
-        if out is not None:
-            return psum(out, tp)
     routed = _route_normed(cfg, w, x_BD, mode) if isinstance(x_BD, Normed) else None
     if routed is not None:
         w_Bk, ids_Bk, x_BD = routed

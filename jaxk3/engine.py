@@ -13,6 +13,7 @@ import dataclasses
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
 import jax
@@ -26,7 +27,7 @@ from jaxk3.config import KimiK3Config
 from jaxk3.layers.mla import MLACache
 from jaxk3.model import (Cache, StepOptions, Weights, abstract_weights, build_step, cache_abstract, check_impl,
                          check_kernels, dp_axis, make_mesh, put_batch, put_rows, random_hf_weights, resolve_dtype,
-                         resolve_layout, serve_weights, to_host)
+                         resolve_layout, serve_weights, host_slices, to_host)
 from jaxk3.sharding import DP, TP as TP_AXIS
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per row per prefill dispatch: the least `auto_prefill_chunk` picks
@@ -285,19 +286,22 @@ class Model:
         toks, valid, chunk = self._layout(rows, self._chunk(prefill_chunk, rows))
         cache = self.init_cache(toks.shape[0], -(-toks.shape[1] // CACHE_BUCKET) * CACHE_BUCKET)
         outs, _, _, _ = self._prefill(cache, toks, valid, chunk, True, None)
-        # Each chunk's logits go straight to their place (a 4K row's are 2.7 GB at Kimi's vocabulary:
-        # no concatenated copy, and NaN only past a row's end).
+        # Each chunk's logits go straight to their place (a 4K row's are 2.7 GB at Kimi's vocabulary: no concatenated
+        # copy, and NaN only past a row's end), slice by slice through pinned host memory (`host_slices`), each
+        # slice copied by several threads (the fresh array's page faults are most of a single copy's time).
         T, Tt = max(len(r) for r in rows), toks.shape[1]
         out = np.empty((len(rows), T, self.cfg.vocab_size), np.float32)
         for i, r in enumerate(rows):
             out[i, len(r):] = np.nan
-        for ci, o in enumerate(outs):
-            host = to_host(o)
-            c0 = ci * chunk
-            for i, r in enumerate(rows):
-                lo = max(c0, Tt - len(r))  # row i's tokens sit at [Tt - len(r), Tt) of the padded layout
-                if lo < c0 + chunk:
-                    out[i, lo - (Tt - len(r)):c0 + chunk - (Tt - len(r))] = host[i, lo - c0:]
+        threads = max(1, min(8, os.cpu_count() or 1))
+        with ThreadPoolExecutor(threads) as pool:
+            for ci, o in enumerate(outs):
+                for s0, s1, host in host_slices(o, axis=1):
+                    a0, a1 = ci * chunk + s0, ci * chunk + s1  # the slice's positions in the padded layout
+                    for i, r in enumerate(rows):
+                        lo = max(a0, Tt - len(r))  # row i's tokens sit at [Tt - len(r), Tt) of the padded layout
+                        if lo < a1:
+                            _copy(pool, threads, out[i, lo - (Tt - len(r)):a1 - (Tt - len(r))], host[i, lo - a0:])
         return out
 
     def generate(self, prompt_ids: Any, max_new_tokens: int, return_logits: bool = False, progress: Any = None, *,
@@ -495,6 +499,14 @@ def auto_prefill_chunk(cfg: KimiK3Config, rows: int, prompt_len: int, device_kin
             break
         c *= 2
     return best
+
+
+def _copy(pool: ThreadPoolExecutor, threads: int, dst: np.ndarray, src: np.ndarray, min_rows: int = 16) -> None:
+    """dst[...] = src, split along the first axis over `threads` of the pool (numpy releases the GIL in the copy)."""
+    n = dst.shape[0]
+    parts = max(1, min(threads, n // min_rows))
+    step = -(-n // parts)
+    list(pool.map(lambda j: np.copyto(dst[j * step:(j + 1) * step], src[j * step:(j + 1) * step]), range(parts)))
 
 
 def _check_chunk(chunk: Any) -> int:

@@ -311,6 +311,35 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+HOST_SLICE_BYTES = 256 << 20  # the device-to-host copy of a large array, through pinned host memory, in slices of this
+
+
+def host_slices(x: jax.Array, axis: int = 1, max_bytes: int | None = None):
+    """Yield (start, stop, host array of x's [start, stop) along `axis`) covering x: the device-to-host copy of a large
+    array (`Model.score`'s logits: 2.7 GB for a 4K row) through pinned host memory, a slice of at most `max_bytes` at a
+    time with the next one in flight (a DMA at the bus's speed: 54 GB/s measured on an H200 host, where np.asarray of
+    the whole array copies through pageable memory at 1.7 GB/s; docs/PERF.md).  The host arrays are read-only views of
+    the pinned buffers: copy out of each before the next but one.  One slice, `to_host`, where x is not all on this
+    process or its devices have no pinned host memory.  `max_bytes`: HOST_SLICE_BYTES by default."""
+    n = x.shape[axis]
+    max_bytes = HOST_SLICE_BYTES if max_bytes is None else max_bytes
+    kinds = {m.kind for d in x.sharding.device_set for m in d.addressable_memories()}
+    if not x.is_fully_addressable or "pinned_host" not in kinds or x.nbytes <= max_bytes or n < 2:
+        yield 0, n, to_host(x)
+        return
+    per = max(1, max_bytes // (x.nbytes // n))
+    pinned = x.sharding.with_memory_kind("pinned_host")
+    bounds = [(s0, min(s0 + per, n)) for s0 in range(0, n, per)]
+
+    def put(s0: int, s1: int) -> jax.Array:
+        return jax.device_put(jax.lax.slice_in_dim(x, s0, s1, axis=axis), pinned)
+    nxt = put(*bounds[0])
+    for i, (s0, s1) in enumerate(bounds):
+        cur, nxt = nxt, (put(*bounds[i + 1]) if i + 1 < len(bounds) else None)
+        yield s0, s1, np.asarray(cur)
+        del cur
+
+
 # --------------------------------------------------------------------------- options and the mesh
 def check_impl(name: str, value: Any) -> str:
     if value not in IMPLS:

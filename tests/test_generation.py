@@ -69,6 +69,44 @@ def test_score_equals_decode_logits(models):
             assert rel_err(sc[i, t], np.asarray(logits)[0]) <= 1e-4
 
 
+@pytest.mark.parametrize("mode, tp", [("k3", 1), ("kl", 2)])
+def test_score_through_pinned_slices_is_the_plain_copy(models, monkeypatch, mode, tp):
+    """Model.score's logits reach the host through pinned host memory in slices (`host_slices`, placed by threads):
+    with slices of one position (ragged rows, two prefill chunks, a slice crossing a row's start) the result is the
+    one-piece copy's, bitwise, and the slices were taken (pinned host memory on the CPU devices too)."""
+    from jaxk3 import engine, model
+
+    m = _model(models, mode, tp)
+    rows = [PROMPTS[1] + [11, 12], PROMPTS[1][:3]]
+    monkeypatch.setattr(model, "HOST_SLICE_BYTES", 1 << 40)
+    whole = m.score(rows, prefill_chunk=64)
+    seen = []
+    real = model.host_slices
+
+    def counted(x, axis=1, max_bytes=None):
+        for s0, s1, h in real(x, axis, max_bytes):
+            seen.append((s0, s1, h.flags.writeable))
+            yield s0, s1, h
+    monkeypatch.setattr(model, "HOST_SLICE_BYTES", 1)
+    monkeypatch.setattr(engine, "host_slices", counted)
+    sliced = m.score(rows, prefill_chunk=64)
+    np.testing.assert_array_equal(sliced, whole)
+    assert len(seen) >= 7 and all(s1 - s0 == 1 for s0, s1, _ in seen), seen[:4]
+    assert np.isnan(sliced[1, 3:]).all() and np.isfinite(sliced[0]).all()
+
+
+def test_host_slices_cover_the_array():
+    """`host_slices` along either axis: the slices tile the array and hold its values; a small array is one piece."""
+    from jaxk3.model import host_slices
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 10, 5)), jnp.float32)
+    for axis in (0, 1):
+        parts = list(host_slices(x, axis=axis, max_bytes=2 * x.nbytes // x.shape[axis]))
+        assert [p[:2] for p in parts] == [(s, min(s + 2, x.shape[axis])) for s in range(0, x.shape[axis], 2)]
+        np.testing.assert_array_equal(np.concatenate([p[2] for p in parts], axis=axis), np.asarray(x))
+    assert [p[:2] for p in host_slices(x)] == [(0, 10)]
+
+
 def test_streaming_and_stop_ids(models):
     m = _model(models, "k3", 1)
     base = m.generate(PROMPTS, 9, decode_chunk=4)

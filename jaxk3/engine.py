@@ -291,10 +291,11 @@ class Model:
         # slice copied by several threads (the fresh array's page faults are most of a single copy's time).
         T, Tt = max(len(r) for r in rows), toks.shape[1]
         out = np.empty((len(rows), T, self.cfg.vocab_size), np.float32)
-        for i, r in enumerate(rows):
-            out[i, len(r):] = np.nan
         threads = max(1, min(8, os.cpu_count() or 1))
         with ThreadPoolExecutor(threads) as pool:
+            # While the device runs the prefill (dispatched, not waited for), every page of the fresh output is
+            # touched once, NaN (what stays past a row's end): the first touch of 2.7 GB is most of a copy into it.
+            _fill(pool, threads, out.reshape(-1, out.shape[-1]), np.nan)
             for ci, o in enumerate(outs):
                 for s0, s1, host in host_slices(o, axis=1):
                     a0, a1 = ci * chunk + s0, ci * chunk + s1  # the slice's positions in the padded layout
@@ -499,6 +500,14 @@ def auto_prefill_chunk(cfg: KimiK3Config, rows: int, prompt_len: int, device_kin
             break
         c *= 2
     return best
+
+
+def _fill(pool: ThreadPoolExecutor, threads: int, dst: np.ndarray, value: float, min_rows: int = 16) -> None:
+    """dst[...] = value, split along the first axis over `threads` of the pool."""
+    n = dst.shape[0]
+    parts = max(1, min(threads, n // min_rows))
+    step = -(-n // parts)
+    list(pool.map(lambda j: dst[j * step:(j + 1) * step].fill(value), range(parts)))
 
 
 def _copy(pool: ThreadPoolExecutor, threads: int, dst: np.ndarray, src: np.ndarray, min_rows: int = 16) -> None:

@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
-#                        [mxfp4] [moestep] [targets]
+#                        [mxfp4] [moestep] [targets] [mla] [hostcopy]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -19,7 +19,8 @@
 #   against the paths they replace; `kda` KDA's prefill forms inside 48B's first four layers with their longest kernels;
 #   `mxfp4` the MoE decode experts kernel's compiled tests and its configurations against XLA (Kimi-Linear-48B
 #   serving layout with the shared experts, K3 TP 2 share); `moestep` the 48B step with that kernel patched in;
-#   `targets` issue 22's 32K-context and K3-layers figures (one GPU).
+#   `targets` issue 22's 32K-context and K3-layers figures (one GPU); `mla` the MLA decode attention's tilings
+#   against XLA at 48B dims, 4K and 32K (scripts/gpu/mla_sweep.py); `hostcopy` Model.score's host path alone.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -260,6 +261,20 @@ if has moestep; then
     --layers all --experts 64 --tp 1 --batch ${MOESTEP_BATCH:-1,8} --context 4k --strategies stock --variants serving/auto \
     --steps 20 --repeats 5 --json "$OUT/moestep.json" 2>&1 | grep -v "^  \.\. " | tee "$OUT/moestep.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has mla; then
+  # The MLA decode attention (mla_decode_uv) in its tilings against XLA's path, 48B dims, 4K and 32K (one GPU).
+  echo "== mla_decode_uv tilings, Kimi-Linear-48B MLA ($(date -u +%T))"
+  timeout -k 10 ${MLA_TIMEOUT:-300} $PY scripts/gpu/mla_sweep.py --json "$OUT/mla_sweep.json" ${MLA_ARGS:-} \
+    > "$OUT/mla_sweep.log" 2>&1
+  echo "mla_sweep rc $?"; sed -n '/# per (S, B)/,$p' "$OUT/mla_sweep.log" | cut -c1-150
+fi
+
+if has hostcopy; then
+  # Model.score's host path alone: the output's threaded first touch, then the pinned slices placed by threads.
+  echo "== score's host copy ($(date -u +%T))"
+  timeout -k 10 ${HC_TIMEOUT:-120} $PY scripts/gpu/host_copy.py ${HC_ARGS:---score-only} 2>&1 | tee "$OUT/host_copy.log"
 fi
 
 if has chunks; then

@@ -107,6 +107,24 @@ def test_host_slices_cover_the_array():
     assert [p[:2] for p in host_slices(x)] == [(0, 10)]
 
 
+def test_threaded_fill_and_copy_cover_the_array():
+    """`engine._fill` and `engine._copy` (score's first touch of its output and its placing of each slice) reach every
+    row, for row counts below, at and past threads x min_rows and not a multiple of it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jaxk3.engine import _copy, _fill
+
+    r = np.random.default_rng(0)
+    with ThreadPoolExecutor(3) as pool:
+        for n in (1, 15, 16, 47, 48, 101):
+            a = np.zeros((n, 7), np.float32)
+            _fill(pool, 3, a, np.nan)
+            assert np.isnan(a).all()
+            src = r.standard_normal((n, 7)).astype(np.float32)
+            _copy(pool, 3, a, src)
+            np.testing.assert_array_equal(a, src)
+
+
 def test_streaming_and_stop_ids(models):
     m = _model(models, "k3", 1)
     base = m.generate(PROMPTS, 9, decode_chunk=4)

@@ -812,6 +812,7 @@ def _mla_case(B: int, H: int, S: int, R: int, P: int, lengths, seed: int = 0):
     (8, 20, 256, 64, 16, [255, 0, 32, 33, 100, 5, 200, 63], {}),  # two head groups (20 -> 32), block edges
     (3, 16, 2048, 512, 64, [2047, 777, 40], dict(split=1024, block_s=64)),  # real R, P; 2 parts of 16 steps
     (1, 32, 512, 64, 16, [300], dict(block_h=32, split=128)),  # a 32-head group, 4 parts
+    (8, 20, 256, 64, 16, [255, 0, 32, 33, 100, 5, 200, 63], dict(order="pg", split=64)),  # the grid's parts first
 ])
 def test_mla_decode_kernel_matches_reference(B, H, S, R, P, lengths, tile):
     """Interpret mode against `latent_attention` (float32) on a cache whose slots past each row's length
@@ -832,6 +833,8 @@ def test_mla_decode_kernel_matches_reference(B, H, S, R, P, lengths, tile):
     (1, 32, 512, 64, 16, [300], dict(block_h=32, split=32), 64),  # 16 parts: two chunks of 8 in the merge
     (2, 16, 384, 64, 16, [383, 40], dict(split=32), 32),  # 12 parts (not a power of two): three chunks of 4
     (1, 16, 192, 64, 16, [150], dict(split=64), 32),  # 3 parts: chunks of 1
+    (3, 20, 256, 64, 16, [0, 31, 130], dict(split=32, order="pg", merge_pc=2, merge_stages=2), 64),  # 8 parts: 4 steps
+    (1, 32, 512, 64, 16, [300], dict(block_h=32, split=32, merge_pc=16, merge_stages=3), 64),  # 16 parts in one step
 ])
 def test_mla_decode_uv_matches_reference(B, H, S, R, P, lengths, tile, V):
     """The parts merged and W_UV applied in one kernel (interpret mode) against `latent_attention` then the fp32
@@ -875,6 +878,9 @@ def test_mla_decode_fits_and_tiles():
     assert "registers" in M.fits(*args, 0.07, block_h=64)  # [64, 512] fp32 over 4 warps: 256 a thread
     assert M.fits(*args, 0.07, block_h=64, num_warps=8) is None
     assert "multiple of the split" in M.fits(*args[:2], s((1, 4000, 576), jnp.bfloat16), args[3], 0.07)
+    assert "order must be" in M.fits(*args, 0.07, order="hg")
+    assert "merge_pc must be" in M.fits(*args, 0.07, merge_pc=12)
+    assert "merge_stages must be" in M.fits(*args, 0.07, merge_stages=0)
     # the fp32 formula reproduces the 442,624 B measured for the first 64 x 64 fp32 tiling; bf16 halves it
     assert M.smem_estimate(64, 64, 512, 64, itemsize=4) == 442_624
     assert M.smem_estimate(16, 32, 512, 64) == 89_344
@@ -899,15 +905,23 @@ def test_mla_decode_kernel_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,lengths", [(1, [4095]), (8, [4095, 777, 2048, 5, 4000, 1, 3000, 1234])])
-def test_mla_decode_uv_on_gpu(B, lengths):
-    """Compiled at Kimi-Linear-48B's MLA (32 heads, R 512, P 64, 4K context, W_UV rows 128: of each head's 256)
-    against the reference at full float32 precision, slots past the lengths poisoned.  Tolerance: MLA_TOL."""
+@pytest.mark.parametrize("B,S,lengths,tile", [
+    (1, 4096, [4095], {}), (8, 4096, [4095, 777, 2048, 5, 4000, 1, 3000, 1234], {}),
+    (1, 32768, [32767], {}), (8, 32768, [32767, 777, 20480, 5, 32000, 1, 3000, 12345], {}),  # 32K: the default split
+    (1, 32768, [20000], dict(order="pg", split=1024, merge_pc=16, merge_stages=2)),  # the other grid order, pipelined
+    (8, 4096, [4095, 777, 2048, 5, 4000, 1, 3000, 1234], dict(order="pg", split=512, merge_stages=3)),
+])
+def test_mla_decode_uv_on_gpu(B, S, lengths, tile):
+    """Compiled at Kimi-Linear-48B's MLA (32 heads, R 512, P 64, 4K and 32K context, W_UV rows 128: of each head's
+    256), the default tiles and others of scripts/gpu/mla_sweep.py's, against the reference at full float32 precision,
+    slots past the lengths poisoned.  Tolerance: MLA_TOL."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
-    ql, qpe, kv, poisoned, length = _mla_case(B, 32, 4096, 512, 64, lengths)
+    ql, qpe, kv, poisoned, length = _mla_case(B, 32, S, 512, 64, lengths)
     wkvb = jnp.asarray(np.random.default_rng(5).standard_normal((32, 256, 512)) * 512 ** -0.5, jnp.bfloat16)
-    got = jax.jit(lambda *a: kernels.call("mla_decode_uv", *a[:4], 0.07, a[4], 128, mode="on"))(
+    assert kernels.REGISTRY["mla_decode_uv"].fits(ql, qpe, poisoned, length, 0.07, wkvb, 128,
+                                                  only_where_faster=False, **tile) is None
+    got = jax.jit(lambda *a: kernels.call("mla_decode_uv", *a[:4], 0.07, a[4], 128, mode="on", **tile))(
         ql, qpe, poisoned, length, wkvb)
     with jax.default_matmul_precision("highest"):
         ref = kernels.REGISTRY["mla_decode_uv"].reference(ql, qpe, kv, length, 0.07, wkvb, 128)

@@ -50,6 +50,7 @@ BLOCK_S = 32  # cache slots per inner step (default; `tiles`): N of the score do
 BLOCK_H = 16  # heads per grid program: M of the dots (tl.dot needs >= 16)
 SPLIT = 1024  # at most this many cache slots per grid program (parts = S / split)
 NEG = -1e30  # a finite "minus infinity": exp(NEG - m) is 0 without inf - inf
+ORDER = "gp"  # the attention grid's order: (row, head group, part) "gp" or (row, part, head group) "pg" (`_parts`)
 SMEM_BYTES = 232_448  # shared memory a block may use on an H100/H200 (sm_90)
 MIN_PROGRAMS = 264  # aim for >= 2 programs per SM (132 SMs): the context split shrinks until there are
 ACC_REGS = 128  # at most this many 32-bit registers per thread for the fp32 accumulator [Hb, R]
@@ -99,11 +100,12 @@ def _dot_t(a, b):
 
 
 def _kernel(len_ref, ql_ref, qpe_ref, kv_ref, m_ref, l_ref, acc_ref, *, R: int, P: int, S: int, split: int,
-            scale: float, BLOCK_S: int):
+            scale: float, BLOCK_S: int, order: str):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    b, hg, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b = pl.program_id(0)
+    hg, part = (pl.program_id(1), pl.program_id(2)) if order == "gp" else (pl.program_id(2), pl.program_id(1))
     end = jnp.minimum(len_ref[b] + 1, S)  # this row's slots are [0, end)
     ql, qpe = ql_ref[b, hg], qpe_ref[b, hg]  # bf16 [Hb, R], [Hb, P]
     Hb = ql.shape[0]
@@ -135,10 +137,10 @@ def _kernel(len_ref, ql_ref, qpe_ref, kv_ref, m_ref, l_ref, acc_ref, *, R: int, 
 
 def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool = False, block_h: int | None = None,
                block_s: int | None = None, split: int | None = None, num_warps: int = 4,
-               num_stages: int = 2) -> jax.Array:
+               num_stages: int = 2, order: str | None = None) -> jax.Array:
     """The reference's function with bf16 dot operands (q, p; the bf16 cache): fp32 [B, H, R]."""
     m, l, acc = _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, interpret, block_h, block_s, split, num_warps,
-                       num_stages)
+                       num_stages, order)
     B, H, R = ql_BHR.shape
     w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # parts past the length: m = NEG, weight 0
     out = jnp.sum(w[..., None] * acc, axis=2) / jnp.sum(w * l, axis=2)[..., None]
@@ -146,8 +148,10 @@ def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool 
 
 
 def _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool, block_h, block_s, split, num_warps: int,
-           num_stages: int):
-    """The kernel's per-part softmax statistics and sums: m, l [B, G, parts, Hb] and acc [B, G, parts, Hb, R]."""
+           num_stages: int, order: str | None = None):
+    """The kernel's per-part softmax statistics and sums: m, l [B, G, parts, Hb] and acc [B, G, parts, Hb, R].
+    `order` "gp": the grid is (row, head group, part), a head group's parts launched together; "pg": (row, part,
+    head group), the head groups of a part together, so that the second reads the part's cache from L2."""
     from jax.experimental import pallas as pl
 
     B, H, R = ql_BHR.shape
@@ -155,6 +159,7 @@ def _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool, blo
     Hb, bs, split = tiles(B, H, S, R, P, block_h, block_s, split)
     G = -(-H // Hb)
     parts = S // split
+    order = order or ORDER
     kw = triton_params(num_warps, num_stages, interpret)
 
     def heads(x):  # [B, H, X] -> bf16 [B, G, Hb, X]; padded heads score 0 and are dropped below
@@ -163,7 +168,8 @@ def _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool, blo
 
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     m, l, acc = pl.pallas_call(
-        functools.partial(_kernel, R=R, P=P, S=S, split=split, scale=scale, BLOCK_S=bs), grid=(B, G, parts),
+        functools.partial(_kernel, R=R, P=P, S=S, split=split, scale=scale, BLOCK_S=bs, order=order),
+        grid=(B, G, parts) if order == "gp" else (B, parts, G),
         in_specs=[any_] * 4, out_specs=[any_] * 3, **kw,
         out_shape=(jax.ShapeDtypeStruct((B, G, parts, Hb), F32), jax.ShapeDtypeStruct((B, G, parts, Hb), F32),
                    jax.ShapeDtypeStruct((B, G, parts, Hb, R), F32)),
@@ -186,6 +192,12 @@ def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, b
         if not pow2(n) or n < 16:
             return f"mla_decode kernel needs {name} a power of two >= 16 (Triton blocks, tl.dot), got {n}"
     Hb, bs, split = tiles(B, H, S, R, P, block_h, block_s, split)
+    if _.get("order") not in (None, "gp", "pg"):
+        return f"mla_decode kernel: order must be 'gp' or 'pg' (the grid's head group / part order), got {_['order']!r}"
+    for name in ("merge_pc", "merge_stages"):
+        if _.get(name) is not None and (not isinstance(_[name], int) or _[name] < 1 or
+                                        (name == "merge_pc" and not pow2(_[name]))):
+            return f"mla_decode_uv kernel: {name} must be a positive int (merge_pc a power of two), got {_[name]!r}"
     if not (pow2(Hb) and pow2(bs)) or Hb < 16 or bs < 16:
         return (f"mla_decode kernel: the head group {Hb} and the slot block {bs} are the dots' M and N/K: powers "
                 "of two >= 16 (tl.dot's minimum)")
@@ -256,26 +268,30 @@ def uv_reference(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: jax
 
 
 UV_BLOCK = 32  # value rows per program of the merge (4 programs per head of 128 values)
+MERGE_PC = 8  # at most this many parts per step of the merge's loop (the largest power of two dividing parts)
+MERGE_STAGES = 1  # the merge loop's software pipelining (Triton num_stages)
 
 
 def mla_decode_uv(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: jax.Array, v0: int,
-                  interpret: bool = False, block_v: int = UV_BLOCK, **kw) -> jax.Array:
+                  interpret: bool = False, block_v: int = UV_BLOCK, merge_pc: int | None = None,
+                  merge_stages: int | None = None, **kw) -> jax.Array:
     """`uv_reference`'s function: the attention kernel's parts, then one kernel merging them and applying W_UV (the
-    rows v0: of each head's kv_b_proj rows, read in place: no slice of the weight is copied)."""
+    rows v0: of each head's kv_b_proj rows, read in place: no slice of the weight is copied).  `merge_pc`, `merge_stages`:
+    the merge loop's parts per step and pipelining (MERGE_PC, MERGE_STAGES); the rest of `kw` is `mla_decode`'s."""
     from jax.experimental import pallas as pl
 
     B, H, R = ql_BHR.shape
     V = w_kvb_HXR.shape[1] - v0
     m, l, acc = _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, interpret, kw.get("block_h"), kw.get("block_s"),
-                       kw.get("split"), kw.get("num_warps", 4), kw.get("num_stages", 2))
+                       kw.get("split"), kw.get("num_warps", 4), kw.get("num_stages", 2), kw.get("order"))
     Hb, parts = m.shape[3], m.shape[2]
-    pc = min(8, parts & -parts)  # a power of two dividing parts
+    pc = min(merge_pc or MERGE_PC, parts & -parts)  # a power of two dividing parts
     bv = min(block_v, V)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_merge_uv_kernel, Hb=Hb, parts=parts, pc=pc, bv=bv, v0=v0), grid=(B, H, V // bv),
         in_specs=[any_] * 4, out_specs=any_, out_shape=jax.ShapeDtypeStruct((B, H, V), F32), interpret=interpret,
-        **triton_params(4, 1, interpret))(m, l, acc, w_kvb_HXR)
+        **triton_params(4, merge_stages or MERGE_STAGES, interpret))(m, l, acc, w_kvb_HXR)
 
 
 # the MLA step's shapes (B, H, V) where the step was measured with the merge in one kernel (on an H200, 2026-12-02,

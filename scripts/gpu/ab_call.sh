@@ -10,11 +10,12 @@
 #   AB="-moe_experts_routed@1 moe_experts:Config.bn=8+moe_experts:Config.splits=4@1" bash scripts/gpu/ab_call.sh
 #   EXPERTS=256 S_TIMEOUT=330 AB="moe_experts_routed@1" bash scripts/gpu/ab_call.sh   # random weights take minutes
 #   EXPERTS=256 LAYERS=0-7 AB="moe_experts_routed@1" bash scripts/gpu/ab_call.sh     # the first 8 layers only
+#   CONTEXT=32k AB="mla_decode:ORDER=pg@1" bash scripts/gpu/ab_call.sh                # another cache length (4k default)
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.92
-S="--config kimi-linear-48b --layers ${LAYERS:-all} --experts ${EXPERTS:-64} --tp 1 --context 4k --strategies stock --variants serving/auto --steps 20 --repeats 5"
+S="--config kimi-linear-48b --layers ${LAYERS:-all} --experts ${EXPERTS:-64} --tp 1 --context ${CONTEXT:-4k} --strategies stock --variants serving/auto --steps 20 --repeats 5"
 row() { grep -E "^ +[0-9]+ \|" | tail -3; }
 if [ -n "${TEST_K:-}" ]; then
   echo "== compiled tests ($(date -u +%T))"
@@ -28,7 +29,7 @@ for B in $(for p in ${AB:?AB=PATCH@B ...}; do echo "${p##*@}"; done | sort -u); 
 done
 for p in $AB; do
   patch=${p%@*}; B=${p##*@}
-  tag=$(echo "$patch" | sed 's/moe_experts:Config\.//g' | tr -c 'a-zA-Z0-9_=\n' '_' | tr '=' '_')
+  tag=$(echo "$patch" | sed 's/moe_experts:Config\.//g; s/mla_decode://g' | tr -c 'a-zA-Z0-9_=\n' '_' | tr '=' '_')
   echo "== B = $B, $patch ($(date -u +%T))"
   timeout -k 10 ${S_TIMEOUT:-150} python3 scripts/gpu/step_with_kernel.py ${patch//+/ } -- $S --batch "$B" \
     --json "$OUT/ab_${tag}_b$B.json" 2>&1 | row

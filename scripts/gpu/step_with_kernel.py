@@ -13,7 +13,8 @@ or nothing: `bench decode`).
     python scripts/gpu/step_with_kernel.py moe_experts_routed -- generate --config kimi-linear-48b --batch 1
 
 An argument MODULE:CLASS.FIELD=VALUE (e.g. `moe_experts:Config.bn=8`, a module of jaxk3.kernels) sets the default of
-a kernel's config dataclass in this process: the step with another tiling than the one its sweep chose.
+a kernel's config dataclass in this process: the step with another tiling than the one its sweep chose;
+MODULE:NAME=VALUE sets a module constant the kernel reads at each call (`mla_decode:MERGE_STAGES=2`).
 """
 from __future__ import annotations
 
@@ -29,15 +30,22 @@ from jaxk3.cli import main as cli_main  # noqa: E402
 
 
 def set_default(arg: str) -> None:
-    """MODULE:CLASS.FIELD=VALUE: calls of the kernel module's CLASS() take VALUE (an int, else the string)."""
+    """MODULE:CLASS.FIELD=VALUE: calls of the kernel module's CLASS() take VALUE (an int, else the string);
+    MODULE:NAME=VALUE: the module's constant NAME is VALUE (e.g. `mla_decode:ORDER=pg`, read at each call)."""
     import functools
     import importlib
 
     where, value = arg.split("=", 1)
     mod_name, attr = where.split(":")
-    cls_name, field = attr.split(".")
     mod = importlib.import_module(f"jaxk3.kernels.{mod_name}")
     v = int(value) if value.lstrip("-").isdigit() else value
+    if "." not in attr:
+        if not hasattr(mod, attr):
+            raise SystemExit(f"jaxk3.kernels.{mod_name} has no constant {attr}")
+        setattr(mod, attr, v)
+        print(f"patched: {mod_name}.{attr} = {v!r} (this process only)", flush=True)
+        return
+    cls_name, field = attr.split(".")
     setattr(mod, cls_name, functools.partial(getattr(mod, cls_name), **{field: v}))
     print(f"patched: {mod_name}.{cls_name}() takes {field}={v!r} (this process only)", flush=True)
 

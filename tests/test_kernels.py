@@ -884,7 +884,10 @@ def test_mla_decode_fits_and_tiles():
     # the fp32 formula reproduces the 442,624 B measured for the first 64 x 64 fp32 tiling; bf16 halves it
     assert M.smem_estimate(64, 64, 512, 64, itemsize=4) == 442_624
     assert M.smem_estimate(16, 32, 512, 64) == 89_344
-    # the split halves until >= 2 programs per SM, down to two blocks a part
+    # the split halves until >= 256 programs (~2 per SM), down to two blocks a part
+    assert M.tiles(1, 32, 32768, 512, 64) == (16, 32, 256)  # Kimi-Linear at 32K: 2 groups x 128 parts
+    assert M.tiles(8, 32, 4096, 512, 64) == (16, 32, 256)  # 8 x 2 x 16 = 256 (264 halved once more: slower)
+    assert M.tiles(8, 32, 32768, 512, 64) == (16, 32, 1024)
     assert M.tiles(1, 96, 4096, 512, 64) == (16, 32, 64)  # 6 groups x 64 parts = 384 programs
     assert M.tiles(8, 96, 4096, 512, 64) == (16, 32, 512)  # 8 x 6 x 8 = 384
     assert M.tiles(1, 12, 4096, 512, 64) == (16, 32, 64)  # 64 programs: the floor of two blocks a part

@@ -206,8 +206,8 @@ def test_kernel_real_dims_on_gpu(kernel, preset, tp, B):
 
 def test_real_cases_build_and_fit_on_cpu():
     """mla_decode fits at every preset shape after its tiling (shapes only: nothing this large is
-    built on the CPU): bf16 tiles of 16 heads x 32 slots (89,344 B of shared memory), and >= 2
-    programs per SM (264) wherever a part of two blocks allows it; a tiling too large for shared
+    built on the CPU): bf16 tiles of 16 heads x 32 slots (89,344 B of shared memory), and >= MIN_PROGRAMS
+    (256, ~2 per SM) wherever a part of two blocks allows it; a tiling too large for shared
     memory is named, not crashed on.  The router gate: auto takes the kernel at K3, not Kimi-Linear."""
     from jaxk3.kernels import mla_decode as M
     from jaxk3.kernels import router

@@ -24,11 +24,16 @@ an H200, with 2-byte tiles; an estimate until the GPU run, which names the real 
 tiling exceeds it): 89,344 B at every preset (Hb 16, bs 32, R 512, P 64), under the 232,448 B a
 block may have; `fits` names a tiling that cannot fit, and one whose fp32 accumulator [Hb, R] would
 not fit in the registers of `num_warps` warps.  The context split halves (from 1024) until there
-are >= 2 programs per SM (264 on an H200) or a part is down to two blocks (at 4K context: 384
-programs at K3 TP 1, 192 at TP 2, 64 at TP 8, 128 at Kimi-Linear for B = 1; 384-512 for B = 8).
-The partial sums this writes ([Hb, R] fp32 per program, up to 17 MB, 2.7x the cache bytes at K3
-TP 1, B = 1) are small enough to stay mostly in the H200's L2 for the merge, and parallelism is
-what the latency-bound B = 1 step lacks; scripts/gpu/kernels_real.py --mla-sweep times longer parts.
+are >= MIN_PROGRAMS = 256 programs (about 2 per SM of an H200's 132) or a part is down to two blocks
+(at 4K context: 384 programs at K3 TP 1, 256 at TP 2 and Kimi-Linear for B = 8, 128 at Kimi-Linear
+for B = 1, 64 at K3 TP 8; at 32K, Kimi-Linear: 256 for B = 1, 512 for B = 8).  The partial sums
+this writes ([Hb, R] fp32 per program, up to 17 MB, 2.7x the cache bytes at K3 TP 1, B = 1) stay
+mostly in the H200's L2 for the merge, and parallelism is what the latency-bound B = 1 step lacks.
+scripts/gpu/mla_sweep.py times the split, the grid's order and the merge's loop at the 48B's MLA:
+the split is what matters (2026-12-03: at 32K, B = 1, 48.0-56.4 us a call with splits of 256 or 512
+slots against 62.3-77.3 with 128; at 4K, B = 8, 41.5-43.4 with 256 against 47.5 with 128), where 264
+(2 per SM, the rule before) halved the split once more at those two shapes; the order and the merge's pipelining moved nothing beyond the
+run's spread, so they stay at their defaults (ORDER, MERGE_PC, MERGE_STAGES).
 
 Measured on an H200 (2026-12-01, docs/PERF.md), the former float32 version: correct at every preset
 shape but its fp32 dots lowered to CUDA-core FMAs, 3.3 ms against XLA's 33 us at K3 TP 1, B = 1,
@@ -52,7 +57,7 @@ SPLIT = 1024  # at most this many cache slots per grid program (parts = S / spli
 NEG = -1e30  # a finite "minus infinity": exp(NEG - m) is 0 without inf - inf
 ORDER = "gp"  # the attention grid's order: (row, head group, part) "gp" or (row, part, head group) "pg" (`_parts`)
 SMEM_BYTES = 232_448  # shared memory a block may use on an H100/H200 (sm_90)
-MIN_PROGRAMS = 264  # aim for >= 2 programs per SM (132 SMs): the context split shrinks until there are
+MIN_PROGRAMS = 256  # aim for ~2 programs per SM (132 SMs): the context split shrinks until there are
 ACC_REGS = 128  # at most this many 32-bit registers per thread for the fp32 accumulator [Hb, R]
 
 

@@ -502,20 +502,22 @@ def auto_prefill_chunk(cfg: KimiK3Config, rows: int, prompt_len: int, device_kin
     return best
 
 
-def _fill(pool: ThreadPoolExecutor, threads: int, dst: np.ndarray, value: float, min_rows: int = 16) -> None:
+def _by_rows(pool: ThreadPoolExecutor, threads: int, n: int, fn, min_rows: int = 16) -> None:
+    """fn(start, stop) over [0, n) in up to `threads` parts of at least `min_rows` rows, run by the pool (numpy
+    releases the GIL in fills and copies)."""
+    parts = max(1, min(threads, n // min_rows))
+    step = -(-n // parts)
+    list(pool.map(lambda j: fn(j * step, (j + 1) * step), range(parts)))
+
+
+def _fill(pool: ThreadPoolExecutor, threads: int, dst: np.ndarray, value: float) -> None:
     """dst[...] = value, split along the first axis over `threads` of the pool."""
-    n = dst.shape[0]
-    parts = max(1, min(threads, n // min_rows))
-    step = -(-n // parts)
-    list(pool.map(lambda j: dst[j * step:(j + 1) * step].fill(value), range(parts)))
+    _by_rows(pool, threads, dst.shape[0], lambda a, b: dst[a:b].fill(value))
 
 
-def _copy(pool: ThreadPoolExecutor, threads: int, dst: np.ndarray, src: np.ndarray, min_rows: int = 16) -> None:
-    """dst[...] = src, split along the first axis over `threads` of the pool (numpy releases the GIL in the copy)."""
-    n = dst.shape[0]
-    parts = max(1, min(threads, n // min_rows))
-    step = -(-n // parts)
-    list(pool.map(lambda j: np.copyto(dst[j * step:(j + 1) * step], src[j * step:(j + 1) * step]), range(parts)))
+def _copy(pool: ThreadPoolExecutor, threads: int, dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src, split along the first axis over `threads` of the pool."""
+    _by_rows(pool, threads, dst.shape[0], lambda a, b: np.copyto(dst[a:b], src[a:b]))
 
 
 def _check_chunk(chunk: Any) -> int:

@@ -486,6 +486,24 @@ def test_decode_merges_mla_parts_with_w_uv(monkeypatch, fresh_steps):
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
 
 
+@pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
+@pytest.mark.parametrize("prompt", [[[5, 6, 7, 8]], [[5, 6, 7, 8], [9, 3, 2]]])
+def test_decode_preps_mla_in_one_kernel(monkeypatch, fresh_steps, prompt):
+    """A Kimi-Linear decode step whose MLA layer takes `mla_prep` (the absorbed query, q_pe and the new latent written
+    into the cache, read from in_proj's output in place) with the attention kernels (interpret mode, registered for
+    the CPU): traced once per decode step, and the logits agree with kernels='off' to 2e-3 of max|logit| (the bound
+    of test_decode_merges_mla_parts_with_w_uv: the attention's bf16 operands); two ragged rows (a pad row's slot
+    kept) as close."""
+    from small_models import tiny_kimi_linear_4l
+
+    calls = _on_cpu(monkeypatch, "mla_prep", 0)
+    _on_cpu(monkeypatch, "mla_decode_uv", 0)
+    cfg = tiny_kimi_linear_4l(kv_lora_rank=64, qk_rope_head_dim=16)
+    a, b = _off_and_auto(cfg, prompt, calls)
+    assert len(calls) >= len(cfg.mla_layers) >= 1 and all(c[0] == len(prompt) for c in calls), calls
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("B", [1, 3, 8])
@@ -879,8 +897,10 @@ def test_mla_decode_fits_and_tiles():
     assert M.fits(*args, 0.07, block_h=64, num_warps=8) is None
     assert "multiple of the split" in M.fits(*args[:2], s((1, 4000, 576), jnp.bfloat16), args[3], 0.07)
     assert "order must be" in M.fits(*args, 0.07, order="hg")
-    assert "merge_pc must be" in M.fits(*args, 0.07, merge_pc=12)
-    assert "merge_stages must be" in M.fits(*args, 0.07, merge_stages=0)
+    w, v0 = s((96, 256, 512), jnp.bfloat16), 128  # the merge kernel's own settings: mla_decode_uv's conditions
+    assert M.uv_fits(*args, 0.07, w, v0, only_where_faster=False) is None
+    assert "merge_pc must be" in M.uv_fits(*args, 0.07, w, v0, merge_pc=12, only_where_faster=False)
+    assert "merge_stages must be" in M.uv_fits(*args, 0.07, w, v0, merge_stages=0, only_where_faster=False)
     # the fp32 formula reproduces the 442,624 B measured for the first 64 x 64 fp32 tiling; bf16 halves it
     assert M.smem_estimate(64, 64, 512, 64, itemsize=4) == 442_624
     assert M.smem_estimate(16, 32, 512, 64) == 89_344
@@ -930,6 +950,109 @@ def test_mla_decode_uv_on_gpu(B, S, lengths, tile):
         ref = kernels.REGISTRY["mla_decode_uv"].reference(ql, qpe, kv, length, 0.07, wkvb, 128)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=MLA_TOL * float(jnp.abs(ref).max()))
+
+
+
+# ------------------------------------------------------------------ mla_prep
+def _prep_case(B: int, H: int, n: int, v: int, R: int, P: int, S: int, q_off: int, kv_off: int, lengths, valid,
+               seed: int = 0):
+    """A serving-layout GEMV output y (fp32, the latent at kv_off, the query at q_off, a few columns past both),
+    kv_b_proj's rows [H, n + v, R] (bf16), the kv_a norm's weight and a bf16 cache of random values."""
+    r = np.random.default_rng(seed + 7 * B + H)
+    width = max(q_off + H * (n + P), kv_off + R + P + (H * (n + P) if kv_off else 0)) + 5  # kv_off > 0: q after it
+    y = jnp.asarray(r.standard_normal((B, width)) * 2, jnp.float32)
+    w = jnp.asarray(r.standard_normal((H, n + v, R)) * n ** -0.5, jnp.bfloat16)
+    nw = jnp.asarray(1 + 0.1 * r.standard_normal(R), jnp.float32)
+    kv = jnp.asarray(r.standard_normal((B, S, R + P)), jnp.bfloat16)
+    return y, w, nw, kv, jnp.asarray(lengths, jnp.int32), jnp.asarray(valid, bool)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("B,H,n,v,R,P,S,q_off,kv_off,lengths,valid,config", [
+    (1, 32, 128, 128, 512, 64, 64, 576, 0, [10], [True], None),  # Kimi-Linear-48B's MLA: [c_kv | k_pe | q] rows
+    (3, 4, 32, 16, 64, 16, 32, 80, 0, [0, 31, 40], [True, False, True], None),  # a pad row; a length past the cache
+    (2, 3, 64, 32, 128, 32, 16, 0, 7, [5, 15], [True, True], dict(br=32, bk=16)),  # K3's order: q apart, ckv at 7
+    (1, 32, 128, 128, 512, 64, 64, 576, 0, [63], [True], dict(once=False)),  # each chunk reduced as it comes
+])
+def test_mla_prep_matches_reference(B, H, n, v, R, P, S, q_off, kv_off, lengths, valid, config, out_dtype):
+    """Interpret mode against the MLA layer's own math (`reference`).  q_pe and the cache are casts and copies: equal
+    bitwise (the entry's norm sums in another order: exact here, and allowed one bf16 rounding of the entry, 2^-7 of
+    it); ql sums W_UK's products in another order: float32 rounding (1e-5 of max|ql|), or after its bf16 rounding one
+    bf16 step (2^-7 relative).  Every cache slot but the valid rows' new one stays as it was (a pad row's too); the
+    query read from the wrong offset moves ql far outside the bound."""
+    from jaxk3.kernels import mla_prep as M
+
+    y, w, nw, kv, length, ok = _prep_case(B, H, n, v, R, P, S, q_off, kv_off, lengths, valid)
+    c = M.Config(**config) if config else None
+    q_src = y if kv_off == 0 else y[:, kv_off + R + P:]  # K3: the query from its own GEMV
+    qo = q_off if kv_off == 0 else 0
+    args = (q_src, qo, y, kv_off, w, n, nw, 1e-6, kv, length, ok, jnp.bfloat16)
+    k = kernels.REGISTRY["mla_prep"]
+    assert k.fits(*args, out_dtype=out_dtype, config=c, only_where_faster=False) is None
+    got = [np.asarray(a, np.float32) for a in k.device(*args, out_dtype=out_dtype, config=c, interpret=True)]
+    ref = [np.asarray(a, np.float32) for a in k.reference(*args, out_dtype=out_dtype)]
+    assert [g.shape for g in got] == [(B, H, R), (B, H, P), (B, S, R + P)] == [r.shape for r in ref]
+    tol = 1e-5 if out_dtype == jnp.float32 else 2 ** -7
+    np.testing.assert_allclose(got[0], ref[0], rtol=0, atol=tol * np.abs(ref[0]).max())
+    np.testing.assert_array_equal(got[1], ref[1])
+    np.testing.assert_allclose(got[2], ref[2], rtol=2 ** -7, atol=0)
+    before = np.asarray(kv, np.float32)
+    changed = np.argwhere((got[2] != before).any(-1))
+    slots = {(b, min(L, S - 1)) for b, (L, o) in enumerate(zip(lengths, valid)) if o}
+    assert {tuple(x) for x in changed} <= slots and len(changed) == len(slots)
+    shifted = (q_src, qo + 1) + args[2:]
+    wrong = np.asarray(k.reference(*shifted, out_dtype=jnp.float32)[0])
+    assert np.abs(wrong - ref[0]).max() > 100 * tol * np.abs(ref[0]).max()
+
+
+
+def test_mla_prep_fits():
+    """`fits` names what does not suit the kernel; auto takes it only at measured shapes."""
+    from jaxk3.kernels import mla_prep as M
+
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 6720), jnp.float32), 576, s((1, 6720), jnp.float32), 0, s((32, 256, 512), jnp.bfloat16), 128,
+            s((512,), jnp.float32), 1e-6, s((1, 4096, 576), jnp.bfloat16), s((1,), jnp.int32), s((1,), bool),
+            jnp.bfloat16)
+    assert M.fits(*args) is None  # the 48B's MLA at B = 1: measured in the step, auto takes it
+    b8 = tuple(s((8,) + a.shape[1:], a.dtype) if i in (0, 2, 8, 9, 10) else a for i, a in enumerate(args))
+    assert "was not measured" in M.fits(*b8) and M.fits(*b8, only_where_faster=False) is None
+    assert "query's source must be" in M.fits(s((1, 6000), jnp.float32), *args[1:], only_where_faster=False)
+    assert "latent's source must be" in M.fits(*args[:2], s((1, 500), jnp.float32), *args[3:], only_where_faster=False)
+    assert "qk_rope_head_dim a power of two" in M.fits(*args[:8], s((1, 4096, 560), jnp.bfloat16), *args[9:],
+                                                       only_where_faster=False)
+    assert "first n < X rows" in M.fits(*args[:5], 256, *args[6:], only_where_faster=False)
+    assert "kv_a_layernorm must be" in M.fits(*args[:6], s((576,), jnp.float32), *args[7:], only_where_faster=False)
+    assert "Config.br a power of two" in M.fits(*args, config=M.Config(br=96), only_where_faster=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,q_off,kv_off,lengths,valid", [
+    (1, 32, 576, 0, [4095], [True]),  # Kimi-Linear-48B: [c_kv | k_pe | q] rows of one GEMV output
+    (8, 32, 576, 0, [4095, 777, 2048, 5, 4000, 1, 3000, 0], [True] * 6 + [False, True]),
+    (1, 96, 0, 1536, [2047], [True]),  # K3 at TP 1: the latent after q_a's 1536 rows, the query from q_b_proj
+    (1, 48, 576, 0, [300], [True]),  # K3 at TP 2: the gathered latent, then its 48 heads' query
+])
+def test_mla_prep_on_gpu(B, H, q_off, kv_off, lengths, valid):
+    """Compiled at the presets' MLA (n 128, v 128, R 512, P 64; Kimi-Linear-48B's 32 heads, K3's 96 and 48 per rank),
+    a 4K cache, against the reference at full float32 precision: the bounds of the interpret test (ql to one bf16 step
+    as the attention kernel takes it, q_pe bitwise, the entry to one bf16 rounding, every other slot kept)."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    y, w, nw, kv, length, ok = _prep_case(B, H, 128, 128, 512, 64, 4096, q_off, kv_off, lengths, valid)
+    q_src, qo = (y, q_off) if kv_off == 0 else (y[:, kv_off + 576:], 0)
+    args = (q_src, qo, y, kv_off, w, 128, nw, 1e-6, kv, length, ok, jnp.bfloat16)
+    before = np.asarray(kv, np.float32)
+    got = jax.jit(lambda *a: kernels.call("mla_prep", *a, out_dtype=jnp.bfloat16, mode="on"),
+                  static_argnums=(1, 3, 5, 7, 11))(*args)
+    got = [np.asarray(a, np.float32) for a in got]
+    with jax.default_matmul_precision("highest"):
+        ref = [np.asarray(a, np.float32) for a in kernels.REGISTRY["mla_prep"].reference(*args, out_dtype=jnp.bfloat16)]
+    np.testing.assert_allclose(got[0], ref[0], rtol=0, atol=2 ** -7 * np.abs(ref[0]).max())
+    np.testing.assert_array_equal(got[1], ref[1])
+    np.testing.assert_allclose(got[2], ref[2], rtol=2 ** -7, atol=0)
+    changed = {tuple(x) for x in np.argwhere((got[2] != before).any(-1))}
+    assert changed == {(b, min(L, 4095)) for b, (L, o) in enumerate(zip(lengths, valid)) if o}
 
 
 # ------------------------------------------------------------------ kda_prefill
@@ -1249,10 +1372,11 @@ def test_status_says_what_auto_does():
     assert gpu["moe_grouped"] == gpu["moe_experts"] == "device"
     assert gpu["gemv_norm"] == "device"
     assert gpu["kda_decode_in"] == gpu["moe_experts_routed"] == gpu["gemv_gnorm"] == gpu["mla_decode_uv"] == "device"
+    assert gpu["mla_prep"] == "device"
     assert not [n for n, v in gpu.items() if v.startswith("reference: unproven")]
     assert set(kernels.REGISTRY) == {"gemv", "gemv_gnorm", "gemv_norm", "kda_decode", "kda_decode_in", "kda_prefill",
-                                     "mla_decode", "mla_decode_uv", "mla_prefill", "moe_experts", "moe_experts_routed",
-                                     "moe_grouped", "rms_norm", "router_topk"}
+                                     "mla_decode", "mla_decode_uv", "mla_prefill", "mla_prep", "moe_experts",
+                                     "moe_experts_routed", "moe_grouped", "rms_norm", "router_topk"}
     assert "1.23x XLA at Kimi-Linear-48B B=1" in kernels.speeds()["moe_experts"]
 
 

@@ -79,3 +79,24 @@ def test_mla_decode_uv_lowers(B, tp, S):
     wkvb = SD((H, n + v, R), BF16)
     assert MD.uv_fits(*args, 0.07, wkvb, n, only_where_faster=False) is None
     assert lower(lambda q, p, kv, ln, w: MD.mla_decode_uv(q, p, kv, ln, 0.07, w, n), *args, wkvb) == 2
+
+
+@pytest.mark.parametrize("B,k3", [(1, False), (8, False), (1, True)])
+def test_mla_prep_lowers(B, k3):
+    """The 48B's serving layout ([c_kv | k_pe | q] rows of one GEMV output) and K3 at TP 8 (12 heads; the query from
+    q_b_proj's own output, the latent after q_a's rows)."""
+    from jaxk3.config import KimiK3Config
+    from jaxk3.kernels import mla_prep as MP
+
+    cfg = KimiK3Config.k3() if k3 else _cfg48()
+    H, R, P, n, v = (cfg.num_attention_heads // (8 if k3 else 1), cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                     cfg.qk_nope_head_dim, cfg.v_head_dim)
+    f32 = jnp.float32
+    L, Q = R + P, H * (n + P)
+    y = SD((B, (cfg.q_lora_rank or 0) + L + (0 if k3 else Q)), f32)
+    q_src, q_off, kv_off = (SD((B, Q), f32), 0, cfg.q_lora_rank) if k3 else (y, L, 0)
+    rest = (SD((H, n + v, R), BF16), n, SD((R,), f32), 1e-6, SD((B, 4096, L), BF16), SD((B,), jnp.int32),
+            SD((B,), jnp.bool_), BF16)
+    assert MP.fits(q_src, q_off, y, kv_off, *rest, out_dtype=BF16, only_where_faster=False) is None
+    assert lower(lambda q, y, w, nw, kv, ln, ok: MP.mla_prep(q, q_off, y, kv_off, w, n, nw, 1e-6, kv, ln, ok, BF16,
+                                                             out_dtype=BF16), q_src, y, *rest[:1], rest[2], *rest[4:7]) == 1

@@ -88,13 +88,15 @@ def cache_abstract(cfg: KimiK3Config, batch: int, max_len: int) -> MLACache:
 
 
 def input_projections(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp: TP | str | None,
-                      shard_latent: bool, gather: str | None = None
+                      shard_latent: bool, gather: str | None = None, raw: list | None = None
                       ) -> tuple[jax.Array | None, jax.Array, jax.Array | None, jax.Array | None]:
     """Every projection of the layer's input x: (c_q_BQ or None (K3), ckv_BR = [c_kv | k_pe], both full
     vectors in the activation dtype; q_BF (Kimi-Linear's q_proj) or None; g_BF (K3's output-gate
     logits) or None; the last two fp32 and local).  In the serving layout one GEMV (`in_proj`) computes
     them all; in the checkpoint layout one GEMV per weight.  Under `shard_latent` each rank computes
-    its rows of the latent projections and one gather rebuilds the full vectors."""
+    its rows of the latent projections and one gather rebuilds the full vectors.  `raw` (a list): where
+    the serving layout's GEMV output holds the full [c_kv | k_pe] (no gather, or a group of one), it gets
+    (y fp32, ckv's offset, q's offset or None), so that a kernel can read them in place (`mla_prep`)."""
     dt = x_BD.dtype
     tp = as_tp(tp)
     n, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -106,8 +108,11 @@ def input_projections(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp: TP 
         rows = cfg.num_attention_heads // h if split_latent else 1  # the latent projections' row split
         lat = ([cfg.q_lora_rank // rows] if cfg.q_lora_rank is not None else []) + [cfg.latent_dim // rows]
         rest = ([h * (n + r)] if cfg.q_lora_rank is None else []) + ([h * v] if cfg.mla_use_output_gate else [])
-        outs = split(linear(x_BD, w.in_proj, tp), lat + rest)
+        y_BX = linear(x_BD, w.in_proj, tp)
+        outs = split(y_BX, lat + rest)
         local = [o.astype(dt) for o in outs[:len(lat)]]
+        if raw is not None and (rows == 1 or not split_latent):
+            raw.append((y_BX, sum(lat) - cfg.latent_dim, sum(lat) if cfg.q_lora_rank is None else None))
         q_BF = outs[len(lat)] if cfg.q_lora_rank is None else None
         g_BF = outs[-1] if cfg.mla_use_output_gate else None
         widths = lat
@@ -138,28 +143,35 @@ def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Arra
     B, S = x_BD.shape[0], kv_BSR.shape[1]
     dt = x_BD.dtype
     n, r, v, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    cq_BQ, ckv_BR, q_BF, g_BF = input_projections(cfg, w, x_BD, tp, shard_latent, gather)
+    raw: list = []
+    cq_BQ, ckv_BR, q_BF, g_BF = input_projections(cfg, w, x_BD, tp, shard_latent, gather, raw)
     if cq_BQ is not None:
         q_BF = linear(rms_norm(cq_BQ, w.q_a_layernorm, cfg.rms_norm_eps).astype(dt), w.q_b_proj, tp)
-    q_BHX = q_BF.astype(dt).astype(F32).reshape(B, -1, n + r)
-    qn_BHN, qpe_BHP = q_BHX[..., :n], q_BHX[..., n:]
-    entry_BR = jnp.concatenate(
-        [rms_norm(ckv_BR[:, :R], w.kv_a_layernorm, cfg.rms_norm_eps).astype(dt), ckv_BR[:, R:]], -1)
-    # -- write the new latent at slot length_B (pad rows keep the old value)
-    rows = jnp.arange(B)
-    slot_B = jnp.minimum(length_B, S - 1)
-    old_BR = kv_BSR[rows, slot_B]
-    kv_BSR = kv_BSR.at[rows, slot_B].set(jnp.where(valid_B[:, None], entry_BR.astype(kv_BSR.dtype), old_BR))
-    # -- absorbed attention over slots t <= length_B
+    # -- the absorbed query ql_h = W_UK[h]ᵀ q_nope_h, q_pe, and the new latent written at slot length_B (pad rows keep
+    # the old value): one kernel where `mla_prep` runs, reading the GEMV's output in place (jaxk3.kernels.mla_prep)
     wkvb = w.kv_b_proj.reshape(-1, n + v, R)
-    wkvb_HXR = wkvb.astype(F32)
-    ql_BHR = jnp.einsum("bhn,hnr->bhr", qn_BHN, wkvb_HXR[:, :n])
-    mode, att = kernel_mode(tp), (ql_BHR, qpe_BHP, kv_BSR, length_B, (n + r) ** -0.5)
-    if kernels.explain("mla_decode_uv", *att, wkvb, n, mode=mode).startswith("device"):  # merge + W_UV: one kernel
+    h = wkvb.shape[0]
+    mode = kernel_mode(tp)
+    spec = (jax.ShapeDtypeStruct((B, h, R), F32), jax.ShapeDtypeStruct((B, h, r), F32), kv_BSR, length_B,
+            (n + r) ** -0.5)
+    uv = kernels.explain("mla_decode_uv", *spec, wkvb, n, mode=mode).startswith("device")  # merge + W_UV: one kernel
+    on_device = uv or kernels.explain("mla_decode", *spec, mode=mode).startswith("device")
+    y_BX, kv_off, q_off = raw[0] if raw else (None, 0, None)
+    q_src, q_off = (y_BX, q_off) if q_off is not None else (q_BF, 0)
+    kv_src = y_BX if y_BX is not None else ckv_BR
+    prep = (q_src, q_off, kv_src, kv_off, wkvb, n, w.kv_a_layernorm, cfg.rms_norm_eps, kv_BSR, length_B, valid_B, dt)
+    # the attention kernel rounds ql and q_pe to the cache's bf16: the prep kernel hands them over as such (no cast
+    # kernel between the two); XLA's path keeps them fp32 (its program as before the kernel: an einsum with a bf16
+    # output may lower otherwise on a GPU)
+    bf16_out = on_device and kernels.explain("mla_prep", *prep, mode=mode).startswith("device")
+    ql_BHR, qpe_BHP, kv_BSR = kernels.call("mla_prep", *prep, out_dtype=kv_BSR.dtype if bf16_out else F32, mode=mode)
+    # -- absorbed attention over slots t <= length_B
+    att = (ql_BHR, qpe_BHP, kv_BSR, length_B, (n + r) ** -0.5)
+    if uv:
         o_BHV = kernels.call("mla_decode_uv", *att, wkvb, n, mode=mode)
     else:
         olat_BHR = kernels.call("mla_decode", *att, mode=mode)
-        o_BHV = jnp.einsum("bhr,hvr->bhv", olat_BHR, wkvb_HXR[:, n:])
+        o_BHV = jnp.einsum("bhr,hvr->bhv", olat_BHR, wkvb[:, n:].astype(F32))
     o_BF = o_BHV.reshape(B, -1)
     if g_BF is not None:
         o_BF = o_BF * jax.nn.sigmoid(g_BF)

@@ -199,10 +199,6 @@ def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, b
     Hb, bs, split = tiles(B, H, S, R, P, block_h, block_s, split)
     if _.get("order") not in (None, "gp", "pg"):
         return f"mla_decode kernel: order must be 'gp' or 'pg' (the grid's head group / part order), got {_['order']!r}"
-    for name in ("merge_pc", "merge_stages"):
-        if _.get(name) is not None and (not isinstance(_[name], int) or _[name] < 1 or
-                                        (name == "merge_pc" and not pow2(_[name]))):
-            return f"mla_decode_uv kernel: {name} must be a positive int (merge_pc a power of two), got {_[name]!r}"
     if not (pow2(Hb) and pow2(bs)) or Hb < 16 or bs < 16:
         return (f"mla_decode kernel: the head group {Hb} and the slot block {bs} are the dots' M and N/K: powers "
                 "of two >= 16 (tl.dot's minimum)")
@@ -314,6 +310,10 @@ def uv_fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, w_kvb_HXR, v0: int, block_
     why = fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, **kw)
     if why:
         return why
+    for name in ("merge_pc", "merge_stages"):
+        if kw.get(name) is not None and (not isinstance(kw[name], int) or kw[name] < 1 or
+                                         (name == "merge_pc" and not pow2(kw[name]))):
+            return f"mla_decode_uv kernel: {name} must be a positive int (merge_pc a power of two), got {kw[name]!r}"
     B, H, R = ql_BHR.shape
     if w_kvb_HXR.ndim != 3 or w_kvb_HXR.shape[0] != H or w_kvb_HXR.shape[2] != R or not 0 <= v0 < w_kvb_HXR.shape[1]:
         return (f"mla_decode_uv kernel: kv_b_proj's rows must be [H, X, R] = [{H}, X, {R}] with W_UV from row v0 < X, "

@@ -88,6 +88,11 @@ def test_gemv_norm_prologue_matches_reference(B, N, K, cfg, layout):
     raw = np.asarray(G.reference(x, ww, layout))
     assert np.abs(raw - ref).max() > 0.1 * scale
     assert "norm weight must be [K]" in G.fits(x, ww, layout, cfg, norm_w=g[:-1], eps=1e-5)
+    # sums=True: the kernel's partial sums over its K splits, whose sum is its output (bitwise: the same adds)
+    p = np.asarray(G.gemv(x, ww, layout, cfg, interpret=True, norm_w=g, eps=1e-5, sums=True))
+    assert p.shape == ((cfg.splits if cfg else G.config_for(B, N, K, layout).splits), B, N)
+    np.testing.assert_array_equal(np.asarray(jnp.sum(jnp.asarray(p), axis=0)), got)
+    assert np.asarray(G.reference(x, ww, layout, norm_w=g, eps=1e-5, sums=True)).shape == (1, B, N)
 
 
 def test_gemv_fits_and_selection():

@@ -504,6 +504,27 @@ def test_decode_preps_mla_in_one_kernel(monkeypatch, fresh_steps, prompt):
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
 
 
+@pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
+def test_decode_preps_mla_from_the_gemv_partial_sums(monkeypatch, fresh_steps):
+    """`mla_prep.PARTIALS` on, with the normed GEMV running (interpret mode, registered for the CPU, K split in two):
+    the MLA layer hands mla_prep in_proj's partial sums [2, B, X], and the logits agree with kernels='off' to the bound
+    of test_decode_preps_mla_in_one_kernel."""
+    from small_models import tiny_kimi_linear_4l
+
+    from jaxk3.kernels import gemv as G
+    from jaxk3.kernels import mla_prep as M
+
+    monkeypatch.setattr(M, "PARTIALS", True)
+    monkeypatch.setattr(G, "norm_config_for", lambda B, N, K, layout="nk": G.Config(bn=16, bk=K // 2, splits=2))
+    calls = _on_cpu(monkeypatch, "mla_prep", 0)
+    _on_cpu(monkeypatch, "mla_decode_uv", 0)
+    _on_cpu(monkeypatch, "gemv_norm", 0)
+    cfg = tiny_kimi_linear_4l(kv_lora_rank=64, qk_rope_head_dim=16)
+    a, b = _off_and_auto(cfg, [[5, 6, 7, 8]], calls)
+    assert len(calls) >= len(cfg.mla_layers) >= 1 and all(c == (2, 1, calls[0][2]) for c in calls), calls
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("B", [1, 3, 8])
@@ -1004,6 +1025,26 @@ def test_mla_prep_matches_reference(B, H, n, v, R, P, S, q_off, kv_off, lengths,
     wrong = np.asarray(k.reference(*shifted, out_dtype=jnp.float32)[0])
     assert np.abs(wrong - ref[0]).max() > 100 * tol * np.abs(ref[0]).max()
 
+
+
+@pytest.mark.parametrize("S", [1, 3])
+def test_mla_prep_adds_the_gemv_partial_sums(S):
+    """`mla_prep.PARTIALS`: the sources are a GEMV's partial sums over its K splits [S, B, X] (the 48B's in_proj: 3),
+    which the kernel adds as it reads them; the reference adds them first (XLA).  The bounds of
+    test_mla_prep_matches_reference (the adds in the same order: q_pe and the cache agree bitwise here)."""
+    y, w, nw, kv, length, ok = _prep_case(2, 32, 128, 128, 512, 64, 64, 576, 0, [10, 63], [True, True])
+    p = jnp.stack([y * (0.5 + i) for i in range(S)]) / (S * (S + 1) / 2 if S > 1 else 1)  # partials of unequal size
+    args = (p, 576, p, 0, w, 128, nw, 1e-6, kv, length, ok, jnp.bfloat16)
+    k = kernels.REGISTRY["mla_prep"]
+    assert k.fits(*args, only_where_faster=False) is None
+    got = [np.asarray(a, np.float32) for a in k.device(*args, out_dtype=jnp.bfloat16, interpret=True)]
+    ref = [np.asarray(a, np.float32) for a in k.reference(*args, out_dtype=jnp.bfloat16)]
+    np.testing.assert_allclose(got[0], ref[0], rtol=0, atol=2 ** -7 * np.abs(ref[0]).max())
+    np.testing.assert_array_equal(got[1], ref[1])
+    np.testing.assert_allclose(got[2], ref[2], rtol=2 ** -7, atol=0)
+    y2 = jnp.sum(p, 0)
+    one = [np.asarray(a, np.float32) for a in k.reference(y2, 576, y2, 0, *args[4:], out_dtype=jnp.bfloat16)]
+    np.testing.assert_array_equal(one[1], ref[1])  # the reference's sum is the 2-D source's
 
 
 def test_mla_prep_fits():

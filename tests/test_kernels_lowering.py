@@ -100,3 +100,17 @@ def test_mla_prep_lowers(B, k3):
     assert MP.fits(q_src, q_off, y, kv_off, *rest, out_dtype=BF16, only_where_faster=False) is None
     assert lower(lambda q, y, w, nw, kv, ln, ok: MP.mla_prep(q, q_off, y, kv_off, w, n, nw, 1e-6, kv, ln, ok, BF16,
                                                              out_dtype=BF16), q_src, y, *rest[:1], rest[2], *rest[4:7]) == 1
+
+
+def test_mla_prep_lowers_from_partial_sums():
+    """`mla_prep.PARTIALS`: the 48B's in_proj partial sums over its three K splits [3, 1, 6720] as both sources."""
+    from jaxk3.kernels import mla_prep as MP
+
+    cfg = _cfg48()
+    H, R, P, n, v = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    f32 = jnp.float32
+    p = SD((3, 1, R + P + H * (n + P)), f32)
+    rest = (SD((H, n + v, R), BF16), SD((R,), f32), SD((1, 4096, R + P), BF16), SD((1,), jnp.int32), SD((1,), jnp.bool_))
+    assert MP.fits(p, R + P, p, 0, rest[0], n, rest[1], 1e-6, *rest[2:], BF16, out_dtype=BF16) is None
+    assert lower(lambda p, w, nw, kv, ln, ok: MP.mla_prep(p, R + P, p, 0, w, n, nw, 1e-6, kv, ln, ok, BF16,
+                                                          out_dtype=BF16), p, *rest) == 1

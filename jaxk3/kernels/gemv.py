@@ -242,20 +242,26 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
 
 def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
          interpret: bool = False, only_where_faster: bool = True, norm_w: jax.Array | None = None,
-         eps: float = 0.0) -> jax.Array:
+         eps: float = 0.0, sums: bool = False) -> jax.Array:
     """The same function as the reference: fp32 [B, N] = x @ W^T (W [N, K] for "nk", [K, N] for "kn"),
-    x first normed (RMSNorm(x; norm_w, eps) in x's dtype) where `norm_w` is given."""
+    x first normed (RMSNorm(x; norm_w, eps) in x's dtype) where `norm_w` is given.  `sums`: the partial sums
+    over the K splits [splits, B, N] instead, for a consumer that adds them itself."""
     p = partials(x_BK, w, layout, config, interpret, norm_w, eps)
+    if sums:
+        return p[:, : x_BK.shape[0]]
     y = p[0] if p.shape[0] == 1 else jnp.sum(p, axis=0)
     return y[: x_BK.shape[0]]
 
 
 def reference(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
-              only_where_faster: bool = True, norm_w: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
+              only_where_faster: bool = True, norm_w: jax.Array | None = None, eps: float = 0.0,
+              sums: bool = False) -> jax.Array:
+    """XLA's dot; `sums`: as one partial sum [1, B, N]."""
     if norm_w is not None:
         x_BK = rms_norm_as(x_BK, norm_w, eps)
     spec = "bk,nk->bn" if layout == "nk" else "bk,kn->bn"
-    return jnp.einsum(spec, x_BK.astype(w.dtype), w, preferred_element_type=F32)
+    y = jnp.einsum(spec, x_BK.astype(w.dtype), w, preferred_element_type=F32)
+    return y[None] if sums else y
 
 
 def fits(x_BK, w, layout: str = "nk", config: Config | None = None, only_where_faster: bool = True,
@@ -324,14 +330,14 @@ def _norm_measured(B: int, N: int, K: int) -> bool:
 
 
 def _norm_reference(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
-                    only_where_faster: bool = True) -> jax.Array:
-    return reference(x_BK, w, layout, config, norm_w=norm_w, eps=eps)
+                    only_where_faster: bool = True, sums: bool = False) -> jax.Array:
+    return reference(x_BK, w, layout, config, norm_w=norm_w, eps=eps, sums=sums)
 
 
 def _norm_device(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
-                 interpret: bool = False, only_where_faster: bool = True) -> jax.Array:
+                 interpret: bool = False, only_where_faster: bool = True, sums: bool = False) -> jax.Array:
     c = config or norm_config_for(x_BK.shape[0], _rows(w, layout), x_BK.shape[1], layout)
-    return gemv(x_BK, w, layout, c, interpret, norm_w=norm_w, eps=eps)
+    return gemv(x_BK, w, layout, c, interpret, norm_w=norm_w, eps=eps, sums=sums)
 
 
 def _norm_fits(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,

@@ -18,6 +18,10 @@ H200, command buffers off); this kernel takes 5.6 us there, and the 48B step at 
 (docs/PERF.md, ninth session).  A first form that reduced each chunk of q_nope's rows as it came (`Config.once`
 False) took 7.2 us and made the step 16 us slower.
 
+A source may also be a GEMV's partial sums over its K splits [S, B, X] (jaxk3.kernels.gemv, `sums=True`): the kernel
+adds them as it reads its values, so that XLA's kernel adding the 48B in_proj's three splits before this custom call
+(1.3 us a layer) goes too.  The MLA layer hands them over only with `PARTIALS` on (unmeasured: off).
+
 The grid is (row, head, block of `Config.br` latent columns): a program reads its head's q_nope and its [n, br] tile of
 W_UK in place (kv_b_proj viewed [H, n + v, R]) in chunks of `Config.bk` rows and writes its columns of ql; the
 programs (b, h, 0) write the head's q_pe; the program (b, 0, 0) norms the row's c_kv and writes the entry into the
@@ -51,10 +55,12 @@ class Config:
 def reference(q_src: jax.Array, q_off: int, kv_src: jax.Array, kv_off: int, w_kvb_HXR: jax.Array, n: int,
               norm_w_R: jax.Array, eps: float, kv_BSR: jax.Array, length_B: jax.Array, valid_B: jax.Array, dt,
               out_dtype=F32, config: Config | None = None, **_) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(ql [B, H, R], qpe [B, H, P] in out_dtype, the cache with each valid row's entry written at its slot)."""
+    """(ql [B, H, R], qpe [B, H, P] in out_dtype, the cache with each valid row's entry written at its slot).
+    q_src and kv_src are [B, X], or a GEMV's partial sums over its K splits [S, B, X] (`PARTIALS`): their sum."""
     B, S, L = kv_BSR.shape
     H, _, R = w_kvb_HXR.shape
     P = L - R
+    q_src, kv_src = (x if x.ndim == 2 else x[0] if x.shape[0] == 1 else jnp.sum(x, axis=0) for x in (q_src, kv_src))
     q_BHX = q_src[:, q_off:q_off + H * (n + P)].astype(dt).astype(F32).reshape(B, H, n + P)
     ql_BHR = jnp.einsum("bhn,hnr->bhr", q_BHX[..., :n], w_kvb_HXR[:, :n].astype(F32))
     ckv_BL = kv_src[:, kv_off:kv_off + L].astype(dt)
@@ -72,26 +78,34 @@ def _kernel(len_ref, valid_ref, q_ref, kvs_ref, w_ref, nw_ref, kv_ref, ql_ref, q
 
     del kv_ref  # aliased to kv_out_ref: only the written slot changes
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    def row(ref, start, size):  # ref's row b at [start, start + size): a [S, B, X] source's S partial sums added
+        if len(ref.shape) == 2:
+            return ref[b, pl.ds(start, size)]
+        out = ref[0, b, pl.ds(start, size)]
+        for s in range(1, ref.shape[0]):
+            out = out + ref[s, b, pl.ds(start, size)]
+        return out
     base = q_off + h * (n + P)  # this head's [q_nope | q_pe] in q_src's row
     cols = pl.ds(pl.multiple_of(j * br, br), br)
     acc = jnp.zeros((bk, br) if once else (br,), F32)
     for c in range(n // bk):  # written out: every chunk's loads visible at once
-        qn = q_ref[b, pl.ds(base + c * bk, bk)].astype(dt).astype(F32)  # [bk]
+        qn = row(q_ref, base + c * bk, bk).astype(dt).astype(F32)  # [bk]
         prod = w_ref[h, pl.ds(c * bk, bk), cols].astype(F32) * qn[:, None]
         acc = acc + (prod if once else jnp.sum(prod, axis=0))
     ql_ref[b, h, cols] = (jnp.sum(acc, axis=0) if once else acc).astype(ql_ref.dtype)
 
     @pl.when(j == 0)
     def _():
-        qpe_ref[b, h, :] = q_ref[b, pl.ds(base + n, P)].astype(dt).astype(qpe_ref.dtype)
+        qpe_ref[b, h, :] = row(q_ref, base + n, P).astype(dt).astype(qpe_ref.dtype)
 
     @pl.when((h == 0) & (j == 0) & (valid_ref[b] != 0))
     def _():
-        x = kvs_ref[b, pl.ds(kv_off, R)].astype(dt).astype(F32)
+        x = row(kvs_ref, kv_off, R).astype(dt).astype(F32)
         normed = nw_ref[...].astype(F32) * x * jax.lax.rsqrt(jnp.mean(x * x) + eps)
         slot = jnp.minimum(len_ref[b], S - 1)
         kv_out_ref[b, slot, pl.ds(0, R)] = normed.astype(dt).astype(kv_out_ref.dtype)
-        kv_out_ref[b, slot, pl.ds(R, P)] = kvs_ref[b, pl.ds(kv_off + R, P)].astype(dt).astype(kv_out_ref.dtype)
+        kv_out_ref[b, slot, pl.ds(R, P)] = row(kvs_ref, kv_off + R, P).astype(dt).astype(kv_out_ref.dtype)
 
 
 def mla_prep(q_src, q_off: int, kv_src, kv_off: int, w_kvb_HXR, n: int, norm_w_R, eps: float, kv_BSR, length_B,
@@ -115,6 +129,12 @@ def mla_prep(q_src, q_off: int, kv_src, kv_off: int, w_kvb_HXR, n: int, norm_w_R
         input_output_aliases={6: 2}, interpret=interpret, **triton_params(c.num_warps, 1, interpret),
     )(length_B.astype(jnp.int32), valid_B.astype(jnp.int32), q_src, kv_src, w_kvb_HXR, norm_w_R, kv_BSR)
 
+
+# Whether the MLA layer hands this kernel in_proj's partial sums over the GEMV's K splits ([3, B, 6720] at the 48B) to add
+# as it reads them, instead of their sum, which XLA then adds in a kernel of its own before this one (1.32 us a layer in
+# the 48B census, call 3 of the ninth session).  Built after that session's device time ran out: not measured, off;
+# `scripts/gpu/step_with_kernel.py mla_prep:PARTIALS=1 -- ...` times the step with it.
+PARTIALS = False
 
 # The MLA steps (B, H, R) where the 48B step was measured faster with this kernel on an H200; auto takes it only there
 # (2026-12-03, ninth session, scripts/gpu/ab_call.sh, Kimi-Linear-48B at B = 1 and a 4K cache: 2469.7 and 2470.5 us a
@@ -141,11 +161,12 @@ def fits(q_src, q_off: int, kv_src, kv_off: int, w_kvb_HXR, n: int, norm_w_R, ep
             return f"mla_prep kernel needs {name} a power of two (Triton blocks), got {v}"
     if norm_w_R.shape != (R,):
         return f"mla_prep kernel: kv_a_layernorm must be [{R}], got {norm_w_R.shape}"
-    if q_src.ndim != 2 or q_src.shape[0] != B or q_src.shape[1] < q_off + H * (n + P):
-        return (f"mla_prep kernel: the query's source must be [B, >= {q_off + H * (n + P)}] (offset {q_off}, {H} heads "
-                f"of {n}+{P}), got {q_src.shape}")
-    if kv_src.ndim != 2 or kv_src.shape[0] != B or kv_src.shape[1] < kv_off + L:
-        return f"mla_prep kernel: the latent's source must be [B, >= {kv_off + L}] (offset {kv_off}), got {kv_src.shape}"
+    if q_src.ndim not in (2, 3) or q_src.shape[-2] != B or q_src.shape[-1] < q_off + H * (n + P):
+        return (f"mla_prep kernel: the query's source must be [(S,) B, >= {q_off + H * (n + P)}] (offset {q_off}, {H} "
+                f"heads of {n}+{P}), got {q_src.shape}")
+    if kv_src.ndim not in (2, 3) or kv_src.shape[-2] != B or kv_src.shape[-1] < kv_off + L:
+        return (f"mla_prep kernel: the latent's source must be [(S,) B, >= {kv_off + L}] (offset {kv_off}), got "
+                f"{kv_src.shape}")
     if length_B.shape != (B,) or valid_B.shape != (B,):
         return f"mla_prep kernel: length and valid must be [{B}], got {length_B.shape}, {valid_B.shape}"
     if only_where_faster and (B, H, R) not in MEASURED:

@@ -67,25 +67,28 @@ def value(x: jax.Array | Normed) -> jax.Array:
     return x.value() if isinstance(x, Normed) else x
 
 
-def linear(x_BD: jax.Array | Normed, w_FD: jax.Array, tp: TP | str | None = None) -> jax.Array:
+def linear(x_BD: jax.Array | Normed, w_FD: jax.Array, tp: TP | str | None = None, sums: bool = False) -> jax.Array:
     """`x @ w.T` for a weight `w [out, in]` (the checkpoint's and the serving layout's), inputs in w's
     dtype, fp32 accumulate/out: the `gemv` kernel where the kernel mode of `tp` and the shape allow
     (decode rows, bf16 weights, a shape where it beat XLA's dot: jaxk3.kernels.gemv), else XLA's dot.
     A `Normed` input is normed in the kernel's prologue (`gemv_norm`) where that kernel runs, else
-    computed first."""
+    computed first.  `sums` (a [B, D] input): the kernel's partial sums over its K splits [S, B, F]
+    (their sum is the product; XLA's dot: S = 1) for a consumer that adds them as it reads them, where a
+    custom call would otherwise wait for an XLA kernel adding them."""
     if isinstance(x_BD, Normed):
         mode = kernel_mode(tp)
         args = (x_BD.h, w_FD)
         kw = dict(norm_w=x_BD.w, eps=x_BD.eps)
         if x_BD.h.ndim == 2 and kernels.explain("gemv_norm", *args, mode=mode, **kw).startswith("device"):
-            return kernels.call("gemv_norm", *args, mode=mode, **kw)
+            return kernels.call("gemv_norm", *args, mode=mode, sums=sums, **kw)
         x_BD = x_BD.value()
     if x_BD.ndim != 2:
-        return jnp.einsum("...d,fd->...f", x_BD.astype(w_FD.dtype), w_FD, preferred_element_type=F32)
+        y = jnp.einsum("...d,fd->...f", x_BD.astype(w_FD.dtype), w_FD, preferred_element_type=F32)
+        return y[None] if sums else y
     mode = kernel_mode(tp)
     if mode == "on" and (x_BD.shape[0] > gemv.MAX_B or w_FD.dtype != jnp.bfloat16):
         mode = "auto"  # the kernel is for decode rows of bf16 weights: prefill and fp32 models keep XLA's dot
-    return kernels.call("gemv", x_BD, w_FD, mode=mode)
+    return kernels.call("gemv", x_BD, w_FD, mode=mode, sums=sums)
 
 
 def split(y_NX: jax.Array, widths) -> list[jax.Array]:

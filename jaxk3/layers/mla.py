@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jaxk3 import collectives, kernels
 from jaxk3.config import KimiK3Config
+from jaxk3.kernels import mla_prep
 from jaxk3.kernels.rms_norm import rms_norm
 from jaxk3.layers.common import F32, TP, as_tp, kernel_mode, linear, psum, split
 from jaxk3.params import COL, LATENT, REP, ROW, Buffer, Fuse, weight
@@ -96,7 +97,8 @@ def input_projections(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp: TP 
     them all; in the checkpoint layout one GEMV per weight.  Under `shard_latent` each rank computes
     its rows of the latent projections and one gather rebuilds the full vectors.  `raw` (a list): where
     the serving layout's GEMV output holds the full [c_kv | k_pe] (no gather, or a group of one), it gets
-    (y fp32, ckv's offset, q's offset or None), so that a kernel can read them in place (`mla_prep`)."""
+    (y fp32 [B, X], ckv's offset, q's offset or None), so that a kernel can read them in place (`mla_prep`;
+    with `mla_prep.PARTIALS` the GEMV's partial sums [S, B, X] instead, which the kernel adds)."""
     dt = x_BD.dtype
     tp = as_tp(tp)
     n, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -108,11 +110,16 @@ def input_projections(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp: TP 
         rows = cfg.num_attention_heads // h if split_latent else 1  # the latent projections' row split
         lat = ([cfg.q_lora_rank // rows] if cfg.q_lora_rank is not None else []) + [cfg.latent_dim // rows]
         rest = ([h * (n + r)] if cfg.q_lora_rank is None else []) + ([h * v] if cfg.mla_use_output_gate else [])
-        y_BX = linear(x_BD, w.in_proj, tp)
+        direct = raw is not None and (rows == 1 or not split_latent)
+        if direct and mla_prep.PARTIALS:  # the GEMV's K splits left for mla_prep to add (no XLA kernel adding them)
+            p_SBX = linear(x_BD, w.in_proj, tp, sums=True)
+            y_BX = p_SBX[0] if p_SBX.shape[0] == 1 else jnp.sum(p_SBX, axis=0)
+        else:
+            y_BX = p_SBX = linear(x_BD, w.in_proj, tp)
         outs = split(y_BX, lat + rest)
         local = [o.astype(dt) for o in outs[:len(lat)]]
-        if raw is not None and (rows == 1 or not split_latent):
-            raw.append((y_BX, sum(lat) - cfg.latent_dim, sum(lat) if cfg.q_lora_rank is None else None))
+        if direct:
+            raw.append((p_SBX, sum(lat) - cfg.latent_dim, sum(lat) if cfg.q_lora_rank is None else None))
         q_BF = outs[len(lat)] if cfg.q_lora_rank is None else None
         g_BF = outs[-1] if cfg.mla_use_output_gate else None
         widths = lat

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -275,17 +276,24 @@ class Model:
                 progress("prompt", min(c0 + chunk, toks.shape[1]), toks.shape[1])
         return outs, first, finite, cache
 
-    def score(self, token_ids: Any, prefill_chunk: int | None = None) -> np.ndarray:
+    def score(self, token_ids: Any, prefill_chunk: int | None = None, host: bool = True) -> np.ndarray | jax.Array:
+        """float32 logits at every position, [B, T, vocab], through the prefill path (what a transformers forward pass
+        returns).  Ragged rows: row i's logits are out[i, :len_i], the rest NaN.  `host` True: a numpy array (a 4K row
+        of Kimi's vocabulary is 2.7 GB, copied through pinned host memory); False: a jax.Array left on the devices
+        (the same values; no host copy: the prefill's time), as a torch model's logits stay on its GPU."""
+        if not isinstance(host, bool):
+            raise ValueError(f"host: must be True (a numpy array) or False (a jax.Array on the devices), got {host!r}")
         with self._exclusive():
-            return self._score(token_ids, prefill_chunk)
+            return self._score(token_ids, prefill_chunk, host)
 
-    def _score(self, token_ids: Any, prefill_chunk: int | None) -> np.ndarray:
-        """float32 logits at every position, [B, T, vocab], through the prefill path (what a
-        transformers forward pass returns).  Ragged rows: row i's logits are out[i, :len_i], the rest NaN."""
+    def _score(self, token_ids: Any, prefill_chunk: int | None, host: bool = True) -> np.ndarray | jax.Array:
         rows = self._check_prompts(token_ids)
         toks, valid, chunk = self._layout(rows, self._chunk(prefill_chunk, rows))
         cache = self.init_cache(toks.shape[0], -(-toks.shape[1] // CACHE_BUCKET) * CACHE_BUCKET)
         outs, _, _, _ = self._prefill(cache, toks, valid, chunk, True, None)
+        if not host:  # each row's positions from the right-aligned padded layout to the start, NaN after its end
+            return _rows_to_start(jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0],
+                                  jnp.asarray([len(r) for r in rows], jnp.int32), max(len(r) for r in rows))
         # Each chunk's logits go straight to their place (a 4K row's are 2.7 GB at Kimi's vocabulary: no concatenated
         # copy, and NaN only past a row's end), slice by slice through pinned host memory (`host_slices`), each
         # slice copied by several threads (the fresh array's page faults are most of a single copy's time).
@@ -500,6 +508,17 @@ def auto_prefill_chunk(cfg: KimiK3Config, rows: int, prompt_len: int, device_kin
             break
         c *= 2
     return best
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _rows_to_start(logits_BpTtV: jax.Array, lens_B: jax.Array, T: int) -> jax.Array:
+    """[B, T, V] from the prefill's padded layout [Bp, Tt, V] (row i's tokens at [Tt - len_i, Tt)): row i's positions
+    at [0, len_i), NaN after them (as `score` places them on the host)."""
+    Tt = logits_BpTtV.shape[1]
+    t_T = jnp.arange(T)
+    src_BT = jnp.clip(Tt - lens_B[:, None] + t_T[None, :], 0, Tt - 1)
+    vals = jnp.take_along_axis(logits_BpTtV[:lens_B.shape[0]], src_BT[..., None], axis=1)
+    return jnp.where((t_T[None, :] < lens_B[:, None])[..., None], vals, jnp.nan)
 
 
 def _by_rows(pool: ThreadPoolExecutor, threads: int, n: int, fn, min_rows: int = 16) -> None:

@@ -95,6 +95,23 @@ def test_score_through_pinned_slices_is_the_plain_copy(models, monkeypatch, mode
     assert np.isnan(sliced[1, 3:]).all() and np.isfinite(sliced[0]).all()
 
 
+@pytest.mark.parametrize("mode, tp", [("k3", 1), ("kl", 2)])
+def test_score_can_leave_the_logits_on_the_devices(models, mode, tp):
+    """Model.score(host=False): a jax.Array with the host path's values bitwise (ragged rows: each row's positions from
+    the start, NaN after its end; two prefill chunks), and a clear error for a host that is not a bool."""
+    m = _model(models, mode, tp)
+    rows = [PROMPTS[1] + [11, 12], PROMPTS[1][:3]]
+    on_host = m.score(rows, prefill_chunk=64)
+    on_dev = m.score(rows, prefill_chunk=64, host=False)
+    assert isinstance(on_dev, jax.Array) and on_dev.shape == on_host.shape == (2, 7, 1000)
+    np.testing.assert_array_equal(np.asarray(on_dev), on_host)
+    assert np.isnan(np.asarray(on_dev)[1, 3:]).all() and np.isfinite(np.asarray(on_dev)[0]).all()
+    long = [PROMPTS[0], PROMPTS[1]]  # 70 tokens: two chunks of 64
+    np.testing.assert_array_equal(np.asarray(m.score(long, prefill_chunk=64, host=False)), m.score(long, prefill_chunk=64))
+    with pytest.raises(ValueError, match="host: must be True"):
+        m.score(rows, host="no")
+
+
 def test_host_slices_cover_the_array():
     """`host_slices` along either axis: the slices tile the array and hold its values; a small array is one piece."""
     from jaxk3.model import host_slices

@@ -292,8 +292,21 @@ class Model:
         cache = self.init_cache(toks.shape[0], -(-toks.shape[1] // CACHE_BUCKET) * CACHE_BUCKET)
         outs, _, _, _ = self._prefill(cache, toks, valid, chunk, True, None)
         if not host:  # each row's positions from the right-aligned padded layout to the start, NaN after its end
-            return _rows_to_start(jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0],
-                                  jnp.asarray([len(r) for r in rows], jnp.int32), max(len(r) for r in rows))
+            B, Tt = len(rows), toks.shape[1]
+            lens = [len(r) for r in rows]
+            if len(outs) == 1 and outs[0].shape[0] == B and min(lens) == Tt:
+                out = outs[0]  # nothing to move
+            else:
+                V = self.cfg.vocab_size
+                # rows over dp where they divide, else the vocabulary: never the whole array on every device
+                spec = (P(DP) if B % self.dp == 0 else P(None, None, DP) if V % self.dp == 0 else P()) \
+                    if self.dp_axis else P()
+                out = _rows_to_start(tuple(outs), jnp.asarray(lens, jnp.int32), max(lens),
+                                     NamedSharding(self.mesh, spec))
+            del outs
+            if self.mesh.devices.flat[0].platform == "cpu":
+                jax.block_until_ready(out)  # see _CPU_CALLS
+            return out
         # Each chunk's logits go straight to their place (a 4K row's are 2.7 GB at Kimi's vocabulary: no concatenated
         # copy, and NaN only past a row's end), slice by slice through pinned host memory (`host_slices`), each
         # slice copied by several threads (the fresh array's page faults are most of a single copy's time).
@@ -510,15 +523,19 @@ def auto_prefill_chunk(cfg: KimiK3Config, rows: int, prompt_len: int, device_kin
     return best
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _rows_to_start(logits_BpTtV: jax.Array, lens_B: jax.Array, T: int) -> jax.Array:
-    """[B, T, V] from the prefill's padded layout [Bp, Tt, V] (row i's tokens at [Tt - len_i, Tt)): row i's positions
-    at [0, len_i), NaN after them (as `score` places them on the host)."""
-    Tt = logits_BpTtV.shape[1]
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _rows_to_start(chunks: tuple, lens_B: jax.Array, T: int, sharding: NamedSharding) -> jax.Array:
+    """[B, T, V] (placed by `sharding`) from the prefill chunks' logits in its padded layout, [Bp, chunk, V] each (row
+    i's tokens at [Tt - len_i, Tt) of their concatenation): row i's positions at [0, len_i), NaN after them (as `score`
+    places them on the host).  The concatenation fuses into the gather: two copies of the logits on the devices at
+    most, the chunks' and this.  Compiled once per (Bp, Tt, T): a gather."""
+    x = jnp.concatenate(chunks, axis=1) if len(chunks) > 1 else chunks[0]
+    Tt = x.shape[1]
     t_T = jnp.arange(T)
     src_BT = jnp.clip(Tt - lens_B[:, None] + t_T[None, :], 0, Tt - 1)
-    vals = jnp.take_along_axis(logits_BpTtV[:lens_B.shape[0]], src_BT[..., None], axis=1)
-    return jnp.where((t_T[None, :] < lens_B[:, None])[..., None], vals, jnp.nan)
+    vals = jnp.take_along_axis(x[:lens_B.shape[0]], src_BT[..., None], axis=1)
+    out = jnp.where((t_T[None, :] < lens_B[:, None])[..., None], vals, jnp.nan)
+    return jax.lax.with_sharding_constraint(out, sharding)
 
 
 def _by_rows(pool: ThreadPoolExecutor, threads: int, n: int, fn, min_rows: int = 16) -> None:

@@ -112,6 +112,22 @@ def test_score_can_leave_the_logits_on_the_devices(models, mode, tp):
         m.score(rows, host="no")
 
 
+def test_score_on_the_devices_over_dp_is_never_whole_on_each_device():
+    """score(host=False) on a (dp 2, tp 2) mesh: 3 rows (padded to 4 for dp) come back split over dp by vocabulary
+    (rows do not divide), 4 rows split by rows; the values are the host path's, bitwise."""
+    from jax.sharding import Mesh
+
+    cfg = tiny_kimi_linear_4l()
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+    m = jaxk3.init_random_model(cfg, seed=0, mesh=mesh, dtype="float32")
+    for rows, spec in (([PROMPTS[1] + [11, 12], PROMPTS[1][:3], [7, 8]], (None, None, "dp")),
+                       ([PROMPTS[1] + [11, 12], PROMPTS[1][:3], [7, 8], [1, 2, 3, 4]], ("dp",))):
+        got = m.score(rows, host=False)
+        assert tuple(got.sharding.spec) == spec, got.sharding
+        assert max(s.data.nbytes for s in got.addressable_shards) * 2 == got.nbytes
+        np.testing.assert_array_equal(np.asarray(got), m.score(rows))
+
+
 def test_host_slices_cover_the_array():
     """`host_slices` along either axis: the slices tile the array and hold its values; a small array is one piece."""
     from jaxk3.model import host_slices

@@ -405,14 +405,14 @@ def _on_cpu(monkeypatch, name: str, arg: int) -> list:
     return calls
 
 
-def _off_and_auto(cfg, prompt, calls: list):
+def _off_and_auto(cfg, prompt, calls: list, tp: int = 1, layout: str = "serving"):
     """The tiny model's prompt and 3 decode steps with kernels='off' (no patched kernel may run) and 'auto': both
     logits [B, 4, V] as float32; the prefill's (position 0) must agree exactly (no decode kernel runs there)."""
     import jaxk3
 
-    off = jaxk3.init_random_model(cfg, tp=1, kernels="off", layout="serving").generate(prompt, 3, return_logits=True)
+    off = jaxk3.init_random_model(cfg, tp=tp, kernels="off", layout=layout).generate(prompt, 3, return_logits=True)
     assert not calls
-    auto = jaxk3.init_random_model(cfg, tp=1, layout="serving").generate(prompt, 3, return_logits=True)
+    auto = jaxk3.init_random_model(cfg, tp=tp, layout=layout).generate(prompt, 3, return_logits=True)
     a, b = np.asarray(off.logits, np.float32), np.asarray(auto.logits, np.float32)
     np.testing.assert_array_equal(a[:, 0], b[:, 0])
     return a, b
@@ -501,6 +501,23 @@ def test_decode_preps_mla_in_one_kernel(monkeypatch, fresh_steps, prompt):
     cfg = tiny_kimi_linear_4l(kv_lora_rank=64, qk_rope_head_dim=16)
     a, b = _off_and_auto(cfg, prompt, calls)
     assert len(calls) >= len(cfg.mla_layers) >= 1 and all(c[0] == len(prompt) for c in calls), calls
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
+
+
+@pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
+@pytest.mark.parametrize("which,tp,layout", [("k3", 1, "serving"), ("k3", 2, "serving"),
+                                             ("kimi_linear", 2, "serving"), ("kimi_linear", 1, "checkpoint")])
+def test_decode_preps_mla_on_every_source(monkeypatch, fresh_steps, which, tp, layout):
+    """`mla_prep` in K3's layer (q_a's norm, then q_b_proj; the latent after q_a's rows at TP 1, gathered at TP 2),
+    Kimi-Linear at TP 2 (the latent split and gathered) and in the checkpoint layout (separate GEMVs): traced in every
+    decode step, the logits as close to kernels='off' as test_decode_preps_mla_in_one_kernel's."""
+    from small_models import tiny_k3_4l, tiny_kimi_linear_4l
+
+    calls = _on_cpu(monkeypatch, "mla_prep", 0)
+    _on_cpu(monkeypatch, "mla_decode_uv", 0)
+    cfg = (tiny_k3_4l if which == "k3" else tiny_kimi_linear_4l)(kv_lora_rank=64, qk_rope_head_dim=16)
+    a, b = _off_and_auto(cfg, [[5, 6, 7, 8], [9, 3, 2]], calls, tp=tp, layout=layout)
+    assert len(calls) >= len(cfg.mla_layers) >= 1, calls
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
 
 
@@ -922,6 +939,7 @@ def test_mla_decode_fits_and_tiles():
     assert M.uv_fits(*args, 0.07, w, v0, only_where_faster=False) is None
     assert "merge_pc must be" in M.uv_fits(*args, 0.07, w, v0, merge_pc=12, only_where_faster=False)
     assert "merge_stages must be" in M.uv_fits(*args, 0.07, w, v0, merge_stages=0, only_where_faster=False)
+    assert "takes no merge_pc" in M.fits(*args, 0.07, merge_pc=8)  # mla_decode's kernel would not take it
     # the fp32 formula reproduces the 442,624 B measured for the first 64 x 64 fp32 tiling; bf16 halves it
     assert M.smem_estimate(64, 64, 512, 64, itemsize=4) == 442_624
     assert M.smem_estimate(16, 32, 512, 64) == 89_344
@@ -1047,6 +1065,23 @@ def test_mla_prep_adds_the_gemv_partial_sums(S):
     np.testing.assert_array_equal(one[1], ref[1])  # the reference's sum is the 2-D source's
 
 
+@pytest.mark.parametrize("src", ["k3tp1", "k3tp2"])
+def test_mla_prep_reads_k3s_sources(src):
+    """K3's sources (interpret mode, 8 heads of K3's per-head dims): the latent after q_a's 1536 rows of the GEMV
+    output and the query from q_b_proj's own output (TP 1), or the gathered bf16 latent (shard_latent at TP > 1);
+    the bounds of test_mla_prep_matches_reference."""
+    y, w, nw, kv, length, ok = _prep_case(2, 8, 128, 128, 512, 64, 32, 0, 1536, [3, 40], [True, True])
+    q_src, qo, kv_src, ko = _prep_sources(y, 8, src, 1536, 0)
+    args = (q_src, qo, kv_src, ko, w, 128, nw, 1e-6, kv, length, ok, jnp.bfloat16)
+    k = kernels.REGISTRY["mla_prep"]
+    assert k.fits(*args, only_where_faster=False) is None
+    got = [np.asarray(a, np.float32) for a in k.device(*args, out_dtype=jnp.bfloat16, interpret=True)]
+    ref = [np.asarray(a, np.float32) for a in k.reference(*args, out_dtype=jnp.bfloat16)]
+    np.testing.assert_allclose(got[0], ref[0], rtol=0, atol=2 ** -7 * np.abs(ref[0]).max())
+    np.testing.assert_array_equal(got[1], ref[1])
+    np.testing.assert_allclose(got[2], ref[2], rtol=2 ** -7, atol=0)
+
+
 def test_mla_prep_fits():
     """`fits` names what does not suit the kernel; auto takes it only at measured shapes."""
     from jaxk3.kernels import mla_prep as M
@@ -1067,22 +1102,36 @@ def test_mla_prep_fits():
     assert "Config.br a power of two" in M.fits(*args, config=M.Config(br=96), only_where_faster=False)
 
 
+def _prep_sources(y, H: int, src: str, kv_off: int, q_off: int):
+    """(q_src, q_off, kv_src, kv_off) as the MLA layer hands them: "fused" the serving layout's one GEMV output at two
+    offsets; "k3tp1" the latent after q_a's rows of that output, the query from q_b_proj's own; "k3tp2" (shard_latent
+    at TP > 1) the gathered latent in the activation dtype (bf16) and the query from q_b_proj."""
+    if src == "fused":
+        return y, q_off, y, kv_off
+    q = y[:, kv_off + 576:kv_off + 576 + H * 192]
+    if src == "k3tp1":
+        return q, 0, y, kv_off
+    return q, 0, y[:, kv_off:kv_off + 576].astype(jnp.bfloat16), 0
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,H,q_off,kv_off,lengths,valid", [
-    (1, 32, 576, 0, [4095], [True]),  # Kimi-Linear-48B: [c_kv | k_pe | q] rows of one GEMV output
-    (8, 32, 576, 0, [4095, 777, 2048, 5, 4000, 1, 3000, 0], [True] * 6 + [False, True]),
-    (1, 96, 0, 1536, [2047], [True]),  # K3 at TP 1: the latent after q_a's 1536 rows, the query from q_b_proj
-    (1, 48, 576, 0, [300], [True]),  # K3 at TP 2: the gathered latent, then its 48 heads' query
+@pytest.mark.parametrize("B,H,src,lengths,valid", [
+    (1, 32, "fused", [4095], [True]),  # Kimi-Linear-48B: [c_kv | k_pe | q] rows of one GEMV output
+    (8, 32, "fused", [4095, 777, 2048, 5, 4000, 1, 3000, 0], [True] * 6 + [False, True]),
+    (1, 96, "k3tp1", [2047], [True]),  # K3 at TP 1: the latent after q_a's 1536 rows, the query from q_b_proj
+    (1, 48, "k3tp2", [300], [True]),  # K3 at TP 2: the gathered bf16 latent, the query from q_b_proj
 ])
-def test_mla_prep_on_gpu(B, H, q_off, kv_off, lengths, valid):
+def test_mla_prep_on_gpu(B, H, src, lengths, valid):
     """Compiled at the presets' MLA (n 128, v 128, R 512, P 64; Kimi-Linear-48B's 32 heads, K3's 96 and 48 per rank),
     a 4K cache, against the reference at full float32 precision: the bounds of the interpret test (ql to one bf16 step
     as the attention kernel takes it, q_pe bitwise, the entry to one bf16 rounding, every other slot kept)."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
-    y, w, nw, kv, length, ok = _prep_case(B, H, 128, 128, 512, 64, 4096, q_off, kv_off, lengths, valid)
-    q_src, qo = (y, q_off) if kv_off == 0 else (y[:, kv_off + 576:], 0)
-    args = (q_src, qo, y, kv_off, w, 128, nw, 1e-6, kv, length, ok, jnp.bfloat16)
+    kv_off = 1536 if src != "fused" else 0
+    y, w, nw, kv, length, ok = _prep_case(B, H, 128, 128, 512, 64, 4096, 576 if src == "fused" else 0, kv_off,
+                                          lengths, valid)
+    q_src, qo, kv_src, ko = _prep_sources(y, H, src, kv_off, 576)
+    args = (q_src, qo, kv_src, ko, w, 128, nw, 1e-6, kv, length, ok, jnp.bfloat16)
     before = np.asarray(kv, np.float32)
     got = jax.jit(lambda *a: kernels.call("mla_prep", *a, out_dtype=jnp.bfloat16, mode="on"),
                   static_argnums=(1, 3, 5, 7, 11))(*args)

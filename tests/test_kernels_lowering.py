@@ -81,10 +81,10 @@ def test_mla_decode_uv_lowers(B, tp, S):
     assert lower(lambda q, p, kv, ln, w: MD.mla_decode_uv(q, p, kv, ln, 0.07, w, n), *args, wkvb) == 2
 
 
-@pytest.mark.parametrize("B,k3", [(1, False), (8, False), (1, True)])
-def test_mla_prep_lowers(B, k3):
+@pytest.mark.parametrize("B,k3,gathered", [(1, False, False), (8, False, False), (1, True, False), (1, True, True)])
+def test_mla_prep_lowers(B, k3, gathered):
     """The 48B's serving layout ([c_kv | k_pe | q] rows of one GEMV output) and K3 at TP 8 (12 heads; the query from
-    q_b_proj's own output, the latent after q_a's rows)."""
+    q_b_proj's own output, the latent after q_a's rows, or `gathered`: the bf16 latent shard_latent's gather gives)."""
     from jaxk3.config import KimiK3Config
     from jaxk3.kernels import mla_prep as MP
 
@@ -95,6 +95,8 @@ def test_mla_prep_lowers(B, k3):
     L, Q = R + P, H * (n + P)
     y = SD((B, (cfg.q_lora_rank or 0) + L + (0 if k3 else Q)), f32)
     q_src, q_off, kv_off = (SD((B, Q), f32), 0, cfg.q_lora_rank) if k3 else (y, L, 0)
+    if gathered:
+        y, kv_off = SD((B, L), BF16), 0
     rest = (SD((H, n + v, R), BF16), n, SD((R,), f32), 1e-6, SD((B, 4096, L), BF16), SD((B,), jnp.int32),
             SD((B,), jnp.bool_), BF16)
     assert MP.fits(q_src, q_off, y, kv_off, *rest, out_dtype=BF16, only_where_faster=False) is None

@@ -197,6 +197,8 @@ def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, b
         if not pow2(n) or n < 16:
             return f"mla_decode kernel needs {name} a power of two >= 16 (Triton blocks, tl.dot), got {n}"
     Hb, bs, split = tiles(B, H, S, R, P, block_h, block_s, split)
+    if "merge_pc" in _ or "merge_stages" in _:
+        return "mla_decode kernel takes no merge_pc / merge_stages (the settings of mla_decode_uv's merge kernel)"
     if _.get("order") not in (None, "gp", "pg"):
         return f"mla_decode kernel: order must be 'gp' or 'pg' (the grid's head group / part order), got {_['order']!r}"
     if not (pow2(Hb) and pow2(bs)) or Hb < 16 or bs < 16:
@@ -307,7 +309,7 @@ def uv_fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, w_kvb_HXR, v0: int, block_
     """`mla_decode`'s conditions, kv_b_proj's rows [H, X, R] for the heads with W_UV its rows v0: (V = X - v0 in
     blocks of a power of two); `auto` only where the step was measured with it (`UV_MEASURED`: even in time, fewer
     kernels)."""
-    why = fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, **kw)
+    why = fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, **{k: v for k, v in kw.items() if not k.startswith("merge_")})
     if why:
         return why
     for name in ("merge_pc", "merge_stages"):

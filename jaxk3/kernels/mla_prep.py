@@ -134,13 +134,14 @@ def mla_prep(q_src, q_off: int, kv_src, kv_off: int, w_kvb_HXR, n: int, norm_w_R
 # as it reads them, instead of their sum, which XLA then adds in a kernel of its own before this one (1.32 us a layer in
 # the 48B census, call 3 of the ninth session).  Built after that session's device time ran out: not measured, off;
 # `scripts/gpu/step_with_kernel.py mla_prep:PARTIALS=1 -- ...` times the step with it.
-PARTIALS = False
+PARTIALS = False  # (one row only: for B > 1 the GEMV's tensor-core form pads its rows to 16, whose slice is a copy)
 
-# The MLA steps (B, H, R) where the 48B step was measured faster with this kernel on an H200; auto takes it only there
+# The MLA steps where the 48B step was measured faster with this kernel on an H200; auto takes it only there
 # (2026-12-03, ninth session, scripts/gpu/ab_call.sh, Kimi-Linear-48B at B = 1 and a 4K cache: 2469.7 and 2470.5 us a
 # step with it against 2491.3-2496.6 without, in two calls; 308 launch ops against 336).  B = 8 and K3's shares: not
 # measured.
-MEASURED: set[tuple[int, int, int]] = {(1, 32, 512)}
+MEASURED: set[tuple[int, int, int, int]] = {(1, 32, 512, 6720)}  # (B, H, R, the query source's width): the serving
+# layout's in_proj output (the checkpoint layout's separate q_proj output, 6144 wide, was not measured)
 
 
 def fits(q_src, q_off: int, kv_src, kv_off: int, w_kvb_HXR, n: int, norm_w_R, eps, kv_BSR, length_B, valid_B, dt,
@@ -169,9 +170,9 @@ def fits(q_src, q_off: int, kv_src, kv_off: int, w_kvb_HXR, n: int, norm_w_R, ep
                 f"{kv_src.shape}")
     if length_B.shape != (B,) or valid_B.shape != (B,):
         return f"mla_prep kernel: length and valid must be [{B}], got {length_B.shape}, {valid_B.shape}"
-    if only_where_faster and (B, H, R) not in MEASURED:
-        return (f"mla_prep kernel: the step at (B, H, R) = {(B, H, R)} was not measured with it on an H200 "
-                "(kernels='on' runs it)")
+    if only_where_faster and (B, H, R, q_src.shape[-1]) not in MEASURED:
+        return (f"mla_prep kernel: the step at (B, H, R, query source width) = {(B, H, R, q_src.shape[-1])} was not "
+                "measured with it on an H200 (kernels='on' runs it)")
     return None
 
 

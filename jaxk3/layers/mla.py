@@ -111,7 +111,7 @@ def input_projections(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp: TP 
         lat = ([cfg.q_lora_rank // rows] if cfg.q_lora_rank is not None else []) + [cfg.latent_dim // rows]
         rest = ([h * (n + r)] if cfg.q_lora_rank is None else []) + ([h * v] if cfg.mla_use_output_gate else [])
         direct = raw is not None and (rows == 1 or not split_latent)
-        if direct and mla_prep.PARTIALS:  # the GEMV's K splits left for mla_prep to add (no XLA kernel adding them)
+        if direct and mla_prep.PARTIALS and x_BD.shape[0] == 1:  # the GEMV's K splits left for mla_prep to add
             p_SBX = linear(x_BD, w.in_proj, tp, sums=True)
             y_BX = p_SBX[0] if p_SBX.shape[0] == 1 else jnp.sum(p_SBX, axis=0)
         else:

@@ -1006,6 +1006,22 @@ def _prep_case(B: int, H: int, n: int, v: int, R: int, P: int, S: int, q_off: in
     return y, w, nw, kv, jnp.asarray(lengths, jnp.int32), jnp.asarray(valid, bool)
 
 
+def _prep_agree(got, ref) -> None:
+    """mla_prep's outputs against the reference with ql in bf16: ql to one bf16 step (2^-7 of max|ql|), q_pe bitwise,
+    the cache to one bf16 rounding of the new entry (its norm's sum in another order)."""
+    got, ref = ([np.asarray(a, np.float32) for a in x] for x in (got, ref))
+    np.testing.assert_allclose(got[0], ref[0], rtol=0, atol=2 ** -7 * np.abs(ref[0]).max())
+    np.testing.assert_array_equal(got[1], ref[1])
+    np.testing.assert_allclose(got[2], ref[2], rtol=2 ** -7, atol=0)
+
+
+def _prep_interpret(args) -> None:
+    """mla_prep in interpret mode (bf16 ql) agrees with its reference (`_prep_agree`)."""
+    k = kernels.REGISTRY["mla_prep"]
+    assert k.fits(*args, only_where_faster=False) is None
+    _prep_agree(k.device(*args, out_dtype=jnp.bfloat16, interpret=True), k.reference(*args, out_dtype=jnp.bfloat16))
+
+
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("B,H,n,v,R,P,S,q_off,kv_off,lengths,valid,config", [
     (1, 32, 128, 128, 512, 64, 64, 576, 0, [10], [True], None),  # Kimi-Linear-48B's MLA: [c_kv | k_pe | q] rows
@@ -1044,7 +1060,6 @@ def test_mla_prep_matches_reference(B, H, n, v, R, P, S, q_off, kv_off, lengths,
     assert np.abs(wrong - ref[0]).max() > 100 * tol * np.abs(ref[0]).max()
 
 
-
 @pytest.mark.parametrize("S", [1, 3])
 def test_mla_prep_adds_the_gemv_partial_sums(S):
     """`mla_prep.PARTIALS`: the sources are a GEMV's partial sums over its K splits [S, B, X] (the 48B's in_proj: 3),
@@ -1053,16 +1068,10 @@ def test_mla_prep_adds_the_gemv_partial_sums(S):
     y, w, nw, kv, length, ok = _prep_case(2, 32, 128, 128, 512, 64, 64, 576, 0, [10, 63], [True, True])
     p = jnp.stack([y * (0.5 + i) for i in range(S)]) / (S * (S + 1) / 2 if S > 1 else 1)  # partials of unequal size
     args = (p, 576, p, 0, w, 128, nw, 1e-6, kv, length, ok, jnp.bfloat16)
-    k = kernels.REGISTRY["mla_prep"]
-    assert k.fits(*args, only_where_faster=False) is None
-    got = [np.asarray(a, np.float32) for a in k.device(*args, out_dtype=jnp.bfloat16, interpret=True)]
-    ref = [np.asarray(a, np.float32) for a in k.reference(*args, out_dtype=jnp.bfloat16)]
-    np.testing.assert_allclose(got[0], ref[0], rtol=0, atol=2 ** -7 * np.abs(ref[0]).max())
-    np.testing.assert_array_equal(got[1], ref[1])
-    np.testing.assert_allclose(got[2], ref[2], rtol=2 ** -7, atol=0)
-    y2 = jnp.sum(p, 0)
-    one = [np.asarray(a, np.float32) for a in k.reference(y2, 576, y2, 0, *args[4:], out_dtype=jnp.bfloat16)]
-    np.testing.assert_array_equal(one[1], ref[1])  # the reference's sum is the 2-D source's
+    _prep_interpret(args)
+    ref = kernels.REGISTRY["mla_prep"].reference
+    y2 = jnp.sum(p, 0)  # the reference's sum is the 2-D source's
+    np.testing.assert_array_equal(np.asarray(ref(y2, 576, y2, 0, *args[4:])[1]), np.asarray(ref(*args)[1]))
 
 
 @pytest.mark.parametrize("src", ["k3tp1", "k3tp2"])
@@ -1072,14 +1081,7 @@ def test_mla_prep_reads_k3s_sources(src):
     the bounds of test_mla_prep_matches_reference."""
     y, w, nw, kv, length, ok = _prep_case(2, 8, 128, 128, 512, 64, 32, 0, 1536, [3, 40], [True, True])
     q_src, qo, kv_src, ko = _prep_sources(y, 8, src, 1536, 0)
-    args = (q_src, qo, kv_src, ko, w, 128, nw, 1e-6, kv, length, ok, jnp.bfloat16)
-    k = kernels.REGISTRY["mla_prep"]
-    assert k.fits(*args, only_where_faster=False) is None
-    got = [np.asarray(a, np.float32) for a in k.device(*args, out_dtype=jnp.bfloat16, interpret=True)]
-    ref = [np.asarray(a, np.float32) for a in k.reference(*args, out_dtype=jnp.bfloat16)]
-    np.testing.assert_allclose(got[0], ref[0], rtol=0, atol=2 ** -7 * np.abs(ref[0]).max())
-    np.testing.assert_array_equal(got[1], ref[1])
-    np.testing.assert_allclose(got[2], ref[2], rtol=2 ** -7, atol=0)
+    _prep_interpret((q_src, qo, kv_src, ko, w, 128, nw, 1e-6, kv, length, ok, jnp.bfloat16))
 
 
 def test_mla_prep_fits():
@@ -1135,13 +1137,10 @@ def test_mla_prep_on_gpu(B, H, src, lengths, valid):
     before = np.asarray(kv, np.float32)
     got = jax.jit(lambda *a: kernels.call("mla_prep", *a, out_dtype=jnp.bfloat16, mode="on"),
                   static_argnums=(1, 3, 5, 7, 11))(*args)
-    got = [np.asarray(a, np.float32) for a in got]
     with jax.default_matmul_precision("highest"):
-        ref = [np.asarray(a, np.float32) for a in kernels.REGISTRY["mla_prep"].reference(*args, out_dtype=jnp.bfloat16)]
-    np.testing.assert_allclose(got[0], ref[0], rtol=0, atol=2 ** -7 * np.abs(ref[0]).max())
-    np.testing.assert_array_equal(got[1], ref[1])
-    np.testing.assert_allclose(got[2], ref[2], rtol=2 ** -7, atol=0)
-    changed = {tuple(x) for x in np.argwhere((got[2] != before).any(-1))}
+        ref = kernels.REGISTRY["mla_prep"].reference(*args, out_dtype=jnp.bfloat16)
+    _prep_agree(got, ref)
+    changed = {tuple(x) for x in np.argwhere((np.asarray(got[2], np.float32) != before).any(-1))}
     assert changed == {(b, min(L, 4095)) for b, (L, o) in enumerate(zip(lengths, valid)) if o}
 
 

@@ -240,6 +240,12 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
         out_shape=jax.ShapeDtypeStruct((c.splits, Bp, N), F32), interpret=interpret, **kw)(*args)
 
 
+def add_splits(p_SBN: jax.Array) -> jax.Array:
+    """The product from the kernel's partial sums over its K splits [S, B, N]: their sum [B, N] (XLA adds them in the
+    fusion that consumes it; one split: the array itself)."""
+    return p_SBN[0] if p_SBN.shape[0] == 1 else jnp.sum(p_SBN, axis=0)
+
+
 def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
          interpret: bool = False, only_where_faster: bool = True, norm_w: jax.Array | None = None,
          eps: float = 0.0, sums: bool = False) -> jax.Array:
@@ -249,8 +255,7 @@ def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | Non
     p = partials(x_BK, w, layout, config, interpret, norm_w, eps)
     if sums:
         return p[:, : x_BK.shape[0]]
-    y = p[0] if p.shape[0] == 1 else jnp.sum(p, axis=0)
-    return y[: x_BK.shape[0]]
+    return add_splits(p)[: x_BK.shape[0]]
 
 
 def reference(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
@@ -431,7 +436,7 @@ def gemv_gnorm(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, 
         out_shape=jax.ShapeDtypeStruct((c.splits, 1, N), F32), interpret=interpret,
         **triton_params(c.num_warps, c.num_stages, interpret),
     )(x_BK.reshape(1, H, d), z_BK.reshape(1, H, d), norm_w, w.reshape(N, H, d))
-    return p[0] if c.splits == 1 else jnp.sum(p, axis=0)
+    return add_splits(p)
 
 
 # (N, K, d) where the step was measured with the gated norm in o_proj's prologue (on an H200, 2026-12-02, sixth

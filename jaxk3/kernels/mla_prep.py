@@ -37,6 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxk3.kernels.gemv import add_splits
 from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 from jaxk3.kernels.rms_norm import rms_norm
 
@@ -60,7 +61,7 @@ def reference(q_src: jax.Array, q_off: int, kv_src: jax.Array, kv_off: int, w_kv
     B, S, L = kv_BSR.shape
     H, _, R = w_kvb_HXR.shape
     P = L - R
-    q_src, kv_src = (x if x.ndim == 2 else x[0] if x.shape[0] == 1 else jnp.sum(x, axis=0) for x in (q_src, kv_src))
+    q_src, kv_src = (x if x.ndim == 2 else add_splits(x) for x in (q_src, kv_src))
     q_BHX = q_src[:, q_off:q_off + H * (n + P)].astype(dt).astype(F32).reshape(B, H, n + P)
     ql_BHR = jnp.einsum("bhn,hnr->bhr", q_BHX[..., :n], w_kvb_HXR[:, :n].astype(F32))
     ckv_BL = kv_src[:, kv_off:kv_off + L].astype(dt)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxk3 import collectives, kernels
 from jaxk3.config import KimiK3Config
-from jaxk3.kernels import mla_prep
+from jaxk3.kernels import gemv, mla_prep
 from jaxk3.kernels.rms_norm import rms_norm
 from jaxk3.layers.common import F32, TP, as_tp, kernel_mode, linear, psum, split
 from jaxk3.params import COL, LATENT, REP, ROW, Buffer, Fuse, weight
@@ -113,7 +113,7 @@ def input_projections(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp: TP 
         direct = raw is not None and (rows == 1 or not split_latent)
         if direct and mla_prep.PARTIALS and x_BD.shape[0] == 1:  # the GEMV's K splits left for mla_prep to add
             p_SBX = linear(x_BD, w.in_proj, tp, sums=True)
-            y_BX = p_SBX[0] if p_SBX.shape[0] == 1 else jnp.sum(p_SBX, axis=0)
+            y_BX = gemv.add_splits(p_SBX)
         else:
             y_BX = p_SBX = linear(x_BD, w.in_proj, tp)
         outs = split(y_BX, lat + rest)

@@ -169,7 +169,7 @@ class Model:
             self._check_cache(cache, tokens_B.shape[0], valid_B)
             # the same input sharding as the fed-back argmax: one compile
             out = self._step(self.weights, cache, put_batch(tokens_B, self.mesh), put_batch(valid_B, self.mesh))
-            if self.mesh.devices.flat[0].platform == "cpu":
+            if self._on_cpu:
                 jax.block_until_ready(out)
             return out
 
@@ -222,10 +222,13 @@ class Model:
                 raise ValueError(f"prompt_ids: row {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
         return rows
 
+    @property
+    def _on_cpu(self) -> bool:
+        return self.mesh.devices.flat[0].platform == "cpu"
+
     def _exclusive(self):
         """One call at a time on CPU meshes (see _CPU_CALLS); nothing on GPU."""
-        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
-        return _CPU_CALLS if on_cpu else contextlib.nullcontext()
+        return _CPU_CALLS if self._on_cpu else contextlib.nullcontext()
 
     # -- generation
     def _fn(self, key: tuple, build):
@@ -304,7 +307,7 @@ class Model:
                 out = _rows_to_start(tuple(outs), jnp.asarray(lens, jnp.int32), max(lens),
                                      NamedSharding(self.mesh, spec))
             del outs
-            if self.mesh.devices.flat[0].platform == "cpu":
+            if self._on_cpu:
                 jax.block_until_ready(out)  # see _CPU_CALLS
             return out
         # Each chunk's logits go straight to their place (a 4K row's are 2.7 GB at Kimi's vocabulary: no concatenated

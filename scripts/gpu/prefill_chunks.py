@@ -27,6 +27,17 @@ REPS = 2
 CHUNKS = {1: (512, 1024, 2048, 4096), 8: (256, 512, 1024)}
 
 
+def _warm_then_time(fn, reps: int = 2) -> list[float]:
+    """fn() once (compiles), then the seconds of each of `reps` more calls."""
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="out/prefill_chunks.json")
@@ -88,12 +99,7 @@ def main(argv=None) -> int:
             jax.block_until_ready(model._prefill(cache, toks, valid, per, True, None)[0])
             td = time.perf_counter() - t0
             print(f"B 1 score on the device (all logits, not copied to the host): {td:.3f} s", flush=True)
-            jax.block_until_ready(model.score(prompts, host=False))  # compiles the rows' re-layout
-            tk = []
-            for _ in range(2):
-                t0 = time.perf_counter()
-                jax.block_until_ready(model.score(prompts, host=False))
-                tk.append(time.perf_counter() - t0)
+            tk = _warm_then_time(lambda: jax.block_until_ready(model.score(prompts, host=False)))  # compiles the re-layout
             print(f"B 1 score(host=False) (a jax.Array left on the device): {min(tk):.3f} s (of 2: "
                   f"{', '.join(f'{t:.3f}' for t in tk)})", flush=True)
             best = min(r["ttft_s"] for r in rows if r["batch"] == 1 and "ttft_s" in r)
@@ -102,12 +108,7 @@ def main(argv=None) -> int:
             rows.append(dict(batch=1, score_s=ts, score_device_s=td, score_first_s=t_first, score_one_piece_s=t_whole,
                              score_on_device_s=min(tk), chunk=auto))
             for c in (int(c) for c in a.score_chunks.split(",") if c):
-                model.score(prompts, prefill_chunk=c)  # compiles this chunk's prefill with all logits
-                tc = []
-                for _ in range(2):
-                    t0 = time.perf_counter()
-                    model.score(prompts, prefill_chunk=c)
-                    tc.append(time.perf_counter() - t0)
+                tc = _warm_then_time(lambda: model.score(prompts, prefill_chunk=c))  # compiles this chunk's prefill
                 print(f"B 1 score at chunk {c}: {min(tc):.3f} s (of 2: {', '.join(f'{t:.3f}' for t in tc)}), "
                       f"{min(tc) / best:.2f}x the best prefill", flush=True)
                 rows.append(dict(batch=1, score_s=min(tc), score_runs_s=tc, chunk=c))

@@ -1144,6 +1144,121 @@ def test_mla_prep_on_gpu(B, H, src, lengths, valid):
     assert changed == {(b, min(L, 4095)) for b, (L, o) in enumerate(zip(lengths, valid)) if o}
 
 
+# ------------------------------------------------------------------ moe_in
+def _moe_in_case(B: int, S: int, E: int, D: int = 2304, seed: int = 0):
+    """The residual p (bf16, rows of very different scale: 0.1 to 100), the attention's output as S partial sums of
+    unequal size (fp32), the norm's weight (bf16) and the router's weight (bf16, scaled as a trained router's)."""
+    r = np.random.default_rng(seed + 13 * B + S + E)
+    scale = np.geomspace(0.1, 100, B)[:, None]
+    p = jnp.asarray(r.standard_normal((B, D)) * scale, jnp.bfloat16)
+    a = jnp.asarray(r.standard_normal((S, B, D)) * scale * (1 + np.arange(S))[:, None, None] / S, jnp.float32)
+    nw = jnp.asarray(1 + 0.1 * r.standard_normal(D), jnp.bfloat16)
+    gate = jnp.asarray(r.standard_normal((E, D)) * D ** -0.5, jnp.bfloat16)
+    return p, a, nw, gate
+
+
+def _moe_in_agree(got, ref, p, a) -> None:
+    """moe_in against its reference: the normed row to one rounding of bf16 (2^-8 relative: its mean of squares sums
+    in another order, which moves rsqrt by float32 rounding and can flip a rounding), the logits to 1e-5 of their
+    largest (their D products are exact in fp32 and sum in another order; the xn they multiply may differ by that one
+    rounding in a few places: 2^-8 · |w_e| · |xn| summed over them stays far below this for a few elements, and the
+    test below would see a wrong offset or a missing partial by orders of magnitude)."""
+    xg, lg = (np.asarray(x, np.float32) for x in got)
+    xr, lr = (np.asarray(x, np.float32) for x in ref)
+    assert xg.shape == xr.shape and lg.shape == lr.shape
+    np.testing.assert_allclose(xg, xr, rtol=2 ** -8, atol=0)
+    assert (xg != xr).mean() < 0.01  # one rounding, and rarely
+    np.testing.assert_allclose(lg, lr, rtol=0, atol=1e-3 * np.abs(lr).max())
+
+
+@pytest.mark.parametrize("B,S,E,config", [
+    (1, 4, 64, None),  # the 48B's KDA layers: gemv_gnorm's 4 K splits, 64 routed experts kept by the benches
+    (1, 1, 256, None),  # the MLA layers' o_proj (XLA's dot: one sum), all 256 experts
+    (3, 2, 64, dict(be=16, chunk=128)),
+    (8, 1, 32, dict(be=32)),
+])
+def test_moe_in_matches_reference(B, S, E, config):
+    """Interpret mode against the MoE block's own math (`reference`: the residual add, RMSNorm in bf16, the fp32 logits
+    of XLA's router) at the 48B's hidden size, rows of scale 0.1 to 100 (`_moe_in_agree`); a partial sum left out
+    moves the logits far outside the bound."""
+    from jaxk3.kernels import moe_in as M
+
+    p, a, nw, gate = _moe_in_case(B, S, E)
+    c = M.Config(**config) if config else None
+    k = kernels.REGISTRY["moe_in"]
+    assert k.fits(p, a, nw, gate, 1e-6, config=c, only_where_faster=False) is None
+    ref = k.reference(p, a, nw, gate, 1e-6)
+    _moe_in_agree(k.device(p, a, nw, gate, 1e-6, config=c, interpret=True), ref, p, a)
+    off = k.reference(p, a[-1:] * (S > 1), nw, gate, 1e-6)[1]  # the last partial alone (one: none)
+    assert np.abs(np.asarray(off) - np.asarray(ref[1])).max() > 1e-2 * np.abs(np.asarray(ref[1])).max()
+
+
+def test_moe_in_residual_is_ffn_sources():
+    """The residual moe_in norms is what the stream carries on (attn_res.ffn_sources with the summed output), bitwise."""
+    from jaxk3.kernels import moe_in as M
+    from jaxk3.kernels.gemv import add_splits
+    from jaxk3.layers import attn_res
+
+    p, a, _, _ = _moe_in_case(2, 4, 8)
+    srcs, st = attn_res.ffn_sources(attn_res.Stream(p=p), add_splits(a), 0, None)
+    np.testing.assert_array_equal(np.asarray(M.residual(p, a), np.float32), np.asarray(st.p, np.float32))
+    assert len(srcs) == 1 and srcs[0] is st.p
+
+
+def test_moe_in_fits():
+    """`fits` names what does not suit the kernel; auto takes it only at measured shapes."""
+    from jaxk3.kernels import moe_in as M
+
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 2304), jnp.bfloat16), s((4, 1, 2304), jnp.float32), s((2304,), jnp.bfloat16),
+            s((64, 2304), jnp.bfloat16), 1e-6)
+    assert M.fits(*args, only_where_faster=False) is None
+    assert (M.fits(*args) is None) == ((1, 64, 2304) in M.MEASURED)
+    if (1, 64, 2304) not in M.MEASURED:
+        assert "was not measured" in M.fits(*args)
+    assert "partial sums a [S, B, D]" in M.fits(args[0], s((1, 2304), jnp.float32), *args[2:], only_where_faster=False)
+    assert "B <= 8" in M.fits(s((9, 2304), jnp.bfloat16), s((1, 9, 2304), jnp.float32), *args[2:],
+                              only_where_faster=False)
+    assert "router's weight must be" in M.fits(*args[:3], s((64, 2048), jnp.bfloat16), 1e-6, only_where_faster=False)
+    assert "Config.chunk" in M.fits(*args, config=M.Config(chunk=96), only_where_faster=False)
+    assert "Config.be" in M.fits(*args[:3], s((48, 2304), jnp.bfloat16), 1e-6, config=M.Config(be=32),
+                                 only_where_faster=False)
+
+
+@pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
+@pytest.mark.parametrize("tp,layout", [(1, "serving"), (2, "serving"), (1, "checkpoint")])
+def test_decode_adds_norms_and_routes_in_one_kernel(monkeypatch, fresh_steps, tp, layout):
+    """A Kimi-Linear decode step whose MoE layers take `moe_in` (interpret mode, registered for the CPU): traced in every
+    decode step with the attention's output unsummed at TP 1 (KDA's o_proj through gemv_gnorm's K splits where that
+    kernel runs, else one sum) and summed over TP at TP 2, and the logits agree with kernels='off' to 2e-3 of
+    max|logit| (the normed row to one bf16 rounding, as test_moe_in_matches_reference; a flipped near-tie of the
+    router would move them by far more); two ragged rows."""
+    from small_models import tiny_kimi_linear_4l
+
+    calls = _on_cpu(monkeypatch, "moe_in", 1)
+    cfg = tiny_kimi_linear_4l()
+    a, b = _off_and_auto(cfg, [[5, 6, 7, 8], [9, 3, 2]], calls, tp=tp, layout=layout)
+    moe_layers = sum(f == "moe" for f in cfg.layer_ffn)
+    assert moe_layers >= 1 and len(calls) >= moe_layers and all(c[1] == 2 for c in calls), calls
+    assert all(c[0] == 1 for c in calls) if tp == 2 else True
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,S,E", [(1, 4, 64), (1, 1, 64), (1, 4, 256), (8, 4, 64), (8, 1, 256)])
+def test_moe_in_on_gpu(B, S, E):
+    """Compiled at the 48B's hidden size (2304) with its routers (64 experts as the benches keep, 256 as the model has),
+    o_proj's 4 K splits (KDA) or one sum (MLA), B 1 and 8, against the reference at full float32 precision: the bounds
+    of the interpret test."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    p, a, nw, gate = _moe_in_case(B, S, E)
+    got = jax.jit(lambda *x: kernels.call("moe_in", *x, 1e-6, mode="on"))(p, a, nw, gate)
+    with jax.default_matmul_precision("highest"):
+        ref = kernels.REGISTRY["moe_in"].reference(p, a, nw, gate, 1e-6)
+    _moe_in_agree(got, ref, p, a)
+
+
 # ------------------------------------------------------------------ kda_prefill
 def _kda_prefill_case(B: int, H: int, T: int, K: int, V: int, gate: float, seed: int = 0):
     """q scaled as the layer scales it, unit-norm k, gates -|N(0,1)|·gate, a random incoming state."""

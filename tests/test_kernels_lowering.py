@@ -116,3 +116,14 @@ def test_mla_prep_lowers_from_partial_sums():
     assert MP.fits(p, R + P, p, 0, rest[0], n, rest[1], 1e-6, *rest[2:], BF16, out_dtype=BF16) is None
     assert lower(lambda p, w, nw, kv, ln, ok: MP.mla_prep(p, R + P, p, 0, w, n, nw, 1e-6, kv, ln, ok, BF16,
                                                           out_dtype=BF16), p, *rest) == 1
+
+
+@pytest.mark.parametrize("B,S,E", [(1, 4, 64), (1, 1, 256), (8, 4, 64)])
+def test_moe_in_lowers(B, S, E):
+    """The 48B's MoE input (hidden 2304 in nine parts of 256) with o_proj's 4 K splits (KDA) or one sum (MLA)."""
+    from jaxk3.kernels import moe_in as M
+
+    D = _cfg48().hidden_size
+    args = (SD((B, D), BF16), SD((S, B, D), jnp.float32), SD((D,), BF16), SD((E, D), BF16))
+    assert M.fits(*args, 1e-6, only_where_faster=False) is None
+    assert lower(lambda p, a, nw, g: M.moe_in(p, a, nw, g, 1e-6), *args) == 1

@@ -215,17 +215,23 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     over all tokens at once (dense GEMMs over the local experts, in token blocks) instead of
     per-token GEMVs (decode): jaxk3.kernels.moe_grouped has the forms (dense GEMMs over the local
     experts in token blocks, today's path; the grouped-GEMM kernel; `experts_grouped`, ragged_dot).
-    A `Normed` input (decode) is normed by the routing kernels (`_route_normed`) where they run; at decode the
-    Kimi-Linear experts may also take the router's logits and select inside their kernels (`_experts_routed`)."""
+    A `Normed` input (decode) is normed by the routing kernels (`_route_normed`) where they run, or, given with the
+    attention's output still to add (`Normed.add`), formed, normed and routed by `moe_in` (jaxk3.kernels.moe_in); at
+    decode the Kimi-Linear experts may also take the router's logits and select inside their kernels
+    (`_experts_routed`)."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
     experts = functools.partial(_experts_prefill if grouped else _experts_decode, mode=mode)
-    routed = _route_normed(cfg, w, x_BD, mode) if isinstance(x_BD, Normed) else None
+    pending = isinstance(x_BD, Normed) and x_BD.add is not None  # the attention's output still to add
+    routed = _route_normed(cfg, w, x_BD, mode) if isinstance(x_BD, Normed) and not pending else None
     if routed is not None:
         w_Bk, ids_Bk, x_BD = routed
     else:
-        x_BD = value(x_BD)
-        logits_BE = router_logits(w.gate, x_BD)
+        if pending:  # the residual add, the norm and the logits: `moe_in` (its reference is the two lines below)
+            x_BD, logits_BE = kernels.call("moe_in", x_BD.h, x_BD.add, x_BD.w, w.gate, x_BD.eps, mode=mode)
+        else:
+            x_BD = value(x_BD)
+            logits_BE = router_logits(w.gate, x_BD)
         if w.routed_expert_down_proj is None and not grouped:  # Kimi-Linear decode: the selection in the kernels?
             out = _experts_routed(cfg, w, x_BD, logits_BE, mode, tp)
             if out is not None:

@@ -11,6 +11,8 @@
 #   EXPERTS=256 S_TIMEOUT=330 AB="moe_experts_routed@1" bash scripts/gpu/ab_call.sh   # random weights take minutes
 #   EXPERTS=256 LAYERS=0-7 AB="moe_experts_routed@1" bash scripts/gpu/ab_call.sh     # the first 8 layers only
 #   CONTEXT=32k AB="mla_decode:ORDER=pg@1" bash scripts/gpu/ab_call.sh                # another cache length (4k default)
+# CENSUS=PATCH (step_with_kernel.py's arguments joined by '+'): at the end, the kernel census of layers 0-3 at B = 1
+# with that patch (command buffers off, so that every kernel has its own time; the compiled HLO kept beside it).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out/gpu}; mkdir -p "$OUT"
@@ -39,5 +41,15 @@ if [ -n "${AGAIN:-}" ]; then  # main once more at the end: the GPU's drift betwe
     echo "== B = $B, main again ($(date -u +%T))"
     timeout -k 10 ${S_TIMEOUT:-150} python3 -m jaxk3.cli bench decode $S --batch "$B" --json "$OUT/ab_again_b$B.json" 2>&1 | row
   done
+fi
+if [ -n "${CENSUS:-}" ]; then
+  echo "== census, layers 0-3, B = 1, $CENSUS ($(date -u +%T))"
+  rm -rf /tmp/jaxk3_ab_hlo
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout -k 10 ${C_TIMEOUT:-120} python3 scripts/gpu/step_with_kernel.py \
+    ${CENSUS//+/ } -- --config kimi-linear-48b --layers 0-3 --experts ${EXPERTS:-64} --tp 1 --batch 1 \
+    --context ${CONTEXT:-4k} --strategies stock --variants serving/auto --steps 10 --census --json "$OUT/ab_census.json" \
+    --hlo-dir /tmp/jaxk3_ab_hlo > "$OUT/ab_census.log" 2>&1
+  echo "census rc $?"; grep -E "^(layer|head|total|kernels per step)" "$OUT/ab_census.log" | cut -c1-200
+  tar -C /tmp -czf "$OUT/ab_census_hlo.tgz" jaxk3_ab_hlo 2>/dev/null || true
 fi
 echo "== done ($(date -u +%T))"

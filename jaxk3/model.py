@@ -40,6 +40,7 @@ from jaxk3.layers.kda import KDACache, KDAWeights, kda_prefill, kda_step
 from jaxk3.layers.mla import MLACache, MLAWeights, mla_prefill, mla_step
 from jaxk3.layers.moe import MLPWeights, MoEWeights, mlp, moe
 from jaxk3.kernels.attn_res_norm import mix_norm
+from jaxk3.kernels import moe_in
 from jaxk3.kernels.gemv import add_splits
 from jaxk3.kernels.rms_norm import rms_norm
 from jaxk3.params import REP, Buffer, weight
@@ -214,7 +215,7 @@ def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache,
         g = opt.layer_offset + l  # the layer's global index (AttnRes schedule)
         # Kimi-Linear's MoE at decode takes the attention's output unsummed, with the residual before it
         # (`Normed.add`): the `moe_in` kernel adds, norms and routes in one (jaxk3.kernels.moe_in)
-        pending = not prefill and Bs is None and cfg.layer_ffn[l] == "moe"
+        pending = not prefill and Bs is None and cfg.layer_ffn[l] == "moe" and moe_in.PARTIALS
         with jax.named_scope(f"layer{g}_{cfg.layer_attn[l]}"):
             srcs, st = res.attention_sources(st, g, Bs)
             xn = _block_input(srcs, lw.self_attention_res_norm, lw.self_attention_res_proj, lw.input_layernorm,

@@ -47,13 +47,13 @@ class Config:
     num_warps: int = 4
 
 
-def residual(p_BD: jax.Array, a_SBD: jax.Array) -> jax.Array:
+def residual(p_BD: jax.Array, a_SBD: jax.Array | None) -> jax.Array:
     """h = p + Σ_s a[s] in p's dtype: the residual after the attention block (jaxk3.layers.attn_res's `ffn_sources`
-    with the attention's output as its partial sums)."""
-    return (p_BD + add_splits(a_SBD)).astype(p_BD.dtype)
+    with the attention's output as its partial sums); p itself where a is None (XLA added them)."""
+    return p_BD if a_SBD is None else (p_BD + add_splits(a_SBD)).astype(p_BD.dtype)
 
 
-def reference(p_BD: jax.Array, a_SBD: jax.Array, norm_w_D: jax.Array, gate_ED: jax.Array, eps: float,
+def reference(p_BD: jax.Array, a_SBD: jax.Array | None, norm_w_D: jax.Array, gate_ED: jax.Array, eps: float,
               config: Config | None = None, **_) -> tuple[jax.Array, jax.Array]:
     """(xn [B, D] in p's dtype, logits [B, E] fp32): RMSNorm of the residual after attention, and the router's logits
     of it (jaxk3.layers.moe.router_logits' arithmetic)."""
@@ -61,18 +61,21 @@ def reference(p_BD: jax.Array, a_SBD: jax.Array, norm_w_D: jax.Array, gate_ED: j
     return xn, jnp.einsum("bd,ed->be", xn.astype(F32), gate_ED.astype(F32))
 
 
-def _kernel(p_ref, a_ref, g_ref, w_ref, xn_ref, lg_ref, *, S: int, D: int, chunk: int, be: int, eps: float):
-    """Program (b, j): row b, experts [j·be, (j+1)·be)."""
+def _kernel(*refs, S: int, D: int, chunk: int, be: int, eps: float):
+    """Program (b, j): row b, experts [j·be, (j+1)·be).  S = 0: no partial sums (p is the residual)."""
     from jax.experimental import pallas as pl
 
+    p_ref, a_ref, g_ref, w_ref, xn_ref, lg_ref = refs if S else (refs[0], None, *refs[1:])
     b, j = pl.program_id(0), pl.program_id(1)
     parts = [pl.ds(c * chunk, chunk) for c in range(D // chunk)]
     hs, sq = [], None
     for cols in parts:  # h = (p + a_0 + ... + a_{S-1}) rounded to p's dtype, and Σ h² element-wise
-        s = a_ref[0, b, cols]
-        for t in range(1, S):
-            s = s + a_ref[t, b, cols]
-        h = (p_ref[b, cols].astype(F32) + s).astype(p_ref.dtype).astype(F32)
+        h = p_ref[b, cols].astype(F32)
+        if S:
+            s = a_ref[0, b, cols]
+            for t in range(1, S):
+                s = s + a_ref[t, b, cols]
+            h = (h + s).astype(p_ref.dtype).astype(F32)
         hs.append(h)
         sq = h * h if sq is None else sq + h * h
     r = jax.lax.rsqrt(jnp.sum(sq) / D + eps)
@@ -89,7 +92,7 @@ def _kernel(p_ref, a_ref, g_ref, w_ref, xn_ref, lg_ref, *, S: int, D: int, chunk
     lg_ref[b, rows] = jnp.sum(acc, axis=1)
 
 
-def moe_in(p_BD: jax.Array, a_SBD: jax.Array, norm_w_D: jax.Array, gate_ED: jax.Array, eps: float,
+def moe_in(p_BD: jax.Array, a_SBD: jax.Array | None, norm_w_D: jax.Array, gate_ED: jax.Array, eps: float,
            config: Config | None = None, interpret: bool = False, **_) -> tuple[jax.Array, jax.Array]:
     """The same function as `reference`, one kernel."""
     from jax.experimental import pallas as pl
@@ -99,13 +102,22 @@ def moe_in(p_BD: jax.Array, a_SBD: jax.Array, norm_w_D: jax.Array, gate_ED: jax.
     E = gate_ED.shape[0]
     be = min(c.be, E)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
+    args = (p_BD, norm_w_D, gate_ED) if a_SBD is None else (p_BD, a_SBD.astype(F32), norm_w_D, gate_ED)
     return tuple(pl.pallas_call(
-        functools.partial(_kernel, S=a_SBD.shape[0], D=D, chunk=c.chunk, be=be, eps=float(eps)),
-        grid=(B, E // be), in_specs=[any_] * 4, out_specs=[any_] * 2,
+        functools.partial(_kernel, S=0 if a_SBD is None else a_SBD.shape[0], D=D, chunk=c.chunk, be=be,
+                          eps=float(eps)),
+        grid=(B, E // be), in_specs=[any_] * len(args), out_specs=[any_] * 2,
         out_shape=(jax.ShapeDtypeStruct((B, D), p_BD.dtype), jax.ShapeDtypeStruct((B, E), F32)),
         interpret=interpret, **triton_params(c.num_warps, 1, interpret),
-    )(p_BD, a_SBD.astype(F32), norm_w_D, gate_ED))
+    )(*args))
 
+
+# Whether the decode step hands the MoE block the attention's output as partial sums with the residual before it
+# (`Normed.add`, so that this kernel also does XLA's add of the two), or the residual after it (XLA's add kept: its
+# fusion also rounds h once for both readers).  Measured (tenth session, call 1): with the partials the kernel took
+# 6.6-6.9 us a MoE layer in 8 programs (each loading o_proj's four partial rows, 37 KB, besides its [8, D] router rows)
+# and the final residual add 0.6 us more (it recomputes h from them): the 48B step 55 us slower.
+PARTIALS = True
 
 # (B, E, D) where the 48B step was measured faster with this kernel on an H200; auto takes it only there.  Empty until
 # its step A/B (scripts/gpu/ab_call.sh with AB="moe_in@1"; kernels="on" and step_with_kernel.py run it anywhere).
@@ -116,9 +128,9 @@ def fits(p_BD, a_SBD, norm_w_D, gate_ED, eps, config: Config | None = None, only
          **_) -> str | None:
     """Why this call does not suit the kernel (None: it does)."""
     c = config or Config()
-    if p_BD.ndim != 2 or a_SBD.ndim != 3 or a_SBD.shape[1:] != p_BD.shape:
+    if p_BD.ndim != 2 or (a_SBD is not None and (a_SBD.ndim != 3 or a_SBD.shape[1:] != p_BD.shape)):
         return (f"moe_in kernel takes the residual p [B, D] and the attention's partial sums a [S, B, D], got "
-                f"{p_BD.shape} and {a_SBD.shape}")
+                f"{p_BD.shape} and {getattr(a_SBD, 'shape', None)}")
     B, D = p_BD.shape
     if B > MAX_B:
         return f"moe_in kernel is for decode rows (B <= {MAX_B}), got B = {B}"
@@ -137,4 +149,4 @@ def fits(p_BD, a_SBD, norm_w_D, gate_ED, eps, config: Config | None = None, only
 
 
 register(Kernel("moe_in", reference, moe_in, platforms=("gpu",), fits=fits,
-                measured="not yet measured in the step (auto does not take it)"))
+                measured="not measured"))  # in the step: the 48B at B = 1 55 us slower with PARTIALS (tenth session)

@@ -222,14 +222,17 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     dt = x_BD.dtype
     mode = kernel_mode(tp)
     experts = functools.partial(_experts_prefill if grouped else _experts_decode, mode=mode)
-    pending = isinstance(x_BD, Normed) and x_BD.add is not None  # the attention's output still to add
-    routed = _route_normed(cfg, w, x_BD, mode) if isinstance(x_BD, Normed) and not pending else None
+    routed = logits_BE = None
+    if isinstance(x_BD, Normed):  # the residual add (`Normed.add`), the norm and the logits in `moe_in`?
+        args = (x_BD.h, x_BD.add, x_BD.w, w.gate, x_BD.eps)
+        if x_BD.add is not None or kernels.explain("moe_in", *args, mode=mode).startswith("device"):
+            x_BD, logits_BE = kernels.call("moe_in", *args, mode=mode)  # its reference is XLA's path below
+        else:
+            routed = _route_normed(cfg, w, x_BD, mode)
     if routed is not None:
         w_Bk, ids_Bk, x_BD = routed
     else:
-        if pending:  # the residual add, the norm and the logits: `moe_in` (its reference is the two lines below)
-            x_BD, logits_BE = kernels.call("moe_in", x_BD.h, x_BD.add, x_BD.w, w.gate, x_BD.eps, mode=mode)
-        else:
+        if logits_BE is None:
             x_BD = value(x_BD)
             logits_BE = router_logits(w.gate, x_BD)
         if w.routed_expert_down_proj is None and not grouped:  # Kimi-Linear decode: the selection in the kernels?

@@ -40,8 +40,6 @@ from jaxk3.layers.kda import KDACache, KDAWeights, kda_prefill, kda_step
 from jaxk3.layers.mla import MLACache, MLAWeights, mla_prefill, mla_step
 from jaxk3.layers.moe import MLPWeights, MoEWeights, mlp, moe
 from jaxk3.kernels.attn_res_norm import mix_norm
-from jaxk3.kernels import moe_in
-from jaxk3.kernels.gemv import add_splits
 from jaxk3.kernels.rms_norm import rms_norm
 from jaxk3.params import REP, Buffer, weight
 from jaxk3.sharding import DP, TP as TP_AXIS
@@ -160,19 +158,17 @@ class StepOptions:
 
 
 def attention_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: KDAWeights | MLAWeights, xn: jax.Array,
-                    cache: KDACache | MLACache, length_B: jax.Array, valid: jax.Array, sums: bool = False
+                    cache: KDACache | MLACache, length_B: jax.Array, valid: jax.Array
                     ) -> tuple[jax.Array, KDACache | MLACache]:
     """Layer `l`'s attention on the normed input: (out fp32 summed over TP, the layer's new cache).
-    One token per row (`xn` [B, D], `valid` [B]: decode) or T (`xn` [B, T, D], `valid` [B, T]: prefill).
-    `sums` (decode): out as its output projection's partial sums [S, B, D] (jaxk3.layers.common.psum_sums)."""
+    One token per row (`xn` [B, D], `valid` [B]: decode) or T (`xn` [B, T, D], `valid` [B, T]: prefill)."""
     prefill = xn.ndim == 3
-    kw = {} if prefill else dict(sums=sums)
     if cfg.layer_attn[l] == "kda":
         fn = kda_prefill if prefill else kda_step
-        out, conv, state = fn(cfg, w, xn, cache.conv, cache.state, valid, opt.tp, **kw)
+        out, conv, state = fn(cfg, w, xn, cache.conv, cache.state, valid, opt.tp)
         return out, KDACache(conv=conv, state=state)
     fn = mla_prefill if prefill else mla_step
-    out, kv = fn(cfg, w, xn, cache.kv, length_B, valid, opt.tp, opt.shard_latent, **kw)
+    out, kv = fn(cfg, w, xn, cache.kv, length_B, valid, opt.tp, opt.shard_latent)
     return out, MLACache(kv=kv)
 
 
@@ -213,22 +209,16 @@ def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache,
     new_caches = []
     for l, lw in enumerate(w.layers):
         g = opt.layer_offset + l  # the layer's global index (AttnRes schedule)
-        # Kimi-Linear's MoE at decode takes the attention's output unsummed, with the residual before it
-        # (`Normed.add`): the `moe_in` kernel adds, norms and routes in one (jaxk3.kernels.moe_in)
-        pending = not prefill and Bs is None and cfg.layer_ffn[l] == "moe" and moe_in.PARTIALS
         with jax.named_scope(f"layer{g}_{cfg.layer_attn[l]}"):
             srcs, st = res.attention_sources(st, g, Bs)
             xn = _block_input(srcs, lw.self_attention_res_norm, lw.self_attention_res_proj, lw.input_layernorm,
                               eps, dt, shape, not prefill)
-            a, c = attention_block(cfg, opt, l, lw.attn, xn, cache.layers[l], cache.length, valid, sums=pending)
+            a, c = attention_block(cfg, opt, l, lw.attn, xn, cache.layers[l], cache.length, valid)
             new_caches.append(c)
         with jax.named_scope(f"layer{g}_{cfg.layer_ffn[l]}"):
-            p, a_SBD = st.p, (a if pending else None)
-            srcs, st = res.ffn_sources(st, (add_splits(a) if pending else a).reshape(B * T, -1), g, Bs)
+            srcs, st = res.ffn_sources(st, a.reshape(B * T, -1), g, Bs)
             xn = _block_input(srcs, lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attention_layernorm, eps, dt,
                               (B * T, -1), not prefill)
-            if pending and isinstance(xn, Normed):  # XLA's add of h stays only inside ffn_done's fusion
-                xn = Normed(p, xn.w, xn.eps, add=a_SBD)
             f = ffn_block(cfg, opt, l, lw.ffn, xn, prefill)
             st = res.ffn_done(st, f, Bs)
     with jax.named_scope("head"):

@@ -1110,6 +1110,9 @@ def _prep_sources(y, H: int, src: str, kv_off: int, q_off: int):
     at TP > 1) the gathered latent in the activation dtype (bf16) and the query from q_b_proj."""
     if src == "fused":
         return y, q_off, y, kv_off
+    if src == "partials":  # `PARTIALS`: the GEMV's three K splits' partial sums [3, B, X] (unequal parts of y)
+        p = jnp.stack([y * 0.25, y * 0.5, y * 0.25])
+        return p, q_off, p, kv_off
     q = y[:, kv_off + 576:kv_off + 576 + H * 192]
     if src == "k3tp1":
         return q, 0, y, kv_off
@@ -1122,6 +1125,7 @@ def _prep_sources(y, H: int, src: str, kv_off: int, q_off: int):
     (8, 32, "fused", [4095, 777, 2048, 5, 4000, 1, 3000, 0], [True] * 6 + [False, True]),
     (1, 96, "k3tp1", [2047], [True]),  # K3 at TP 1: the latent after q_a's 1536 rows, the query from q_b_proj
     (1, 48, "k3tp2", [300], [True]),  # K3 at TP 2: the gathered bf16 latent, the query from q_b_proj
+    (1, 32, "partials", [4095], [True]),  # the 48B's in_proj as its three K splits' partial sums (`PARTIALS`)
 ])
 def test_mla_prep_on_gpu(B, H, src, lengths, valid):
     """Compiled at the presets' MLA (n 128, v 128, R 512, P 64; Kimi-Linear-48B's 32 heads, K3's 96 and 48 per rank),
@@ -1129,8 +1133,8 @@ def test_mla_prep_on_gpu(B, H, src, lengths, valid):
     as the attention kernel takes it, q_pe bitwise, the entry to one bf16 rounding, every other slot kept)."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
-    kv_off = 1536 if src != "fused" else 0
-    y, w, nw, kv, length, ok = _prep_case(B, H, 128, 128, 512, 64, 4096, 576 if src == "fused" else 0, kv_off,
+    kv_off = 1536 if src.startswith("k3") else 0
+    y, w, nw, kv, length, ok = _prep_case(B, H, 128, 128, 512, 64, 4096, 0 if src.startswith("k3") else 576, kv_off,
                                           lengths, valid)
     q_src, qo, kv_src, ko = _prep_sources(y, H, src, kv_off, 576)
     args = (q_src, qo, kv_src, ko, w, 128, nw, 1e-6, kv, length, ok, jnp.bfloat16)
@@ -1142,135 +1146,6 @@ def test_mla_prep_on_gpu(B, H, src, lengths, valid):
     _prep_agree(got, ref)
     changed = {tuple(x) for x in np.argwhere((np.asarray(got[2], np.float32) != before).any(-1))}
     assert changed == {(b, min(L, 4095)) for b, (L, o) in enumerate(zip(lengths, valid)) if o}
-
-
-# ------------------------------------------------------------------ moe_in
-def _moe_in_case(B: int, S: int, E: int, D: int = 2304, seed: int = 0):
-    """The residual p (bf16, rows of very different scale: 0.1 to 100), the attention's output as S partial sums of
-    unequal size (fp32), the norm's weight (bf16) and the router's weight (bf16, scaled as a trained router's)."""
-    r = np.random.default_rng(seed + 13 * B + S + E)
-    scale = np.geomspace(0.1, 100, B)[:, None]
-    p = jnp.asarray(r.standard_normal((B, D)) * scale, jnp.bfloat16)
-    a = jnp.asarray(r.standard_normal((S, B, D)) * scale * (1 + np.arange(S))[:, None, None] / S, jnp.float32)
-    nw = jnp.asarray(1 + 0.1 * r.standard_normal(D), jnp.bfloat16)
-    gate = jnp.asarray(r.standard_normal((E, D)) * D ** -0.5, jnp.bfloat16)
-    return p, a, nw, gate
-
-
-def _moe_in_agree(got, ref, p, a) -> None:
-    """moe_in against its reference: the normed row to one bf16 step of its value (2^-7 relative) in under 1% of its
-    elements (its mean of squares sums in another order, which moves rsqrt by float32 rounding and can flip the
-    rounding of xn; on a GPU XLA's reference may also add the S partial sums in another order than the kernel's s = 0,
-    1, ..., which can flip the rounding of h to bf16), the logits to 1e-3 of their largest (their D products are
-    exact in fp32 and sum in another order; a few xn one step apart move them by far less; a missing partial sum moves
-    them by more than 1e-2: test_moe_in_matches_reference)."""
-    xg, lg = (np.asarray(x, np.float32) for x in got)
-    xr, lr = (np.asarray(x, np.float32) for x in ref)
-    assert xg.shape == xr.shape and lg.shape == lr.shape
-    np.testing.assert_allclose(xg, xr, rtol=2 ** -7, atol=0)
-    assert (xg != xr).mean() < 0.01  # one rounding, and rarely
-    np.testing.assert_allclose(lg, lr, rtol=0, atol=1e-3 * np.abs(lr).max())
-
-
-@pytest.mark.parametrize("B,S,E,config", [
-    (1, 4, 64, None),  # the 48B's KDA layers: gemv_gnorm's 4 K splits, 64 routed experts kept by the benches
-    (1, 1, 256, None),  # the MLA layers' o_proj (XLA's dot: one sum), all 256 experts
-    (3, 2, 64, dict(be=16, chunk=128)),
-    (8, 1, 32, dict(be=32)),
-    (2, 0, 64, dict(be=1)),  # no partial sums (XLA added them: p is the residual), a program per expert
-])
-def test_moe_in_matches_reference(B, S, E, config):
-    """Interpret mode against the MoE block's own math (`reference`: the residual add, RMSNorm in bf16, the fp32 logits
-    of XLA's router) at the 48B's hidden size, rows of scale 0.1 to 100 (`_moe_in_agree`); a partial sum left out
-    moves the logits far outside the bound."""
-    from jaxk3.kernels import moe_in as M
-
-    p, a, nw, gate = _moe_in_case(B, max(S, 1), E)
-    a = a if S else None
-    c = M.Config(**config) if config else None
-    k = kernels.REGISTRY["moe_in"]
-    assert k.fits(p, a, nw, gate, 1e-6, config=c, only_where_faster=False) is None
-    ref = k.reference(p, a, nw, gate, 1e-6)
-    _moe_in_agree(k.device(p, a, nw, gate, 1e-6, config=c, interpret=True), ref, p, a)
-    alt = a[-1:] * (S > 1) if S else jnp.ones((1, *p.shape), jnp.float32)  # the last partial alone; p + 1
-    off = k.reference(p, alt, nw, gate, 1e-6)[1]
-    assert np.abs(np.asarray(off) - np.asarray(ref[1])).max() > 1e-2 * np.abs(np.asarray(ref[1])).max()
-
-
-def test_moe_in_residual_is_ffn_sources():
-    """The residual moe_in norms is what the stream carries on (attn_res.ffn_sources with the summed output), bitwise."""
-    from jaxk3.kernels import moe_in as M
-    from jaxk3.kernels.gemv import add_splits
-    from jaxk3.layers import attn_res
-
-    p, a, _, _ = _moe_in_case(2, 4, 8)
-    srcs, st = attn_res.ffn_sources(attn_res.Stream(p=p), add_splits(a), 0, None)
-    np.testing.assert_array_equal(np.asarray(M.residual(p, a), np.float32), np.asarray(st.p, np.float32))
-    assert len(srcs) == 1 and srcs[0] is st.p
-
-
-def test_moe_in_fits():
-    """`fits` names what does not suit the kernel; auto takes it only at measured shapes."""
-    from jaxk3.kernels import moe_in as M
-
-    s = jax.ShapeDtypeStruct
-    args = (s((1, 2304), jnp.bfloat16), s((4, 1, 2304), jnp.float32), s((2304,), jnp.bfloat16),
-            s((64, 2304), jnp.bfloat16), 1e-6)
-    assert M.fits(*args, only_where_faster=False) is None
-    assert (M.fits(*args) is None) == ((1, 64, 2304) in M.MEASURED)
-    if (1, 64, 2304) not in M.MEASURED:
-        assert "was not measured" in M.fits(*args)
-    assert "partial sums a [S, B, D]" in M.fits(args[0], s((1, 2304), jnp.float32), *args[2:], only_where_faster=False)
-    assert "B <= 8" in M.fits(s((9, 2304), jnp.bfloat16), s((1, 9, 2304), jnp.float32), *args[2:],
-                              only_where_faster=False)
-    assert "router's weight must be" in M.fits(*args[:3], s((64, 2048), jnp.bfloat16), 1e-6, only_where_faster=False)
-    assert "Config.chunk" in M.fits(*args, config=M.Config(chunk=96), only_where_faster=False)
-    assert "Config.be" in M.fits(*args[:3], s((48, 2304), jnp.bfloat16), 1e-6, config=M.Config(be=32),
-                                 only_where_faster=False)
-
-
-@pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
-@pytest.mark.parametrize("tp,layout,partials", [(1, "serving", True), (2, "serving", True), (1, "checkpoint", True),
-                                                (1, "serving", False)])
-def test_decode_adds_norms_and_routes_in_one_kernel(monkeypatch, fresh_steps, tp, layout, partials):
-    """A Kimi-Linear decode step whose MoE layers take `moe_in` (interpret mode, registered for the CPU): traced in every
-    decode step with the attention's output unsummed at TP 1 (KDA's o_proj through gemv_gnorm's K splits where that
-    kernel runs, else one sum) and summed over TP at TP 2, and the logits agree with kernels='off' to 2e-3 of
-    max|logit| (the normed row to one bf16 rounding, as test_moe_in_matches_reference; a flipped near-tie of the
-    router would move them by far more); two ragged rows.  `moe_in.PARTIALS` off: XLA adds them and the kernel norms
-    and routes the residual (no partial sums: None)."""
-    from small_models import tiny_kimi_linear_4l
-
-    from jaxk3.kernels import moe_in as M
-
-    monkeypatch.setattr(M, "PARTIALS", partials)
-    calls = _on_cpu(monkeypatch, "moe_in", 0)
-    cfg = tiny_kimi_linear_4l()
-    a, b = _off_and_auto(cfg, [[5, 6, 7, 8], [9, 3, 2]], calls, tp=tp, layout=layout)
-    moe_layers = sum(f == "moe" for f in cfg.layer_ffn)
-    assert moe_layers >= 1 and len(calls) >= moe_layers and all(c == (2, cfg.hidden_size) for c in calls), calls
-    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,S,E,config", [(1, 4, 64, None), (1, 1, 64, None), (1, 4, 256, None), (8, 4, 64, None),
-                                          (8, 1, 256, None), (1, 0, 64, dict(be=1)), (1, 4, 64, dict(be=1)),
-                                          (8, 0, 256, dict(be=2))])
-def test_moe_in_on_gpu(B, S, E, config):
-    """Compiled at the 48B's hidden size (2304) with its routers (64 experts as the benches keep, 256 as the model has),
-    o_proj's 4 K splits (KDA), one sum (MLA) or none (`PARTIALS` off: XLA's add), B 1 and 8, in the default tiling and a
-    program per expert or two, against the reference at full float32 precision: the bounds of the interpret test."""
-    if jax.default_backend() == "cpu":
-        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
-    from jaxk3.kernels import moe_in as M
-
-    p, a, nw, gate = _moe_in_case(B, max(S, 1), E)
-    a = a if S else None
-    c = M.Config(**config) if config else None
-    got = jax.jit(lambda p, a, nw, g: kernels.call("moe_in", p, a, nw, g, 1e-6, config=c, mode="on"))(p, a, nw, gate)
-    with jax.default_matmul_precision("highest"):
-        ref = kernels.REGISTRY["moe_in"].reference(p, a, nw, gate, 1e-6)
-    _moe_in_agree(got, ref, p, a)
 
 
 # ------------------------------------------------------------------ kda_prefill
@@ -1594,7 +1469,7 @@ def test_status_says_what_auto_does():
     assert not [n for n, v in gpu.items() if v.startswith("reference: unproven")]
     assert set(kernels.REGISTRY) == {"gemv", "gemv_gnorm", "gemv_norm", "kda_decode", "kda_decode_in", "kda_prefill",
                                      "mla_decode", "mla_decode_uv", "mla_prefill", "mla_prep", "moe_experts",
-                                     "moe_experts_routed", "moe_grouped", "moe_in", "rms_norm", "router_topk"}
+                                     "moe_experts_routed", "moe_grouped", "rms_norm", "router_topk"}
     assert "1.23x XLA at Kimi-Linear-48B B=1" in kernels.speeds()["moe_experts"]
 
 

@@ -116,20 +116,3 @@ def test_mla_prep_lowers_from_partial_sums():
     assert MP.fits(p, R + P, p, 0, rest[0], n, rest[1], 1e-6, *rest[2:], BF16, out_dtype=BF16) is None
     assert lower(lambda p, w, nw, kv, ln, ok: MP.mla_prep(p, R + P, p, 0, w, n, nw, 1e-6, kv, ln, ok, BF16,
                                                           out_dtype=BF16), p, *rest) == 1
-
-
-@pytest.mark.parametrize("B,S,E,be", [(1, 4, 64, 8), (1, 1, 256, 8), (8, 4, 64, 8), (1, 0, 64, 1), (1, 4, 64, 1)])
-def test_moe_in_lowers(B, S, E, be):
-    """The 48B's MoE input (hidden 2304 in nine parts of 256) with o_proj's 4 K splits (KDA), one sum (MLA) or none
-    (XLA's add), 8 experts a program or one."""
-    from jaxk3.kernels import moe_in as M
-
-    D = _cfg48().hidden_size
-    c = M.Config(be=be)
-    a = SD((S, B, D), jnp.float32) if S else None
-    args = (SD((B, D), BF16), SD((D,), BF16), SD((E, D), BF16))
-    assert M.fits(args[0], a, *args[1:], 1e-6, config=c, only_where_faster=False) is None
-    if a is None:
-        assert lower(lambda p, nw, g: M.moe_in(p, None, nw, g, 1e-6, config=c), *args) == 1
-    else:
-        assert lower(lambda p, a, nw, g: M.moe_in(p, a, nw, g, 1e-6, config=c), args[0], a, *args[1:]) == 1

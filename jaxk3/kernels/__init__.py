@@ -20,4 +20,4 @@ from __future__ import annotations
 from jaxk3.kernels.registry import (MODES, REGISTRY, Kernel, KernelUnavailableError, active, call,  # noqa: F401
                                     explain, register, speeds, status)
 from jaxk3.kernels import (attn_res_norm, gemv, kda_decode, kda_prefill, mla_decode, mla_prefill,  # noqa: E402,F401,I001
-                           mla_prep, moe_experts, moe_grouped, moe_in, rms_norm, router)
+                           mla_prep, moe_experts, moe_grouped, rms_norm, router)

@@ -20,7 +20,8 @@ False) took 7.2 us and made the step 16 us slower.
 
 A source may also be a GEMV's partial sums over its K splits [S, B, X] (jaxk3.kernels.gemv, `sums=True`): the kernel
 adds them as it reads its values, so that XLA's kernel adding the 48B in_proj's three splits before this custom call
-(1.3 us a layer) goes too.  The MLA layer hands them over only with `PARTIALS` on (unmeasured: off).
+(1.3 us a layer) goes too.  The MLA layer hands them over with `PARTIALS` on (the default since the tenth session's
+census: the MLA layer 1.2-1.6 us faster, 7 launches a step fewer).
 
 The grid is (row, head, block of `Config.br` latent columns): a program reads its head's q_nope and its [n, br] tile of
 W_UK in place (kv_b_proj viewed [H, n + v, R]) in chunks of `Config.bk` rows and writes its columns of ql; the
@@ -133,9 +134,13 @@ def mla_prep(q_src, q_off: int, kv_src, kv_off: int, w_kvb_HXR, n: int, norm_w_R
 
 # Whether the MLA layer hands this kernel in_proj's partial sums over the GEMV's K splits ([3, B, 6720] at the 48B) to add
 # as it reads them, instead of their sum, which XLA then adds in a kernel of its own before this one (1.32 us a layer in
-# the 48B census, call 3 of the ninth session).  Built after that session's device time ran out: not measured, off;
-# `scripts/gpu/step_with_kernel.py mla_prep:PARTIALS=1 -- ...` times the step with it.
-PARTIALS = False  # (one row only: for B > 1 the GEMV's tensor-core form pads its rows to 16, whose slice is a copy)
+# the 48B census, call 3 of the ninth session).  Measured on an H200 (tenth session, docs/PERF.md): the census of layers
+# 0-3 with it (twice) put the MLA layer at 39.1 and 38.7 us in 5 kernels against 40.3 in 6, this kernel unchanged (5.56-
+# 5.72 us); the step A/Bs (one process each) 2502.9 against 2542.1 us at 4K and 2664.4 against 2832.1 at 32K (a noisy
+# main process there: its spread 2620-3242), 7 launch ops fewer, the same greedy tokens.  Where this kernel does not run,
+# its reference adds the partials (XLA, as before).  `scripts/gpu/step_with_kernel.py mla_prep:PARTIALS=0 -- ...` times
+# the step without.
+PARTIALS = True  # (one row only: for B > 1 the GEMV's tensor-core form pads its rows to 16, whose slice is a copy)
 
 # The MLA steps where the 48B step was measured faster with this kernel on an H200; auto takes it only there
 # (2026-12-03, ninth session, scripts/gpu/ab_call.sh, Kimi-Linear-48B at B = 1 and a 4K cache: 2469.7 and 2470.5 us a

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxk3 import collectives, kernels
-from jaxk3.kernels import gemv, moe_in
+from jaxk3.kernels import gemv
 from jaxk3.kernels.rms_norm import rms_norm_as
 
 F32 = jnp.float32
@@ -42,13 +42,9 @@ class Normed:
     their prologue (the `gemv_norm` kernel, where auto takes it) rather than XLA in two kernels of its own
     before them (the MoE block's router has such a form too, not taken: jaxk3.kernels.router).  `value()`
     is the normed array (what every other reader gets; XLA computes it once however many readers ask)."""
-    h: jax.Array  # [B, D] the residual stream (with `add`: before the attention block's output is added)
+    h: jax.Array  # [B, D] the residual stream
     w: jax.Array  # [D] the norm weight
     eps: float
-    # [S, B, D] fp32: the attention block's output as partial sums not yet added (the MoE block's input at decode,
-    # Kimi-Linear): the residual is then `residual()` = (h + Σ_s add[s]) in h's dtype, which the `moe_in` kernel forms
-    # with its norm and the router's logits (jaxk3.kernels.moe_in); every other reader gets it computed by XLA
-    add: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -62,12 +58,8 @@ class Normed:
     def ndim(self) -> int:
         return self.h.ndim
 
-    def residual(self) -> jax.Array:
-        """The residual the norm is of: h, or h + Σ add in h's dtype."""
-        return self.h if self.add is None else moe_in.residual(self.h, self.add)
-
     def value(self) -> jax.Array:
-        return rms_norm_as(self.residual(), self.w, self.eps)
+        return rms_norm_as(self.h, self.w, self.eps)
 
 
 def value(x: jax.Array | Normed) -> jax.Array:
@@ -83,13 +75,13 @@ def linear(x_BD: jax.Array | Normed, w_FD: jax.Array, tp: TP | str | None = None
     computed first.  `sums` (a [B, D] input): the kernel's partial sums over its K splits [S, B, F]
     (their sum is the product; XLA's dot: S = 1) for a consumer that adds them as it reads them, where a
     custom call would otherwise wait for an XLA kernel adding them."""
-    if isinstance(x_BD, Normed) and x_BD.add is None:
+    if isinstance(x_BD, Normed):
         mode = kernel_mode(tp)
         args = (x_BD.h, w_FD)
         kw = dict(norm_w=x_BD.w, eps=x_BD.eps)
         if x_BD.h.ndim == 2 and kernels.explain("gemv_norm", *args, mode=mode, **kw).startswith("device"):
             return kernels.call("gemv_norm", *args, mode=mode, sums=sums, **kw)
-    x_BD = value(x_BD)
+        x_BD = x_BD.value()
     if x_BD.ndim != 2:
         y = jnp.einsum("...d,fd->...f", x_BD.astype(w_FD.dtype), w_FD, preferred_element_type=F32)
         return y[None] if sums else y
@@ -108,15 +100,6 @@ def split(y_NX: jax.Array, widths) -> list[jax.Array]:
     if off != y_NX.shape[-1]:
         raise ValueError(f"split: parts {list(widths)} add up to {off}, the fused output has {y_NX.shape[-1]}")
     return out
-
-
-def psum_sums(p_SBD: jax.Array, tp: TP | str | None) -> jax.Array:
-    """`psum` of a row-parallel product given as partial sums [S, B, D] (`linear(..., sums=True)`): the partials as
-    they are where there is no TP axis or it has one rank (a consumer adds them), else their sum psummed [1, B, D]."""
-    tp = as_tp(tp)
-    if tp is None or lax.axis_size(tp.axis) == 1:
-        return p_SBD
-    return psum(gemv.add_splits(p_SBD), tp)[None]
 
 
 def psum(x: jax.Array, tp: TP | str | None) -> jax.Array:

@@ -31,7 +31,7 @@ from jaxk3 import kernels
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels.kda_decode import CoreWeights, glue, kda_gate, l2norm
 from jaxk3.kernels.rms_norm import gated_rms_norm
-from jaxk3.layers.common import F32, TP, Normed, kernel_mode, linear, psum, psum_sums, split
+from jaxk3.layers.common import F32, TP, Normed, kernel_mode, linear, psum, split
 from jaxk3.params import COL, REP, ROW, Buffer, Fuse, Param, weight
 
 
@@ -102,24 +102,22 @@ def cache_abstract(cfg: KimiK3Config, batch: int) -> KDACache:
                     state=Buffer((batch, cfg.kda_num_heads, d, d), "fp32", tp_dim=1))
 
 
-def _core_then_gnorm_o_proj(cfg: KimiK3Config, w: KDAWeights, args: tuple, dt, mode: str, tp, sums: bool = False):
+def _core_then_gnorm_o_proj(cfg: KimiK3Config, w: KDAWeights, args: tuple, dt, mode: str, tp):
     """kda_decode_in leaving o un-normed, then o_proj with the gated per-head norm in its prologue (`gemv_gnorm`),
-    where that kernel runs: (out_BD, or with `sums` its partial sums [S, B, D], new conv, new state); else None."""
+    where that kernel runs: (out_BD, new conv, new state); else None."""
     o_sd = jax.ShapeDtypeStruct((args[1].shape[0], w.o_proj.shape[1]), jnp.float32)
     gargs = (o_sd, o_sd, w.o_norm, cfg.rms_norm_eps, w.o_proj, dt)
     if not kernels.explain("gemv_gnorm", *gargs, mode=mode).startswith("device"):
         return None
     o_BC, z_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode, gated=False)
-    out = kernels.call("gemv_gnorm", o_BC, z_BC, w.o_norm, cfg.rms_norm_eps, w.o_proj, dt, mode=mode, sums=sums)
-    return (psum_sums(out, tp) if sums else psum(out, tp)), new_conv, new_state
+    out = kernels.call("gemv_gnorm", o_BC, z_BC, w.o_norm, cfg.rms_norm_eps, w.o_proj, dt, mode=mode)
+    return psum(out, tp), new_conv, new_state
 
 
 def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array | Normed, conv_B3CW: jax.Array,
-             state_BHKV: jax.Array, valid_B: jax.Array, tp: TP | str | None, sums: bool = False
-             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+             state_BHKV: jax.Array, valid_B: jax.Array, tp: TP | str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KDA decode step on the normed input (or a `Normed`, which the first GEMV norms).  Returns (out_BD fp32
-    summed over TP, new conv_B3CW, new state_BHKV); `sums`: out as o_proj's partial sums [S, B, D] (`psum_sums`), for
-    a consumer that adds them (jaxk3.kernels.moe_in)."""
+    summed over TP, new conv_B3CW, new state_BHKV)."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
     cw = core_weights(w)
@@ -129,7 +127,7 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array | Normed, conv_B3
         y_BX = linear(x_BD, w.in_proj, tp)  # [q | k | v | f_a | b | g_a], fp32
         args = (cfg, y_BX, w.gate_b_proj, conv_B3CW, cw, state_BHKV, valid_B)
         if kernels.explain("kda_decode_in", *args, mode=mode).startswith("device"):  # the glue inside the kernel
-            out = _core_then_gnorm_o_proj(cfg, w, args, dt, mode, tp, sums)
+            out = _core_then_gnorm_o_proj(cfg, w, args, dt, mode, tp)
             if out is not None:
                 return out
             o_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode)
@@ -141,8 +139,8 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array | Normed, conv_B3
         u_B3C, f_BC, beta_BH, z_BC = parts
         o_BC, new_conv, new_state = kernels.call(
             "kda_decode", cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, mode=mode)
-    out = linear(o_BC.astype(dt), w.o_proj, tp, sums=sums)
-    return (psum_sums(out, tp) if sums else psum(out, tp)), new_conv, new_state
+    out_BD = psum(linear(o_BC.astype(dt), w.o_proj, tp), tp)
+    return out_BD, new_conv, new_state
 
 
 def projections(cfg: KimiK3Config, w: KDAWeights, x_ND: jax.Array, tp: TP | str | None = None

@@ -28,7 +28,7 @@ from jaxk3 import collectives, kernels
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels import gemv, mla_prep
 from jaxk3.kernels.rms_norm import rms_norm
-from jaxk3.layers.common import F32, TP, as_tp, kernel_mode, linear, psum, psum_sums, split
+from jaxk3.layers.common import F32, TP, as_tp, kernel_mode, linear, psum, split
 from jaxk3.params import COL, LATENT, REP, ROW, Buffer, Fuse, weight
 
 
@@ -142,11 +142,10 @@ def input_projections(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp: TP 
 
 def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,
              valid_B: jax.Array, tp: TP | str | None, shard_latent: bool = True, gather: str | None = None,
-             sums: bool = False) -> tuple[jax.Array, jax.Array]:
+             ) -> tuple[jax.Array, jax.Array]:
     """One MLA decode step.  `length_B` = tokens already cached per row (this token's slot).
 
-    Returns (out_BD fp32 summed over TP, new kv_BSR).  Rows with `valid_B == False` are not written.  `sums`: out as
-    o_proj's partial sums [S, B, D] (`psum_sums`), for a consumer that adds them (jaxk3.kernels.moe_in).
+    Returns (out_BD fp32 summed over TP, new kv_BSR).  Rows with `valid_B == False` are not written.
     """
     B, S = x_BD.shape[0], kv_BSR.shape[1]
     dt = x_BD.dtype
@@ -183,8 +182,7 @@ def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Arra
     o_BF = o_BHV.reshape(B, -1)
     if g_BF is not None:
         o_BF = o_BF * jax.nn.sigmoid(g_BF)
-    out = linear(o_BF.astype(dt), w.o_proj, tp, sums=sums)
-    return (psum_sums(out, tp) if sums else psum(out, tp)), kv_BSR
+    return psum(linear(o_BF.astype(dt), w.o_proj, tp), tp), kv_BSR
 
 
 def mla_prefill(cfg: KimiK3Config, w: MLAWeights, x_BTD: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,

@@ -215,26 +215,17 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     over all tokens at once (dense GEMMs over the local experts, in token blocks) instead of
     per-token GEMVs (decode): jaxk3.kernels.moe_grouped has the forms (dense GEMMs over the local
     experts in token blocks, today's path; the grouped-GEMM kernel; `experts_grouped`, ragged_dot).
-    A `Normed` input (decode) is normed by the routing kernels (`_route_normed`) where they run, or, given with the
-    attention's output still to add (`Normed.add`), formed, normed and routed by `moe_in` (jaxk3.kernels.moe_in); at
-    decode the Kimi-Linear experts may also take the router's logits and select inside their kernels
-    (`_experts_routed`)."""
+    A `Normed` input (decode) is normed by the routing kernels (`_route_normed`) where they run; at decode the
+    Kimi-Linear experts may also take the router's logits and select inside their kernels (`_experts_routed`)."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
     experts = functools.partial(_experts_prefill if grouped else _experts_decode, mode=mode)
-    routed = logits_BE = None
-    if isinstance(x_BD, Normed):  # the residual add (`Normed.add`), the norm and the logits in `moe_in`?
-        args = (x_BD.h, x_BD.add, x_BD.w, w.gate, x_BD.eps)
-        if x_BD.add is not None or kernels.explain("moe_in", *args, mode=mode).startswith("device"):
-            x_BD, logits_BE = kernels.call("moe_in", *args, mode=mode)  # its reference is XLA's path below
-        else:
-            routed = _route_normed(cfg, w, x_BD, mode)
+    routed = _route_normed(cfg, w, x_BD, mode) if isinstance(x_BD, Normed) else None
     if routed is not None:
         w_Bk, ids_Bk, x_BD = routed
     else:
-        if logits_BE is None:
-            x_BD = value(x_BD)
-            logits_BE = router_logits(w.gate, x_BD)
+        x_BD = value(x_BD)
+        logits_BE = router_logits(w.gate, x_BD)
         if w.routed_expert_down_proj is None and not grouped:  # Kimi-Linear decode: the selection in the kernels?
             out = _experts_routed(cfg, w, x_BD, logits_BE, mode, tp)
             if out is not None:

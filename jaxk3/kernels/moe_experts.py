@@ -34,7 +34,9 @@ kernel 2.  One token only: two forms for B > 1 (every program planning the disti
 kernel before the two) made the 48B step 23% and 12% slower on an H200 and were removed (docs/PERF.md).
 Nor does the block's input norm go into these kernels: two forms (the row normed again in every program of kernel 1;
 the router's normed GEMV writing the normed row for kernel 1) took 44 XLA kernels a step away and made the 48B step
-3.5% slower, and were removed (seventh session; commit 023775a holds the second).
+3.5% slower, and were removed (seventh session; commit 023775a holds the second).  Nor a kernel of its own before
+them: `moe_in` (the residual add of o_proj's partial sums, the input norm and the router's logits in one) took 5.2-6.9
+us where XLA's four took 4.1-5.8, and made the step 41-82 us slower in three forms (tenth session; commit 86e1896).
 """
 from __future__ import annotations
 

@@ -186,4 +186,5 @@ def fits(q_src, q_off: int, kv_src, kv_off: int, w_kvb_HXR, n: int, norm_w_R, ep
 # (tests/test_kernels.py::test_mla_prep_on_gpu), and the 48B step at B = 1 (MEASURED).
 register(Kernel("mla_prep", reference, mla_prep, platforms=("gpu",), fits=fits,
                 measured="B=1, Kimi-Linear-48B TP 1, 4K cache: the step 21-26 us faster with it (2469.7-2470.5 vs "
-                         "2491.3-2496.6 us), 28 fewer kernels; elsewhere not measured (H200, jax 0.11.2, 2026-12-03)"))
+                         "2491.3-2496.6 us), 28 fewer kernels; adding in_proj's partial sums itself (PARTIALS) 2438.0 "
+                         "vs 2492.1 us, 7 fewer; elsewhere not measured (H200, jax 0.11.2, 2026-12-03)"))

@@ -52,4 +52,9 @@ if [ -n "${CENSUS:-}" ]; then
   echo "census rc $?"; grep -E "^(layer|head|total|kernels per step)" "$OUT/ab_census.log" | cut -c1-200
   tar -C /tmp -czf "$OUT/ab_census_hlo.tgz" jaxk3_ab_hlo 2>/dev/null || true
 fi
+# The device tool brings back at most 8 files from $OUT: past that, everything this call wrote goes into one archive.
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+  tar -C "$OUT" -czf /tmp/ab_call_all.tgz . && find "$OUT" -mindepth 1 -delete && mv /tmp/ab_call_all.tgz "$OUT/ab_all.tgz" \
+    && echo "more than 8 files: packed into $OUT/ab_all.tgz"
+fi
 echo "== done ($(date -u +%T))"

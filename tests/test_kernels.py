@@ -1060,13 +1060,18 @@ def test_mla_prep_matches_reference(B, H, n, v, R, P, S, q_off, kv_off, lengths,
     assert np.abs(wrong - ref[0]).max() > 100 * tol * np.abs(ref[0]).max()
 
 
+def _partial_sums(y, S: int):
+    """S partial sums of unequal size [S, B, X] made from a GEMV output y [B, X], as the GEMV's K splits leave them."""
+    return jnp.stack([y * (0.5 + i) for i in range(S)]) / (S * (S + 1) / 2 if S > 1 else 1)
+
+
 @pytest.mark.parametrize("S", [1, 3])
 def test_mla_prep_adds_the_gemv_partial_sums(S):
     """`mla_prep.PARTIALS`: the sources are a GEMV's partial sums over its K splits [S, B, X] (the 48B's in_proj: 3),
     which the kernel adds as it reads them; the reference adds them first (XLA).  The bounds of
     test_mla_prep_matches_reference (the adds in the same order: q_pe and the cache agree bitwise here)."""
     y, w, nw, kv, length, ok = _prep_case(2, 32, 128, 128, 512, 64, 64, 576, 0, [10, 63], [True, True])
-    p = jnp.stack([y * (0.5 + i) for i in range(S)]) / (S * (S + 1) / 2 if S > 1 else 1)  # partials of unequal size
+    p = _partial_sums(y, S)
     args = (p, 576, p, 0, w, 128, nw, 1e-6, kv, length, ok, jnp.bfloat16)
     _prep_interpret(args)
     ref = kernels.REGISTRY["mla_prep"].reference
@@ -1110,8 +1115,8 @@ def _prep_sources(y, H: int, src: str, kv_off: int, q_off: int):
     at TP > 1) the gathered latent in the activation dtype (bf16) and the query from q_b_proj."""
     if src == "fused":
         return y, q_off, y, kv_off
-    if src == "partials":  # `PARTIALS`: the GEMV's three K splits' partial sums [3, B, X] (unequal parts of y)
-        p = jnp.stack([y * 0.25, y * 0.5, y * 0.25])
+    if src == "partials":  # `PARTIALS`: the GEMV's three K splits' partial sums [3, B, X]
+        p = _partial_sums(y, 3)
         return p, q_off, p, kv_off
     q = y[:, kv_off + 576:kv_off + 576 + H * 192]
     if src == "k3tp1":

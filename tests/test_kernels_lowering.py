@@ -116,33 +116,3 @@ def test_mla_prep_lowers_from_partial_sums():
     assert MP.fits(p, R + P, p, 0, rest[0], n, rest[1], 1e-6, *rest[2:], BF16, out_dtype=BF16) is None
     assert lower(lambda p, w, nw, kv, ln, ok: MP.mla_prep(p, R + P, p, 0, w, n, nw, 1e-6, kv, ln, ok, BF16,
                                                           out_dtype=BF16), p, *rest) == 1
-
-
-@pytest.mark.parametrize("kernel", ["kda_decode_in", "mla_decode_uv"])
-def test_prefetch_lowers(kernel, monkeypatch):
-    """The L2 prefetch's extra programs (jaxk3.kernels.prefetch) in the two kernels that carry it, with the 48B's
-    o_proj [2304, 4096] as the weight: `kda_decode_in` (un-gated, as the layer calls it before `gemv_gnorm`) and the
-    MLA merge at a 4K cache."""
-    from jaxk3.kernels import kda_decode as KD
-    from jaxk3.kernels import mla_decode as MD
-    from jaxk3.kernels import prefetch as pf
-
-    cfg = _cfg48()
-    w = SD((cfg.hidden_size, cfg.num_attention_heads * cfg.v_head_dim), BF16)
-    assert pf.plan(w, 32, 128) is not None
-    if kernel == "kda_decode_in":
-        monkeypatch.setattr(KD, "PREFETCH", 128)
-        C, H, d, K = cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
-        f32 = jnp.float32
-        cw = KD.CoreWeights(conv_3CK=S((3, C, K), f32), dt_bias_C=S((C,), f32), A_log_H=S((H,), f32),
-                            o_norm_K=S((d,), f32))
-        args = (S((1, 3 * C + 2 * d + H), f32), S((2, C, d), BF16), S((1, 3, C, K - 1), BF16), cw,
-                S((1, H, d, d), f32), S((1,), jnp.bool_))
-        assert lower(lambda w, *a: KD.kda_decode_in(cfg, *a, gated=False, prefetch=w), w, *args) == 1
-    else:
-        monkeypatch.setattr(MD, "PREFETCH", 128)
-        H, R, P, n, v = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
-                         cfg.v_head_dim)
-        args = (SD((1, H, R), jnp.float32), SD((1, H, P), jnp.float32), SD((1, 4096, R + P), BF16),
-                SD((1,), jnp.int32), SD((H, n + v, R), BF16))
-        assert lower(lambda w, q, p, kv, ln, wk: MD.mla_decode_uv(q, p, kv, ln, 0.07, wk, n, prefetch=w), w, *args) == 2

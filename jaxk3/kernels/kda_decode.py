@@ -94,12 +94,11 @@ class Config:
     num_warps: int = 4
 
 
-def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int, int, int] | None, ids=None):
+def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int, int, int] | None):
     """`fused` None: the inputs are the projections' parts (u, f, beta; z is the wrapper's).  `fused` = (C, H, d):
     the in_proj GEMV's raw output y = [q | k | v | f_a | b | g_a] (fp32) and the stacked low-rank weights
     [f_b, g_b] [2, C, d]: the program takes its parts of y, casts them as the reference does, forms f (its head's
-    channels) and z (its value channels) by the two low-rank products, and writes z for the wrapper's norm.
-    `ids`: the program's (row, head, value block), where a prefetch wrapper (jaxk3.kernels.prefetch) calls it."""
+    channels) and z (its value channels) by the two low-rank products, and writes z for the wrapper's norm."""
     from jax.experimental import pallas as pl
 
     if fused:
@@ -108,7 +107,7 @@ def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int,
     else:
         u_ref, conv_ref, cw_ref, dtb_ref, alog_ref, f_ref, beta_ref, s_ref, valid_ref, o_ref, conv_out_ref, s_out_ref = refs
     dt = conv_out_ref.dtype
-    b, h, j = ids or (pl.program_id(0), pl.program_id(1), pl.program_id(2))  # ids: jaxk3.kernels.prefetch.wrap's
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ch = pl.ds(h * Kd, Kd)  # the head's q/k channels (every program recomputes them: K taps of Kd values)
     cv = pl.ds(h * Kd + j * bv, bv)  # this program's value channels
     vs = pl.ds(j * bv, bv)  # its columns of the state
@@ -227,30 +226,21 @@ IN_MEASURED = {(1, 4096, 32, 128, jnp.dtype(jnp.bfloat16))}
 
 
 def fused_reference(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, config: Config | None = None,
-                    only_where_faster: bool = True, gated: bool = True, prefetch: jax.Array | None = None):
+                    only_where_faster: bool = True, gated: bool = True):
     """`kda_decode_in`'s reference: `glue`, then `decode_core` (what the layer computes without the kernel).
-    `gated` False: (o before the gated norm, z, new conv, new state), for o_proj's prologue to norm.  `prefetch`
-    (the kernel's L2 prefetch) changes nothing here."""
+    `gated` False: (o before the gated norm, z, new conv, new state), for o_proj's prologue to norm."""
     u, f, beta, z = glue(cfg, y_BX, gate_b_2Cd, conv_B3CW.dtype)
     o, conv, state = decode_core(cfg, u, conv_B3CW, cw, f, beta, z, state_BHKV, valid_B, gated=gated)
     return (o, conv, state) if gated else (o, z, conv, state)
 
 
-# L2 prefetch (jaxk3.kernels.prefetch): about this many extra programs of `kda_decode_in` read the weight handed to it
-# as `prefetch` (o_proj's, which the GEMV after it streams); 0: none.  Module-level, so that a step A/B can set it.
-PREFETCH = 0
-
-
 def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, interpret: bool = False,
-                  config: Config | None = None, only_where_faster: bool = True, gated: bool = True,
-                  prefetch: jax.Array | None = None):
+                  config: Config | None = None, only_where_faster: bool = True, gated: bool = True):
     """The same function as `fused_reference`: the kernel reads in_proj's raw output and the low-rank weights
     itself (the XLA kernels that split, stack, cast and multiply them go), writing z beside o for the norm
-    (`gated` False: o and z as they are, the norm left to o_proj's prologue).  `prefetch`: a weight the next kernel
-    reads, pulled into L2 by `PREFETCH` more programs (jaxk3.kernels.prefetch; the results are the same)."""
+    (`gated` False: o and z as they are, the norm left to o_proj's prologue)."""
     from jax.experimental import pallas as pl
 
-    from jaxk3.kernels import prefetch as pf
     from jaxk3.kernels.registry import triton_params
 
     c = config or Config()
@@ -261,20 +251,13 @@ def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, int
     W = conv_B3CW.shape[-1]
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=(C, H, d))
-    grid = (B, H, Kd // bv)
-    args = [y_BX.astype(F32), gate_b_2Cd, conv_B3CW, cw.conv_3CK, cw.dt_bias_C.astype(F32), cw.A_log_H.astype(F32),
-            state_BHKV, valid_B.astype(jnp.int32)]
-    shapes = [jax.ShapeDtypeStruct((B, C), F32), jax.ShapeDtypeStruct((B, C), F32),
-              jax.ShapeDtypeStruct(conv_B3CW.shape, conv_B3CW.dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32)]
-    p = pf.plan(prefetch, H, PREFETCH) if prefetch is not None else None
-    if p is not None:
-        kernel, grid = pf.wrap(kernel, len(args), grid, p), pf.extend(grid, p)
-        args.append(pf.view(prefetch, p))
-        shapes.append(pf.out_shape(p))
-    o, z, conv, state, *_ = pl.pallas_call(
-        kernel, grid=grid, in_specs=[any_] * len(args), out_specs=[any_] * len(shapes), out_shape=tuple(shapes),
+    o, z, conv, state = pl.pallas_call(
+        kernel, grid=(B, H, Kd // bv), in_specs=[any_] * 8, out_specs=[any_] * 4,
+        out_shape=(jax.ShapeDtypeStruct((B, C), F32), jax.ShapeDtypeStruct((B, C), F32),
+                   jax.ShapeDtypeStruct(conv_B3CW.shape, conv_B3CW.dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32)),
         input_output_aliases={6: 3}, interpret=interpret, **triton_params(c.num_warps, 1, interpret),
-    )(*args)
+    )(y_BX.astype(F32), gate_b_2Cd, conv_B3CW, cw.conv_3CK, cw.dt_bias_C.astype(F32), cw.A_log_H.astype(F32),
+      state_BHKV, valid_B.astype(jnp.int32))
     if not gated:
         return o, z, conv, state
     o = gated_rms_norm(o.reshape(B, H, Kd), cw.o_norm_K, z.reshape(B, H, Kd), cfg.rms_norm_eps)

@@ -241,10 +241,10 @@ register(Kernel("mla_decode", reference, mla_decode, platforms=("gpu",), fits=fi
 # multiplies the merged latent by its W_UV rows.
 
 
-def _merge_uv_kernel(m_ref, l_ref, acc_ref, w_ref, o_ref, *, Hb: int, parts: int, pc: int, bv: int, v0: int, ids=None):
+def _merge_uv_kernel(m_ref, l_ref, acc_ref, w_ref, o_ref, *, Hb: int, parts: int, pc: int, bv: int, v0: int):
     from jax.experimental import pallas as pl
 
-    b, h, j = ids or (pl.program_id(0), pl.program_id(1), pl.program_id(2))  # ids: jaxk3.kernels.prefetch.wrap's
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g, hi = h // Hb, h % Hb
 
     def chunk(c):  # parts [c·pc, (c+1)·pc): pc a power of two dividing parts (which need not be one)
@@ -273,22 +273,15 @@ def uv_reference(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: jax
 UV_BLOCK = 32  # value rows per program of the merge (4 programs per head of 128 values)
 MERGE_PC = 8  # at most this many parts per step of the merge's loop (the largest power of two dividing parts)
 MERGE_STAGES = 1  # the merge loop's software pipelining (Triton num_stages)
-# L2 prefetch (jaxk3.kernels.prefetch): about this many extra programs of the merge kernel read the weight handed to
-# `mla_decode_uv` as `prefetch` (o_proj's, which the GEMV after it streams); 0: none.  Module-level for a step A/B.
-PREFETCH = 0
 
 
 def mla_decode_uv(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: jax.Array, v0: int,
                   interpret: bool = False, block_v: int = UV_BLOCK, merge_pc: int | None = None,
-                  merge_stages: int | None = None, prefetch: jax.Array | None = None, **kw) -> jax.Array:
+                  merge_stages: int | None = None, **kw) -> jax.Array:
     """`uv_reference`'s function: the attention kernel's parts, then one kernel merging them and applying W_UV (the
     rows v0: of each head's kv_b_proj rows, read in place: no slice of the weight is copied).  `merge_pc`, `merge_stages`:
-    the merge loop's parts per step and pipelining (MERGE_PC, MERGE_STAGES); `prefetch`: a weight the next kernel
-    reads, pulled into L2 by `PREFETCH` more programs of the merge (the result is the same); the rest of `kw` is
-    `mla_decode`'s."""
+    the merge loop's parts per step and pipelining (MERGE_PC, MERGE_STAGES); the rest of `kw` is `mla_decode`'s."""
     from jax.experimental import pallas as pl
-
-    from jaxk3.kernels import prefetch as pf
 
     B, H, R = ql_BHR.shape
     V = w_kvb_HXR.shape[1] - v0
@@ -298,16 +291,10 @@ def mla_decode_uv(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: ja
     pc = min(merge_pc or MERGE_PC, parts & -parts)  # a power of two dividing parts
     bv = min(block_v, V)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_merge_uv_kernel, Hb=Hb, parts=parts, pc=pc, bv=bv, v0=v0)
-    grid, args, shapes = (B, H, V // bv), [m, l, acc, w_kvb_HXR], [jax.ShapeDtypeStruct((B, H, V), F32)]
-    p = pf.plan(prefetch, H, PREFETCH) if prefetch is not None else None
-    if p is not None:
-        kernel, grid = pf.wrap(kernel, len(args), grid, p), pf.extend(grid, p)
-        args.append(pf.view(prefetch, p))
-        shapes.append(pf.out_shape(p))
     return pl.pallas_call(
-        kernel, grid=grid, in_specs=[any_] * len(args), out_specs=[any_] * len(shapes), out_shape=tuple(shapes),
-        interpret=interpret, **triton_params(4, merge_stages or MERGE_STAGES, interpret))(*args)[0]
+        functools.partial(_merge_uv_kernel, Hb=Hb, parts=parts, pc=pc, bv=bv, v0=v0), grid=(B, H, V // bv),
+        in_specs=[any_] * 4, out_specs=any_, out_shape=jax.ShapeDtypeStruct((B, H, V), F32), interpret=interpret,
+        **triton_params(4, merge_stages or MERGE_STAGES, interpret))(m, l, acc, w_kvb_HXR)
 
 
 # the MLA step's shapes (B, H, V) where the step was measured with the merge in one kernel (on an H200, 2026-12-02,

@@ -109,7 +109,7 @@ def _core_then_gnorm_o_proj(cfg: KimiK3Config, w: KDAWeights, args: tuple, dt, m
     gargs = (o_sd, o_sd, w.o_norm, cfg.rms_norm_eps, w.o_proj, dt)
     if not kernels.explain("gemv_gnorm", *gargs, mode=mode).startswith("device"):
         return None
-    o_BC, z_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode, gated=False, prefetch=w.o_proj)
+    o_BC, z_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode, gated=False)
     out = kernels.call("gemv_gnorm", o_BC, z_BC, w.o_norm, cfg.rms_norm_eps, w.o_proj, dt, mode=mode)
     return psum(out, tp), new_conv, new_state
 
@@ -130,7 +130,7 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array | Normed, conv_B3
             out = _core_then_gnorm_o_proj(cfg, w, args, dt, mode, tp)
             if out is not None:
                 return out
-            o_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode, prefetch=w.o_proj)
+            o_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode)
         else:
             parts = glue(cfg, y_BX, w.gate_b_proj, dt)
     else:

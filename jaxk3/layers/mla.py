@@ -175,7 +175,7 @@ def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Arra
     # -- absorbed attention over slots t <= length_B
     att = (ql_BHR, qpe_BHP, kv_BSR, length_B, (n + r) ** -0.5)
     if uv:
-        o_BHV = kernels.call("mla_decode_uv", *att, wkvb, n, mode=mode, prefetch=w.o_proj)
+        o_BHV = kernels.call("mla_decode_uv", *att, wkvb, n, mode=mode)
     else:
         olat_BHR = kernels.call("mla_decode", *att, mode=mode)
         o_BHV = jnp.einsum("bhr,hvr->bhv", olat_BHR, wkvb[:, n:].astype(F32))

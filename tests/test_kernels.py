@@ -1317,9 +1317,38 @@ def test_mla_prefill_fits():
     assert "registers" in M.fits(qn, qpe, kv, lim, wkvb, 0.07, config=M.Config(bm=64, num_warps=4))
 
 
+def test_mla_prefill_chooses_the_heads_form_where_the_chunk_is_much_of_the_cache(monkeypatch):
+    """Without a config, `attention_device` and `fits` take `choose`'s: the per-head form (HEADS) where S <= 8·T and
+    the expanded keys and values fit their budget (it was measured faster at S = T and S = 4T; a cache rounds up),
+    the absorbed form's defaults elsewhere and with HEADS_MAX_RATIO = 0; interpret mode agrees with the reference
+    either way (tolerance MLA_TOL, as test_mla_prefill_attention_forms)."""
+    from jaxk3.kernels import mla_prefill as M
+
+    s = jax.ShapeDtypeStruct
+    w48 = s((32, 256, 512), jnp.bfloat16)
+    q = lambda B, T: s((B, T, 32, 128), jnp.float32)  # noqa: E731
+    kv = lambda B, S: s((B, S, 576), jnp.bfloat16)  # noqa: E731
+    assert M.choose(q(1, 4096), kv(1, 4096), w48) == M.HEADS
+    assert M.choose(q(8, 1024), kv(8, 4096), w48) == M.HEADS
+    assert M.choose(q(8, 1024), kv(8, 4608), w48) == M.HEADS  # 3072 + 1024 + new tokens, rounded up to 512
+    assert M.choose(q(1, 512), kv(1, 8192), w48) == M.Config()  # S = 16T: the expansion would dominate
+    assert M.choose(q(8, 4096), kv(8, 16384), w48) == M.Config()  # 8.6 GB of expanded keys and values
+    monkeypatch.setattr(M, "HEADS_MAX_RATIO", 0)
+    assert M.choose(q(1, 4096), kv(1, 4096), w48) == M.Config()
+    monkeypatch.setattr(M, "HEADS_MAX_RATIO", 8)
+    qn, qpe, kvc, poisoned, limit, wkvb = _mla_heads_case(2, 32, 3, 64, 32, 16, 64, 16, [0, 20], [0, 5])
+    monkeypatch.setattr(M, "HEADS", M.Config(bm=16, bn=16, form="heads"))  # tiles of the tiny dims
+    assert M.choose(qn, poisoned, wkvb).form == "heads"
+    assert M.fits(qn, qpe, poisoned, limit, wkvb, 0.07) is None
+    got = np.asarray(M.attention_device(qn, qpe, poisoned, limit, wkvb, 0.07, interpret=True))
+    ref = np.asarray(M.attention(qn, qpe, kvc, limit, wkvb, 0.07))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=MLA_TOL * np.abs(ref).max())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [dict(), dict(bm=32, bn=32, num_warps=4), dict(bm=64, bn=32, num_warps=8),
-                                    dict(form="heads"), dict(form="heads", bm=64, bn=64)])
+                                    dict(form="heads"), dict(form="heads", bm=64, bn=64),
+                                    dict(form="heads", bm=64, bn=32, num_stages=3)])
 def test_mla_prefill_kernel_on_gpu(config):
     """Compiled (Triton), both forms, against the reference at full float32 precision at Kimi-Linear-48B's
     32 heads, 128 nope / 128 v / 512 + 64 latent, a 256-token chunk after a 700-slot prefix and one fresh

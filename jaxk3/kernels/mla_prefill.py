@@ -21,6 +21,12 @@ statistics and the rescaling stay float32.  tests/test_kernels.py works out the 
 Tiles (`Config`): bm rows (the dots' M) x bn slots; the fp32 accumulator [bm, R] lives in registers
 (bm·R / (32·num_warps) per thread, at most ACC_REGS), the q tile [bm, R + P] and the slot tile in
 shared memory (`smem_estimate`, the formula `mla_decode` measured; `fits` names a tiling over).
+
+The per-head form (`heads_prefill`, Config(form="heads")) expands each slot's per-head key W_UK[h] c_s and value
+W_UV[h] c_s first and runs a causal flash kernel per (row, head, token tile) on (N + P) and V wide dots: 320 columns
+a slot at Kimi-Linear-48B against the absorbed form's 1088.  The expansion covers every cache slot, so `choose`
+(what `attention_device` runs without a config) takes that form only where the chunk is a large part of the cache
+(HEADS_MAX_RATIO, HEADS_MAX_BYTES); on an H200 it ran 2.1-2.8x faster than the absorbed kernel there.
 """
 from __future__ import annotations
 
@@ -47,7 +53,30 @@ class Config:
     bn: int = 64  # cache slots per inner step
     num_warps: int = 4
     num_stages: int = 2
-    form: str = "absorbed"  # or "heads" (per-head keys and values expanded from the latents; unmeasured)
+    form: str = "absorbed"  # or "heads" (per-head keys and values expanded from the latents: `choose`)
+
+
+# The per-head form expands every cache slot's keys and values ([B·H, S, N + V] bf16) before its kernel, so it pays
+# where the chunk is a large part of the cache: `choose` takes it when S <= HEADS_MAX_RATIO · T (and the expansion
+# fits in HEADS_MAX_BYTES).  Measured on an H200 at Kimi-Linear-48B dims (2026-12-03, eleventh session;
+# scripts/gpu/prefill_attention.py): a 4096-token prompt (S = T) 1.018 ms against the absorbed form's 2.817 (XLA
+# 5.514); 8 x 1024 tokens after 3072 cached (S = 4T) 3.976 ms against 8.287 (XLA 12.283).  The ratio is 8, not the
+# 4 measured, because a cache is the prompt plus the new tokens rounded up to 512 slots (S = 4.5T for B = 8 and
+# chunks of 1024), and at S = 4T the expansion was a small part of the 2.1x win.  0: never.
+HEADS_MAX_RATIO = 8
+HEADS_MAX_BYTES = 1 << 30
+HEADS = Config(bm=64, bn=64, form="heads")  # the tiles of those two rows (compiled-tested on the H200)
+
+
+def choose(qn_BTHN, kv_BSR, wkvb_HXR) -> Config:
+    """The config `attention_device` runs without one: `HEADS` where the chunk's T tokens are at least 1 /
+    HEADS_MAX_RATIO of the cache's S slots and the expanded keys and values take at most HEADS_MAX_BYTES, else the
+    absorbed form's defaults (`Config()`)."""
+    B, T, H, N = qn_BTHN.shape
+    S, X = kv_BSR.shape[1], wkvb_HXR.shape[1]
+    if HEADS_MAX_RATIO and S <= HEADS_MAX_RATIO * T and B * H * S * X * 2 <= HEADS_MAX_BYTES:
+        return HEADS
+    return Config()
 
 
 def latent_attention_prefill(ql_BTHR: jax.Array, qpe_BTHP: jax.Array, kv_BSR: jax.Array, limit_BT: jax.Array,
@@ -197,8 +226,8 @@ def heads_prefill(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale: float, c
 def attention_device(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale: float, config: Config | None = None,
                      interpret: bool = False) -> jax.Array:
     """`attention` through a kernel: the absorbed flash kernel (`mla_prefill`, the default) or the per-head
-    one (`heads_prefill`, config.form == "heads")."""
-    c = config or Config()
+    one (`heads_prefill`, config.form == "heads"); without a config, `choose`'s."""
+    c = config or choose(qn_BTHN, kv_BSR, wkvb_HXR)
     if c.form == "heads":
         return heads_prefill(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale, c, interpret)
     return attention(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale,
@@ -206,7 +235,7 @@ def attention_device(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale: float
 
 
 def fits(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale, config: Config | None = None, **_) -> str | None:
-    c = config or Config()
+    c = config or choose(qn_BTHN, kv_BSR, wkvb_HXR)
     P = qpe_BTHP.shape[-1]
     R, N = kv_BSR.shape[-1] - P, qn_BTHN.shape[-1]
     V = wkvb_HXR.shape[1] - N
@@ -232,7 +261,9 @@ def fits(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale, config: Config | 
 # Proven on an H200 (2026-12-02, docs/PERF.md) in its default, absorbed form: compiled tests at 48B's heads and
 # latent widths passed, and at the preset dims faster than XLA's path in the same run with the default tiles
 # (1.97x at a 4096-token prompt, 1.49x for 8 x 1024 tokens after a 3072-slot prefix).  The per-head form
-# (Config(form="heads")) has run in interpret mode only; auto never takes it (the default config is absorbed).
+# (Config(form="heads")): compiled tests at the same dims passed and it beat the absorbed form 2.08-2.77x in the same
+# run (2026-12-03, eleventh session); `choose` takes it where the chunk is at least a quarter of the cache.
 register(Kernel("mla_prefill", attention, attention_device, platforms=("gpu",), fits=fits,
-                measured="Kimi-Linear-48B dims: 1.97x XLA at a 4096-token prompt (2.66 vs 5.25 ms), 1.49x at 8 x 1024 "
-                         "tokens after 3072 cached (8.03 vs 11.94 ms) (H200, jax 0.11.2, 2026-12-02)"))
+                measured="Kimi-Linear-48B dims, the per-head form `choose` takes there: 5.42x XLA at a 4096-token prompt "
+                         "(1.018 vs 5.514 ms), 3.09x at 8 x 1024 tokens after 3072 cached (3.976 vs 12.283 ms); the "
+                         "absorbed form 1.96x and 1.48x (H200, jax 0.11.2, 2026-12-03)"))

@@ -127,7 +127,8 @@ class Config:
     num_stages: int = 3
     order: str = "m"  # the grid's fastest axis: "m", the row blocks (programs at once share a weight tile);
     #                   "n", the output tiles (programs at once share a row block's input)
-    gather: bool = False  # gate|up reads its rows from z by index (no sorted copy of the inputs; unmeasured)
+    gather: bool = True  # gate|up reads its rows from z by index, no sorted copy of the inputs (measured on an H200,
+    # 48B dims, 256 experts, 4096 tokens: 1.885 ms a layer against 2.009 with the copy, bm 64; 3.833 vs 3.880, bm 16)
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:

@@ -608,6 +608,13 @@ def test_moe_grouped_align():
     used = int(np.sum(-(-sizes // bm)))
     assert np.all(expert[:used] >= 0) and np.all(expert[used:] == -1) and 7 not in expert
     assert np.all(np.diff(expert[:used]) >= 0)  # groups in expert order
+    # the layout is exactly a stable sort's: each expert's pairs in (token, slot) order from its first row
+    flat = ids.ravel()
+    order = np.argsort(flat, kind="stable")
+    first = np.concatenate([[0], np.cumsum(-(-sizes // bm))[:-1]]) * bm
+    want = np.empty_like(flat)
+    want[order] = first[flat[order]] + np.arange(flat.size) - (np.cumsum(sizes) - sizes)[flat[order]]
+    np.testing.assert_array_equal(pos.ravel(), want)
 
 
 @pytest.mark.parametrize("fmt,fused", [("dense", False), ("dense", True), ("mxfp4", True)])

@@ -159,16 +159,21 @@ def align(ids_Nk: jax.Array, num_experts: int, bm: int) -> tuple[jax.Array, jax.
     N, k = ids_Nk.shape
     P, E = N * k, num_experts
     nb = num_blocks(P, E, bm)
-    flat = ids_Nk.reshape(-1).astype(jnp.int32)
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    ids = ids_Nk.astype(jnp.int32)
+    # a pair's rank among its expert's pairs in (token, slot) order, without a sort: the pairs of earlier tokens
+    # (an exclusive cumsum over tokens of each token's count per expert, [N, E]) plus the token's earlier slots
+    # with the same expert (top-k gives none; any ids are allowed)
+    per_token = jnp.sum((ids[:, :, None] == jnp.arange(E, dtype=jnp.int32)).astype(jnp.int32), axis=1)
+    before = jnp.cumsum(per_token, axis=0) - per_token
+    earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [slot, earlier slot]
+    same = jnp.sum((ids[:, :, None] == ids[:, None, :]) & earlier, axis=2).astype(jnp.int32)
+    rank = jnp.take_along_axis(before, ids, axis=1) + same
+    sizes = jnp.sum(per_token, axis=0)
     blocks = (sizes + bm - 1) // bm
     end_block = jnp.cumsum(blocks)
     first_row = (end_block - blocks) * bm  # each expert's first row in the padded layout
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    e_sorted = flat[order]
-    rank = jnp.arange(P, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[e_sorted]
-    pos = jnp.zeros((P,), jnp.int32).at[order].set(first_row[e_sorted] + rank)
-    src = jnp.full((nb * bm,), N, jnp.int32).at[pos].set(jnp.arange(P, dtype=jnp.int32) // k)
+    pos = (first_row[ids] + rank).reshape(-1)
+    src = jnp.full((nb * bm,), N, jnp.int32).at[pos].set(jnp.arange(P, dtype=jnp.int32) // k, unique_indices=True)
     b = jnp.arange(nb, dtype=jnp.int32)
     expert = jnp.searchsorted(end_block, b, side="right").astype(jnp.int32)
     expert = jnp.where(b < end_block[-1], expert, -1)

@@ -11,6 +11,8 @@ Per row: ms per call (median of REPS x INNER calls), exact TFLOP/s (6·N·k·L·
 error against `ragged` (max |a - b| / max |b|).  Routing is uniform at random (the expected load).
 
     python scripts/gpu/moe_grouped.py [--json PATH] [--tokens 512,4096] [--experts 256] [--no-sweep]
+    python scripts/gpu/moe_grouped.py --align [--tokens 4096]   # only `align` against the sort it replaced, same
+                                                                # run, then the kernel path's phases (a short call)
 """
 from __future__ import annotations
 
@@ -76,18 +78,67 @@ def case(cfg, E: int, N: int, seed: int = 0):
     return dataclasses.replace(cfg, num_experts=E), w, z, wk, ids
 
 
+def align_sorted(ids_Nk, num_experts: int, bm: int):
+    """The layout as `G.align` made it before the eleventh session: a stable argsort of the pairs by expert and two
+    scatters (the baseline of --align; the same pos, src and expert)."""
+    N, k = ids_Nk.shape
+    P, E = N * k, num_experts
+    nb = G.num_blocks(P, E, bm)
+    flat = ids_Nk.reshape(-1).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    blocks = (sizes + bm - 1) // bm
+    end_block = jnp.cumsum(blocks)
+    first_row = (end_block - blocks) * bm
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    e_sorted = flat[order]
+    rank = jnp.arange(P, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[e_sorted]
+    pos = jnp.zeros((P,), jnp.int32).at[order].set(first_row[e_sorted] + rank)
+    src = jnp.full((nb * bm,), N, jnp.int32).at[pos].set(jnp.arange(P, dtype=jnp.int32) // k)
+    b = jnp.arange(nb, dtype=jnp.int32)
+    expert = jnp.where(b < end_block[-1], jnp.searchsorted(end_block, b, side="right").astype(jnp.int32), -1)
+    return pos.reshape(N, k), src, expert
+
+
+def align_rows(a, log) -> list[dict]:
+    """--align: `G.align` against `align_sorted` (ms per call, same run; their outputs must be equal), then the
+    kernel path at its default config and its phases."""
+    cfg, rows = load_config("kimi-linear-48b"), []
+    for N in (int(t) for t in a.tokens.split(",")):
+        kcfg, w, z, wk, ids = case(cfg, a.experts, N)
+        k, I, L = kcfg.num_experts_per_token, kcfg.moe_intermediate_size, kcfg.moe_hidden
+        c = G.config_for(N * k, a.experts, I, L)
+        new, old = (jax.jit(lambda ids, f=f: f(ids, a.experts, c.bm)) for f in (G.align, align_sorted))
+        same = all(bool(jnp.array_equal(x, y)) for x, y in zip(new(ids), old(ids)))
+        t_new, t_old = (timing.per_call(f, (ids,), reps=REPS, inner=INNER, chain=1) * 1e3 for f in (new, old))
+        log(f"N {N:5d} align (bm {c.bm}): {t_new:.3f} ms against the sort's {t_old:.3f} ({t_old / t_new:.2f}x); "
+            f"the same layout: {same}")
+        full = jax.jit(lambda w, z, wk, ids: G.grouped(kcfg, w, z, wk, ids))
+        t = timing.per_call(full, (w, z, wk, ids), reps=REPS, inner=INNER, chain=1)
+        log(f"N {N:5d} kernel default {c}: {t * 1e3:.3f} ms  {6.0 * N * k * L * I / t / 1e12:.1f} TFLOP/s exact")
+        rows.append(dict(tokens=N, align_ms=t_new, sorted_ms=t_old, same=same, kernel_ms=t * 1e3,
+                         phases_ms=phases(kcfg, w, z, wk, ids, c, log, N)))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="out/moe_grouped.json")
     ap.add_argument("--tokens", default="512,4096,8192")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--align", action="store_true", help="only align against the sort it replaced, then the phases")
     a = ap.parse_args(argv)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     log = timing.logger(a.json)
     cfg = load_config("kimi-linear-48b")
     rows = []
     log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; Kimi-Linear-48B MoE dims, {a.experts} experts")
+    if a.align:
+        rows = align_rows(a, log)
+        with open(a.json, "w") as fh:
+            json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, experts=a.experts, rows=rows), fh,
+                      indent=1)
+        return 0 if all(r["same"] for r in rows) else 1
     for N in (int(t) for t in a.tokens.split(",")):
         kcfg, w, z, wk, ids = case(cfg, a.experts, N)
         k, I, L = kcfg.num_experts_per_token, kcfg.moe_intermediate_size, kcfg.moe_hidden

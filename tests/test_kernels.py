@@ -1325,27 +1325,31 @@ def test_mla_prefill_fits():
 
 
 def test_mla_prefill_chooses_the_heads_form_where_the_chunk_is_much_of_the_cache(monkeypatch):
-    """Without a config, `attention_device` and `fits` take `choose`'s: the per-head form (HEADS) where S <= 8·T and
-    the expanded keys and values fit their budget (it was measured faster at S = T and S = 4T; a cache rounds up),
-    the absorbed form's defaults elsewhere and with HEADS_MAX_RATIO = 0; interpret mode agrees with the reference
-    either way (tolerance MLA_TOL, as test_mla_prefill_attention_forms)."""
+    """Without a config, `attention_device` and `fits` take `choose`'s: the per-head form (HEADS) where S <= 8·T, the
+    expanded keys and values fit their budget and the per-head widths suit it (it was measured faster at S = T and
+    S = 4T; a cache rounds up), the absorbed form's defaults elsewhere and with HEADS_MAX_RATIO = 0; interpret mode
+    agrees with the reference either way (tolerance MLA_TOL, as test_mla_prefill_attention_forms)."""
     from jaxk3.kernels import mla_prefill as M
 
     s = jax.ShapeDtypeStruct
     w48 = s((32, 256, 512), jnp.bfloat16)
     q = lambda B, T: s((B, T, 32, 128), jnp.float32)  # noqa: E731
+    pe = lambda B, T: s((B, T, 32, 64), jnp.float32)  # noqa: E731
     kv = lambda B, S: s((B, S, 576), jnp.bfloat16)  # noqa: E731
-    assert M.choose(q(1, 4096), kv(1, 4096), w48) == M.HEADS
-    assert M.choose(q(8, 1024), kv(8, 4096), w48) == M.HEADS
-    assert M.choose(q(8, 1024), kv(8, 4608), w48) == M.HEADS  # 3072 + 1024 + new tokens, rounded up to 512
-    assert M.choose(q(1, 512), kv(1, 8192), w48) == M.Config()  # S = 16T: the expansion would dominate
-    assert M.choose(q(8, 4096), kv(8, 16384), w48) == M.Config()  # 8.6 GB of expanded keys and values
+    assert M.choose(q(1, 4096), pe(1, 4096), kv(1, 4096), w48) == M.HEADS
+    assert M.choose(q(8, 1024), pe(8, 1024), kv(8, 4096), w48) == M.HEADS
+    assert M.choose(q(8, 1024), pe(8, 1024), kv(8, 4608), w48) == M.HEADS  # 3072 + 1024 + new tokens, rounded up
+    assert M.choose(q(1, 512), pe(1, 512), kv(1, 8192), w48) == M.Config()  # S = 16T: the expansion would dominate
+    assert M.choose(q(8, 4096), pe(8, 4096), kv(8, 16384), w48) == M.Config()  # 4 GiB of fp32 keys and values
+    w_odd = s((32, 128 + 96, 512), jnp.bfloat16)  # V = 96: not a power of two, so only the absorbed form fits
+    assert M.choose(q(1, 4096), pe(1, 4096), kv(1, 4096), w_odd) == M.Config()
+    assert M.fits(q(1, 4096), pe(1, 4096), kv(1, 4096), s((1, 4096), jnp.int32), w_odd, 0.07) is None
     monkeypatch.setattr(M, "HEADS_MAX_RATIO", 0)
-    assert M.choose(q(1, 4096), kv(1, 4096), w48) == M.Config()
+    assert M.choose(q(1, 4096), pe(1, 4096), kv(1, 4096), w48) == M.Config()
     monkeypatch.setattr(M, "HEADS_MAX_RATIO", 8)
     qn, qpe, kvc, poisoned, limit, wkvb = _mla_heads_case(2, 32, 3, 64, 32, 16, 64, 16, [0, 20], [0, 5])
     monkeypatch.setattr(M, "HEADS", M.Config(bm=16, bn=16, form="heads"))  # tiles of the tiny dims
-    assert M.choose(qn, poisoned, wkvb).form == "heads"
+    assert M.choose(qn, qpe, poisoned, wkvb).form == "heads"
     assert M.fits(qn, qpe, poisoned, limit, wkvb, 0.07) is None
     got = np.asarray(M.attention_device(qn, qpe, poisoned, limit, wkvb, 0.07, interpret=True))
     ref = np.asarray(M.attention(qn, qpe, kvc, limit, wkvb, 0.07))

@@ -57,24 +57,27 @@ class Config:
 
 
 # The per-head form expands every cache slot's keys and values ([B·H, S, N + V] bf16) before its kernel, so it pays
-# where the chunk is a large part of the cache: `choose` takes it when S <= HEADS_MAX_RATIO · T (and the expansion
-# fits in HEADS_MAX_BYTES).  Measured on an H200 at Kimi-Linear-48B dims (2026-12-03, eleventh session;
-# scripts/gpu/prefill_attention.py): a 4096-token prompt (S = T) 1.018 ms against the absorbed form's 2.817 (XLA
-# 5.514); 8 x 1024 tokens after 3072 cached (S = 4T) 3.976 ms against 8.287 (XLA 12.283).  The ratio is 8, not the
-# 4 measured, because a cache is the prompt plus the new tokens rounded up to 512 slots (S = 4.5T for B = 8 and
-# chunks of 1024), and at S = 4T the expansion was a small part of the 2.1x win.  0: never.
+# where the chunk is a large part of the cache: `choose` takes it when S <= HEADS_MAX_RATIO · T, S the cache's
+# allocated slots (the prompt plus the new tokens rounded up to 512: the expansion covers them all, filled or not),
+# and the expansion's float32 keys and values fit in HEADS_MAX_BYTES.  Measured on an H200 at Kimi-Linear-48B dims
+# (2026-12-03, eleventh session; scripts/gpu/prefill_attention.py), caches full to the chunk's end: a 4096-token
+# prompt (S = T) 1.018 ms against the absorbed form's 2.817 (XLA 5.514); 8 x 1024 tokens after 3072 cached (S = 4T)
+# 3.976 ms against 8.287 (XLA 12.283); and in `bench generate` (S = 4.5T at B = 8, chunks of 1024; S = 1.1T at
+# B = 1) the first token 7-8% sooner.  The ratio 8 is beyond what was timed: at S = 4T the expansion was a small part
+# of the 2.1x win.  A cache mostly empty (a long allocation, a prompt's first chunks) is not yet timed.  0: never.
 HEADS_MAX_RATIO = 8
-HEADS_MAX_BYTES = 1 << 30
+HEADS_MAX_BYTES = 2 << 30
 HEADS = Config(bm=64, bn=64, form="heads")  # the tiles of those two rows (compiled-tested on the H200)
 
 
-def choose(qn_BTHN, kv_BSR, wkvb_HXR) -> Config:
+def choose(qn_BTHN, qpe_BTHP, kv_BSR, wkvb_HXR) -> Config:
     """The config `attention_device` runs without one: `HEADS` where the chunk's T tokens are at least 1 /
-    HEADS_MAX_RATIO of the cache's S slots and the expanded keys and values take at most HEADS_MAX_BYTES, else the
-    absorbed form's defaults (`Config()`)."""
+    HEADS_MAX_RATIO of the cache's S allocated slots, the expansion's float32 keys and values [B·H, S, N + V] take at
+    most HEADS_MAX_BYTES and the per-head form fits these widths; else the absorbed form's defaults (`Config()`)."""
     B, T, H, N = qn_BTHN.shape
     S, X = kv_BSR.shape[1], wkvb_HXR.shape[1]
-    if HEADS_MAX_RATIO and S <= HEADS_MAX_RATIO * T and B * H * S * X * 2 <= HEADS_MAX_BYTES:
+    if (HEADS_MAX_RATIO and S <= HEADS_MAX_RATIO * T and B * H * S * X * 4 <= HEADS_MAX_BYTES
+            and _fits(qn_BTHN, qpe_BTHP, kv_BSR, wkvb_HXR, HEADS) is None):
         return HEADS
     return Config()
 
@@ -227,7 +230,7 @@ def attention_device(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale: float
                      interpret: bool = False) -> jax.Array:
     """`attention` through a kernel: the absorbed flash kernel (`mla_prefill`, the default) or the per-head
     one (`heads_prefill`, config.form == "heads"); without a config, `choose`'s."""
-    c = config or choose(qn_BTHN, kv_BSR, wkvb_HXR)
+    c = config or choose(qn_BTHN, qpe_BTHP, kv_BSR, wkvb_HXR)
     if c.form == "heads":
         return heads_prefill(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale, c, interpret)
     return attention(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale,
@@ -235,7 +238,10 @@ def attention_device(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale: float
 
 
 def fits(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale, config: Config | None = None, **_) -> str | None:
-    c = config or choose(qn_BTHN, kv_BSR, wkvb_HXR)
+    return _fits(qn_BTHN, qpe_BTHP, kv_BSR, wkvb_HXR, config or choose(qn_BTHN, qpe_BTHP, kv_BSR, wkvb_HXR))
+
+
+def _fits(qn_BTHN, qpe_BTHP, kv_BSR, wkvb_HXR, c: Config) -> str | None:
     P = qpe_BTHP.shape[-1]
     R, N = kv_BSR.shape[-1] - P, qn_BTHN.shape[-1]
     V = wkvb_HXR.shape[1] - N
@@ -262,7 +268,7 @@ def fits(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale, config: Config | 
 # latent widths passed, and at the preset dims faster than XLA's path in the same run with the default tiles
 # (1.97x at a 4096-token prompt, 1.49x for 8 x 1024 tokens after a 3072-slot prefix).  The per-head form
 # (Config(form="heads")): compiled tests at the same dims passed and it beat the absorbed form 2.08-2.77x in the same
-# run (2026-12-03, eleventh session); `choose` takes it where the chunk is at least a quarter of the cache.
+# run (2026-12-03, eleventh session); `choose` takes it where the chunk is at least an eighth of the cache.
 register(Kernel("mla_prefill", attention, attention_device, platforms=("gpu",), fits=fits,
                 measured="Kimi-Linear-48B dims, the per-head form `choose` takes there: 5.42x XLA at a 4096-token prompt "
                          "(1.018 vs 5.514 ms), 3.09x at 8 x 1024 tokens after 3072 cached (3.976 vs 12.283 ms); the "

@@ -165,7 +165,8 @@ def align(ids_Nk: jax.Array, num_experts: int, bm: int) -> tuple[jax.Array, jax.
     ids = ids_Nk.astype(jnp.int32)
     # a pair's rank among its expert's pairs in (token, slot) order, without a sort: the pairs of earlier tokens
     # (an exclusive cumsum over tokens of each token's count per expert, [N, E]) plus the token's earlier slots
-    # with the same expert (top-k gives none; any ids are allowed)
+    # with the same expert (top-k gives none; ids must lie in [0, E), repeats within a token are allowed).  The
+    # compare runs over N·k·E (one fused reduction on a GPU); timed at Kimi-Linear-48B's E = 256, k = 8 only
     per_token = jnp.sum((ids[:, :, None] == jnp.arange(E, dtype=jnp.int32)).astype(jnp.int32), axis=1)
     before = jnp.cumsum(per_token, axis=0) - per_token
     earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [slot, earlier slot]

@@ -172,16 +172,20 @@ def align(ids_Nk: jax.Array, num_experts: int, bm: int) -> tuple[jax.Array, jax.
     earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [slot, earlier slot]
     same = jnp.sum((ids[:, :, None] == ids[:, None, :]) & earlier, axis=2).astype(jnp.int32)
     rank = jnp.take_along_axis(before, ids, axis=1) + same
-    sizes = jnp.sum(per_token, axis=0)
-    blocks = (sizes + bm - 1) // bm
-    end_block = jnp.cumsum(blocks)
-    first_row = (end_block - blocks) * bm  # each expert's first row in the padded layout
+    first_row, expert = blocks_of(jnp.sum(per_token, axis=0), bm, nb)
     pos = (first_row[ids] + rank).reshape(-1)
     src = jnp.full((nb * bm,), N, jnp.int32).at[pos].set(jnp.arange(P, dtype=jnp.int32) // k, unique_indices=True)
+    return pos.reshape(N, k), src, expert
+
+
+def blocks_of(sizes_E: jax.Array, bm: int, nb: int) -> tuple[jax.Array, jax.Array]:
+    """From each expert's row count: (first_row_E, each expert's first row in the padded layout; expert_B, the expert
+    of each of the nb bm-row blocks, -1 past the used ones)."""
+    blocks = (sizes_E + bm - 1) // bm
+    end_block = jnp.cumsum(blocks)
     b = jnp.arange(nb, dtype=jnp.int32)
     expert = jnp.searchsorted(end_block, b, side="right").astype(jnp.int32)
-    expert = jnp.where(b < end_block[-1], expert, -1)
-    return pos.reshape(N, k), src, expert
+    return (end_block - blocks) * bm, jnp.where(b < end_block[-1], expert, -1)
 
 
 # ---------------------------------------------------------------- the kernels

@@ -87,16 +87,12 @@ def align_sorted(ids_Nk, num_experts: int, bm: int):
     nb = G.num_blocks(P, E, bm)
     flat = ids_Nk.reshape(-1).astype(jnp.int32)
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    blocks = (sizes + bm - 1) // bm
-    end_block = jnp.cumsum(blocks)
-    first_row = (end_block - blocks) * bm
+    first_row, expert = G.blocks_of(sizes, bm, nb)  # shared with G.align: only the rank's computation differs
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     e_sorted = flat[order]
     rank = jnp.arange(P, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[e_sorted]
     pos = jnp.zeros((P,), jnp.int32).at[order].set(first_row[e_sorted] + rank)
     src = jnp.full((nb * bm,), N, jnp.int32).at[pos].set(jnp.arange(P, dtype=jnp.int32) // k)
-    b = jnp.arange(nb, dtype=jnp.int32)
-    expert = jnp.where(b < end_block[-1], jnp.searchsorted(end_block, b, side="right").astype(jnp.int32), -1)
     return pos.reshape(N, k), src, expert
 
 
@@ -136,9 +132,7 @@ def main(argv=None) -> int:
     log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; Kimi-Linear-48B MoE dims, {a.experts} experts")
     if a.align:
         rows = align_rows(a, log)
-        with open(a.json, "w") as fh:
-            json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, experts=a.experts, rows=rows), fh,
-                      indent=1)
+        write(a, rows)
         return 0 if all(r["same"] for r in rows) else 1
     for N in (int(t) for t in a.tokens.split(",")):
         kcfg, w, z, wk, ids = case(cfg, a.experts, N)
@@ -184,10 +178,14 @@ def main(argv=None) -> int:
                 rows.append(dict(tokens=N, path=f"phases {c}", phases_ms=phases(kcfg, w, z, wk, ids, c, log, N)))
             except Exception as e:
                 log(f"N {N:5d} phases of {c}: FAILED {type(e).__name__}: {str(e)[:300]}")
+    write(a, rows)
+    return 0
+
+
+def write(a, rows: list[dict]) -> None:
     with open(a.json, "w") as fh:
         json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, experts=a.experts, rows=rows), fh,
                   indent=1)
-    return 0
 
 
 if __name__ == "__main__":

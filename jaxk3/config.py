@@ -285,7 +285,7 @@ class KimiK3Config:
             if value % tp:
                 raise ValueError(f"{name} = {value} is not divisible by the TP size {tp}")
 
-    def cache_bytes_per_rank(self, batch: int, max_len: int, tp: int, dtype_bytes: int) -> int:
+    def cache_bytes_per_rank(self, batch: int, max_len: int, tp: int, dtype_bytes: int, ring: bool = False) -> int:
         """Bytes of the decode cache one TP rank holds for `batch` rows (the rows of this rank's
         data-parallel shard) of up to `max_len` positions, activations of `dtype_bytes` bytes:
 
@@ -293,7 +293,7 @@ class KimiK3Config:
                             x dtype_bytes, replicated on every TP rank
           KDA state         num_kda_layers x batch x (kda_num_heads / tp) x kda_head_dim^2 x 4 (fp32)
           KDA conv window   num_kda_layers x batch x 3 x (kda_dim / tp) x (short_conv_kernel_size - 1)
-                            x dtype_bytes
+                            x dtype_bytes (`ring`: short_conv_kernel_size slots, jaxk3.kernels.kda_decode.RING)
           lengths           batch x 4
 
         The arrays `jaxk3.model.cache_abstract` declares; Python ints, so no overflow at any size."""
@@ -305,7 +305,8 @@ class KimiK3Config:
         heads = -(-self.kda_num_heads // tp)
         mla = n_mla * batch * max_len * self.latent_dim * dtype_bytes
         state = n_kda * batch * heads * self.kda_head_dim ** 2 * 4
-        conv = n_kda * batch * 3 * heads * self.kda_head_dim * (self.short_conv_kernel_size - 1) * dtype_bytes
+        slots = self.short_conv_kernel_size - (not ring)
+        conv = n_kda * batch * 3 * heads * self.kda_head_dim * slots * dtype_bytes
         return mla + state + conv + batch * 4
 
     # -------------------------------------------------------------- constructors

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxk3 import checkpoint, generation, params
 from jaxk3.config import KimiK3Config
+from jaxk3.kernels import kda_decode
 from jaxk3.layers.mla import MLACache
 from jaxk3.model import (Cache, StepOptions, Weights, abstract_weights, build_step, cache_abstract, check_impl,
                          check_kernels, dp_axis, make_mesh, put_batch, put_rows, random_hf_weights, resolve_dtype,
@@ -433,7 +434,8 @@ class Model:
         if mpe is not None and total > mpe:
             raise ValueError(f"max_new_tokens: prompt + new tokens = {total} > max_position_embeddings {mpe}")
         slots = -(-total // CACHE_BUCKET) * CACHE_BUCKET
-        need = self.cfg.cache_bytes_per_rank(-(-len(rows) // self.dp), slots, self.tp, self.dtype.itemsize)
+        need = self.cfg.cache_bytes_per_rank(-(-len(rows) // self.dp), slots, self.tp, self.dtype.itemsize,
+                                             ring=kda_decode.RING)
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         stats = local[0].memory_stats() or {}
         limit = stats.get("bytes_limit")

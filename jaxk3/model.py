@@ -165,7 +165,7 @@ def attention_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: KDAWeights |
     prefill = xn.ndim == 3
     if cfg.layer_attn[l] == "kda":
         fn = kda_prefill if prefill else kda_step
-        out, conv, state = fn(cfg, w, xn, cache.conv, cache.state, valid, opt.tp)
+        out, conv, state = fn(cfg, w, xn, cache.conv, cache.state, valid, opt.tp, pos_B=length_B)
         return out, KDACache(conv=conv, state=state)
     fn = mla_prefill if prefill else mla_step
     out, kv = fn(cfg, w, xn, cache.kv, length_B, valid, opt.tp, opt.shard_latent)

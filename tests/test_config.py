@@ -169,13 +169,16 @@ def test_cache_bytes_per_rank_k3():
         cfg.cache_bytes_per_rank(0, 64, 8, 2)
 
 
-def test_cache_bytes_per_rank_matches_the_model_cache():
+@pytest.mark.parametrize("ring", [False, True])
+def test_cache_bytes_per_rank_matches_the_model_cache(ring, monkeypatch):
     """The same arrays as the model's cache declaration (jaxk3.model.cache_abstract: shape, dtype
-    class, TP dimension), counted per rank."""
+    class, TP dimension), counted per rank; with the KDA conv window as the shift form or the ring."""
     import jax
 
+    from jaxk3.kernels import kda_decode
     from jaxk3.model import cache_abstract
 
+    monkeypatch.setattr(kda_decode, "RING", ring)
     for cfg in (KimiK3Config.tiny_k3(), KimiK3Config.tiny_kimi_linear()):
         for dtype in (np.float32, np.float16):
             for tp in (1, 2, 8):
@@ -185,7 +188,7 @@ def test_cache_bytes_per_rank_matches_the_model_cache():
                     if b.tp_dim is not None:
                         shape[b.tp_dim] //= tp
                     total += int(np.prod(shape)) * b.np_dtype(dtype).itemsize
-                assert cfg.cache_bytes_per_rank(3, 128, tp, np.dtype(dtype).itemsize) == total, (cfg, dtype, tp)
+                assert cfg.cache_bytes_per_rank(3, 128, tp, np.dtype(dtype).itemsize, ring=ring) == total, (cfg, dtype, tp)
 
 
 # ------------------------------------------------------- issue 20: every field checked, named, before loading

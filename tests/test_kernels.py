@@ -838,6 +838,72 @@ def test_kda_decode_in_kernel_on_gpu(bv, real, B):
                                    atol=1e-4 * float(jnp.abs(r_.astype(jnp.float32)).max()))
 
 
+def _as_ring(conv_B3CW: jax.Array, pos_B: np.ndarray) -> jax.Array:
+    """The shift form's window (K-1 slots, oldest first) as the ring of K slots at the rows' positions: tap t in
+    slot (pos + 1 + t) mod K; the slot this step writes (pos mod K) poisoned with NaN, which no program may read."""
+    B, _, C, W = conv_B3CW.shape
+    ring = np.full((B, 3, C, W + 1), np.nan, np.float32)
+    for b, p in enumerate(pos_B):
+        for t in range(W):
+            ring[b, ..., (p + 1 + t) % (W + 1)] = np.asarray(conv_B3CW[b, ..., t].astype(jnp.float32))
+    return jnp.asarray(ring, conv_B3CW.dtype)
+
+
+@pytest.mark.parametrize("fused,B,bv", [(False, 3, 8), (False, 1, 32), (True, 3, 8), (True, 1, 32)])
+def test_kda_decode_ring_equals_the_shift_form(fused, B, bv):
+    """The kernels with the conv cache as a ring written in place (`kda_decode.RING`; interpret mode), against
+    the same kernel in the shift form and against the ring's reference: the output and the state bitwise the
+    shift form's (the same taps summed in the same order), the ring bitwise the reference's (this token's slot
+    written, the other K-1 as they were; the invalid row's ring untouched), and the slot being written, poisoned
+    with NaN, never read."""
+    from jaxk3.kernels.kda_decode import Config, ring_window
+
+    name = "kda_decode_in" if fused else "kda_decode"
+    cfg, args = _kda_in_case(jnp.bfloat16, B) if fused else _kda_case("kl", jnp.bfloat16, B)
+    at = 2 if fused else 1  # the conv cache's place among the arguments
+    pos = np.asarray([5, 0, 6][:B] if B > 1 else [7], np.int32)
+    ring = _as_ring(args[at], pos)
+    rargs = (*args[:at], ring, *args[at + 1:])
+    k, c = kernels.REGISTRY[name], Config(bv=bv)
+    kw = dict(only_where_faster=False) if fused else {}
+    assert k.fits(cfg, *rargs, config=c, pos_B=jnp.asarray(pos), **kw) is None
+    assert "K-1" in k.fits(cfg, *rargs, config=c, **kw)  # a ring without the positions
+    shift = k.device(cfg, *args, interpret=True, config=c)
+    got = k.device(cfg, *rargs, interpret=True, config=c, pos_B=jnp.asarray(pos))
+    ref = k.reference(cfg, *rargs, pos_B=jnp.asarray(pos))
+    assert np.isfinite(np.asarray(got[0])).all()
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(shift[0]))
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(shift[2]))
+    np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32)), np.asarray(ref[1].astype(jnp.float32)))
+    # the ring read at the next positions is the shift form's moved window
+    nxt = jnp.asarray(pos + np.asarray(args[-1]).astype(np.int32))
+    np.testing.assert_array_equal(np.asarray(ring_window(got[1], nxt).astype(jnp.float32)),
+                                  np.asarray(shift[1].astype(jnp.float32)))
+    if B > 1:  # the invalid row's ring as it was, poison included
+        np.testing.assert_array_equal(np.asarray(got[1][-1].astype(jnp.float32)), np.asarray(ring[-1].astype(jnp.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("real,B", [(False, 3), (True, 1), (True, 8)])
+def test_kda_decode_ring_on_gpu(real, B):
+    """Compiled, the serving layout's kernel with the ring (tiny dims and Kimi-Linear-48B's, B 1 and 8) under jit
+    with the ring donated (in place, as in the step): the output and state within kda_decode's GPU bound of the
+    ring's reference, the ring bitwise."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    cfg, args = _kda_in_case(jnp.bfloat16, B, real=real)
+    pos = jnp.asarray((np.arange(B) * 3 + 1) % 9, jnp.int32)
+    ring = _as_ring(args[2], np.asarray(pos))
+    rargs = (*args[:2], ring, *args[3:])
+    ref = kernels.REGISTRY["kda_decode_in"].reference(cfg, *rargs, pos_B=pos)
+    got = jax.jit(lambda *a: kernels.call("kda_decode_in", cfg, *a[:-1], mode="on", pos_B=a[-1]),
+                  donate_argnums=(2,))(*[jnp.array(a, copy=True) if isinstance(a, jax.Array) else a for a in rargs], pos)
+    for i in (0, 2):
+        np.testing.assert_allclose(np.asarray(got[i]), np.asarray(ref[i]), rtol=0,
+                                   atol=1e-4 * float(jnp.abs(ref[i]).max()))
+    np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32)), np.asarray(ref[1].astype(jnp.float32)))
+
+
 # ------------------------------------------------------------------ mla_decode
 # Tolerance of the mla_decode kernel against the float32 reference `latent_attention`, relative to
 # max|ref|.  The kernel's only departure is the bf16 rounding of its dot operands q (q_latent, q_pe:

@@ -51,18 +51,36 @@ def test_gemv_gnorm_lowers():
     assert lower(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, BF16), x, x, g, w) == 1
 
 
-@pytest.mark.parametrize("gated", [True, False])
-def test_kda_decode_in_lowers(gated):
+@pytest.mark.parametrize("gated,ring,B", [(True, False, 1), (False, False, 1), (False, True, 1), (True, True, 8)])
+def test_kda_decode_in_lowers(gated, ring, B):
+    """`ring`: the conv cache as the ring of K slots, read and written at each row's position (kda_decode.RING)."""
     from jaxk3.kernels import kda_decode as KD
 
     cfg = _cfg48()
     C, H, d, K = cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
     f32 = jnp.float32
     cw = KD.CoreWeights(conv_3CK=S((3, C, K), f32), dt_bias_C=S((C,), f32), A_log_H=S((H,), f32), o_norm_K=S((d,), f32))
-    args = (S((1, 3 * C + 2 * d + H), f32), S((2, C, d), BF16), S((1, 3, C, K - 1), BF16), cw, S((1, H, d, d), f32),
-            S((1,), jnp.bool_))
-    assert KD.fused_fits(cfg, *args, only_where_faster=False) is None
-    assert lower(lambda *a: KD.kda_decode_in(cfg, *a, gated=gated), *args) == 1
+    args = (S((B, 3 * C + 2 * d + H), f32), S((2, C, d), BF16), S((B, 3, C, K if ring else K - 1), BF16), cw,
+            S((B, H, d, d), f32), S((B,), jnp.bool_))
+    kw = dict(pos_B=S((B,), jnp.int32)) if ring else {}
+    assert KD.fused_fits(cfg, *args, only_where_faster=False, **kw) is None
+    assert lower(lambda *a: KD.kda_decode_in(cfg, *a[:6], gated=gated, pos_B=a[6] if ring else None), *args,
+                 *kw.values()) == 1
+
+
+def test_kda_decode_ring_lowers():
+    """The projections' form (K3, checkpoint layout) with the ring, at K3's TP 8 share."""
+    from jaxk3.config import KimiK3Config
+    from jaxk3.kernels import kda_decode as KD
+
+    cfg = KimiK3Config.k3()
+    H, d, K = cfg.kda_num_heads // 8, cfg.kda_head_dim, cfg.short_conv_kernel_size
+    C, f32 = H * d, jnp.float32
+    cw = KD.CoreWeights(conv_3CK=S((3, C, K), f32), dt_bias_C=S((C,), f32), A_log_H=S((H,), f32), o_norm_K=S((d,), f32))
+    args = (S((2, 3, C), BF16), S((2, 3, C, K), BF16), cw, S((2, C), f32), S((2, H), f32), S((2, C), f32),
+            S((2, H, d, d), f32), S((2,), jnp.bool_), S((2,), jnp.int32))
+    assert KD.fits(cfg, *args[:8], pos_B=args[8]) is None
+    assert lower(lambda *a: KD.kda_decode(cfg, *a[:8], pos_B=a[8]), *args) == 1
 
 
 # tp: K3's heads at that TP (12 at TP 8: padded); S 3072: the engine's caches come in multiples of 512, so the

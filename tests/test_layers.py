@@ -272,6 +272,53 @@ def test_chunk_delta_rule_vs_float64_recurrence(T, chunk, gate):
 
 
 @pytest.mark.parametrize("mode", ["k3", "kl"])
+def test_ring_conv_cache_equals_the_shift_form(mode):
+    """The conv cache as a ring of K slots written in place (kda_decode.RING) against the shift form's K-1: a
+    ragged prefill in two chunks (left padding), then decode steps with pad steps in between (a row's position
+    does not move on them), at every step the same outputs and state bitwise, and the ring's window read back
+    at each row's position the shift form's window bitwise (the same values in the same order of sums).
+    Both through the layer's jnp path (kernels off on CPU); the kernel's ring form is tested in
+    tests/test_kernels.py."""
+    from jaxk3.kernels.kda_decode import ring_window
+    from jaxk3.layers.kda import kda_prefill
+
+    cfg, W, host, rcfg = model_weights(mode)
+    wk = f32(host.layers[cfg.kda_layers[0]].attn)
+    B, T, K = 3, 8, cfg.short_conv_kernel_size
+    r = np.random.default_rng(5)
+    x = jnp.asarray(r.standard_normal((B, 2 * T + 7, cfg.hidden_size)), jnp.float32)
+    valid = np.ones((B, 2 * T + 7), bool)
+    valid[1, :5], valid[2, :11] = False, False  # left padding in the prefill
+    valid[0, 2 * T + 1], valid[2, 2 * T + 2:2 * T + 5] = False, False  # pad steps in decode
+    state = jnp.zeros((B, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim))
+    shift, ring = jnp.zeros((B, 3, cfg.kda_dim, K - 1)), jnp.zeros((B, 3, cfg.kda_dim, K))
+    s1, s2, L = state, state, jnp.zeros(B, jnp.int32)
+    pre = jax.jit(lambda c, s, xs, v, p: kda_prefill(cfg, wk, xs, c, s, v, None, chunk=4, pos_B=p))
+    step = jax.jit(lambda c, s, xt, v, p: kda_step(cfg, wk, xt, c, s, v, None, pos_B=p))
+    for h in (slice(0, T), slice(T, 2 * T)):
+        v = jnp.asarray(valid[:, h])
+        o1, shift, s1 = pre(shift, s1, x[:, h], v, None)
+        o2, ring, s2 = pre(ring, s2, x[:, h], v, L)
+        L = L + v.sum(1, dtype=jnp.int32)
+        np.testing.assert_array_equal(np.asarray(o2), np.asarray(o1))
+        np.testing.assert_array_equal(np.asarray(s2), np.asarray(s1))
+        np.testing.assert_array_equal(np.asarray(ring_window(ring, L)), np.asarray(shift))
+    for t in range(2 * T, 2 * T + 7):
+        v = jnp.asarray(valid[:, t])
+        o1, shift, s1 = step(shift, s1, x[:, t], v, None)
+        o2, ring, s2 = step(ring, s2, x[:, t], v, L)
+        L = L + v
+        np.testing.assert_array_equal(np.asarray(o2), np.asarray(o1))
+        np.testing.assert_array_equal(np.asarray(s2), np.asarray(s1))
+        np.testing.assert_array_equal(np.asarray(ring_window(ring, L)), np.asarray(shift))
+    assert np.count_nonzero(np.asarray(shift)) > shift.size // 2  # the windows hold projections, not zeros
+    with pytest.raises(ValueError, match="needs the rows' positions"):
+        kda_step(cfg, wk, x[:, 0], ring, s2, jnp.asarray(valid[:, 0]), None)
+    with pytest.raises(ValueError, match=f"K-1 = {K - 1} .* or K = {K}"):
+        kda_step(cfg, wk, x[:, 0], ring[..., :2], s2, jnp.asarray(valid[:, 0]), None, pos_B=L)
+
+
+@pytest.mark.parametrize("mode", ["k3", "kl"])
 def test_prefill_blocks_equal_their_decode_steps(mode, monkeypatch):
     """KDA (chunked form), MLA (causal over prefix + chunk) and MoE (grouped GEMMs) over T tokens per row
     equal T decode steps; ragged rows (left padding), two chunks. Tolerance 1e-5 · max (fp32 reassociation)."""

@@ -170,6 +170,27 @@ def test_pad_steps_leave_the_cache_alone(k3_f32):
             assert not np.any(np.asarray(a)), l
 
 
+def test_ring_conv_cache_generates_the_same(monkeypatch):
+    """The KDA conv cache as the ring of K slots (kda_decode.RING, written in place) against the shift form:
+    tiny Kimi-Linear at TP 2 (the ring split by channels), ragged prompts through a two-chunk prefill and
+    the decode loop; the same tokens and logits, bitwise."""
+    from jaxk3.kernels import kda_decode
+
+    cfg = KimiK3Config.tiny_kimi_linear()
+    m = jaxk3.init_random_model(cfg, seed=3, tp=2, dtype="float32")
+    prompts = [list(np.random.default_rng(4).integers(1, cfg.vocab_size, 70)), [21, 22, 23]]  # two chunks of 64
+    shift = m.generate(prompts, 5, return_logits=True, prefill_chunk=64)
+    monkeypatch.setattr(kda_decode, "RING", True)  # read where a model first lays out a cache: a new model
+    m = jaxk3.init_random_model(cfg, seed=3, tp=2, dtype="float32")
+    c = m.init_cache(2, 64)
+    assert {x.conv.shape[-1] for x in c.layers if hasattr(x, "conv")} == {cfg.short_conv_kernel_size}
+    ring = m.generate(prompts, 5, return_logits=True, prefill_chunk=64)
+    assert {x.conv.shape[-1] for x in m.init_cache(*ring.tokens.shape[:1], 128).layers if hasattr(x, "conv")} == {
+        cfg.short_conv_kernel_size}
+    np.testing.assert_array_equal(ring.tokens, shift.tokens)
+    np.testing.assert_array_equal(ring.logits, shift.logits)
+
+
 @pytest.mark.slow  # the first suite only: on the newest jax, ragged left-padded rows through the prefill and the
 # loop are test_generation's prompts, and test_pad_steps_leave_the_cache_alone checks the padding steps
 def test_ragged_batch_equals_solo_rows(k3_f32):

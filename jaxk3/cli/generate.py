@@ -173,7 +173,9 @@ def check_run(cfg, rows: list[list[int]], max_new_tokens: int, *, tp: int, dp: i
                 f"model's max_position_embeddings = {mpe} (at most {mpe - T} new tokens)")
     batch = -(-len(rows) // dp)  # rows of one data-parallel shard (generate pads the batch to dp)
     length = cache_len(T, max_new_tokens)
-    per_rank = cfg.cache_bytes_per_rank(batch, length, tp, dtype_bytes)
+    from jaxk3.kernels import kda_decode
+
+    per_rank = cfg.cache_bytes_per_rank(batch, length, tp, dtype_bytes, ring=kda_decode.RING)
     limit, where = device_memory(devices[0])
     if limit is not None:
         # Fake CPU devices share the host's memory: every rank of this process counts.

@@ -16,6 +16,14 @@ stacked low-rank weights [f_b, g_b] itself (Kimi-Linear): the split, the casts, 
 and the two low-rank products (`glue`, five XLA kernels per layer) happen in its programs, which also write z
 for the norm after it.
 
+The conv window is kept in one of two layouts, which the cache's last dim tells apart:
+- the shift form (W = K-1 slots, oldest first): the kernel writes the moved window to a new buffer, which XLA then
+  copies back into the cache (the kernel reads the donated buffer its output would replace; 1.35 us a KDA layer on
+  the H200, docs/PERF.md);
+- the ring (`RING`; K slots, a token at position p in slot p mod K, `pos_B` the row's next position): the new
+  projection goes to slot pos mod K, which none of this step's programs reads (they read the other K-1), so the
+  window is written in place and XLA's copy goes.  The same values as the shift form, bitwise.
+
 Every value is float32 as in the reference; the conv taps and the state contractions are summed in
 another order, so results agree to float32 rounding (tests/test_kernels.py).
 """
@@ -32,6 +40,26 @@ from jaxk3.kernels.registry import Kernel, register
 from jaxk3.kernels.rms_norm import gated_rms_norm
 
 F32 = jnp.float32
+
+# The conv cache as a ring of K slots (written in place) instead of K-1 shifted ones: `jaxk3.layers.kda.cache_abstract`
+# reads this when it lays out a cache.  Off until the step is timed with it on the GPU (docs/PERF.md, twelfth
+# session: built without device time; A/B with `scripts/gpu/step_with_kernel.py kda_decode:RING=1 -- ...`).
+RING = False
+
+
+def ring_window(conv_B3CK: jax.Array, pos_B: jax.Array) -> jax.Array:
+    """The ring's K-1 cached projections in the shift form's order (oldest first): [B, 3, C, K-1], tap t from slot
+    (pos + 1 + t) mod K."""
+    K = conv_B3CK.shape[-1]
+    slot_BT = jax.lax.rem(pos_B.astype(jnp.int32)[:, None] + 1 + jnp.arange(K - 1, dtype=jnp.int32), K)
+    return jnp.take_along_axis(conv_B3CK, slot_BT[:, None, None, :], axis=-1)
+
+
+def ring_put(conv_B3CK: jax.Array, pos_B: jax.Array, u_B3C: jax.Array, keep_B: jax.Array) -> jax.Array:
+    """The ring with the projections at position pos in slot pos mod K (rows with keep_B False as they were)."""
+    K = conv_B3CK.shape[-1]
+    hit_BK = (jnp.arange(K, dtype=jnp.int32)[None] == jax.lax.rem(pos_B.astype(jnp.int32), K)[:, None]) & keep_B[:, None]
+    return jnp.where(hit_BK[:, None, None, :], u_B3C[..., None].astype(conv_B3CK.dtype), conv_B3CK)
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -59,15 +87,17 @@ class CoreWeights:
 
 
 def decode_core(cfg: KimiK3Config, u_B3C: jax.Array, conv_B3CW: jax.Array, cw: CoreWeights, f_BC: jax.Array,
-                beta_BH: jax.Array, z_BC: jax.Array, state_BHKV: jax.Array, valid_B: jax.Array, gated: bool = True
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                beta_BH: jax.Array, z_BC: jax.Array, state_BHKV: jax.Array, valid_B: jax.Array, gated: bool = True,
+                pos_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Everything of the KDA decode step between the projections and o_proj, per local head:
     the short causal conv + SiLU, the q/k l2 norms, the forget gate, the gated delta rule on the
     fp32 state and the gated output RMSNorm.  (o_BC fp32, new conv_B3CW, new state_BHKV); rows with
     valid_B False keep their caches.  The jnp reference of the `kda_decode` kernel.  `gated` False: o
-    before the gated norm (o_proj's prologue norms it: jaxk3.kernels.gemv.gemv_gnorm)."""
+    before the gated norm (o_proj's prologue norms it: jaxk3.kernels.gemv.gemv_gnorm).  `pos_B` given: the conv
+    cache is the ring (`RING`) and pos_B [B] int32 each row's position of this token."""
     B, Kd = u_B3C.shape[0], cfg.kda_head_dim
-    win_B3CK = jnp.concatenate([conv_B3CW, u_B3C[..., None]], axis=-1)
+    older = conv_B3CW if pos_B is None else ring_window(conv_B3CW, pos_B)
+    win_B3CK = jnp.concatenate([older, u_B3C[..., None]], axis=-1)
     y_B3C = jax.nn.silu(jnp.einsum("bjck,jck->bjc", win_B3CK.astype(F32), cw.conv_3CK))
     q_BHK, k_BHK, v_BHK = (y_B3C[:, j].reshape(B, -1, Kd) for j in range(3))
     q_BHK = l2norm(q_BHK) * Kd ** -0.5
@@ -83,7 +113,10 @@ def decode_core(cfg: KimiK3Config, u_B3C: jax.Array, conv_B3CW: jax.Array, cw: C
     if gated:
         o_BHV = gated_rms_norm(o_BHV, cw.o_norm_K, z_BC.reshape(o_BHV.shape), cfg.rms_norm_eps)
     keep = valid_B.astype(bool)
-    new_conv = jnp.where(keep[:, None, None, None], win_B3CK[..., 1:], conv_B3CW)
+    if pos_B is None:
+        new_conv = jnp.where(keep[:, None, None, None], win_B3CK[..., 1:], conv_B3CW)
+    else:
+        new_conv = ring_put(conv_B3CW, pos_B, u_B3C, keep)
     new_state = jnp.where(keep[:, None, None, None], S, state_BHKV)
     return o_BHV.reshape(B, -1), new_conv, new_state
 
@@ -94,13 +127,19 @@ class Config:
     num_warps: int = 4
 
 
-def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int, int, int] | None):
+def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int, int, int] | None,
+            ring: bool = False):
     """`fused` None: the inputs are the projections' parts (u, f, beta; z is the wrapper's).  `fused` = (C, H, d):
     the in_proj GEMV's raw output y = [q | k | v | f_a | b | g_a] (fp32) and the stacked low-rank weights
     [f_b, g_b] [2, C, d]: the program takes its parts of y, casts them as the reference does, forms f (its head's
-    channels) and z (its value channels) by the two low-rank products, and writes z for the wrapper's norm."""
+    channels) and z (its value channels) by the two low-rank products, and writes z for the wrapper's norm.
+    `ring`: the conv cache is the ring of W = K slots (the output aliases it) and one more input, the rows'
+    positions; else the shift form's W = K-1 slots, moved into a new buffer."""
     from jax.experimental import pallas as pl
 
+    if ring:  # the positions come last among the inputs
+        *ins, pos_ref = refs[:-(4 if fused else 3)]
+        refs = (*ins, *refs[-(4 if fused else 3):])
     if fused:
         y_ref, gb_ref, conv_ref, cw_ref, dtb_ref, alog_ref, s_ref, valid_ref, o_ref, z_ref, conv_out_ref, s_out_ref = refs
         C, H, d = fused
@@ -117,10 +156,20 @@ def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int,
             return y_ref[b, pl.ds(i * C + chans.start, chans.size)].astype(dt)
         return u_ref[b, i, chans]
 
+    n_old = W - 1 if ring else W  # the cached taps (K-1)
+    if ring:
+        pos = pos_ref[b]
+
+        def slot(t):  # the ring's slot of cached tap t (0 the oldest); slot(n_old) takes this token
+            return jax.lax.rem(pos + (t + 1) % W, W)
+    else:
+        def slot(t):
+            return t
+
     def conv(i, chans):  # conv over the K-1 cached taps and the new projection, then SiLU
-        acc = U(i, chans).astype(F32) * cw_ref[i, chans, W]
-        for t in range(W):
-            acc = acc + conv_ref[b, i, chans, t].astype(F32) * cw_ref[i, chans, t]
+        acc = U(i, chans).astype(F32) * cw_ref[i, chans, n_old]
+        for t in range(n_old):
+            acc = acc + conv_ref[b, i, chans, slot(t)].astype(F32) * cw_ref[i, chans, t]
         return acc * jax.nn.sigmoid(acc)
     q, k, v = conv(0, ch), conv(1, ch), conv(2, cv)
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * Kd ** -0.5
@@ -151,13 +200,17 @@ def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int,
     for i, chans, own in ((0, ch, j == 0), (1, ch, j == 0), (2, cv, True)):  # q and k windows: one program writes
         @pl.when(own)
         def _():
+            if ring:  # this token's slot (the oldest value's, which no program of this step reads), in place
+                s_new = slot(n_old)
+                conv_out_ref[b, i, chans, s_new] = jnp.where(keep, U(i, chans), conv_ref[b, i, chans, s_new])
+                return
             for t in range(W):  # the window moves one tap: the oldest drops, the new projection enters
                 new = U(i, chans) if t == W - 1 else conv_ref[b, i, chans, t + 1]
                 conv_out_ref[b, i, chans, t] = jnp.where(keep, new, conv_ref[b, i, chans, t])
 
 
 def kda_decode(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, interpret: bool = False,
-               config: Config | None = None):
+               config: Config | None = None, pos_B: jax.Array | None = None):
     """The same function as the reference: (o_BC fp32, new conv_B3CW, new state_BHKV).  The grid is
     (row, head, value block): a head's state is split by value columns over `Config.bv`, so that a
     Kimi-Linear step at B = 1 runs 128 programs of 16 KB of state instead of 32 of 64 KB (the K-long
@@ -172,27 +225,31 @@ def kda_decode(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid
     H, Kd = state_BHKV.shape[1], cfg.kda_head_dim
     bv = min(c.bv, Kd)
     W = conv_B3CW.shape[-1]
+    ring = pos_B is not None
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=None)
+    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=None, ring=ring)
+    extra = (pos_B.astype(jnp.int32),) if ring else ()
     o, conv, state = pl.pallas_call(
-        kernel, grid=(B, H, Kd // bv), in_specs=[any_] * 9, out_specs=[any_] * 3,
+        kernel, grid=(B, H, Kd // bv), in_specs=[any_] * (9 + ring), out_specs=[any_] * 3,
         out_shape=(jax.ShapeDtypeStruct((B, C), F32), jax.ShapeDtypeStruct(conv_B3CW.shape, conv_B3CW.dtype),
                    jax.ShapeDtypeStruct(state_BHKV.shape, F32)),
-        # the state is updated in place (each program reads and writes only its own columns); the conv windows are
-        # not (a head's programs all read its q/k windows, which one of them rewrites)
-        input_output_aliases={7: 2}, interpret=interpret, **triton_params(c.num_warps, 1, interpret),
+        # the state is updated in place (each program reads and writes only its own columns); the shift form's conv
+        # windows are not (a head's programs all read its q/k windows, which one of them rewrites), the ring's are
+        input_output_aliases={7: 2, 1: 1} if ring else {7: 2}, interpret=interpret,
+        **triton_params(c.num_warps, 1, interpret),
     )(u_B3C, conv_B3CW, cw.conv_3CK, cw.dt_bias_C.astype(F32), cw.A_log_H.astype(F32), f_BC, beta_BH.astype(F32),
-      state_BHKV, valid_B.astype(jnp.int32))
+      state_BHKV, valid_B.astype(jnp.int32), *extra)
     o = gated_rms_norm(o.reshape(B, H, Kd), cw.o_norm_K, z_BC.reshape(B, H, Kd), cfg.rms_norm_eps)
     return o.reshape(B, C), conv, state
 
 
-def reference(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, config: Config | None = None):
-    return decode_core(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B)
+def reference(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, config: Config | None = None,
+              pos_B: jax.Array | None = None):
+    return decode_core(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, pos_B=pos_B)
 
 
 def fits(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, config: Config | None = None,
-         **_) -> str | None:
+         pos_B: jax.Array | None = None, **_) -> str | None:
     Kd = cfg.kda_head_dim
     if Kd & (Kd - 1) or Kd > 256:
         return f"kda_decode kernel needs a power-of-two head_dim <= 256 (Triton blocks), got {Kd}"
@@ -203,6 +260,19 @@ def fits(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, co
         return f"kda_decode kernel takes one token per row: u {u_B3C.shape}, conv {conv_B3CW.shape}"
     if state_BHKV.dtype != jnp.float32:  # updated in place: the new state (float32) takes the old one's buffer
         return f"kda_decode kernel updates a float32 state in place, got {state_BHKV.dtype}"
+    return window_error(cfg, conv_B3CW, pos_B, "kda_decode kernel")
+
+
+def window_error(cfg: KimiK3Config, conv_B3CW, pos_B, who: str) -> str | None:
+    """Why the conv cache does not suit `pos_B` (None: it does): the ring holds K slots and needs the rows'
+    positions, the shift form K-1 and none."""
+    K, W = cfg.short_conv_kernel_size, conv_B3CW.shape[-1]
+    if pos_B is None and W != K - 1:
+        return (f"{who}: the conv cache {tuple(conv_B3CW.shape)} must hold K-1 = {K - 1} slots (or K = {K} as a ring "
+                f"with the rows' positions)")
+    if pos_B is not None and (W != K or tuple(pos_B.shape) != (conv_B3CW.shape[0],)):
+        return (f"{who}: the ring conv cache {tuple(conv_B3CW.shape)} must hold K = {K} slots and the positions one "
+                f"per row, got {tuple(pos_B.shape)}")
     return None
 
 
@@ -226,16 +296,17 @@ IN_MEASURED = {(1, 4096, 32, 128, jnp.dtype(jnp.bfloat16))}
 
 
 def fused_reference(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, config: Config | None = None,
-                    only_where_faster: bool = True, gated: bool = True):
+                    only_where_faster: bool = True, gated: bool = True, pos_B: jax.Array | None = None):
     """`kda_decode_in`'s reference: `glue`, then `decode_core` (what the layer computes without the kernel).
     `gated` False: (o before the gated norm, z, new conv, new state), for o_proj's prologue to norm."""
     u, f, beta, z = glue(cfg, y_BX, gate_b_2Cd, conv_B3CW.dtype)
-    o, conv, state = decode_core(cfg, u, conv_B3CW, cw, f, beta, z, state_BHKV, valid_B, gated=gated)
+    o, conv, state = decode_core(cfg, u, conv_B3CW, cw, f, beta, z, state_BHKV, valid_B, gated=gated, pos_B=pos_B)
     return (o, conv, state) if gated else (o, z, conv, state)
 
 
 def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, interpret: bool = False,
-                  config: Config | None = None, only_where_faster: bool = True, gated: bool = True):
+                  config: Config | None = None, only_where_faster: bool = True, gated: bool = True,
+                  pos_B: jax.Array | None = None):
     """The same function as `fused_reference`: the kernel reads in_proj's raw output and the low-rank weights
     itself (the XLA kernels that split, stack, cast and multiply them go), writing z beside o for the norm
     (`gated` False: o and z as they are, the norm left to o_proj's prologue)."""
@@ -249,15 +320,18 @@ def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, int
     H, Kd = state_BHKV.shape[1], cfg.kda_head_dim
     bv = min(c.bv, Kd)
     W = conv_B3CW.shape[-1]
+    ring = pos_B is not None
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=(C, H, d))
+    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=(C, H, d), ring=ring)
+    extra = (pos_B.astype(jnp.int32),) if ring else ()
     o, z, conv, state = pl.pallas_call(
-        kernel, grid=(B, H, Kd // bv), in_specs=[any_] * 8, out_specs=[any_] * 4,
+        kernel, grid=(B, H, Kd // bv), in_specs=[any_] * (8 + ring), out_specs=[any_] * 4,
         out_shape=(jax.ShapeDtypeStruct((B, C), F32), jax.ShapeDtypeStruct((B, C), F32),
                    jax.ShapeDtypeStruct(conv_B3CW.shape, conv_B3CW.dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32)),
-        input_output_aliases={6: 3}, interpret=interpret, **triton_params(c.num_warps, 1, interpret),
+        input_output_aliases={6: 3, 2: 2} if ring else {6: 3}, interpret=interpret,
+        **triton_params(c.num_warps, 1, interpret),
     )(y_BX.astype(F32), gate_b_2Cd, conv_B3CW, cw.conv_3CK, cw.dt_bias_C.astype(F32), cw.A_log_H.astype(F32),
-      state_BHKV, valid_B.astype(jnp.int32))
+      state_BHKV, valid_B.astype(jnp.int32), *extra)
     if not gated:
         return o, z, conv, state
     o = gated_rms_norm(o.reshape(B, H, Kd), cw.o_norm_K, z.reshape(B, H, Kd), cfg.rms_norm_eps)
@@ -265,7 +339,7 @@ def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, int
 
 
 def fused_fits(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, config: Config | None = None,
-               only_where_faster: bool = True, **_) -> str | None:
+               only_where_faster: bool = True, pos_B: jax.Array | None = None, **_) -> str | None:
     """Why this call does not suit `kda_decode_in` (None: it does).  `auto` takes it where the step was measured
     faster with it (`IN_MEASURED`: one row, bf16 activations, Kimi-Linear-48B's per-rank dims at TP 1);
     only_where_faster=False (kernels="on") wherever it fits."""
@@ -284,7 +358,7 @@ def fused_fits(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, config
     if d & (d - 1) or d > 256:
         return f"kda_decode_in kernel needs a power-of-two low rank <= 256 (Triton blocks), got {d}"
     u = jax.ShapeDtypeStruct((y_BX.shape[0], 3, C), conv_B3CW.dtype)
-    return fits(cfg, u, conv_B3CW, cw, None, None, None, state_BHKV, valid_B, config)
+    return fits(cfg, u, conv_B3CW, cw, None, None, None, state_BHKV, valid_B, config, pos_B=pos_B)
 
 
 # Proven on an H200: the compiled real-dims tests (tests/test_kernels_real.py, K3 TP 1/2/8 and Kimi-Linear-48B,

@@ -5,7 +5,7 @@ Shape glossary (dimension-suffix names such as `x_BD`, `q_BHK`):
     B  batch rows (one new token each)     D  hidden size
     V  vocab rows (local shard under TP)   H  heads (local under TP)
     K  key head dim    Vd value head dim   C  channels of a KDA projection (H*K, local)
-    W  conv window (short_conv_kernel_size - 1 cached steps)
+    W  conv window (short_conv_kernel_size - 1 cached steps; K slots as the ring, kernels.kda_decode.RING)
     S  MLA cache slots (positions)         R  latent width kv_lora_rank + qk_rope_head_dim
     N  AttnRes sources (depth)             E  experts   k  experts per token
     I  FFN intermediate (local)            L  routed-expert (latent) width

@@ -13,8 +13,9 @@ Per head h (d = head_dim), for the normed input x:
     z       = W_g x (K3 full rank)  |  W_gb (W_ga x) (Kimi-Linear)
     out     = W_o · concat_h( RMSNorm(o_h; o_norm) ⊙ sigmoid(z_h) )        row-parallel → psum
 
-Caches per layer: conv_B3CW (the last K-1 raw q|k|v projections, oldest first, activation dtype)
-and state_BHKV (fp32).  Under TP every array here holds the local heads only; `o_proj` is
+Caches per layer: conv_B3CW (the last K-1 raw q|k|v projections, oldest first, activation dtype; or, laid out
+with `jaxk3.kernels.kda_decode.RING`, a ring of K slots, the projection of position p in slot p mod K, which the
+step writes in place and reads with the rows' positions) and state_BHKV (fp32).  Under TP every array here holds the local heads only; `o_proj` is
 row-parallel and its partial is psum-ed.  Rows with `valid_B == False` leave their caches as they
 were (used for left padding of ragged prompts).
 """
@@ -29,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxk3 import kernels
 from jaxk3.config import KimiK3Config
-from jaxk3.kernels.kda_decode import CoreWeights, glue, kda_gate, l2norm
+from jaxk3.kernels import kda_decode as kda_kernels
+from jaxk3.kernels.kda_decode import CoreWeights, glue, kda_gate, l2norm, ring_window
 from jaxk3.kernels.rms_norm import gated_rms_norm
 from jaxk3.layers.common import F32, TP, Normed, kernel_mode, linear, psum, split
 from jaxk3.params import COL, REP, ROW, Buffer, Fuse, Param, weight
@@ -92,45 +94,63 @@ def abstract(cfg: KimiK3Config, prefix: str) -> KDAWeights:
 @dataclasses.dataclass
 class KDACache:
     """Decode state of one KDA layer for B rows (TP splits C / H)."""
-    conv: jax.Array  # [B, 3, C, W]  the last W = K-1 raw q|k|v projections, oldest first, activation dtype
+    conv: jax.Array  # [B, 3, C, W]  the last W = K-1 raw q|k|v projections, oldest first, activation dtype (W = K: the ring)
     state: jax.Array  # [B, H, K, Vd] recurrent state, fp32, fla layout (vLLM stores [H, Vd, K])
 
 
 def cache_abstract(cfg: KimiK3Config, batch: int) -> KDACache:
-    d = cfg.kda_head_dim
-    return KDACache(conv=Buffer((batch, 3, cfg.kda_dim, cfg.short_conv_kernel_size - 1), "compute", tp_dim=2),
+    """The layer's caches for `batch` rows; the conv window as the ring of K slots where `kda_decode.RING` is set."""
+    d, K = cfg.kda_head_dim, cfg.short_conv_kernel_size
+    return KDACache(conv=Buffer((batch, 3, cfg.kda_dim, K if kda_kernels.RING else K - 1), "compute", tp_dim=2),
                     state=Buffer((batch, cfg.kda_num_heads, d, d), "fp32", tp_dim=1))
 
 
-def _core_then_gnorm_o_proj(cfg: KimiK3Config, w: KDAWeights, args: tuple, dt, mode: str, tp):
+def ring_positions(cfg: KimiK3Config, conv_B3CW: jax.Array, pos_B: jax.Array | None) -> jax.Array | None:
+    """The rows' positions where the conv cache is the ring (K slots), else None (the shift form's K-1)."""
+    K, W = cfg.short_conv_kernel_size, conv_B3CW.shape[-1]
+    if W == K - 1:
+        return None
+    if W != K:
+        raise ValueError(f"KDA conv cache {tuple(conv_B3CW.shape)}: its last dim must be K-1 = {K - 1} (the shift "
+                         f"form) or K = {K} (the ring), from short_conv_kernel_size {K}")
+    if pos_B is None:
+        raise ValueError(f"KDA conv cache {tuple(conv_B3CW.shape)} is a ring of K = {K} slots: the step needs the "
+                         f"rows' positions (pos_B)")
+    return pos_B
+
+
+def _core_then_gnorm_o_proj(cfg: KimiK3Config, w: KDAWeights, args: tuple, dt, mode: str, tp, pos_B):
     """kda_decode_in leaving o un-normed, then o_proj with the gated per-head norm in its prologue (`gemv_gnorm`),
     where that kernel runs: (out_BD, new conv, new state); else None."""
     o_sd = jax.ShapeDtypeStruct((args[1].shape[0], w.o_proj.shape[1]), jnp.float32)
     gargs = (o_sd, o_sd, w.o_norm, cfg.rms_norm_eps, w.o_proj, dt)
     if not kernels.explain("gemv_gnorm", *gargs, mode=mode).startswith("device"):
         return None
-    o_BC, z_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode, gated=False)
+    o_BC, z_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode, gated=False, pos_B=pos_B)
     out = kernels.call("gemv_gnorm", o_BC, z_BC, w.o_norm, cfg.rms_norm_eps, w.o_proj, dt, mode=mode)
     return psum(out, tp), new_conv, new_state
 
 
 def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array | Normed, conv_B3CW: jax.Array,
-             state_BHKV: jax.Array, valid_B: jax.Array, tp: TP | str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+             state_BHKV: jax.Array, valid_B: jax.Array, tp: TP | str | None, pos_B: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KDA decode step on the normed input (or a `Normed`, which the first GEMV norms).  Returns (out_BD fp32
-    summed over TP, new conv_B3CW, new state_BHKV)."""
+    summed over TP, new conv_B3CW, new state_BHKV).  `pos_B` [B] int32, each row's position of this token (the
+    cache's length), is read where the conv cache is the ring."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
+    pos_B = ring_positions(cfg, conv_B3CW, pos_B)
     cw = core_weights(w)
     # -- projections (GEMVs); the rest of the step is `decode_core` (one device kernel where it runs)
     parts = None
     if w.in_proj is not None and w.gate_b_proj is not None:  # Kimi-Linear's serving layout
         y_BX = linear(x_BD, w.in_proj, tp)  # [q | k | v | f_a | b | g_a], fp32
         args = (cfg, y_BX, w.gate_b_proj, conv_B3CW, cw, state_BHKV, valid_B)
-        if kernels.explain("kda_decode_in", *args, mode=mode).startswith("device"):  # the glue inside the kernel
-            out = _core_then_gnorm_o_proj(cfg, w, args, dt, mode, tp)
+        if kernels.explain("kda_decode_in", *args, mode=mode, pos_B=pos_B).startswith("device"):  # the glue inside
+            out = _core_then_gnorm_o_proj(cfg, w, args, dt, mode, tp, pos_B)
             if out is not None:
                 return out
-            o_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode)
+            o_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode, pos_B=pos_B)
         else:
             parts = glue(cfg, y_BX, w.gate_b_proj, dt)
     else:
@@ -138,7 +158,7 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array | Normed, conv_B3
     if parts is not None:
         u_B3C, f_BC, beta_BH, z_BC = parts
         o_BC, new_conv, new_state = kernels.call(
-            "kda_decode", cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, mode=mode)
+            "kda_decode", cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, mode=mode, pos_B=pos_B)
     out_BD = psum(linear(o_BC.astype(dt), w.o_proj, tp), tp)
     return out_BD, new_conv, new_state
 
@@ -177,27 +197,37 @@ def core_weights(w: KDAWeights) -> CoreWeights:
 
 
 def kda_prefill(cfg: KimiK3Config, w: KDAWeights, x_BTD: jax.Array, conv_B3CW: jax.Array, state_BHKV: jax.Array,
-                valid_BT: jax.Array, tp: TP | str | None, chunk: int = 64
+                valid_BT: jax.Array, tp: TP | str | None, chunk: int = 64, pos_B: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """KDA over T tokens per row (prefill): the same function as T `kda_step`s.
 
     `valid_BT` marks real tokens; the invalid ones of a row must come first (left padding): they
     leave the conv window and the state as they were (their projections are zeroed, their β and g
     are 0), exactly as a pad step of `kda_step` does on a fresh cache.  T must be a multiple of
-    min(chunk, T).  Returns (out_BTD fp32 summed over TP, new conv_B3CW, new state_BHKV).
+    min(chunk, T).  Returns (out_BTD fp32 summed over TP, new conv_B3CW, new state_BHKV).  `pos_B` [B] int32, each
+    row's position of the chunk's first valid token (the cache's length), is read where the conv cache is the ring.
     """
     B, T, D = x_BTD.shape
-    Kd, W = cfg.kda_head_dim, conv_B3CW.shape[-1]
+    pos_B = ring_positions(cfg, conv_B3CW, pos_B)
+    older = conv_B3CW if pos_B is None else ring_window(conv_B3CW, pos_B)
+    Kd, W = cfg.kda_head_dim, older.shape[-1]
     dt = x_BTD.dtype
     x = x_BTD.reshape(B * T, D)
     keep = valid_BT.astype(bool)
     # -- projections; the short causal conv over [conv state | chunk] (pads zeroed: a fresh state's zeros)
     u, f, beta, z = projections(cfg, w, x, tp)
     u_BT3C = jnp.where(keep[..., None, None], u.reshape(B, T, 3, -1), jnp.zeros((), dt))
-    X = jnp.concatenate([jnp.moveaxis(conv_B3CW, -1, 1), u_BT3C], axis=1).astype(F32)  # [B, W+T, 3, C]
+    X = jnp.concatenate([jnp.moveaxis(older, -1, 1), u_BT3C], axis=1).astype(F32)  # [B, W+T, 3, C]
     w_3CK = core_weights(w).conv_3CK
     y = jax.nn.silu(sum(X[:, i:i + T] * w_3CK[None, None, :, :, i] for i in range(W + 1)))  # [B, T, 3, C]
-    new_conv = jnp.moveaxis(X[:, T:], 1, -1).astype(conv_B3CW.dtype)
+    if pos_B is None:
+        new_conv = jnp.moveaxis(X[:, T:], 1, -1).astype(conv_B3CW.dtype)
+    else:  # the last K entries, positions end-K .. end-1, into slots (end + i) mod K; end = pos + the valid tokens
+        end_B = pos_B.astype(jnp.int32) + keep.sum(-1, dtype=jnp.int32)
+        K = W + 1
+        idx_BK = jax.lax.rem(jnp.arange(K, dtype=jnp.int32)[None] - end_B[:, None] % K + K, K)  # slot j <- entry
+        new_conv = jnp.take_along_axis(jnp.moveaxis(X[:, T - 1:], 1, -1), idx_BK[:, None, None, :], axis=-1)
+        new_conv = new_conv.astype(conv_B3CW.dtype)
     q, k, v = (y[:, :, j].reshape(B, T, -1, Kd) for j in range(3))
     q = l2norm(q) * Kd ** -0.5
     k = l2norm(k)

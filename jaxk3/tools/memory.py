@@ -140,7 +140,9 @@ def step_bytes_per_rank(cfg: KimiK3Config, tp: int, batch: int, dtype: Any = "bf
 def cache_bytes(cfg: KimiK3Config, batch: int, context: int, tp: int, dtype: Any = "bfloat16") -> int:
     """Bytes of the decode cache one TP rank holds for `batch` rows (its DP shard) of `context`
     positions (KimiK3Config.cache_bytes_per_rank: the MLA latent cache is replicated over TP)."""
-    return cfg.cache_bytes_per_rank(batch, context, _tp_size(tp), dtype_bytes(dtype))
+    from jaxk3.kernels import kda_decode
+
+    return cfg.cache_bytes_per_rank(batch, context, _tp_size(tp), dtype_bytes(dtype), ring=kda_decode.RING)
 
 
 def usable_bytes(hbm_bytes: float = H200_HBM_BYTES, reserve: float = DEFAULT_RESERVE) -> int:

@@ -21,6 +21,13 @@ Tolerances, per kernel (max |kernel - ref| / max |ref|):
                            one bf16 ulp (2^-8) apart before the 1536-3072-term down projection
                            (Kimi-Linear: w1 | w3 joined, and the shared experts fused when bf16);
   moe_grouped              4e-3: the same argument for a prefill chunk's [N, I] intermediate.
+
+The prefill kernels (`PREFILL_CASES`, `prefill_case`; B = 1: a 512-token chunk on an empty cache, B = 8: 128 tokens
+a row after ragged prefixes), against their references at full fp32 precision:
+  kda_prefill              1e-4: fp32 (TF32x3 dots) over 8 chunks of carried state, as tests/test_kernels.py's
+                           compiled test at the 48B's dims (a single TF32 product would show as ~1e-3);
+  mla_prefill, both forms  1e-2 (MLA_TOL): the absorbed form rounds its query, the per-head form its expanded
+                           keys and values, to bf16 once; the same size of error as mla_decode's (u = 2^-8).
 """
 from __future__ import annotations
 
@@ -130,6 +137,66 @@ TP_FREE = {"rms_norm", "router_topk"}
 CASES = [(k, p, tp) for k in KERNELS for p, tp in PRESETS if not (k in TP_FREE and tp > 1)]
 
 
+PREFILL_KERNELS = ["kda_prefill", "mla_prefill", "mla_prefill_heads"]  # the last: the per-head form (Config HEADS)
+PREFILL_CASES = [(k, p, tp) for k in PREFILL_KERNELS for p, tp in PRESETS]
+TOL.update(kda_prefill=1e-4, mla_prefill=1e-2)
+PREFIXES = [700, 0, 3000, 5, 1024, 64, 2047, 300]  # B = 8: slots already cached per row
+
+
+def prefill_case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, abstract: bool = False):
+    """(args, kwargs) of one prefill kernel call at the preset's per-rank shapes (`abstract`: ShapeDtypeStructs,
+    nothing allocated).  kda_prefill: q scaled as the layer scales it, unit-norm k, gates -0.3|N(0,1)|, a random
+    state; mla_prefill: unit-normal queries and bf16 cache, W_kvb scaled for O(1) scores, each token's limit its own
+    slot (prefix + t); kwargs name the form (`mla_prefill_heads`: the per-head form)."""
+    cfg = _cfg(preset)
+    T = 512 if B == 1 else 128
+    keys = iter(jax.random.split(jax.random.key(seed + 7 * B + tp), 16))
+
+    def a(*shape, s=1.0, dt=jnp.float32):
+        if abstract:
+            return jax.ShapeDtypeStruct(shape, dt)
+        return (jax.random.normal(next(keys), shape, jnp.float32) * s).astype(dt)
+    if kernel == "kda_prefill":
+        H, K = cfg.kda_num_heads // tp, cfg.kda_head_dim
+        q, k, v = a(B, H, T, K, s=K ** -0.5), a(B, H, T, K), a(B, H, T, K)
+        g, beta, state = a(B, H, T, K), a(B, H, T), a(B, H, K, K)
+        if not abstract:
+            k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+            g, beta = -0.3 * jnp.abs(g), jax.nn.sigmoid(beta)
+        return (q, k, v, g, beta, state), {"chunk": 64}
+    from jaxk3.kernels import mla_prefill as M
+
+    H, N, V = cfg.num_attention_heads // tp, cfg.qk_nope_head_dim, cfg.v_head_dim
+    R, P = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    prefix = jnp.asarray(PREFIXES[:B] if B > 1 else [0], jnp.int32)
+    limit = prefix[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    args = (a(B, T, H, N), a(B, T, H, P), a(B, CTX, R + P, dt=jnp.bfloat16),
+            jax.ShapeDtypeStruct(limit.shape, jnp.int32) if abstract else limit, a(H, N + V, R, s=R ** -0.5), 0.07)
+    return args, {"config": M.HEADS if kernel == "mla_prefill_heads" else M.Config()}
+
+
+def run_prefill_case(kernel: str, preset: str, tp: int, B: int):
+    """(why-not or None, relative error) of a compiled prefill kernel against its reference at full fp32 precision;
+    mla_prefill over a cache whose slots past each row's last token are NaN (never to be read)."""
+    name = "mla_prefill" if kernel.startswith("mla_prefill") else kernel
+    args, kw = prefill_case(kernel, preset, tp, B)
+    why = kernels.REGISTRY[name].fits(*args, **kw)
+    if why:
+        return why, None
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(lambda *x: kernels.REGISTRY[name].reference(*x, **kw), static_argnums=(
+            (5,) if name == "mla_prefill" else ()))(*args)
+    run_args = args
+    if name == "mla_prefill":
+        qn, qpe, kv, limit, wkvb, scale = args
+        pos = jnp.arange(kv.shape[1])[None, :, None]
+        run_args = (qn, qpe, jnp.where(pos > limit[:, -1, None, None], jnp.nan, kv).astype(kv.dtype), limit, wkvb, scale)
+    f, dyn = bind(lambda *x: kernels.call(name, *x, mode="on", **kw), run_args)
+    _poison()
+    got = f(*dyn)
+    return None, compare(name, got, ref)
+
+
 def split(kernel: str) -> tuple[str, str]:
     return ("moe_experts", "mxfp4") if kernel == "moe_experts_mxfp4" else (kernel, "dense")
 
@@ -202,6 +269,45 @@ def test_kernel_real_dims_on_gpu(kernel, preset, tp, B):
     if why:
         pytest.skip(f"does not fit at {preset} TP {tp}: {why}")
     assert err <= TOL[split(kernel)[0]], f"{kernel} {preset} TP {tp} B {B}: rel err {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("kernel,preset,tp", PREFILL_CASES)
+def test_prefill_kernel_real_dims_on_gpu(kernel, preset, tp, B):
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    why, err = run_prefill_case(kernel, preset, tp, B)
+    if why:
+        pytest.skip(f"does not fit at {preset} TP {tp}: {why}")
+    name = "mla_prefill" if kernel.startswith("mla_prefill") else kernel
+    assert err <= TOL[name], f"{kernel} {preset} TP {tp} B {B}: rel err {err:.2e}"
+
+
+def test_prefill_cases_fit_on_cpu():
+    """Every prefill case fits its kernel at every preset shape (shapes only), so that the GPU test above runs them all
+    rather than skipping one; the per-head form's widths are the same at K3 and Kimi-Linear (n 128, v 128, P 64)."""
+    for kernel, preset, tp in PREFILL_CASES:
+        name = "mla_prefill" if kernel.startswith("mla_prefill") else kernel
+        for B in (1, 8):
+            args, kw = prefill_case(kernel, preset, tp, B, abstract=True)
+            assert kernels.REGISTRY[name].fits(*args, **kw) is None, (kernel, preset, tp, B)
+
+
+@pytest.mark.parametrize("kernel", PREFILL_KERNELS)
+@pytest.mark.parametrize("tp,B", [(1, 8), (8, 1)])
+def test_prefill_kernels_lower_at_k3(kernel, tp, B):
+    """The prefill kernels at K3's per-rank shapes (96 or 12 heads) lowered to Triton IR for an sm_90 on the CPU
+    (jaxk3.tools.triton_lowering): what the first GPU call would refuse at lowering shows up here."""
+    from jaxk3.tools.triton_lowering import lower
+
+    name = "mla_prefill" if kernel.startswith("mla_prefill") else kernel
+    args, kw = prefill_case(kernel, "k3", tp, B, abstract=True)
+    if name == "mla_prefill":
+        n = lower(lambda *x: kernels.REGISTRY[name].device(*x, 0.07, **kw), *args[:5])
+    else:
+        n = lower(lambda *x: kernels.REGISTRY[name].device(*x, **kw), *args)
+    assert n >= 1
 
 
 def test_real_cases_build_and_fit_on_cpu():

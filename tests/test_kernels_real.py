@@ -175,10 +175,15 @@ def prefill_case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, abstr
     return args, {"config": M.HEADS if kernel == "mla_prefill_heads" else M.Config()}
 
 
+def prefill_name(kernel: str) -> str:
+    """The registered kernel of a prefill case (`mla_prefill_heads` is mla_prefill in its per-head form)."""
+    return "mla_prefill" if kernel.startswith("mla_prefill") else kernel
+
+
 def run_prefill_case(kernel: str, preset: str, tp: int, B: int):
     """(why-not or None, relative error) of a compiled prefill kernel against its reference at full fp32 precision;
     mla_prefill over a cache whose slots past each row's last token are NaN (never to be read)."""
-    name = "mla_prefill" if kernel.startswith("mla_prefill") else kernel
+    name = prefill_name(kernel)
     args, kw = prefill_case(kernel, preset, tp, B)
     why = kernels.REGISTRY[name].fits(*args, **kw)
     if why:
@@ -280,7 +285,7 @@ def test_prefill_kernel_real_dims_on_gpu(kernel, preset, tp, B):
     why, err = run_prefill_case(kernel, preset, tp, B)
     if why:
         pytest.skip(f"does not fit at {preset} TP {tp}: {why}")
-    name = "mla_prefill" if kernel.startswith("mla_prefill") else kernel
+    name = prefill_name(kernel)
     assert err <= TOL[name], f"{kernel} {preset} TP {tp} B {B}: rel err {err:.2e}"
 
 
@@ -288,7 +293,7 @@ def test_prefill_cases_fit_on_cpu():
     """Every prefill case fits its kernel at every preset shape (shapes only), so that the GPU test above runs them all
     rather than skipping one; the per-head form's widths are the same at K3 and Kimi-Linear (n 128, v 128, P 64)."""
     for kernel, preset, tp in PREFILL_CASES:
-        name = "mla_prefill" if kernel.startswith("mla_prefill") else kernel
+        name = prefill_name(kernel)
         for B in (1, 8):
             args, kw = prefill_case(kernel, preset, tp, B, abstract=True)
             assert kernels.REGISTRY[name].fits(*args, **kw) is None, (kernel, preset, tp, B)
@@ -301,7 +306,7 @@ def test_prefill_kernels_lower_at_k3(kernel, tp, B):
     (jaxk3.tools.triton_lowering): what the first GPU call would refuse at lowering shows up here."""
     from jaxk3.tools.triton_lowering import lower
 
-    name = "mla_prefill" if kernel.startswith("mla_prefill") else kernel
+    name = prefill_name(kernel)
     args, kw = prefill_case(kernel, "k3", tp, B, abstract=True)
     if name == "mla_prefill":
         n = lower(lambda *x: kernels.REGISTRY[name].device(*x, 0.07, **kw), *args[:5])

@@ -266,26 +266,15 @@ def run_case(kernel: str, preset: str, tp: int, B: int):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 8])
-@pytest.mark.parametrize("kernel,preset,tp", CASES)
+@pytest.mark.parametrize("kernel,preset,tp", CASES + PREFILL_CASES)
 def test_kernel_real_dims_on_gpu(kernel, preset, tp, B):
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
-    why, err = run_case(kernel, preset, tp, B)
+    prefill = kernel in PREFILL_KERNELS
+    why, err = (run_prefill_case if prefill else run_case)(kernel, preset, tp, B)
     if why:
         pytest.skip(f"does not fit at {preset} TP {tp}: {why}")
-    assert err <= TOL[split(kernel)[0]], f"{kernel} {preset} TP {tp} B {B}: rel err {err:.2e}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B", [1, 8])
-@pytest.mark.parametrize("kernel,preset,tp", PREFILL_CASES)
-def test_prefill_kernel_real_dims_on_gpu(kernel, preset, tp, B):
-    if jax.default_backend() == "cpu":
-        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
-    why, err = run_prefill_case(kernel, preset, tp, B)
-    if why:
-        pytest.skip(f"does not fit at {preset} TP {tp}: {why}")
-    name = prefill_name(kernel)
+    name = prefill_name(kernel) if prefill else split(kernel)[0]
     assert err <= TOL[name], f"{kernel} {preset} TP {tp} B {B}: rel err {err:.2e}"
 
 

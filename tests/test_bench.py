@@ -281,6 +281,29 @@ def test_block_bytes_sum_to_the_step_floor():
     assert grew == {b for b in got if b.endswith("_mla")} and grew
 
 
+def test_kda_cache_bytes_with_the_ring(monkeypatch):
+    """A KDA layer's cache bytes a step moves: the state read and written, the conv window read and written whole
+    in the shift form (K-1 slots), and in the ring (kda_decode.RING, K slots) K-1 read and one written: its size
+    once.  The random cache lays the ring out when the flag is set."""
+    from jax.sharding import Mesh
+
+    from jaxk3.kernels import kda_decode
+    from jaxk3.layers.kda import KDACache
+    from jaxk3.params import shard_bytes
+    from jaxk3.sharding import TP
+    from jaxk3.tools import bench_decode as bd
+
+    cfg = bd.load_config("tiny")
+    mesh = Mesh(np.asarray(jax.devices()[:2]), (TP,))
+    K = cfg.short_conv_kernel_size
+    for ring in (False, True):
+        monkeypatch.setattr(kda_decode, "RING", ring)
+        c = next(x for x in bd.random_cache(cfg, mesh, "bfloat16", 2, 64).layers if isinstance(x, KDACache))
+        assert c.conv.shape[-1] == (K if ring else K - 1)
+        conv, state = shard_bytes(c.conv), shard_bytes(c.state)
+        assert bd.layer_cache_bytes(cfg, c) == 2 * state + (conv if ring else 2 * conv)
+
+
 def test_census_more_layers_more_kernels():
     """Layers 3-5 vs 3-4 of the tiny config (no AttnRes block starts at 5, so nothing else changes):
     the extra layer adds exactly its own blocks' kernels, and every shared block counts the same."""

@@ -884,20 +884,31 @@ def test_kda_decode_ring_equals_the_shift_form(fused, B, bv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("real,B", [(False, 3), (True, 1), (True, 8)])
-def test_kda_decode_ring_on_gpu(real, B):
-    """Compiled, the serving layout's kernel with the ring (tiny dims and Kimi-Linear-48B's, B 1 and 8) under jit
-    with the ring donated (in place, as in the step): the output and state within kda_decode's GPU bound of the
-    ring's reference, the ring bitwise."""
+@pytest.mark.parametrize("fused,real,B,bv", [(True, False, 3, 8), (False, False, 3, 8), (True, True, 1, 32),
+                                             (True, True, 8, 32), (False, True, 8, 16)])
+def test_kda_decode_ring_on_gpu(fused, real, B, bv):
+    """Compiled, both kernels with the ring (tiny dims with four programs a head, and Kimi-Linear-48B's, B 1 and 8)
+    under jit with the ring donated (in place, as in the step), where a program reading a slot another one wrote
+    would show (interpret mode cannot: its aliased output is a copy): the output and state within kda_decode's GPU
+    bound of the ring's reference, the ring bitwise.  The projections' form (`kda_decode`, K3's) takes the
+    serving case's inputs through `glue`."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    from jaxk3.kernels.kda_decode import Config, glue
+
     cfg, args = _kda_in_case(jnp.bfloat16, B, real=real)
     pos = jnp.asarray((np.arange(B) * 3 + 1) % 9, jnp.int32)
     ring = _as_ring(args[2], np.asarray(pos))
-    rargs = (*args[:2], ring, *args[3:])
-    ref = kernels.REGISTRY["kda_decode_in"].reference(cfg, *rargs, pos_B=pos)
-    got = jax.jit(lambda *a: kernels.call("kda_decode_in", cfg, *a[:-1], mode="on", pos_B=a[-1]),
-                  donate_argnums=(2,))(*[jnp.array(a, copy=True) if isinstance(a, jax.Array) else a for a in rargs], pos)
+    if fused:
+        name, at, rargs = "kda_decode_in", 2, (*args[:2], ring, *args[3:])
+    else:
+        u, f, beta, z = glue(cfg, args[0], args[1], args[2].dtype)
+        name, at, rargs = "kda_decode", 1, (u, ring, args[3], f, beta, z, *args[4:])
+    c = Config(bv=bv)
+    ref = kernels.REGISTRY[name].reference(cfg, *rargs, pos_B=pos)
+    fresh = [jnp.array(a, copy=True) if isinstance(a, jax.Array) else a for a in rargs]
+    got = jax.jit(lambda *a: kernels.call(name, cfg, *a[:-1], mode="on", config=c, pos_B=a[-1]),
+                  donate_argnums=(at,))(*fresh, pos)
     for i in (0, 2):
         np.testing.assert_allclose(np.asarray(got[i]), np.asarray(ref[i]), rtol=0,
                                    atol=1e-4 * float(jnp.abs(ref[i]).max()))

@@ -209,12 +209,17 @@ def weight_bytes_per_rank(cfg: KimiK3Config, weights: Weights, batch: int) -> di
 
 def cache_bytes_per_rank(cfg: KimiK3Config, cache: Cache) -> int:
     """MLA latent cache read once (replicated: every rank reads all of it), KDA state and conv read + written."""
-    return sum(layer_cache_bytes(c) for c in cache.layers)
+    return sum(layer_cache_bytes(cfg, c) for c in cache.layers)
 
 
-def layer_cache_bytes(c) -> int:
-    """One layer's cache bytes a step moves per rank: an MLA latent cache read once, a KDA cache read and written."""
-    return sum(params.shard_bytes(a) for a in jax.tree.leaves(c)) * (2 if isinstance(c, KDACache) else 1)
+def layer_cache_bytes(cfg: KimiK3Config, c) -> int:
+    """One layer's cache bytes a step moves per rank: an MLA latent cache read once; a KDA state read and written,
+    and its conv window read and written whole (the shift form's K-1 slots), or as the ring of K slots (K-1 read,
+    one written: its own size once)."""
+    if not isinstance(c, KDACache):
+        return sum(params.shard_bytes(a) for a in jax.tree.leaves(c))
+    ring = c.conv.shape[-1] == cfg.short_conv_kernel_size
+    return 2 * params.shard_bytes(c.state) + (1 if ring else 2) * params.shard_bytes(c.conv)
 
 
 def block_bytes(cfg: KimiK3Config, weights: Weights, cache: Cache, batch: int, first: int = 0) -> dict[str, int]:
@@ -237,7 +242,7 @@ def block_bytes(cfg: KimiK3Config, weights: Weights, cache: Cache, batch: int, f
     attn_f = ("attn", "input_layernorm", "self_attention_res_norm", "self_attention_res_proj")
     ffn_f = ("ffn", "post_attention_layernorm", "mlp_res_norm", "mlp_res_proj")
     for l, (attn, ffn) in enumerate(zip(cfg.layer_attn, cfg.layer_ffn)):
-        t, w, cb = tree.layers[l], weights.layers[l], layer_cache_bytes(cache.layers[l])
+        t, w, cb = tree.layers[l], weights.layers[l], layer_cache_bytes(cfg, cache.layers[l])
         out[f"layer{first + l}_{attn}"] = count(fields(t, *attn_f), fields(w, *attn_f)) + cb
         out[f"layer{first + l}_{ffn}"] = count(fields(t, *ffn_f), fields(w, *ffn_f))
     return out

@@ -66,7 +66,8 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     decode: str = "f16"  # MXFP4's E2M1 -> float: "f16" (float16's bits, then two products: the fastest on the
-    # H200), "select" (compares and selects) or "bits" (the scaled float's bits)
+    # H200), "select" (compares and selects), "bits" (the scaled float's bits) or "magic" (no conversion: a 32-bit
+    # lookup under 2^23's exponent, the scale once per group after its sum; not yet timed on a GPU)
 
 
 @jax.tree_util.register_dataclass
@@ -236,6 +237,18 @@ def _e2m1_f16(code: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
 
 
+_MAGIC_LUT = -932957680  # 0xC8643210 as int32: 2|v| of the magnitude codes 0..7 (0, 1, 2, 3, 4, 6, 8, 12), 4 bits each
+
+
+def _e2m1_magic(code: jax.Array) -> jax.Array:
+    """int32 E2M1 codes (0..15) -> float32 2·value, exactly, with no conversion instruction: 2|v| looked up in a
+    32-bit constant, written as the low mantissa bits of a float32 whose exponent is 2^23's and 2^23 subtracted
+    (exact: an integer below 2^23), the code's sign bit XORed into the float's (-0.0 for code 8, as the table)."""
+    n = (_MAGIC_LUT >> ((code & 7) << 2)) & 15
+    f = lax.bitcast_convert_type(n | 0x4B000000, F32) - F32(2.0 ** 23)
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(f, jnp.int32) ^ ((code & 8) << 28), F32)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     """What the kernels' bodies need to know, static."""
@@ -266,6 +279,8 @@ def _tile(sp: _Spec, w, e, rows, i):
     g = sp.bk // G32
     grp = pl.ds(pl.multiple_of(i * g, g), g)
     codes = w[0][(*lead, rows, grp, slice(None))].astype(jnp.int32)  # [bn, g, 16] bytes
+    if sp.decode == "magic":  # 2·value, unscaled: the caller applies the group's scale (`_group_scale`) after its sum
+        return _e2m1_magic(codes & 15), _e2m1_magic(codes >> 4)
     if sp.decode == "bits":
         s = w[1][(*lead, rows, grp)].astype(jnp.int32)[:, :, None]
         return _e2m1_scaled_bits(codes & 15, s), _e2m1_scaled_bits(codes >> 4, s)
@@ -273,6 +288,14 @@ def _tile(sp: _Spec, w, e, rows, i):
     if sp.decode == "f16":
         return _e2m1_f16(codes & 15) * F32(2.0 ** 14) * s, _e2m1_f16(codes >> 4) * F32(2.0 ** 14) * s
     return _e2m1(codes & 15) * s, _e2m1(codes >> 4) * s
+
+
+def _group_scale(sp: _Spec, w, e, rows, i):
+    """The "magic" decode's factor per (row, scale group) of input tile i: 2^(s - 127) / 2, [bn, g] (exact)."""
+    pl = _pl()
+    g = sp.bk // G32
+    lead = () if e is None else (e,)
+    return e8m0_scales(w[1][(*lead, rows, pl.ds(pl.multiple_of(i * g, g), g))]) * F32(0.5)
 
 
 def _xs(sp: _Spec, x, lead: tuple, i):
@@ -299,6 +322,18 @@ def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
             xt = _xs(sp, x, (*lead, 0), start + i).astype(F32)
             return acc + _tile(sp, w, e, rows, start + i).astype(F32) * xt[None, :]
         return jnp.sum(lax.fori_loop(0, steps, body, jnp.zeros((sp.bn, sp.bk), F32)), axis=1)
+    if sp.decode == "magic":  # MXFP4: each tile's sums per 32-value group, times the group's scale (exact)
+        def groups(i):  # per token b, [bn, g]: its products with tile i (decoded once), summed per group and scaled
+            lo, hi = _tile(sp, w, e, rows, start + i)
+            s = _group_scale(sp, w, e, rows, start + i)
+            for b in range(sp.Bp):
+                xe, xo = _xs(sp, x, (*lead, b), start + i)
+                yield jnp.sum(lo * xe[None] + hi * xo[None], axis=2) * s
+        if sp.Bp == 1:  # one token: a [bn, g] accumulator, reduced once at the end
+            acc = lax.fori_loop(0, steps, lambda i, acc: acc + next(groups(i)), jnp.zeros((sp.bn, sp.bk // G32), F32))
+            return jnp.sum(acc, axis=1)
+        return lax.fori_loop(0, steps, lambda i, acc: tuple(a + jnp.sum(y, axis=1) for a, y in zip(acc, groups(i))),
+                             tuple(jnp.zeros((sp.bn,), F32) for _ in range(sp.Bp)))
     if sp.Bp == 1:  # MXFP4, one token: element-wise accumulators for the even and odd columns
         def body(i, acc):
             lo, hi = _tile(sp, w, e, rows, start + i)
@@ -631,8 +666,8 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
     if not (pow2(cf.bn) and pow2(cf.bk)) or cf.bk < G32 or cf.bn < min_bn:
         return (f"moe_experts kernel needs bn >= {min_bn} (B = {B}) and bk >= {G32}, powers of two (Triton blocks), "
                 f"got {cf.bn}, {cf.bk}")
-    if cf.decode not in ("select", "bits", "f16"):
-        return f"moe_experts kernel: decode must be 'select', 'bits' or 'f16', got {cf.decode!r}"
+    if cf.decode not in ("select", "bits", "f16", "magic"):
+        return f"moe_experts kernel: decode must be 'select', 'bits', 'f16' or 'magic', got {cf.decode!r}"
     if z_BL.ndim != 2 or not 1 <= z_BL.shape[0] <= MAX_B:
         return f"moe_experts kernel is for decode (1 to {MAX_B} tokens), got z {z_BL.shape}"
     packed = isinstance(w.experts_w2, MXFP4)

@@ -31,10 +31,10 @@ from jaxk3.tools import bench_decode as bd  # noqa: E402
 from jaxk3.tools.bench_kernels import moe_experts_cases  # noqa: E402
 
 CONFIGS = [Config()] + [Config(bn=bn, bk=bk, splits=sp, decode=d, num_warps=w, num_stages=st)
-                        for d in ("select", "bits", "f16")
+                        for d in ("select", "bits", "f16", "magic")
                         for bn, bk, sp, w, st in ((16, 256, 0, 8, 3), (32, 256, 0, 4, 3), (16, 128, 0, 4, 4),
                                                   (32, 128, 0, 8, 3), (16, 512, 0, 4, 2), (64, 256, 0, 8, 3))]
-QUICK = [Config(), Config(decode="select"), Config(decode="bits"), Config(num_warps=8)]
+QUICK = [Config(), Config(decode="select"), Config(decode="bits"), Config(decode="magic"), Config(num_warps=8)]
 
 
 def main(argv=None) -> int:
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="out/moe_experts_sweep.json")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--preset", default="kl,k3", help="kl (Kimi-Linear-48B TP 1, serving layout + shared), k3 (TP 2)")
-    ap.add_argument("--all", action="store_true", help="nineteen configurations instead of four")
+    ap.add_argument("--all", action="store_true", help="25 configurations instead of five")
     a = ap.parse_args(argv)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     log = timing.logger(a.json)

@@ -7,9 +7,9 @@ codes decoded four ways in the same run, beside bf16 and XLA's paths over the sa
   f16          the same loop over the packed codes, decode "f16" (the default: float16's bits, then a float16 ->
                float32 conversion and two products per weight)
   select       the same loop, decode "select" (compares and selects)
-  magic        no conversion: a code's magnitude looked up in a 32-bit constant (8 entries of 4 bits: 2|v|), placed in
-               a float32's mantissa under the exponent of 2^23 and 2^23 subtracted, the sign's bit XORed in; the
-               block's scale applied once per 32-value group after its sum (exact: a power of two)
+  magic        the same loop, decode "magic" (no conversion: a code's magnitude looked up in a 32-bit constant, placed
+               in a float32's mantissa under the exponent of 2^23 and 2^23 subtracted, the sign's bit XORed in; the
+               block's scale applied once per 32-value group after its sum: exact)
   half         no conversion, float16 arithmetic: two codes of one int32 word made float16 bits by whole-word
                operations, the products with x (float16, scaled by 2^10) summed in float16 over 8 terms, then in
                float32 per group (not bitwise: float16 sums; the error is printed)
@@ -44,7 +44,6 @@ from jaxk3.kernels.registry import triton_params  # noqa: E402
 F32, G32 = jnp.float32, 32
 CHAIN, INNER, REPS = 10, 3, 7
 FORMS = ("xla-bf16", "xla-mxfp4", "bf16", "f16", "select", "magic", "half")
-LUT = np.int32(np.uint32(0xC8643210).view(np.int32))  # 2|v| of codes 0..7 (0, 1, 2, 3, 4, 6, 8, 12), 4 bits each
 HALF_X_SCALE = 2.0 ** 10  # x's scale in the half form: products v·2^-14·x·2^10 stay float16 normals for |x| ~ 1
 
 
@@ -74,28 +73,6 @@ def _loop_kernel(*refs, sp, nw: int, steps: int):
     w, x, o_ref = refs[:nw], refs[nw:-1], refs[-1]
     rows = _rows(sp.bn)
     o_ref[0, rows] = ME._gemv_rows(sp, w, None, rows, x, (), steps)
-
-
-def _magic(codes):
-    """int32 E2M1 codes -> float32 2·value, exactly, with integer operations and one subtraction."""
-    n = (LUT >> ((codes & 7) << 2)) & 15
-    f = lax.bitcast_convert_type(n | 0x4B000000, F32) - F32(2.0 ** 23)
-    return lax.bitcast_convert_type(lax.bitcast_convert_type(f, jnp.int32) ^ ((codes & 8) << 28), F32)
-
-
-def _magic_kernel(p_ref, s_ref, xe_ref, xo_ref, o_ref, *, bn: int, bk: int, steps: int):
-    from jax.experimental import pallas as pl
-
-    rows, g = _rows(bn), bk // G32
-
-    def body(i, acc):
-        grp = pl.ds(pl.multiple_of(i * g, g), g)
-        codes = p_ref[rows, grp, :].astype(jnp.int32)  # [bn, g, 16]: columns 2j (low nibble) and 2j + 1
-        part = jnp.sum(_magic(codes & 15) * xe_ref[0, grp, :][None] + _magic(codes >> 4) * xo_ref[0, grp, :][None],
-                       axis=2)
-        return acc + part * ME.e8m0_scales(s_ref[rows, grp])
-    acc = lax.fori_loop(0, steps, body, jnp.zeros((bn, g), F32))
-    o_ref[0, rows] = jnp.sum(acc, axis=1) * F32(0.5)
 
 
 def _half_kernel(w_ref, s_ref, x_ref, o_ref, *, bn: int, bk: int, steps: int):
@@ -143,12 +120,9 @@ def build(form: str, packed, scale, x, bn: int = 16, bk: int = 256, interpret: b
         k = call(functools.partial(_loop_kernel, sp=sp, nw=1, steps=steps), in_specs=[any_] * 2)
         return (lambda x: k(wb, x[None])[0]), wb.size * 2
     views = [packed.reshape(O, In // G32, 16), scale]
-    if form in ("f16", "select"):
+    if form in ("f16", "select", "magic"):
         sp = ME._Spec(Bp=1, packed=True, bn=bn, bk=bk, decode=form)
         k = call(functools.partial(_loop_kernel, sp=sp, nw=2, steps=steps), in_specs=[any_] * 4)
-        return (lambda x: k(*views, *ME._x_views(x[None].astype(F32), True))[0]), qbytes
-    if form == "magic":
-        k = call(functools.partial(_magic_kernel, bn=bn, bk=bk, steps=steps), in_specs=[any_] * 4)
         return (lambda x: k(*views, *ME._x_views(x[None].astype(F32), True))[0]), qbytes
     if form == "half":
         words = lax.bitcast_convert_type(packed.reshape(O, In // 8, 4), jnp.int32).reshape(O, In // G32, 4)

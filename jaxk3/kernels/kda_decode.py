@@ -47,6 +47,11 @@ F32 = jnp.float32
 RING = False
 
 
+def is_ring(cfg: KimiK3Config, conv_B3CW) -> bool:
+    """Whether a conv cache is laid out as the ring (K slots) rather than the shift form (K-1): its last dim says."""
+    return conv_B3CW.shape[-1] == cfg.short_conv_kernel_size
+
+
 def ring_window(conv_B3CK: jax.Array, pos_B: jax.Array) -> jax.Array:
     """The ring's K-1 cached projections in the shift form's order (oldest first): [B, 3, C, K-1], tap t from slot
     (pos + 1 + t) mod K."""
@@ -270,7 +275,7 @@ def window_error(cfg: KimiK3Config, conv_B3CW, pos_B, who: str) -> str | None:
     if pos_B is None and W != K - 1:
         return (f"{who}: the conv cache {tuple(conv_B3CW.shape)} must hold K-1 = {K - 1} slots (or K = {K} as a ring "
                 f"with the rows' positions)")
-    if pos_B is not None and (W != K or tuple(pos_B.shape) != (conv_B3CW.shape[0],)):
+    if pos_B is not None and (not is_ring(cfg, conv_B3CW) or tuple(pos_B.shape) != (conv_B3CW.shape[0],)):
         return (f"{who}: the ring conv cache {tuple(conv_B3CW.shape)} must hold K = {K} slots and the positions one "
                 f"per row, got {tuple(pos_B.shape)}")
     return None

@@ -110,7 +110,7 @@ def ring_positions(cfg: KimiK3Config, conv_B3CW: jax.Array, pos_B: jax.Array | N
     K, W = cfg.short_conv_kernel_size, conv_B3CW.shape[-1]
     if W == K - 1:
         return None
-    if W != K:
+    if not kda_kernels.is_ring(cfg, conv_B3CW):
         raise ValueError(f"KDA conv cache {tuple(conv_B3CW.shape)}: its last dim must be K-1 = {K - 1} (the shift "
                          f"form) or K = {K} (the ring), from short_conv_kernel_size {K}")
     if pos_B is None:

@@ -58,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 from jaxk3 import collectives, params
 from jaxk3.tools import census
 from jaxk3.config import KimiK3Config
+from jaxk3.kernels import kda_decode
 from jaxk3.layers.kda import KDACache
 from jaxk3.model import (Cache, StepOptions, Weights, abstract_weights, build_step, cache_abstract, dp_axis,
                          put_batch, resolve_layout, serve_weights, to_host)
@@ -218,8 +219,7 @@ def layer_cache_bytes(cfg: KimiK3Config, c) -> int:
     one written: its own size once)."""
     if not isinstance(c, KDACache):
         return sum(params.shard_bytes(a) for a in jax.tree.leaves(c))
-    ring = c.conv.shape[-1] == cfg.short_conv_kernel_size
-    return 2 * params.shard_bytes(c.state) + (1 if ring else 2) * params.shard_bytes(c.conv)
+    return 2 * params.shard_bytes(c.state) + (1 if kda_decode.is_ring(cfg, c.conv) else 2) * params.shard_bytes(c.conv)
 
 
 def block_bytes(cfg: KimiK3Config, weights: Weights, cache: Cache, batch: int, first: int = 0) -> dict[str, int]:

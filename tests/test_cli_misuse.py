@@ -15,6 +15,7 @@ from jaxk3 import cli
 from jaxk3.cli import generate as cli_generate
 from jaxk3.collectives import GatherUnavailableError
 from jaxk3.config import KimiK3Config
+from jaxk3.kernels import kda_decode
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_cli import write_tokenizer  # noqa: E402
@@ -134,7 +135,7 @@ def test_cache_larger_than_memory(tmp_path, capsys, no_load, monkeypatch):
     cfg = KimiK3Config.tiny_k3()
     length = cli_generate.cache_len(2, 1000000000)  # 2 + 1e9 positions rounded up to the model's cache bucket
     assert 1000000002 <= length < 1000000002 + 4096
-    per_rank = cfg.cache_bytes_per_rank(1, length, 2, 4)
+    per_rank = cfg.cache_bytes_per_rank(1, length, 2, 4, ring=kda_decode.RING)
     line = one_error_line(err, "smaller --max-new-tokens than 1000000000", "decode cache needs", "per rank",
                           f"batch 1 x {length} positions, float32", "x 2 CPU ranks", "1.0 GiB of host memory")
     assert f"{per_rank / (1 << 30):.1f} GiB per rank" in line

@@ -14,6 +14,7 @@ from jaxk3 import checkpoint as ck
 from jaxk3 import params
 from jaxk3.tools import memory
 from jaxk3.config import KimiK3Config
+from jaxk3.kernels import kda_decode
 
 from test_checkpoint import write_k3, write_kimi_linear  # noqa: E402
 
@@ -130,7 +131,7 @@ def test_dp_splits_the_cache():
     # one DP fewer does not fit: the smallest DP is found
     fewer = memory.layout(k3, 16, l16.dp - 1, **kw)
     assert not fewer.fits and fewer.total_bytes > memory.usable_bytes()
-    assert l16.cache_bytes == k3.cache_bytes_per_rank(-(-64 // l16.dp), 131072, 16, 2)
+    assert l16.cache_bytes == k3.cache_bytes_per_rank(-(-64 // l16.dp), 131072, 16, 2, ring=kda_decode.RING)
     grid = memory.layouts(k3, tps=(16,), dps=(1, 2, 64), **kw)
     assert [(l.dp, l.rows_per_rank, l.fits) for l in grid] == [(1, 64, False), (2, 32, False), (64, 1, True)]
     assert len({l.weight_bytes for l in grid}) == 1  # DP replicates the weights
@@ -193,7 +194,7 @@ def test_cli_info_configs(tmp_path, no_tensor_reads):
     assert memory.config_for(str(tmp_path / "k3" / "config.json")).experts_format == "mxfp4"
     d = memory.cli_info(config="k3", tp=16, batch=2, context=4096)
     assert d["fits"] and d["experts"] == "mxfp4" and d["checkpoint"] is None
-    assert d["cache_bytes_per_rank"] == KimiK3Config.k3().cache_bytes_per_rank(2, 4096, 16, 2)
+    assert d["cache_bytes_per_rank"] == KimiK3Config.k3().cache_bytes_per_rank(2, 4096, 16, 2, ring=kda_decode.RING)
     assert "1 H200 (TP 1 x DP 1, 1 host)" in memory.format_report(memory.cli_info(config="tiny", tp=1))
     assert memory.cli_info(checkpoint=str(tmp_path / "k3"), tp=2)["checkpoint"]["experts_on_disk"] == "mxfp4"
     for bad in (dict(), dict(config="k3", checkpoint=str(tmp_path / "k3"))):

@@ -177,10 +177,13 @@ def test_ring_conv_cache_generates_the_same(monkeypatch):
     from jaxk3.kernels import kda_decode
 
     cfg = KimiK3Config.tiny_kimi_linear()
+    monkeypatch.setattr(kda_decode, "RING", False)  # read where a model first lays out a cache: a new model
     m = jaxk3.init_random_model(cfg, seed=3, tp=2, dtype="float32")
+    assert {x.conv.shape[-1] for x in m.init_cache(2, 64).layers if hasattr(x, "conv")} == {
+        cfg.short_conv_kernel_size - 1}
     prompts = [list(np.random.default_rng(4).integers(1, cfg.vocab_size, 70)), [21, 22, 23]]  # two chunks of 64
     shift = m.generate(prompts, 5, return_logits=True, prefill_chunk=64)
-    monkeypatch.setattr(kda_decode, "RING", True)  # read where a model first lays out a cache: a new model
+    monkeypatch.setattr(kda_decode, "RING", True)
     m = jaxk3.init_random_model(cfg, seed=3, tp=2, dtype="float32")
     c = m.init_cache(2, 64)
     assert {x.conv.shape[-1] for x in c.layers if hasattr(x, "conv")} == {cfg.short_conv_kernel_size}

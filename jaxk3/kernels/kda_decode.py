@@ -42,9 +42,10 @@ from jaxk3.kernels.rms_norm import gated_rms_norm
 F32 = jnp.float32
 
 # The conv cache as a ring of K slots (written in place) instead of K-1 shifted ones: `jaxk3.layers.kda.cache_abstract`
-# reads this when it lays out a cache.  Off until the step is timed with it on the GPU (docs/PERF.md, twelfth
-# session: built without device time; A/B with `scripts/gpu/step_with_kernel.py kda_decode:RING=1 -- ...`).
-RING = False
+# reads this when it lays out a cache.  On since the thirteenth session's A/B (docs/PERF.md: the 48B step at B = 1
+# 2437.3 us against main's 2467.4 and 2461.2 in the same call, 20 launches fewer; B = 8 even); the shift form
+# stays for caches laid out with it off (`is_ring` tells them apart by the last dim).
+RING = True
 
 
 def is_ring(cfg: KimiK3Config, conv_B3CW) -> bool:

@@ -57,6 +57,8 @@ def test_bench_decode_strategies_agree(tmp_path):
         assert len(toks["stock"]) == 3 and all(len(t) == b for t in toks["stock"])
         assert toks["stock"] == toks["sharded+lax"] == toks["sharded+one-shot"], toks
     assert not back["notes"]
+    for r in back["rows"]:  # the first greedy steps' top-2 margins, one per check step, a tie at 0
+        assert len(r["top2_margin"]) == 3 and all(0.0 <= m <= 2.0 for m in r["top2_margin"]), r["top2_margin"]
     rows = {r["strategy"]: r for r in back["rows"] if r["batch"] == 2}
     # the sharded latent reads half the latent rows per rank at TP 2; everything else is equal
     st, sh = rows["stock"]["census"]["weight_bytes_by_part"], rows["sharded+one-shot"]["census"]["weight_bytes_by_part"]
@@ -302,6 +304,46 @@ def test_kda_cache_bytes_with_the_ring(monkeypatch):
         assert c.conv.shape[-1] == (K if ring else K - 1)
         conv, state = shard_bytes(c.conv), shard_bytes(c.state)
         assert bd.layer_cache_bytes(cfg, c) == 2 * state + (conv if ring else 2 * conv)
+
+
+def test_random_ring_cache_holds_the_shift_forms_window(monkeypatch):
+    """The bench's random caches in both conv layouts hold the same values: the ring read at the rows' position
+    (`ring_window`) is the shift form's window bitwise, and the states and latents are equal, so a step A/B of
+    `kda_decode.RING` compares tokens as well as time.  Context 67: the position is not a multiple of K."""
+    from jax.sharding import Mesh
+
+    from jaxk3.kernels import kda_decode
+    from jaxk3.layers.kda import KDACache
+    from jaxk3.sharding import TP
+    from jaxk3.tools import bench_decode as bd
+
+    cfg = bd.load_config("tiny")
+    mesh = Mesh(np.asarray(jax.devices()[:2]), (TP,))
+    caches = {}
+    for ring in (False, True):
+        monkeypatch.setattr(kda_decode, "RING", ring)
+        caches[ring] = bd.random_cache(cfg, mesh, "bfloat16", 3, 67)
+    n = 0
+    for a, b in zip(caches[False].layers, caches[True].layers):
+        if isinstance(a, KDACache):
+            n += 1
+            assert b.conv.shape[-1] == a.conv.shape[-1] + 1
+            win = kda_decode.ring_window(b.conv, caches[True].length)
+            np.testing.assert_array_equal(np.asarray(win.astype(jnp.float32)), np.asarray(a.conv.astype(jnp.float32)))
+            assert np.asarray(a.conv.astype(jnp.float32)).std() > 0.05  # random, not zeros
+            np.testing.assert_array_equal(np.asarray(b.state), np.asarray(a.state))
+        else:
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert n == len(cfg.kda_layers)
+
+
+def test_top2_margin():
+    from jaxk3.tools.bench_decode import top2_margin
+
+    lg = np.array([[0.0, 3.0, 1.0, -4.0], [2.0, 2.5, 2.4, 0.0]], np.float32)
+    assert top2_margin(lg) == pytest.approx((2.5 - 2.4) / 4.0, rel=1e-5)  # the closer row, over max|logit|
+    assert top2_margin(np.array([[1.0, 1.0, 0.5]], np.float32)) == 0.0
 
 
 def test_census_more_layers_more_kernels():

@@ -177,20 +177,39 @@ def relayout_latent(cfg: KimiK3Config, weights: Weights, mesh, shard_latent: boo
 
 
 def random_cache(cfg: KimiK3Config, mesh, dtype, batch: int, context: int, seed: int = 1) -> Cache:
-    """Caches filled with random data; every row has context-1 tokens, so the MLA step attends to all."""
+    """Caches filled with random data; every row has context-1 tokens, so the MLA step attends to all.  A KDA conv
+    cache laid out as the ring (`jaxk3.kernels.kda_decode.RING`) holds the shift form's random window at the rows'
+    position (tap t in slot (context + t) mod K), so that both layouts decode the same tokens."""
     abstract = cache_abstract(cfg, batch, context)
     specs = params.buffer_specs(abstract, dp_axis(mesh))
     counter = iter(range(1 << 30))
+    K = cfg.short_conv_kernel_size
 
-    def fill(b: params.Buffer, spec):
+    def fill(path, b: params.Buffer, spec):
         scale = {"fp32": 0.01}.get(b.dtype, 0.1 if len(b.shape) == 4 else 1.0)  # KDA state / conv / MLA latents
         dt = b.np_dtype(dtype)
-        f = jax.jit(lambda k: (jax.random.normal(k, b.shape, jnp.float32) * scale).astype(dt),
-                    out_shardings=NamedSharding(mesh, spec))
+        ring = getattr(path[-1], "name", None) == "conv" and b.shape[-1] == K
+        shape = (*b.shape[:-1], K - 1) if ring else b.shape
+        # the ring's slot s holds tap (s - pos - 1) mod K of the window (pos = context - 1); tap K-1, this token's
+        # slot, is a zero that the step overwrites
+        order = [(s - context) % K for s in range(K)]
+
+        def draw(k):
+            x = jax.random.normal(k, shape, jnp.float32) * scale
+            if ring:
+                x = jnp.concatenate([x, jnp.zeros((*shape[:-1], 1), x.dtype)], axis=-1)[..., order]
+            return x.astype(dt)
+        f = jax.jit(draw, out_shardings=NamedSharding(mesh, spec))
         return f(jax.random.fold_in(jax.random.key(seed), next(counter)))
 
-    layers = jax.tree.map(fill, abstract.layers, specs.layers, is_leaf=params.is_buffer)
+    layers = jax.tree_util.tree_map_with_path(fill, abstract.layers, specs.layers, is_leaf=params.is_buffer)
     return Cache(layers=layers, length=put_batch(np.full((batch,), context - 1, np.int32), mesh))
+
+
+def top2_margin(logits_BV: np.ndarray) -> float:
+    """min over the rows of (largest logit - second largest) / max|logit| (0.0 for a tie)."""
+    top = np.sort(logits_BV.reshape(-1, logits_BV.shape[-1]), axis=-1)[:, -2:]
+    return float(np.min(top[:, 1] - top[:, 0]) / max(float(np.max(np.abs(logits_BV))), 1e-30))
 
 
 # --------------------------------------------------------------------------- accounting
@@ -309,6 +328,9 @@ class DecodeRow:
     gathers: dict
     tokens: list
     census: dict
+    # per check step, the smallest over the rows of (top logit - second) / max|logit|: where it is near float32
+    # rounding, another summation order (another process's autotuned GEMM tiles) may pick the other token
+    top2_margin: list = dataclasses.field(default_factory=list)
 
 
 def _setup(config: str, layers: str | None, experts: int | None, tp: int, batches, strategies):
@@ -451,12 +473,13 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                     with open(os.path.join(hlo_dir, f"decode_{_file_part(name)}_B{batch}_S{context}.hlo.txt"), "w") as fh:
                         fh.write(compiled.as_text())
                 cbytes = cache_bytes_per_rank(cfg, cache)
-                tokens = []
+                tokens, margins = [], []
                 for i in range(max(check_tokens, 2)):  # warm-up; the first greedy tokens, for the comparison
                     logits, ids, cache = compiled(weights, cache, ids, valid)
                     tokens.append(to_host(ids).tolist())
+                    lg = to_host(logits).astype(np.float32)
+                    margins.append(top2_margin(lg))
                     if i == 0:
-                        lg = to_host(logits).astype(np.float32)
                         ref = first_logits.setdefault((batch, context, s.experts), lg)
                         rel = float(np.max(np.abs(lg - ref)) / max(np.max(np.abs(ref)), 1e-30))
                 del logits
@@ -481,7 +504,7 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                 med = statistics.median(per)
                 rows.append(DecodeRow(name, batch, context, med, (min(per), max(per)),
                                       statistics.median(sync) if sync else float("nan"), wbytes, cbytes, floor_w,
-                                      floor, med / floor, compile_s, rel, paths, tokens, census))
+                                      floor, med / floor, compile_s, rel, paths, tokens, census, margins))
                 rows[-1].census["weight_bytes_by_part"] = parts
                 say(f"   -> {med:.1f} us/step (synced {rows[-1].us_per_step_synced:.1f}), floor {floor:.1f} us "
                     f"({wbytes / 1e6:.1f} MB weights + {cbytes / 1e6:.1f} MB cache per rank), x{med / floor:.2f}, "

@@ -155,3 +155,52 @@ def test_mla_prep_lowers_from_partial_sums():
     assert MP.fits(p, R + P, p, 0, rest[0], n, rest[1], 1e-6, *rest[2:], BF16, out_dtype=BF16) is None
     assert lower(lambda p, w, nw, kv, ln, ok: MP.mla_prep(p, R + P, p, 0, w, n, nw, 1e-6, kv, ln, ok, BF16,
                                                           out_dtype=BF16), p, *rest) == 1
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_decode_kernels_launch_dependents_early(monkeypatch, early):
+    """`registry.PDL_EARLY`: every decode kernel of the 48B step (the GEMVs with and without their norms, the
+    KDA core, the MLA prologue, attention and merge, the MoE experts' two kernels) carries
+    `griddepcontrol.launch_dependents` in its Triton IR once, and none does with it off; interpret mode never
+    lowers it (the interpret-mode tests run with it on too: tests/test_kernels.py::test_interpret_ignores_pdl)."""
+    from jaxk3.kernels import gemv as G
+    from jaxk3.kernels import kda_decode as KD
+    from jaxk3.kernels import mla_decode as MD
+    from jaxk3.kernels import mla_prep as MP
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.kernels import registry
+    from jaxk3.layers import moe
+    from jaxk3.tools.triton_lowering import module_text
+
+    monkeypatch.setattr(registry, "PDL_EARLY", early)
+    cfg, f32 = _cfg48(), jnp.float32
+    C, H, d, K, D = cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.hidden_size
+    texts = []
+    x, w, nw = S((1, D), BF16), S((6720, D), BF16), S((D,), BF16)
+    texts.append(module_text(lambda x, w: G.gemv(x, w), x, w))
+    texts.append(module_text(lambda x, w, nw: G._norm_device(x, w, nw, 1e-6), x, w, nw))
+    xg, g, wo = S((1, C), f32), S((d,), f32), S((D, C), BF16)
+    texts.append(module_text(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, BF16), xg, xg, g, wo))
+    cw = KD.CoreWeights(conv_3CK=S((3, C, K), f32), dt_bias_C=S((C,), f32), A_log_H=S((H,), f32), o_norm_K=S((d,), f32))
+    args = (S((1, 3 * C + 2 * d + H), f32), S((2, C, d), BF16), S((1, 3, C, K), BF16), cw, S((1, H, d, d), f32),
+            S((1,), jnp.bool_), S((1,), jnp.int32))
+    texts.append(module_text(lambda *a: KD.kda_decode_in(cfg, *a[:6], gated=True, pos_B=a[6]), *args))
+    Hm, R, P, n, v = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    margs = (SD((1, Hm, R), f32), SD((1, Hm, P), f32), SD((1, 4096, R + P), BF16), SD((1,), jnp.int32))
+    texts.append(module_text(lambda q, p, kv, ln, w: MD.mla_decode_uv(q, p, kv, ln, 0.07, w, n), *margs,
+                             SD((Hm, n + v, R), BF16)))
+    y = SD((1, R + P + Hm * (n + P)), f32)
+    texts.append(module_text(lambda y, w, nw, kv, ln, ok: MP.mla_prep(y, R + P, y, 0, w, n, nw, 1e-6, kv, ln, ok, BF16,
+                                                                      out_dtype=BF16),
+                             y, SD((Hm, n + v, R), BF16), SD((R,), f32), SD((1, 4096, R + P), BF16), SD((1,), jnp.int32),
+                             SD((1,), jnp.bool_)))
+    E, I = 64, cfg.moe_intermediate_size
+    c = dataclasses.replace(cfg, num_experts=E)
+    wm = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=None, experts_w3=None,
+                        experts_w2=S((E, D, I), BF16), experts_w13=S((E, 2 * I, D), BF16))
+    shared = ME.SharedMLP(S((2 * I, D), BF16), S((D, I), BF16))
+    texts.append(module_text(lambda w, z, lg, b, sh: ME.experts_routed(c, w, z, lg, b, shared=sh), wm, S((1, D), BF16),
+                             S((1, E), f32), S((E,), f32), shared))
+    kernels = [t.count("xla.gpu.triton") for t in texts]
+    assert kernels == [1, 1, 1, 1, 2, 1, 2]
+    assert [t.count("griddepcontrol.launch_dependents") for t in texts] == (kernels if early else [0] * len(texts))

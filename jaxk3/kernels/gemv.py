@@ -35,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels.registry import Kernel, early_launch, launch_dependents, pow2, register, triton_params
+from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 from jaxk3.kernels.rms_norm import gated_rms_norm, rms_norm_as
 
 F32 = jnp.float32
@@ -162,11 +162,11 @@ def _loop(steps: int, body, init, unroll: bool):
 
 
 def _kernel(x_ref, w_ref, *refs, layout: str, bn: int, bk: int, steps: int, dot: bool, unroll: bool, N: int,
-            eps: float | None, K: int, early: bool = False):
+            eps: float | None, K: int):
     from jax.experimental import pallas as pl
 
     g_ref, o_ref = refs if eps is not None else (None, refs[0])
-    n, s = launch_dependents(pl.program_id(0), early), pl.program_id(1)
+    n, s = pl.program_id(0), pl.program_id(1)
     if N % bn:  # the last program's rows end at N: it overlaps its neighbour, writing the same values there
         rows = pl.ds(jnp.minimum(n * bn, N - bn), bn)
     else:
@@ -235,7 +235,7 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
     kw = triton_params(c.num_warps, c.num_stages, interpret)
     return pl.pallas_call(
         functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot, unroll=c.unroll, N=N,
-                          eps=None if norm_w is None else float(eps), K=K, early=early_launch(interpret)),
+                          eps=None if norm_w is None else float(eps), K=K),
         grid=(-(-N // c.bn), c.splits), in_specs=[any_] * len(args), out_specs=any_,
         out_shape=jax.ShapeDtypeStruct((c.splits, Bp, N), F32), interpret=interpret, **kw)(*args)
 
@@ -380,13 +380,13 @@ register(Kernel("gemv_norm", _norm_reference, _norm_device, platforms=("gpu",), 
 
 
 def _gnorm_kernel(x_ref, z_ref, g_ref, w_ref, o_ref, *, bn: int, hk: int, d: int, steps: int, eps: float, dt,
-                  unroll: bool, early: bool = False):
+                  unroll: bool):
     """Program (n, s): output rows [n·bn, (n+1)·bn), heads [s·steps·hk, (s+1)·steps·hk) of K (x, z viewed
     [1, H, d], w [N, H, d]): Σ over its tiles of w[rows, heads, :] · gated_rms_norm(x[heads]) in `dt`, one partial
     sum."""
     from jax.experimental import pallas as pl
 
-    n, s = launch_dependents(pl.program_id(0), early), pl.program_id(1)
+    n, s = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(pl.multiple_of(n * bn, bn), bn)
     g = g_ref[...].astype(F32)  # [d]
 
@@ -431,7 +431,7 @@ def gemv_gnorm(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, 
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     p = pl.pallas_call(
         functools.partial(_gnorm_kernel, bn=c.bn, hk=hk, d=d, steps=steps, eps=float(eps), dt=jnp.dtype(dt),
-                          unroll=c.unroll, early=early_launch(interpret)),
+                          unroll=c.unroll),
         grid=(N // c.bn, c.splits), in_specs=[any_] * 4, out_specs=any_,
         out_shape=jax.ShapeDtypeStruct((c.splits, 1, N), F32), interpret=interpret,
         **triton_params(c.num_warps, c.num_stages, interpret),

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxk3.config import KimiK3Config
-from jaxk3.kernels.registry import Kernel, early_launch, launch_dependents, register
+from jaxk3.kernels.registry import Kernel, register
 from jaxk3.kernels.rms_norm import gated_rms_norm
 
 F32 = jnp.float32
@@ -134,7 +134,7 @@ class Config:
 
 
 def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int, int, int] | None,
-            ring: bool = False, early: bool = False):
+            ring: bool = False):
     """`fused` None: the inputs are the projections' parts (u, f, beta; z is the wrapper's).  `fused` = (C, H, d):
     the in_proj GEMV's raw output y = [q | k | v | f_a | b | g_a] (fp32) and the stacked low-rank weights
     [f_b, g_b] [2, C, d]: the program takes its parts of y, casts them as the reference does, forms f (its head's
@@ -152,7 +152,7 @@ def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int,
     else:
         u_ref, conv_ref, cw_ref, dtb_ref, alog_ref, f_ref, beta_ref, s_ref, valid_ref, o_ref, conv_out_ref, s_out_ref = refs
     dt = conv_out_ref.dtype
-    b, h, j = launch_dependents(pl.program_id(0), early), pl.program_id(1), pl.program_id(2)
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ch = pl.ds(h * Kd, Kd)  # the head's q/k channels (every program recomputes them: K taps of Kd values)
     cv = pl.ds(h * Kd + j * bv, bv)  # this program's value channels
     vs = pl.ds(j * bv, bv)  # its columns of the state
@@ -233,8 +233,7 @@ def kda_decode(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid
     W = conv_B3CW.shape[-1]
     ring = pos_B is not None
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=None, ring=ring,
-                               early=early_launch(interpret))
+    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=None, ring=ring)
     extra = (pos_B.astype(jnp.int32),) if ring else ()
     o, conv, state = pl.pallas_call(
         kernel, grid=(B, H, Kd // bv), in_specs=[any_] * (9 + ring), out_specs=[any_] * 3,
@@ -329,8 +328,7 @@ def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, int
     W = conv_B3CW.shape[-1]
     ring = pos_B is not None
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=(C, H, d), ring=ring,
-                               early=early_launch(interpret))
+    kernel = functools.partial(_kernel, Kd=Kd, W=W, bv=bv, lb=cfg.gate_lower_bound, fused=(C, H, d), ring=ring)
     extra = (pos_B.astype(jnp.int32),) if ring else ()
     o, z, conv, state = pl.pallas_call(
         kernel, grid=(B, H, Kd // bv), in_specs=[any_] * (8 + ring), out_specs=[any_] * 4,

@@ -47,7 +47,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels.registry import Kernel, early_launch, launch_dependents, pow2, register, triton_params
+from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -105,11 +105,11 @@ def _dot_t(a, b):
 
 
 def _kernel(len_ref, ql_ref, qpe_ref, kv_ref, m_ref, l_ref, acc_ref, *, R: int, P: int, S: int, split: int,
-            scale: float, BLOCK_S: int, order: str, early: bool = False):
+            scale: float, BLOCK_S: int, order: str):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    b = launch_dependents(pl.program_id(0), early)
+    b = pl.program_id(0)
     hg, part = (pl.program_id(1), pl.program_id(2)) if order == "gp" else (pl.program_id(2), pl.program_id(1))
     end = jnp.minimum(len_ref[b] + 1, S)  # this row's slots are [0, end)
     ql, qpe = ql_ref[b, hg], qpe_ref[b, hg]  # bf16 [Hb, R], [Hb, P]
@@ -173,8 +173,7 @@ def _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool, blo
 
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     m, l, acc = pl.pallas_call(
-        functools.partial(_kernel, R=R, P=P, S=S, split=split, scale=scale, BLOCK_S=bs, order=order,
-                          early=early_launch(interpret)),
+        functools.partial(_kernel, R=R, P=P, S=S, split=split, scale=scale, BLOCK_S=bs, order=order),
         grid=(B, G, parts) if order == "gp" else (B, parts, G),
         in_specs=[any_] * 4, out_specs=[any_] * 3, **kw,
         out_shape=(jax.ShapeDtypeStruct((B, G, parts, Hb), F32), jax.ShapeDtypeStruct((B, G, parts, Hb), F32),
@@ -242,11 +241,10 @@ register(Kernel("mla_decode", reference, mla_decode, platforms=("gpu",), fits=fi
 # multiplies the merged latent by its W_UV rows.
 
 
-def _merge_uv_kernel(m_ref, l_ref, acc_ref, w_ref, o_ref, *, Hb: int, parts: int, pc: int, bv: int, v0: int,
-                     early: bool = False):
+def _merge_uv_kernel(m_ref, l_ref, acc_ref, w_ref, o_ref, *, Hb: int, parts: int, pc: int, bv: int, v0: int):
     from jax.experimental import pallas as pl
 
-    b, h, j = launch_dependents(pl.program_id(0), early), pl.program_id(1), pl.program_id(2)
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g, hi = h // Hb, h % Hb
 
     def chunk(c):  # parts [c·pc, (c+1)·pc): pc a power of two dividing parts (which need not be one)
@@ -294,8 +292,7 @@ def mla_decode_uv(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: ja
     bv = min(block_v, V)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_merge_uv_kernel, Hb=Hb, parts=parts, pc=pc, bv=bv, v0=v0, early=early_launch(interpret)),
-        grid=(B, H, V // bv),
+        functools.partial(_merge_uv_kernel, Hb=Hb, parts=parts, pc=pc, bv=bv, v0=v0), grid=(B, H, V // bv),
         in_specs=[any_] * 4, out_specs=any_, out_shape=jax.ShapeDtypeStruct((B, H, V), F32), interpret=interpret,
         **triton_params(4, merge_stages or MERGE_STAGES, interpret))(m, l, acc, w_kvb_HXR)
 

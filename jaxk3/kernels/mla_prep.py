@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxk3.kernels.gemv import add_splits
-from jaxk3.kernels.registry import Kernel, early_launch, launch_dependents, pow2, register, triton_params
+from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 from jaxk3.kernels.rms_norm import rms_norm
 
 F32 = jnp.float32
@@ -75,12 +75,11 @@ def reference(q_src: jax.Array, q_off: int, kv_src: jax.Array, kv_off: int, w_kv
 
 
 def _kernel(len_ref, valid_ref, q_ref, kvs_ref, w_ref, nw_ref, kv_ref, ql_ref, qpe_ref, kv_out_ref, *, n: int, P: int,
-            R: int, S: int, br: int, bk: int, q_off: int, kv_off: int, eps: float, dt, once: bool,
-            early: bool = False):
+            R: int, S: int, br: int, bk: int, q_off: int, kv_off: int, eps: float, dt, once: bool):
     from jax.experimental import pallas as pl
 
     del kv_ref  # aliased to kv_out_ref: only the written slot changes
-    b, h, j = launch_dependents(pl.program_id(0), early), pl.program_id(1), pl.program_id(2)
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     def row(ref, start, size):  # ref's row b at [start, start + size): a [S, B, X] source's S partial sums added
         if len(ref.shape) == 2:
@@ -124,7 +123,7 @@ def mla_prep(q_src, q_off: int, kv_src, kv_off: int, w_kvb_HXR, n: int, norm_w_R
     br, bk = min(c.br, R), min(c.bk, n)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_kernel, n=n, P=P, R=R, S=S, br=br, bk=bk, q_off=q_off, kv_off=kv_off, eps=eps,
-                               dt=jnp.dtype(dt), once=c.once, early=early_launch(interpret))
+                               dt=jnp.dtype(dt), once=c.once)
     return pl.pallas_call(
         kernel, grid=(B, H, R // br), in_specs=[any_] * 7, out_specs=[any_] * 3,
         out_shape=(jax.ShapeDtypeStruct((B, H, R), out_dtype), jax.ShapeDtypeStruct((B, H, P), out_dtype),

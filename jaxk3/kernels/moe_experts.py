@@ -49,7 +49,7 @@ from jax import lax
 
 from jaxk3.config import MXFP4_GROUP as G32
 from jaxk3.config import KimiK3Config
-from jaxk3.kernels.registry import Kernel, early_launch, launch_dependents, pow2, register, triton_params
+from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 
 F32 = jnp.float32
 
@@ -391,7 +391,7 @@ def _weights(s, rank, rt: _Route):
 
 
 def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, nw: int, joined: bool, shared: bool,
-                    I: int, steps: int, act, early: bool = False):
+                    I: int, steps: int, act):
     """Program (u, n): slot u's activations, rows [n·bn, (n+1)·bn) of I, for every token.  Slot U (when
     `shared`) is the shared experts'; a padded slot (expert -1) writes zeros.  The slot's expert is
     uniq[u] (the first ref), or with `route` (one token, U = k, no padded slot) the u-th choice of the router's
@@ -405,7 +405,7 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
     if route is not None:
         refs, (read_ref, coef_ref) = refs[:-2], refs[-2:]
     a_ref = refs[-1]
-    u, n = launch_dependents(pl.program_id(0), early), pl.program_id(1)
+    u, n = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(pl.multiple_of(n * sp.bn, sp.bn), sp.bn)
     up = pl.ds(pl.multiple_of(I + n * sp.bn, sp.bn), sp.bn)  # the up rows of a [gate | up] join
     if route is None:
@@ -443,14 +443,13 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
             gate_up(s13, s13, None, up)
 
 
-def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared: bool, steps: int,
-                 early: bool = False):
+def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared: bool, steps: int):
     """Program (n, s): output rows [n·bn, (n+1)·bn), the s-th part of I: Σ over the slots u of
     coef[:, u] · W2[read[u]] a[u] (+ the shared experts' down projection of slot U), one partial sum
     (coef [Bp, U]: at B = 1 the routing weights as the router gives them, or as kernel 1 wrote them)."""
     pl = _pl()
     a, w2, o_ref = refs[:na], refs[na:na + nw], refs[-1]
-    n, s = launch_dependents(pl.program_id(0), early), pl.program_id(1)
+    n, s = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(pl.multiple_of(n * sp.bn, sp.bn), sp.bn)
     start = s * steps
     U = read_ref.shape[0]
@@ -592,8 +591,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
         outs += [jax.ShapeDtypeStruct((U,), jnp.int32), jax.ShapeDtypeStruct((Bp, U), F32)]
     a, *sel = pl.pallas_call(
         functools.partial(_gate_up_kernel, sp=sp, nsel=len(sel_up), route=route, nx=len(xs), nw=len(w13v),
-                          joined=joined, shared=shared is not None, I=I, steps=In // cf.bk, act=act,
-                          early=early_launch(interpret)),
+                          joined=joined, shared=shared is not None, I=I, steps=In // cf.bk, act=act),
         grid=(P, I // cf.bn), in_specs=[any_] * len(ins), out_specs=[any_] * len(outs),
         out_shape=tuple(outs), interpret=interpret, **kw)(*ins)
 
@@ -602,7 +600,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     ins = [*(sel_down if route is None else sel), *av, *w2v, *s2]
     y = pl.pallas_call(
         functools.partial(_down_kernel, sp=sp, na=len(av), nw=len(w2v), shared=shared is not None,
-                          steps=I // S // cf.bk, early=early_launch(interpret)),
+                          steps=I // S // cf.bk),
         grid=(Out // cf.bn, S), in_specs=[any_] * len(ins), out_specs=any_,
         out_shape=jax.ShapeDtypeStruct((S, Bp, Out), F32), interpret=interpret, **kw)(*ins)
     return (y[0] if S == 1 else jnp.sum(y, axis=0))[:B]

@@ -1,6 +1,5 @@
 """The kernel registry: `Kernel`, `register`, and the selection (`call`, `explain`, `status`,
-`active`), plus the helpers every kernel module's wrapper shares (`pow2`, `triton_params`, and the early launch of
-the next kernel, `early_launch` / `launch_dependents`).
+`active`), plus the two helpers every kernel module's wrapper shares (`pow2`, `triton_params`).
 Imports nothing from jaxk3: kernel modules register here, and jaxk3.kernels re-exports it."""
 from __future__ import annotations
 
@@ -46,39 +45,6 @@ def triton_params(num_warps: int, num_stages: int, interpret: bool) -> dict:
     from jax.experimental.pallas import triton as plgpu
 
     return dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
-
-
-# Programmatic dependent launch (Hopper): XLA launches every kernel of the step with the PDL attribute and puts
-# `griddepcontrol.wait` before the first memory access of every kernel it compiles (its fusions and the Pallas
-# kernels alike: docs/PERF.md, seventh and ninth sessions), but no kernel signals its dependents early, so the next
-# kernel is launched only as the last program of this one exits.  With `PDL_EARLY` the decode kernels issue
-# `griddepcontrol.launch_dependents` as each program starts: the next kernel's programs are placed while this one
-# still streams and wait (in hardware) for its grid to finish and its writes to be visible, so the launch and the
-# ramp of the next kernel overlap this one's tail.  The values are the same (the wait orders every read after the
-# writes); only the gaps between kernels change.  Off until timed (docs/PERF.md, thirteenth session).
-PDL_EARLY = False
-
-
-def early_launch(interpret: bool) -> bool:
-    """Whether a kernel lowered now issues the early launch (`PDL_EARLY`, and never in interpret mode, which
-    runs the body on the CPU where the instruction does not exist)."""
-    return PDL_EARLY and not interpret
-
-
-def launch_dependents(pid, early: bool):
-    """`pid` (a program id, int32), passed through `griddepcontrol.launch_dependents` where `early`: the
-    instruction is inline assembly that Triton may drop unless its result is used, so it returns the id
-    unchanged for the kernel to index with (every address then depends on it, and it runs first)."""
-    if not early:
-        return pid
-    import jax.numpy as jnp
-    from jax.experimental.pallas import triton as plgpu
-
-    # as a one-element block (the lowering types a 0-d result as a tensor, not the scalar the id is), summed back
-    [out] = plgpu.elementwise_inline_asm("griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;",
-                                         args=[jnp.full((1,), pid, jnp.int32)], constraints="=r,r", pack=1,
-                                         result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
-    return jnp.sum(out)
 
 
 def register(kernel: Kernel) -> Kernel:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxk3.config import KimiK3Config
-from jaxk3.kernels.registry import Kernel, early_launch, launch_dependents, register
+from jaxk3.kernels.registry import Kernel, register
 from jaxk3.kernels.rms_norm import rms_norm_as
 
 F32 = jnp.float32
@@ -77,11 +77,11 @@ def select_experts(cfg: KimiK3Config, logits_BE: jax.Array, bias_E: jax.Array) -
 
 
 def _kernel(logits_ref, bias_ref, *refs, E: int, Ep: int, k: int, renorm: bool, scale: float,
-            norm: tuple[int, int, float] | None, early: bool = False):
+            norm: tuple[int, int, float] | None):
     from jax.experimental import pallas as pl
 
     x_ref, g_ref, w_ref, ids_ref, xn_ref = refs if norm else (None, None, *refs, None)
-    b = launch_dependents(pl.program_id(0), early)
+    b = pl.program_id(0)
     idx = jnp.arange(Ep)
     inside = idx < E
     lg = jnp.where(inside, logits_ref[b, pl.ds(0, Ep)], 0.0)  # padded tail masked below
@@ -151,7 +151,7 @@ def router_topk(cfg, logits_BE: jax.Array, bias_E: jax.Array, interpret: bool = 
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         functools.partial(_kernel, E=E, Ep=Ep, k=k, renorm=cfg.moe_renormalize, scale=cfg.routed_scaling_factor,
-                          norm=norm, early=early_launch(interpret)),
+                          norm=norm),
         grid=(B,), in_specs=[any_] * len(args), out_specs=[any_] * len(outs), out_shape=tuple(outs),
         interpret=interpret, **triton_params(num_warps or (NORMED_WARPS if norm else NUM_WARPS), 1, interpret))(*args)
     return tuple(out)

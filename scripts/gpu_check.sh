@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
-#                        [mxfp4] [mxfp4dec] [moestep] [targets] [mla] [hostcopy]
+#                        [mxfp4] [moestep] [targets] [mla] [hostcopy]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -18,8 +18,7 @@
 #   ragged_dot and a GEMM of the same FLOPs at Kimi-Linear-48B dims); `attn` the prefill's MLA kernel and KDA form
 #   against the paths they replace; `kda` KDA's prefill forms inside 48B's first four layers with their longest kernels;
 #   `mxfp4` the MoE decode experts kernel's compiled tests and its configurations against XLA (Kimi-Linear-48B
-#   serving layout with the shared experts, K3 TP 2 share); `mxfp4dec` one MXFP4 GEMV decoded four ways (the
-#   conversion-free decodes against the kernel's, with the PTX kept); `moestep` the 48B step with that kernel patched in;
+#   serving layout with the shared experts, K3 TP 2 share); `moestep` the 48B step with that kernel patched in;
 #   `targets` issue 22's 32K-context and K3-layers figures (one GPU); `mla` the MLA decode attention's tilings
 #   against XLA at 48B dims, 4K and 32K (scripts/gpu/mla_sweep.py); `hostcopy` Model.score's host path alone.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
@@ -252,21 +251,6 @@ if has mxfp4; then
   timeout -k 10 ${MS_TIMEOUT:-300} $PY scripts/gpu/moe_experts_sweep.py --json "$OUT/moe_experts_sweep.json" ${MS_ARGS:-} 2>&1 \
     | cut -c1-220
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
-
-if has mxfp4dec; then
-  # One MXFP4 GEMV at B = 1 decoded four ways (scripts/gpu/mxfp4_decode.py): is the f16 decode bound by its
-  # conversions?  Then the Triton kernels' PTX kept, to count the conversions per weight (issue 22).
-  echo "== MXFP4 decodes at B = 1 ($(date -u +%T))"
-  rm -rf /tmp/jaxk3_mxdump
-  # only the timed chains' modules (jit_run): the eager set-up compiles would crowd them out
-  XLA_FLAGS="--xla_dump_to=/tmp/jaxk3_mxdump --xla_dump_hlo_module_re=.*run.*" timeout -k 10 ${MD_TIMEOUT:-150} \
-    $PY scripts/gpu/mxfp4_decode.py --json "$OUT/mxfp4_decode.json" ${MD_ARGS:-} 2>&1 | cut -c1-220
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  for f in $(ls /tmp/jaxk3_mxdump/*.ptx 2>/dev/null); do  # per module, in the order the forms ran
-    echo "$(basename "$f"): cvt.f32.f16 $(grep -c 'cvt\.f32\.f16' "$f"), cvt to 16 bits $(grep -cE 'cvt\.[su]16\.' "$f"), all cvt $(grep -c 'cvt\.' "$f"), fma $(grep -c 'fma\.' "$f"), mul $(grep -c 'mul\.' "$f"), lop3 $(grep -c 'lop3\.' "$f")"
-  done
-  tar -C /tmp -czf "$OUT/mxfp4_decode_dump.tgz" jaxk3_mxdump 2>/dev/null || true
 fi
 
 if has moestep; then

@@ -66,8 +66,9 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     decode: str = "f16"  # MXFP4's E2M1 -> float: "f16" (float16's bits, then two products: the fastest on the
-    # H200), "select" (compares and selects), "bits" (the scaled float's bits) or "magic" (f16's values with no float
-    # conversion: a 32-bit lookup under 2^22's exponent; not yet timed on a GPU)
+    # H200), "select" (compares and selects) or "bits" (the scaled float's bits).  A decode with no float conversion
+    # (a 32-bit lookup under 2^22's exponent, commit 23ec581) was 16-19% slower than "f16" (docs/PERF.md, thirteenth
+    # session): the conversions are not what bounds it.
 
 
 @jax.tree_util.register_dataclass
@@ -237,20 +238,6 @@ def _e2m1_f16(code: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
 
 
-_MAGIC_LUT = -932957680  # 0xC8643210 as int32: 2|v| of the magnitude codes 0..7 (0, 1, 2, 3, 4, 6, 8, 12), 4 bits each
-
-
-def _e2m1_magic(code: jax.Array) -> jax.Array:
-    """int32 E2M1 codes (0..15) -> float32 values, exactly, with no float conversion: 2|v| looked up in a 32-bit
-    constant and written as the low mantissa bits of a float32 whose exponent is 2^22's (its last bit is worth 1/2),
-    then 2^22 subtracted (exact), and the code's sign bit XORed into the float's (-0.0 for code 8, as the table).
-    ~8 integer operations and one subtraction per value where the f16 decode takes a narrowing and a float16 ->
-    float32 conversion (the uint8 -> int32 widening of the codes is common to both)."""
-    n = (_MAGIC_LUT >> ((code & 7) << 2)) & 15
-    f = lax.bitcast_convert_type(n | 0x4A800000, F32) - F32(2.0 ** 22)
-    return lax.bitcast_convert_type(lax.bitcast_convert_type(f, jnp.int32) ^ ((code & 8) << 28), F32)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     """What the kernels' bodies need to know, static."""
@@ -287,8 +274,6 @@ def _tile(sp: _Spec, w, e, rows, i):
     s = e8m0_scales(w[1][(*lead, rows, grp)])[:, :, None]
     if sp.decode == "f16":
         return _e2m1_f16(codes & 15) * F32(2.0 ** 14) * s, _e2m1_f16(codes >> 4) * F32(2.0 ** 14) * s
-    if sp.decode == "magic":  # the same values as "f16" bit for bit, so the same sums in the same order
-        return _e2m1_magic(codes & 15) * s, _e2m1_magic(codes >> 4) * s
     return _e2m1(codes & 15) * s, _e2m1(codes >> 4) * s
 
 
@@ -648,8 +633,8 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
     if not (pow2(cf.bn) and pow2(cf.bk)) or cf.bk < G32 or cf.bn < min_bn:
         return (f"moe_experts kernel needs bn >= {min_bn} (B = {B}) and bk >= {G32}, powers of two (Triton blocks), "
                 f"got {cf.bn}, {cf.bk}")
-    if cf.decode not in ("select", "bits", "f16", "magic"):
-        return f"moe_experts kernel: decode must be 'select', 'bits', 'f16' or 'magic', got {cf.decode!r}"
+    if cf.decode not in ("select", "bits", "f16"):
+        return f"moe_experts kernel: decode must be 'select', 'bits' or 'f16', got {cf.decode!r}"
     if z_BL.ndim != 2 or not 1 <= z_BL.shape[0] <= MAX_B:
         return f"moe_experts kernel is for decode (1 to {MAX_B} tokens), got z {z_BL.shape}"
     packed = isinstance(w.experts_w2, MXFP4)

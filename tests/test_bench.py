@@ -59,6 +59,7 @@ def test_bench_decode_strategies_agree(tmp_path):
     assert not back["notes"]
     for r in back["rows"]:  # the first greedy steps' top-2 margins, one per check step, a tie at 0
         assert len(r["top2_margin"]) == 3 and all(0.0 <= m <= 2.0 for m in r["top2_margin"]), r["top2_margin"]
+        assert r["rerun_equal"] is True  # the step is deterministic on the CPU
     rows = {r["strategy"]: r for r in back["rows"] if r["batch"] == 2}
     # the sharded latent reads half the latent rows per rank at TP 2; everything else is equal
     st, sh = rows["stock"]["census"]["weight_bytes_by_part"], rows["sharded+one-shot"]["census"]["weight_bytes_by_part"]

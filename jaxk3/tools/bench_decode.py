@@ -331,6 +331,9 @@ class DecodeRow:
     # per check step, the smallest over the rows of (top logit - second) / max|logit|: where it is near float32
     # rounding, another summation order (another process's autotuned GEMM tiles) may pick the other token
     top2_margin: list = dataclasses.field(default_factory=list)
+    # the check steps run a second time, from a second copy of the same random cache and first tokens: whether every
+    # step's logits came out bitwise the same (False: something in the step is not deterministic, e.g. a race)
+    rerun_equal: bool | None = None
 
 
 def _setup(config: str, layers: str | None, experts: int | None, tp: int, batches, strategies):
@@ -473,16 +476,24 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                     with open(os.path.join(hlo_dir, f"decode_{_file_part(name)}_B{batch}_S{context}.hlo.txt"), "w") as fh:
                         fh.write(compiled.as_text())
                 cbytes = cache_bytes_per_rank(cfg, cache)
-                tokens, margins = [], []
+                tokens, margins, seen = [], [], []
+                again = random_cache(cfg, mesh, dtype, batch, context), ids  # the same cache, for the rerun
                 for i in range(max(check_tokens, 2)):  # warm-up; the first greedy tokens, for the comparison
                     logits, ids, cache = compiled(weights, cache, ids, valid)
                     tokens.append(to_host(ids).tolist())
                     lg = to_host(logits).astype(np.float32)
+                    seen.append(lg)
                     margins.append(top2_margin(lg))
                     if i == 0:
                         ref = first_logits.setdefault((batch, context, s.experts), lg)
                         rel = float(np.max(np.abs(lg - ref)) / max(np.max(np.abs(ref)), 1e-30))
                 del logits
+                c2, i2 = again
+                rerun_equal = True
+                for lg in seen:
+                    l2, i2, c2 = compiled(weights, c2, i2, valid)
+                    rerun_equal &= bool(np.array_equal(to_host(l2).astype(np.float32), lg))
+                del again, c2, i2, l2, seen
                 per = []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
@@ -504,12 +515,15 @@ def bench_decode(config: str = "k3", layers: str | None = "11-14", experts: int 
                 med = statistics.median(per)
                 rows.append(DecodeRow(name, batch, context, med, (min(per), max(per)),
                                       statistics.median(sync) if sync else float("nan"), wbytes, cbytes, floor_w,
-                                      floor, med / floor, compile_s, rel, paths, tokens, census, margins))
+                                      floor, med / floor, compile_s, rel, paths, tokens, census, margins,
+                                      rerun_equal))
                 rows[-1].census["weight_bytes_by_part"] = parts
                 say(f"   -> {med:.1f} us/step (synced {rows[-1].us_per_step_synced:.1f}), floor {floor:.1f} us "
                     f"({wbytes / 1e6:.1f} MB weights + {cbytes / 1e6:.1f} MB cache per rank), x{med / floor:.2f}, "
                     f"compile {compile_s:.1f} s, {census['launch_ops']} top-level ops, first-step logits vs "
-                    f"{strategies[0][0]} {rel:.1e}, gathers {paths}")
+                    f"{strategies[0][0]} {rel:.1e}, gathers {paths}, rerun bitwise {rerun_equal}")
+    notes += [f"B={r.batch} S={r.context} {r.strategy}: the check steps run again from the same cache gave other "
+              f"logits: the step is not deterministic" for r in rows if r.rerun_equal is False]
     for batch in batches:
         for context in contexts:
             dense = {s.name for s in strategies if s.experts == "dense"}  # the same weights: the same tokens

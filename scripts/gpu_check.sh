@@ -21,8 +21,8 @@
 #   serving layout with the shared experts, K3 TP 2 share); `moestep` the 48B step with that kernel patched in;
 #   `targets` issue 22's 32K-context and K3-layers figures (one GPU); `mla` the MLA decode attention's tilings
 #   against XLA at 48B dims, 4K and 32K (scripts/gpu/mla_sweep.py); `hostcopy` Model.score's host path alone;
-#   `determinism` the 48B step's first greedy tokens in DET_RUNS processes, XLA's autotuning on and off in turn, each
-#   with its top-2 margins and whether its check steps rerun bitwise (docs/PERF.md, thirteenth session).
+#   `determinism` the 48B step's first greedy tokens in DET_RUNS processes (XLA as it is, autotuning off, deterministic
+#   ops only, in turn), each with its top-2 margins and whether its check steps rerun bitwise (PERF.md, 13th session).
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -307,15 +307,18 @@ if has step48; then
 fi
 
 if has determinism; then
-  # Do processes decode the same tokens from the same seeded weights and cache?  Autotuning on and off in turn; per
-  # process the tokens, the top-2 logit margins and bench decode's `rerun_equal` (the check steps again, same process).
-  echo "== determinism: ${DET_RUNS:-6} processes ($(date -u +%T))"
+  # Do processes decode the same tokens from the same seeded weights and cache?  XLA_FLAGS taken in turn from
+  # DET_FLAGS ('-' for none): as XLA autotunes, with its autotuning off, and autotuning only deterministic algorithms (an
+  # autotuned GEMM with a split-K of atomics would differ between runs).  Per process: the tokens, the top-2 logit
+  # margins and bench decode's `rerun_equal` (the check steps again in the same process).
+  flags_list=(${DET_FLAGS:-- --xla_gpu_autotune_level=0 --xla_gpu_exclude_nondeterministic_ops=true})
+  echo "== determinism: ${DET_RUNS:-6} processes, XLA_FLAGS in turn: ${flags_list[*]} ($(date -u +%T))"
   D="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --strategies stock --variants serving/auto --steps 2 --repeats 1 --batch ${DET_BATCH:-1}"
   for i in $(seq 1 ${DET_RUNS:-6}); do
-    if [ $((i % 2)) -eq 0 ]; then flags="--xla_gpu_autotune_level=0"; else flags=""; fi
+    flags=${flags_list[$(( (i - 1) % ${#flags_list[@]} ))]}; [ "$flags" = - ] && flags=
     XLA_FLAGS="$flags" timeout -k 10 ${DET_TIMEOUT:-90} $PY -m jaxk3.cli bench decode $D --json "$OUT/det_$i.json" > "/tmp/det_$i.log" 2>&1 \
       || { echo "run $i failed"; tail -5 "/tmp/det_$i.log"; status=1; continue; }
-    $PY -c "import json, sys; r = json.load(open(sys.argv[1]))['rows'][0]; print('run', sys.argv[2], 'autotune', 'off' if sys.argv[3] else 'on', 'tokens', r['tokens'], 'margins', [round(m, 6) for m in r['top2_margin']], 'rerun_equal', r['rerun_equal'])" \
+    $PY -c "import json, sys; r = json.load(open(sys.argv[1]))['rows'][0]; print('run', sys.argv[2], 'XLA_FLAGS', repr(sys.argv[3]), 'tokens', r['tokens'], 'margins', [round(m, 6) for m in r['top2_margin']], 'rerun_equal', r['rerun_equal'])" \
       "$OUT/det_$i.json" "$i" "$flags"
   done
 fi

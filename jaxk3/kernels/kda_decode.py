@@ -379,4 +379,6 @@ register(Kernel("kda_decode", reference, kda_decode, platforms=("gpu",), fits=fi
 # the 48B step at B = 1 took 2657.5 us with it against 2705.5 without in the same call (docs/PERF.md).
 register(Kernel("kda_decode_in", fused_reference, kda_decode_in, platforms=("gpu",), fits=fused_fits,
                 measured="B=1, Kimi-Linear-48B TP 1: the step 1.8% faster with it (2657.5 vs 2705.5 us, 100 fewer "
-                         "kernels); elsewhere not measured, auto keeps kda_decode (H200, jax 0.11.2, 2026-12-02)"))
+                         "kernels); elsewhere not measured, auto keeps kda_decode (H200, jax 0.11.2, 2026-12-02); "
+                         "with the conv window as the ring (RING) the step a further 1.1% faster, 2437.3 vs 2467.4 / "
+                         "2461.2 us, 20 fewer kernels (2026-12-03)"))

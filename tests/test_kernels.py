@@ -287,6 +287,8 @@ def test_moe_experts_bits_decode_is_the_select_decode_bit_for_bit():
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
     assert "powers of two" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(bn=24))
     assert "decode must be" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(decode="magic"))  # removed: slower
+    assert "scale must be" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(decode="bits", scale="group"))
+    assert "scale must be" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(scale="row"))
     assert "not measured against XLA" in ME.fits(cfg, w, z, wk, ids, config=c)
 
 
@@ -542,10 +544,34 @@ def test_decode_preps_mla_from_the_gemv_partial_sums(monkeypatch, fresh_steps):
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
 
 
+@pytest.mark.parametrize("B,joined", [(1, False), (3, True)])
+def test_moe_experts_group_scale_and_f32_input(B, joined):
+    """MXFP4 experts with `Config(scale="group")` (each 32-value group's products summed, then times 2^14 and the
+    scale) and `x_f32` (the input widened by XLA, not in the loop), interpret mode: `x_f32` gives the default's
+    output bitwise (the same float32 values in the same order); "group" the reference's within float32
+    reassociation (the products are exact; their sums taken per group, then the groups: 2e-6 of max|ref| as the
+    other configurations), with both decodes it supports, for one token (its [bn, g] accumulators) and three (a
+    tile's sums per token)."""
+    from jaxk3.kernels import moe_experts as ME
+
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B)
+    if joined:
+        w = _joined(w)
+    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
+    run = lambda **c: np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=ME.Config(bn=32, bk=64, **c)))
+    base = run()
+    np.testing.assert_array_equal(run(x_f32=True), base)
+    for c in (dict(scale="group"), dict(scale="group", decode="select"), dict(scale="group", x_f32=True)):
+        assert ME.fits(cfg, w, z, wk, ids, config=ME.Config(bn=32, bk=64, **c), only_where_faster=False) is None
+        got = run(**c)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+        assert not np.array_equal(got, np.zeros_like(got))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("B", [1, 3, 8])
-@pytest.mark.parametrize("config", [None, dict(decode="bits"),
+@pytest.mark.parametrize("config", [None, dict(decode="bits"), dict(scale="group", x_f32=True),
                                     dict(bn=32, bk=64, splits=1, decode="select", num_warps=8, num_stages=2)])
 @pytest.mark.parametrize("layout", ["checkpoint", "joined+shared"])
 def test_moe_experts_kernel_on_gpu(fmt, B, config, layout):

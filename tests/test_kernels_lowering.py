@@ -41,6 +41,28 @@ def test_moe_experts_routed_lowers(E, B):
     assert n == 2  # kernel 1 and 2
 
 
+@pytest.mark.parametrize("B", [1, 8])
+def test_moe_experts_group_scale_lowers(B):
+    """MXFP4 experts with the scale per group and the input widened by XLA (`Config(scale="group", x_f32=True)`) at
+    K3's TP 2 share (64 experts kept), B 1 and 8."""
+    from jaxk3.config import KimiK3Config
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.layers import moe
+
+    cfg = dataclasses.replace(KimiK3Config.k3(), num_experts=64)
+    I, L, k = cfg.moe_intermediate_size // 2, cfg.moe_hidden, cfg.num_experts_per_token
+    u8 = jnp.uint8
+
+    def packed(O, In):
+        return ME.MXFP4(S((64, O, In // 2), u8), S((64, O, In // 32), u8))
+    w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=packed(I, L), experts_w2=packed(L, I),
+                       experts_w3=packed(I, L))
+    z, wk, ids = S((B, L), BF16), S((B, k), jnp.float32), S((B, k), jnp.int32)
+    c = ME.Config(scale="group", x_f32=True)
+    assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
+    assert lower(lambda w, z, wk, ids: ME.experts(cfg, w, z, wk, ids, config=c), w, z, wk, ids) == 2
+
+
 def test_gemv_gnorm_lowers():
     from jaxk3.kernels import gemv as G
 

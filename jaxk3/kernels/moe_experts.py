@@ -69,6 +69,14 @@ class Config:
     # H200), "select" (compares and selects) or "bits" (the scaled float's bits).  A decode with no float conversion
     # (a 32-bit lookup under 2^22's exponent, commit 23ec581) was 16-19% slower than "f16" (docs/PERF.md, thirteenth
     # session): the conversions are not what bounds it.
+    # MXFP4 only, both off until timed on a GPU (docs/PERF.md, thirteenth session: the generated loop, compiled
+    # offline, spends ~12 instructions per weight where bf16's spends ~4, two of them the products by 2^14 and by the
+    # scale, one the input's bf16 -> float32 widening):
+    scale: str = "weight"  # "weight": each decoded value times its group's scale; "group": each 32-value group's
+    # products summed first, then times 2^14 and the scale once ("f16" and "select" decodes): the same exact
+    # products summed in another order (float32 reassociation, as the tiles already are)
+    x_f32: bool = False  # the input passed as float32 (XLA widens it once) instead of widened in the loop: the
+    # same values, bitwise the same results
 
 
 @jax.tree_util.register_dataclass
@@ -246,6 +254,7 @@ class _Spec:
     bn: int
     bk: int
     decode: str
+    group: bool = False  # Config.scale == "group"
 
     @property
     def dot(self) -> bool:
@@ -271,6 +280,11 @@ def _tile(sp: _Spec, w, e, rows, i):
     if sp.decode == "bits":
         s = w[1][(*lead, rows, grp)].astype(jnp.int32)[:, :, None]
         return _e2m1_scaled_bits(codes & 15, s), _e2m1_scaled_bits(codes >> 4, s)
+    if sp.group:  # the raw values ([bn, g, 16]: f16's times 2^-14) and the group factor [bn, g], applied after the sums
+        s = e8m0_scales(w[1][(*lead, rows, grp)])
+        if sp.decode == "f16":
+            return _e2m1_f16(codes & 15), _e2m1_f16(codes >> 4), s, F32(2.0 ** 14)
+        return _e2m1(codes & 15), _e2m1(codes >> 4), s, None
     s = e8m0_scales(w[1][(*lead, rows, grp)])[:, :, None]
     if sp.decode == "f16":
         return _e2m1_f16(codes & 15) * F32(2.0 ** 14) * s, _e2m1_f16(codes >> 4) * F32(2.0 ** 14) * s
@@ -285,7 +299,14 @@ def _xs(sp: _Spec, x, lead: tuple, i):
         return x[0][(*lead, pl.ds(pl.multiple_of(i * sp.bk, sp.bk), sp.bk))]
     g = sp.bk // G32
     grp = pl.ds(pl.multiple_of(i * g, g), g)
-    return tuple(r[(*lead, grp, slice(None))].astype(F32) for r in x)
+    return tuple(r[(*lead, grp, slice(None))].astype(F32) for r in x)  # (a no-op with Config.x_f32)
+
+
+def _grouped(lo, hi, s, pre, xe, xo):
+    """One token's sums of a tile in the "group" form: Σ over each group's 32 products of the raw values and x,
+    then times 2^14 (f16's raw values) and the group's scale: [bn, g] (the factors are powers of two: exact)."""
+    p = jnp.sum(lo * xe[None] + hi * xo[None], axis=2)
+    return (p if pre is None else p * pre) * s
 
 
 def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
@@ -301,6 +322,10 @@ def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
             xt = _xs(sp, x, (*lead, 0), start + i).astype(F32)
             return acc + _tile(sp, w, e, rows, start + i).astype(F32) * xt[None, :]
         return jnp.sum(lax.fori_loop(0, steps, body, jnp.zeros((sp.bn, sp.bk), F32)), axis=1)
+    if sp.Bp == 1 and sp.group:  # MXFP4, one token, the scale per group: [bn, g] accumulators
+        def body(i, acc):
+            return acc + _grouped(*_tile(sp, w, e, rows, start + i), *_xs(sp, x, (*lead, 0), start + i))
+        return jnp.sum(lax.fori_loop(0, steps, body, jnp.zeros((sp.bn, sp.bk // G32), F32)), axis=1)
     if sp.Bp == 1:  # MXFP4, one token: element-wise accumulators for the even and odd columns
         def body(i, acc):
             lo, hi = _tile(sp, w, e, rows, start + i)
@@ -311,11 +336,15 @@ def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
         return jnp.sum(jnp.sum(lo + hi, axis=2), axis=1)
 
     def body(i, acc):  # MXFP4, several tokens: one decode per tile, each token's products reduced per tile
-        lo, hi = _tile(sp, w, e, rows, start + i)
+        t = _tile(sp, w, e, rows, start + i)
         out = []
         for b in range(sp.Bp):
             xe, xo = _xs(sp, x, (*lead, b), start + i)
-            out.append(acc[b] + jnp.sum(jnp.sum(lo * xe[None] + hi * xo[None], axis=2), axis=1))
+            if sp.group:
+                out.append(acc[b] + jnp.sum(_grouped(*t, xe, xo), axis=1))
+            else:
+                lo, hi = t
+                out.append(acc[b] + jnp.sum(jnp.sum(lo * xe[None] + hi * xo[None], axis=2), axis=1))
         return tuple(out)
     return lax.fori_loop(0, steps, body, tuple(jnp.zeros((sp.bn,), F32) for _ in range(sp.Bp)))
 
@@ -473,11 +502,13 @@ def _weight_views(w) -> tuple[list[jax.Array], bool]:
     return [w], False
 
 
-def _x_views(x: jax.Array, packed: bool) -> list[jax.Array]:
-    """Inputs [..., In] as [..., In/32, 16] even and odd columns (MXFP4) or as they are."""
+def _x_views(x: jax.Array, packed: bool, f32: bool = False) -> list[jax.Array]:
+    """Inputs [..., In] as [..., In/32, 16] even and odd columns (MXFP4; `f32`: widened to float32) or as they are."""
     if not packed:
         return [x]
     v = x.reshape(*x.shape[:-1], x.shape[-1] // G32, G32)
+    if f32:
+        v = v.astype(F32)
     return [v[..., 0::2], v[..., 1::2]]
 
 
@@ -561,8 +592,8 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     w3v = [] if joined else _weight_views(w.experts_w3)[0]
     w2v, _ = _weight_views(w.experts_w2)
     Bp = _rows_padded(w, B)
-    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=cf.decode)
-    xs = _x_views(jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0))), packed)
+    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=cf.decode, group=packed and cf.scale == "group")
+    xs = _x_views(jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0))), packed, cf.x_f32)
     s13, s2 = ([shared.gate_up], [shared.down]) if shared is not None else ([], [])
     act = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
                             linear_beta=cfg.activation_situ_linear_beta)
@@ -581,7 +612,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
         out_shape=tuple(outs), interpret=interpret, **kw)(*ins)
 
     S = _splits(cf, Out, I)
-    av = _x_views(a, packed)
+    av = _x_views(a, packed, cf.x_f32)
     ins = [*(sel_down if route is None else sel), *av, *w2v, *s2]
     y = pl.pallas_call(
         functools.partial(_down_kernel, sp=sp, na=len(av), nw=len(w2v), shared=shared is not None,
@@ -635,6 +666,9 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
                 f"got {cf.bn}, {cf.bk}")
     if cf.decode not in ("select", "bits", "f16"):
         return f"moe_experts kernel: decode must be 'select', 'bits' or 'f16', got {cf.decode!r}"
+    if cf.scale not in ("weight", "group") or (cf.scale == "group" and cf.decode == "bits"):
+        return (f"moe_experts kernel: scale must be 'weight' or 'group' (the latter with the 'f16' or 'select' "
+                f"decode), got {cf.scale!r} with {cf.decode!r}")
     if z_BL.ndim != 2 or not 1 <= z_BL.shape[0] <= MAX_B:
         return f"moe_experts kernel is for decode (1 to {MAX_B} tokens), got z {z_BL.shape}"
     packed = isinstance(w.experts_w2, MXFP4)

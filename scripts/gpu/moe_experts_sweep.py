@@ -34,7 +34,9 @@ CONFIGS = [Config()] + [Config(bn=bn, bk=bk, splits=sp, decode=d, num_warps=w, n
                         for d in ("select", "bits", "f16")
                         for bn, bk, sp, w, st in ((16, 256, 0, 8, 3), (32, 256, 0, 4, 3), (16, 128, 0, 4, 4),
                                                   (32, 128, 0, 8, 3), (16, 512, 0, 4, 2), (64, 256, 0, 8, 3))]
-QUICK = [Config(), Config(decode="select"), Config(decode="bits"), Config(num_warps=8)]
+QUICK = [Config(), Config(decode="select"), Config(decode="bits"), Config(num_warps=8),
+         # MXFP4: the scale per group and the input widened by XLA (thirteenth session, untimed)
+         Config(scale="group", x_f32=True), Config(scale="group", x_f32=True, num_warps=8), Config(x_f32=True)]
 
 
 def main(argv=None) -> int:

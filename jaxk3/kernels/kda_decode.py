@@ -61,6 +61,14 @@ def ring_window(conv_B3CK: jax.Array, pos_B: jax.Array) -> jax.Array:
     return jnp.take_along_axis(conv_B3CK, slot_BT[:, None, None, :], axis=-1)
 
 
+def ring_place(entries_B3CK: jax.Array, end_B: jax.Array) -> jax.Array:
+    """The ring holding K consecutive projections: entry j (position end - K + j) in slot (end - K + j) mod K."""
+    K = entries_B3CK.shape[-1]
+    end_B = jnp.asarray(end_B, jnp.int32)
+    idx_BK = jax.lax.rem(jnp.arange(K, dtype=jnp.int32)[None] - end_B[:, None] % K + K, K)  # slot j <- entry
+    return jnp.take_along_axis(entries_B3CK, idx_BK[:, None, None, :], axis=-1)
+
+
 def ring_put(conv_B3CK: jax.Array, pos_B: jax.Array, u_B3C: jax.Array, keep_B: jax.Array) -> jax.Array:
     """The ring with the projections at position pos in slot pos mod K (rows with keep_B False as they were)."""
     K = conv_B3CK.shape[-1]

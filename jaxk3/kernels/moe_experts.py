@@ -280,12 +280,12 @@ def _tile(sp: _Spec, w, e, rows, i):
     if sp.decode == "bits":
         s = w[1][(*lead, rows, grp)].astype(jnp.int32)[:, :, None]
         return _e2m1_scaled_bits(codes & 15, s), _e2m1_scaled_bits(codes >> 4, s)
+    s = e8m0_scales(w[1][(*lead, rows, grp)])  # [bn, g]
     if sp.group:  # the raw values ([bn, g, 16]: f16's times 2^-14) and the group factor [bn, g], applied after the sums
-        s = e8m0_scales(w[1][(*lead, rows, grp)])
         if sp.decode == "f16":
             return _e2m1_f16(codes & 15), _e2m1_f16(codes >> 4), s, F32(2.0 ** 14)
         return _e2m1(codes & 15), _e2m1(codes >> 4), s, None
-    s = e8m0_scales(w[1][(*lead, rows, grp)])[:, :, None]
+    s = s[:, :, None]
     if sp.decode == "f16":
         return _e2m1_f16(codes & 15) * F32(2.0 ** 14) * s, _e2m1_f16(codes >> 4) * F32(2.0 ** 14) * s
     return _e2m1(codes & 15) * s, _e2m1(codes >> 4) * s

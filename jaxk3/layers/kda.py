@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxk3 import kernels
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels import kda_decode as kda_kernels
-from jaxk3.kernels.kda_decode import CoreWeights, glue, kda_gate, l2norm, ring_window
+from jaxk3.kernels.kda_decode import CoreWeights, glue, kda_gate, l2norm, ring_place, ring_window
 from jaxk3.kernels.rms_norm import gated_rms_norm
 from jaxk3.layers.common import F32, TP, Normed, kernel_mode, linear, psum, split
 from jaxk3.params import COL, REP, ROW, Buffer, Fuse, Param, weight
@@ -222,12 +222,9 @@ def kda_prefill(cfg: KimiK3Config, w: KDAWeights, x_BTD: jax.Array, conv_B3CW: j
     y = jax.nn.silu(sum(X[:, i:i + T] * w_3CK[None, None, :, :, i] for i in range(W + 1)))  # [B, T, 3, C]
     if pos_B is None:
         new_conv = jnp.moveaxis(X[:, T:], 1, -1).astype(conv_B3CW.dtype)
-    else:  # the last K entries, positions end-K .. end-1, into slots (end + i) mod K; end = pos + the valid tokens
+    else:  # the last K entries, positions end-K .. end-1, into the ring; end = pos + the valid tokens
         end_B = pos_B.astype(jnp.int32) + keep.sum(-1, dtype=jnp.int32)
-        K = W + 1
-        idx_BK = jax.lax.rem(jnp.arange(K, dtype=jnp.int32)[None] - end_B[:, None] % K + K, K)  # slot j <- entry
-        new_conv = jnp.take_along_axis(jnp.moveaxis(X[:, T - 1:], 1, -1), idx_BK[:, None, None, :], axis=-1)
-        new_conv = new_conv.astype(conv_B3CW.dtype)
+        new_conv = ring_place(jnp.moveaxis(X[:, T - 1:], 1, -1), end_B).astype(conv_B3CW.dtype)
     q, k, v = (y[:, :, j].reshape(B, T, -1, Kd) for j in range(3))
     q = l2norm(q) * Kd ** -0.5
     k = l2norm(k)

@@ -190,14 +190,12 @@ def random_cache(cfg: KimiK3Config, mesh, dtype, batch: int, context: int, seed:
         dt = b.np_dtype(dtype)
         ring = getattr(path[-1], "name", None) == "conv" and b.shape[-1] == K
         shape = (*b.shape[:-1], K - 1) if ring else b.shape
-        # the ring's slot s holds tap (s - pos - 1) mod K of the window (pos = context - 1); tap K-1, this token's
-        # slot, is a zero that the step overwrites
-        order = [(s - context) % K for s in range(K)]
 
         def draw(k):
             x = jax.random.normal(k, shape, jnp.float32) * scale
-            if ring:
-                x = jnp.concatenate([x, jnp.zeros((*shape[:-1], 1), x.dtype)], axis=-1)[..., order]
+            if ring:  # the window (positions context-K .. context-2) and this token's slot, a zero the step overwrites
+                x = kda_decode.ring_place(jnp.concatenate([x, jnp.zeros((*shape[:-1], 1), x.dtype)], axis=-1),
+                                          jnp.full((shape[0],), context))
             return x.astype(dt)
         f = jax.jit(draw, out_shardings=NamedSharding(mesh, spec))
         return f(jax.random.fold_in(jax.random.key(seed), next(counter)))

@@ -23,20 +23,81 @@ import subprocess
 import sys
 
 
-def dump(out: str, kernel: str, preset: str, tp: int, batch: int, config: str) -> list[str]:
-    """The Triton IR of each Pallas kernel `kernel`'s call lowers to (MXFP4 experts of the preset's TP share)."""
+KERNELS = ("moe_experts", "moe_experts_routed", "kda_decode_in", "gemv_norm", "gemv_gnorm")
+
+
+def _call(kernel: str, cfg, tp: int, batch: int, kw: dict):
+    """(fn, abstract args) of one call of `kernel` at the preset's per-rank dims: the MXFP4 experts (64 kept) with
+    Config(**kw), or at B = 1 the KDA decode core reading in_proj's output (the serving layout, the ring), the normed
+    GEMV of KDA's fused in_proj, or o_proj with the gated norm in its prologue."""
     import jax
     import jax.numpy as jnp
+
+    S, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    if kernel == "moe_experts":
+        from jaxk3.kernels import moe_experts as ME
+        from jaxk3.layers import moe
+
+        u8 = jnp.uint8
+        I, Lh, k = cfg.moe_intermediate_size // tp, cfg.moe_hidden, cfg.num_experts_per_token
+
+        def mx(O, In):
+            return ME.MXFP4(S((64, O, In // 2), u8), S((64, O, In // 32), u8))
+        w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=mx(I, Lh), experts_w2=mx(Lh, I),
+                           experts_w3=mx(I, Lh))
+        c = ME.Config(**kw)
+        return (lambda w, z, wk, ids: ME.experts(cfg, w, z, wk, ids, config=c),
+                (w, S((batch, Lh), bf), S((batch, k), f32), S((batch, k), jnp.int32)))
+    if kernel == "moe_experts_routed":  # bf16, the serving layout's [w1 | w3] and the shared experts in the kernels
+        from jaxk3.kernels import moe_experts as ME
+        from jaxk3.layers import moe
+
+        I, Lh, Is = cfg.moe_intermediate_size // tp, cfg.moe_hidden, cfg.moe_intermediate_size * cfg.num_shared_experts // tp
+        w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=None, experts_w3=None,
+                           experts_w2=S((64, Lh, I), bf), experts_w13=S((64, 2 * I, Lh), bf))
+        sh = ME.SharedMLP(S((2 * Is, Lh), bf), S((Lh, Is), bf))
+        c = ME.Config(**kw)
+        return (lambda w, sh, z, lg, bias: ME.experts_routed(cfg, w, z, lg, bias, shared=sh, config=c),
+                (w, sh, S((1, Lh), bf), S((1, 64), f32), S((64,), f32)))
+    D, Kd, d = cfg.hidden_size, cfg.kda_head_dim, cfg.kda_head_dim  # the low rank of f_a / g_a is the head dim
+    H = cfg.kda_num_heads // tp
+    C = H * Kd
+    if kernel == "kda_decode_in":
+        from jaxk3.kernels import kda_decode as KD
+
+        K = cfg.short_conv_kernel_size
+        cw = KD.CoreWeights(S((3, C, K), f32), S((C,), f32), S((H,), f32), S((Kd,), f32))
+        return (lambda y, gb, conv, cw, st, valid, pos: KD.kda_decode_in(cfg, y, gb, conv, cw, st, valid, pos_B=pos),
+                (S((batch, 3 * C + 2 * d + H), f32), S((2, C, d), bf), S((batch, 3, C, K), bf), cw,
+                 S((batch, H, Kd, Kd), f32), S((batch,), jnp.int32), S((batch,), jnp.int32)))
+    from jaxk3.kernels import gemv as GV
+
+    if kernel == "gemv_norm":
+        N = 3 * C + 2 * d + H
+        return (lambda x, w, g: GV._norm_device(x, w, g, 1e-6), (S((batch, D), bf), S((N, D), bf), S((D,), bf)))
+    return (lambda x, z, g, w: GV.gemv_gnorm(x, z, g, 1e-6, w, bf),
+            (S((1, C), f32), S((1, C), f32), S((Kd,), f32), S((D, C), bf)))
+
+
+def dump(out: str, kernel: str, preset: str, tp: int, batch: int, config: str, patches: list[str] = ()) -> list[str]:
+    """The Triton IR of each Pallas kernel `kernel`'s call lowers to (`_call`), with `patches` (MODULE:NAME=INT, a
+    constant of jaxk3.kernels.MODULE) applied."""
+    import importlib
+
     from jax._src.pallas.triton import lowering as L
 
     from jaxk3.tools.bench_decode import load_config
     from jaxk3.tools.triton_lowering import lower
 
-    if kernel != "moe_experts":
-        raise SystemExit(f"sass_loop dump: only moe_experts is wired up, got {kernel!r}")
-    from jaxk3.kernels import moe_experts as ME
-    from jaxk3.layers import moe
-
+    if kernel not in KERNELS:
+        raise SystemExit(f"sass_loop dump: wired up for {', '.join(KERNELS)}, got {kernel!r}")
+    for p in patches:
+        mod, _, assign = p.partition(":")
+        name, _, v = assign.partition("=")
+        m = importlib.import_module(f"jaxk3.kernels.{mod}")
+        if not hasattr(m, name):
+            raise SystemExit(f"sass_loop dump: jaxk3.kernels.{mod} has no {name}")
+        setattr(m, name, type(getattr(m, name))(int(v)))
     texts: list[str] = []
     orig = L.lower_jaxpr_to_triton_module
 
@@ -46,25 +107,18 @@ def dump(out: str, kernel: str, preset: str, tp: int, batch: int, config: str) -
         return r
     L.lower_jaxpr_to_triton_module = keep
     cfg = dataclasses.replace(load_config(preset), num_experts=64)
-    S, u8 = jax.ShapeDtypeStruct, jnp.uint8
-    I, Lh, k = cfg.moe_intermediate_size // tp, cfg.moe_hidden, cfg.num_experts_per_token
-
-    def mx(O, In):
-        return ME.MXFP4(S((64, O, In // 2), u8), S((64, O, In // 32), u8))
-    w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=mx(I, Lh), experts_w2=mx(Lh, I),
-                       experts_w3=mx(I, Lh))
     kw = {}
     for item in filter(None, config.split(",")):
         key, v = item.split("=")
         kw[key] = int(v) if v.lstrip("-").isdigit() else v
-    c = ME.Config(**kw)
-    args = (w, S((batch, Lh), jnp.bfloat16), S((batch, k), jnp.float32), S((batch, k), jnp.int32))
+    fn, args = _call(kernel, cfg, tp, batch, kw)
     try:
-        lower(lambda w, z, wk, ids: ME.experts(cfg, w, z, wk, ids, config=c), *args)
+        lower(fn, *args)
     finally:
         L.lower_jaxpr_to_triton_module = orig
     os.makedirs(out, exist_ok=True)
-    name = f"{kernel}_{preset}_tp{tp}_b{batch}" + "".join(f"_{a}{b}" for a, b in kw.items())
+    name = (f"{kernel}_{preset}_tp{tp}_b{batch}" + "".join(f"_{a}{b}" for a, b in kw.items())
+            + "".join("_" + re.sub(r"\W", "", p.split(":")[-1]) for p in patches))
     paths = []
     for i, t in enumerate(texts):
         paths.append(os.path.join(out, f"{name}_k{i + 1}.ttir"))
@@ -84,6 +138,19 @@ def sass_loops(sass: str) -> list[list[str]]:
             start = int(m.group(1), 16)
             loops.append([t for a, t in ins if start <= a <= addr])
     return loops
+
+
+def mem_order(sass: str) -> str:
+    """The global loads, barriers and global stores in program order, runs counted: LDG.E.128x4 BAR.SYNCx1 ...; where
+    a kernel's loads stand against its reductions' barriers."""
+    runs: list[list] = []
+    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?((?:LDG|BAR|STG)[\w.]*)", sass):
+        op = m.group(1)
+        if runs and runs[-1][0] == op:
+            runs[-1][1] += 1
+        else:
+            runs.append([op, 1])
+    return " ".join(f"{op}x{n}" for op, n in runs)
 
 
 def kind(text: str) -> str:
@@ -115,6 +182,7 @@ def count(ttir: str, warps: int, stages: int, per_iter: float) -> None:
     spills = re.search(r"(\d+) bytes spill stores", info)
     print(f"{os.path.basename(ttir)}: {regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} "
           f"bytes of spill stores, {k.asm['ttgir'].count('ttg.convert_layout')} layout conversions in the Triton GPU IR")
+    print("  memory order: " + mem_order(sass))
     for i, body in enumerate(sass_loops(sass)):
         c = collections.Counter(kind(t) for t in body)
         print(f"  loop {i}: {len(body)} instructions, {len(body) / per_iter:.2f} per weight "
@@ -132,6 +200,7 @@ def main(argv=None) -> int:
     d.add_argument("--tp", type=int, default=2)
     d.add_argument("--batch", type=int, default=1)
     d.add_argument("--config", default="")
+    d.add_argument("--patch", action="append", default=[], help="MODULE:NAME=INT, a jaxk3.kernels constant")
     c = sub.add_parser("count")
     c.add_argument("ttir")
     c.add_argument("--warps", type=int, default=4)
@@ -140,7 +209,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "dump":
         sys.path.insert(0, os.getcwd())
-        for p in dump(a.out, a.kernel, a.preset, a.tp, a.batch, a.config):
+        for p in dump(a.out, a.kernel, a.preset, a.tp, a.batch, a.config, a.patch):
             print(p)
     else:
         count(a.ttir, a.warps, a.stages, a.weights_per_iter)

@@ -264,3 +264,69 @@ def test_gemv_gnorm_on_gpu(N, H, d):
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * scale)
     assert np.mean(np.abs(got - ref) <= 1e-5 * scale) > 0.9
+
+
+_FORMS = [dict(X_ROW=True), dict(NORM_EARLY=True), dict(GNORM_EARLY=True), dict(AHEAD=True),
+          dict(X_ROW=True, NORM_EARLY=True, GNORM_EARLY=True, AHEAD=True)]
+
+
+def _forms_case(monkeypatch, form: dict, fn):
+    """fn() with the module's streaming constants at their defaults, then with `form` set."""
+    base = np.asarray(fn())
+    for k, v in form.items():
+        monkeypatch.setattr(G, k, v)
+    return base, np.asarray(fn())
+
+
+@pytest.mark.parametrize("form", _FORMS)
+@pytest.mark.parametrize("unroll", [False, True])
+def test_gemv_streaming_forms_match_the_default(monkeypatch, form, unroll):
+    """The one-row streaming forms (`X_ROW`: the input tile as a row beside its weight tile; `NORM_EARLY`: the first
+    tile loaded before the norm prologue; `GNORM_EARLY`: o_proj's tiles all loaded before its norms; `AHEAD`: the next
+    tile's loads before this tile's products) move loads, not arithmetic.  Interpret mode, the normed GEMV (3 tiles a
+    split) and the gated-norm GEMV (2 tiles a split), each written out or looped: bitwise the default's output
+    without `AHEAD`; with it within 1e-6 of max|out| (XLA's CPU compiler may fuse the last tile's multiply and add,
+    which sits outside the loop, and not the loop's: one rounding; Triton makes both one FFMA and the GPU test asserts
+    bitwise equality)."""
+    x, w = _xw(1, 64, 768)
+    g = jnp.asarray(np.random.default_rng(2).uniform(0.5, 1.5, 768), jnp.bfloat16)
+    cfg = G.Config(bn=16, bk=128, splits=2, unroll=unroll)
+    xg, zg, gg, wg = _gnorm_case(64, 8, 32)
+    gcfg = G.Config(bn=16, bk=64, splits=2, unroll=unroll)
+
+    def both():
+        return np.concatenate([np.asarray(G.gemv(x, w, "nk", cfg, interpret=True, norm_w=g, eps=1e-5)),
+                               np.asarray(G.gemv(x, w, "nk", cfg, interpret=True)),
+                               np.asarray(G.gemv_gnorm(xg, zg, gg, 1e-5, wg, jnp.bfloat16, config=gcfg,
+                                                       interpret=True))], axis=1)
+    base, got = _forms_case(monkeypatch, form, both)
+    assert np.abs(base).max() > 0
+    if form.get("AHEAD"):
+        np.testing.assert_allclose(got, base, rtol=0, atol=1e-6 * np.abs(base).max())
+    else:
+        np.testing.assert_array_equal(got, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", _FORMS)
+def test_gemv_streaming_forms_on_gpu(monkeypatch, form):
+    """Compiled at the 48B's shapes (KDA's normed in_proj [12576, 2304], MLA's [6720, 2304] in 3 splits, the dense
+    MLP's down [2304, 9216], the gated-norm o_proj [2304, 4096]): each form bitwise the default's output."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    r = np.random.default_rng(3)
+    cases = []
+    for N, K in ((12576, 2304), (6720, 2304)):
+        x, w = _xw(1, N, K)
+        cases.append((x, w, jnp.asarray(r.uniform(0.5, 1.5, K), jnp.bfloat16)))
+    xd, wd = _xw(1, 2304, 9216)
+    xg, zg, gg, wg = _gnorm_case(2304, 32, 128)
+
+    def all_():
+        f = jax.jit(lambda *a: [kernels.call("gemv_norm", x, w, g, 1e-5, mode="on") for x, w, g in cases]
+                    + [kernels.call("gemv", xd, wd, mode="on"),
+                       kernels.call("gemv_gnorm", xg, zg, gg, 1e-5, wg, jnp.bfloat16, mode="on")])
+        return np.concatenate([np.asarray(o).reshape(-1) for o in f()])
+    base, got = _forms_case(monkeypatch, form, all_)
+    assert np.isfinite(base).all() and np.abs(base).max() > 0
+    np.testing.assert_array_equal(got, base)

@@ -35,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels.registry import Kernel, pow2, register, stream, triton_params
+from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 from jaxk3.kernels.rms_norm import gated_rms_norm, rms_norm_as
 
 F32 = jnp.float32
@@ -91,18 +91,6 @@ MEASURED: dict[tuple[int, int, int], tuple[float, float]] = {
     (1, 1800, 7168): (12.4, 11.5),
 }
 MARGIN = 1.05  # run-to-run spread of these timings is a few per cent
-# The normed GEMV's first weight tile loaded before its prologue (the row's sum of squares, a cross-warp reduction
-# whose barrier would hold the load back), and `gemv_gnorm`'s weight tiles all loaded before its per-head norms where
-# its loop is written out: the weights travel while the norms are computed.  The same sums in the same order,
-# bitwise.  Off until timed on an H200.
-NORM_EARLY = False
-GNORM_EARLY = False
-# One row ("nk", element-wise), off until timed: the input tile loaded as a [1, bk] row beside its weight tile, both in
-# flight together (a [bk] vector's load is waited for by its layout conversion before the weight tile's load is
-# issued: two round trips a tile, compiled offline), and the next tile's loads issued before this tile's products
-# (registry.stream).  The same sums in the same order, bitwise.
-X_ROW = False
-AHEAD = False
 
 
 NEAR = 0.05  # a shape within 5% of a measured N (same K, same batch bucket) takes that measurement
@@ -190,15 +178,6 @@ def _kernel(x_ref, w_ref, *refs, layout: str, bn: int, bk: int, steps: int, dot:
         w = w_ref[rows, cols] if layout == "nk" else w_ref[cols, rows]  # [bn, bk] or [bk, bn]
         return cols, w
 
-    rowwise = not dot and layout == "nk"
-
-    def load(i):  # one row: (weight tile, raw input tile, its norm weights)
-        cols, w = tile(i)
-        at = (pl.ds(0, 1), cols) if X_ROW else (0, cols)
-        return w, x_ref[at], None if eps is None else g_ref[at if X_ROW else cols]
-
-    early = NORM_EARLY and eps is not None
-    first = (load(0) if rowwise else tile(0)) if early else None  # in flight during the prologue
     if eps is not None:  # the prologue: rsqrt(mean(x²) + eps) over the whole row (each row's with dot: [16, 1])
         # x² accumulated element-wise over the row's tiles (all loads issued at once: the loop is written out)
         # and reduced once: a reduction per tile would chain K / bk cross-warp reductions before the first weight
@@ -217,35 +196,25 @@ def _kernel(x_ref, w_ref, *refs, layout: str, bn: int, bk: int, steps: int, dot:
         xn = (g_ref[cols].astype(F32) * x.astype(F32)) * r
         return xn.astype(x_ref.dtype).astype(w_ref.dtype)
 
-    def run(body, init):  # the loop over the tiles, tile 0 from `first` when it was loaded early
-        if first is None:
-            return _loop(steps, body, init, unroll)
-        return _loop(steps - 1, lambda i, acc: body(i + 1, acc), body(0, init, first), unroll)
-
     if dot:
-        def body(i, acc, t=None):
-            cols, w = tile(i) if t is None else t
+        def body(i, acc):
+            cols, w = tile(i)
             x = xin(cols)  # [16, bk]
             if layout == "nk":
                 return acc + _dot_nt(x, w)
             return acc + jnp.dot(x, w, preferred_element_type=F32)
-        o_ref[s, :, rows] = run(body, jnp.zeros((x_ref.shape[0], bn), F32))
-    elif rowwise:
-        def step(acc, t, i):
-            w, x, g = t
-            if eps is not None:
-                x = ((g.astype(F32) * x.astype(F32)) * r).astype(x_ref.dtype).astype(w_ref.dtype)
-            x = x.astype(F32)
-            return acc + w.astype(F32) * (x if X_ROW else x[None, :])
-        acc = stream(steps, load, step, jnp.zeros((bn, bk), F32), ahead=AHEAD, unroll=unroll, first=first)
-        o_ref[s, 0, rows] = jnp.sum(acc, axis=1)
+        acc = _loop(steps, body, jnp.zeros((x_ref.shape[0], bn), F32), unroll)
+        o_ref[s, :, rows] = acc
     else:
-        def body(i, acc, t=None):
-            cols, w = tile(i) if t is None else t
+        def body(i, acc):
+            cols, w = tile(i)
             x = xin(cols).astype(F32)  # [bk]
+            if layout == "nk":
+                return acc + w.astype(F32) * x[None, :]
             return acc + w.astype(F32) * x[:, None]
-        acc = run(body, jnp.zeros((bk, bn), F32))
-        o_ref[s, 0, rows] = jnp.sum(acc, axis=0)
+        shape = (bn, bk) if layout == "nk" else (bk, bn)
+        acc = _loop(steps, body, jnp.zeros(shape, F32), unroll)
+        o_ref[s, 0, rows] = jnp.sum(acc, axis=1 if layout == "nk" else 0)
 
 
 def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
@@ -261,8 +230,6 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
     x = x_BK.astype(w.dtype) if norm_w is None else x_BK  # normed: the prologue reads x as it is
     if Bp != B:
         x = jnp.pad(x, ((0, Bp - B), (0, 0)))
-    if norm_w is not None and X_ROW and not c.dot and layout == "nk":
-        norm_w = norm_w.reshape(1, K)  # read as rows beside the input's
     args = (x, w) if norm_w is None else (x, w, norm_w)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     kw = triton_params(c.num_warps, c.num_stages, interpret)
@@ -423,39 +390,14 @@ def _gnorm_kernel(x_ref, z_ref, g_ref, w_ref, o_ref, *, bn: int, hk: int, d: int
     rows = pl.ds(pl.multiple_of(n * bn, bn), bn)
     g = g_ref[...].astype(F32)  # [d]
 
-    def heads_(i):
-        return pl.ds(pl.multiple_of((s * steps + i) * hk, hk), hk)
-
     def body(i, acc):
-        heads = heads_(i)
+        heads = pl.ds(pl.multiple_of((s * steps + i) * hk, hk), hk)
         x = x_ref[0, heads, :].astype(F32)  # [hk, d]
         r = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / d + eps)  # the reference's mean over the head
         xn = (g[None, :] * x) * r[:, None] * jax.nn.sigmoid(z_ref[0, heads, :].astype(F32))
         xn = xn.astype(dt).astype(w_ref.dtype).astype(F32)
         return acc + w_ref[rows, heads, :].astype(F32) * xn[None]
-    def load(i):  # (weight tile, input, gate) of tile i; X_ROW: the input and gate as [1, hk, d] rows
-        heads = heads_(i)
-        at = (pl.ds(0, 1) if X_ROW else 0, heads, slice(None))
-        return w_ref[rows, heads, :], x_ref[at], z_ref[at]
-
-    def step(acc, t, i):  # `body`'s arithmetic on loaded tiles
-        w, x, z = t
-        x = x.astype(F32)
-        r = jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / d + eps)
-        xn = ((g[None, None, :] if X_ROW else g[None, :]) * x) * r * jax.nn.sigmoid(z.astype(F32))
-        xn = xn.astype(dt).astype(w_ref.dtype).astype(F32)
-        return acc + w.astype(F32) * (xn if X_ROW else xn[None])
-
-    zero = jnp.zeros((bn, hk, d), F32)
-    if GNORM_EARLY and unroll:  # every tile's loads in flight before the first norm's reduction
-        ts = [load(i) for i in range(steps)]
-        acc = zero
-        for i in range(steps):
-            acc = step(acc, ts[i], i)
-    elif X_ROW or AHEAD:
-        acc = stream(steps, load, step, zero, ahead=AHEAD, unroll=unroll)
-    else:
-        acc = _loop(steps, body, zero, unroll)
+    acc = _loop(steps, body, jnp.zeros((bn, hk, d), F32), unroll)
     o_ref[s, 0, rows] = jnp.sum(jnp.sum(acc, axis=2), axis=1)
 
 

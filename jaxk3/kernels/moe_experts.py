@@ -49,7 +49,7 @@ from jax import lax
 
 from jaxk3.config import MXFP4_GROUP as G32
 from jaxk3.config import KimiK3Config
-from jaxk3.kernels.registry import Kernel, pow2, register, stream, triton_params
+from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 
 F32 = jnp.float32
 
@@ -69,22 +69,15 @@ class Config:
     # H200), "select" (compares and selects) or "bits" (the scaled float's bits).  A decode with no float conversion
     # (a 32-bit lookup under 2^22's exponent, commit 23ec581) was 16-19% slower than "f16" (docs/PERF.md, thirteenth
     # session): the conversions are not what bounds it.
-    # MXFP4 only, both off until timed on a GPU (docs/PERF.md, thirteenth session: the generated loop, compiled
-    # offline, spends ~12 instructions per weight where bf16's spends ~4, two of them the products by 2^14 and by the
-    # scale, one the input's bf16 -> float32 widening):
-    scale: str = "weight"  # "weight": each decoded value times its group's scale; "group": each 32-value group's
+    # MXFP4 only (docs/PERF.md, thirteenth session: the generated loop, compiled offline, spends ~12 instructions per
+    # weight where bf16's spends ~4, two of them the products by 2^14 and by the scale, one the input's widening):
+    scale: str = ""  # "weight": each decoded value times its group's scale; "group": each 32-value group's
     # products summed first, then times 2^14 and the scale once ("f16" and "select" decodes): the same exact
-    # products summed in another order (float32 reassociation, as the tiles already are)
-    x_f32: bool = False  # the input passed as float32 (XLA widens it once) instead of widened in the loop: the
-    # same values, bitwise the same results
-    # bf16 at B = 1 only, off until timed on a GPU (docs/PERF.md, fourteenth session: compiled offline, each iteration
-    # of these loops waits for the input tile's load, then for the weight tile's, one after the other, and a program's
-    # time is its tiles' chain of round trips rather than its bytes): the same products summed in the same order,
-    # bitwise the same results.
-    x_row: bool = False  # the input tile loaded as a [1, bk] row beside the weight tile, both in flight together
-    joint: bool = False  # kernel 1's gate and up tiles in one loop over the input (one chain of tiles, not two)
-    ahead: bool = False  # the next tile's loads issued before this tile's products (registry.stream), kernel 2's
-    # shared-experts tile at its start
+    # products summed in another order (float32 reassociation, as the tiles already are).  "": "group" for one token,
+    # "weight" for more (fourteenth session, K3's TP 2 share: 145.2 us against 187.9 and XLA's 182.1 at B = 1, and
+    # 2633.5 against 1795.0 at B = 8)
+    x_f32: bool | None = None  # the input passed as float32 (XLA widens it once) instead of widened in the loop:
+    # the same values, bitwise the same results.  None: with the "group" scale (measured together)
 
 
 @jax.tree_util.register_dataclass
@@ -263,13 +256,6 @@ class _Spec:
     bk: int
     decode: str
     group: bool = False  # Config.scale == "group"
-    x_row: bool = False  # Config.x_row, Config.joint and Config.ahead where they apply (bf16, B = 1), else False
-    joint: bool = False
-    ahead: bool = False
-
-    @property
-    def plain1(self) -> bool:  # one token, bf16 weights: the element-wise loop
-        return self.Bp == 1 and not self.packed
 
     @property
     def dot(self) -> bool:
@@ -282,20 +268,15 @@ def _pl():
     return pl
 
 
-def _mult(v, m: int):
-    """pl.multiple_of for a traced offset; a Python int (a written-out loop's first tile) is its own proof."""
-    return v if isinstance(v, int) else _pl().multiple_of(v, m)
-
-
 def _tile(sp: _Spec, w, e, rows, i):
     """Weights at `rows` (of expert e; e None: a 2-D weight), input tile i: dense [bn, bk] in their dtype,
     MXFP4 the (even, odd) columns' float32 values [bn, g, 16], g = bk / 32 scale groups."""
     pl = _pl()
     lead = () if e is None else (e,)
     if not sp.packed:
-        return w[0][(*lead, rows, pl.ds(_mult(i * sp.bk, sp.bk), sp.bk))]
+        return w[0][(*lead, rows, pl.ds(pl.multiple_of(i * sp.bk, sp.bk), sp.bk))]
     g = sp.bk // G32
-    grp = pl.ds(_mult(i * g, g), g)
+    grp = pl.ds(pl.multiple_of(i * g, g), g)
     codes = w[0][(*lead, rows, grp, slice(None))].astype(jnp.int32)  # [bn, g, 16] bytes
     if sp.decode == "bits":
         s = w[1][(*lead, rows, grp)].astype(jnp.int32)[:, :, None]
@@ -316,9 +297,9 @@ def _xs(sp: _Spec, x, lead: tuple, i):
     columns [.., g, 16] as float32 (of the compute dtype, as the reference casts)."""
     pl = _pl()
     if not sp.packed:
-        return x[0][(*lead, pl.ds(_mult(i * sp.bk, sp.bk), sp.bk))]
+        return x[0][(*lead, pl.ds(pl.multiple_of(i * sp.bk, sp.bk), sp.bk))]
     g = sp.bk // G32
-    grp = pl.ds(_mult(i * g, g), g)
+    grp = pl.ds(pl.multiple_of(i * g, g), g)
     return tuple(r[(*lead, grp, slice(None))].astype(F32) for r in x)  # (a no-op with Config.x_f32)
 
 
@@ -329,19 +310,6 @@ def _grouped(lo, hi, s, pre, xe, xo):
     return (p if pre is None else p * pre) * s
 
 
-def _tile1(sp: _Spec, w, e, rows, x, lead: tuple, i):
-    """One token, bf16: (weight tile [bn, bk], input tile [1, bk] (`x_row`) or [bk]) of input tile i."""
-    pl = _pl()
-    xt = x[0][(*lead, pl.ds(0, 1) if sp.x_row else 0, pl.ds(_mult(i * sp.bk, sp.bk), sp.bk))]
-    return _tile(sp, w, e, rows, i), xt
-
-
-def _fma1(sp: _Spec, acc, w, xt):
-    """acc [bn, bk] + the tile's products with the input, fp32."""
-    xt = xt.astype(F32)
-    return acc + w.astype(F32) * (xt if sp.x_row else xt[None, :])
-
-
 def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
     """Σ over the input tiles [start, start + steps) of W[e, rows, :] · x[lead]: fp32 [bn] (B = 1),
     [16, bn] (dense, dot) or a tuple of Bp [bn] (MXFP4, B > 1)."""
@@ -350,10 +318,11 @@ def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
             return acc + lax.dot_general(_xs(sp, x, (*lead, slice(None)), start + i), _tile(sp, w, e, rows, start + i),
                                          (((1,), (1,)), ((), ())), preferred_element_type=F32)
         return lax.fori_loop(0, steps, body, jnp.zeros((16, sp.bn), F32))
-    if sp.plain1:
-        acc = stream(steps, lambda i: _tile1(sp, w, e, rows, x, lead, start + i),
-                     lambda acc, t, i: _fma1(sp, acc, *t), jnp.zeros((sp.bn, sp.bk), F32), ahead=sp.ahead)
-        return jnp.sum(acc, axis=1)
+    if sp.Bp == 1 and not sp.packed:
+        def body(i, acc):
+            xt = _xs(sp, x, (*lead, 0), start + i).astype(F32)
+            return acc + _tile(sp, w, e, rows, start + i).astype(F32) * xt[None, :]
+        return jnp.sum(lax.fori_loop(0, steps, body, jnp.zeros((sp.bn, sp.bk), F32)), axis=1)
     if sp.Bp == 1 and sp.group:  # MXFP4, one token, the scale per group: [bn, g] accumulators
         def body(i, acc):
             return acc + _grouped(*_tile(sp, w, e, rows, start + i), *_xs(sp, x, (*lead, 0), start + i))
@@ -469,19 +438,8 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
             coef_ref[0, u] = jnp.sum(jnp.where(hit, _weights(s, rank, route), 0.0))
 
     def gate_up(w1, w3, e, rows3):
-        if sp.joint and sp.plain1:  # one loop: each input tile read once for both
-            def load(i):
-                t1, xt = _tile1(sp, w1, e, rows, x, (), i)
-                return t1, _tile(sp, w3, e, rows3, i), xt
-
-            def step(acc, t, i):
-                return _fma1(sp, acc[0], t[0], t[2]), _fma1(sp, acc[1], t[1], t[2])
-            z = jnp.zeros((sp.bn, sp.bk), F32)
-            a1, a3 = stream(steps, load, step, (z, z), ahead=sp.ahead)
-            h1, h3 = jnp.sum(a1, axis=1), jnp.sum(a3, axis=1)
-        else:
-            h1 = _gemv_rows(sp, w1, e, rows, x, (), steps)
-            h3 = _gemv_rows(sp, w3, e, rows3, x, (), steps)
+        h1 = _gemv_rows(sp, w1, e, rows, x, (), steps)
+        h3 = _gemv_rows(sp, w3, e, rows3, x, (), steps)
         y = tuple(act(a, b) for a, b in zip(h1, h3)) if isinstance(h1, tuple) else act(h1, h3)
         _store(a_ref, (u,), rows, y)
 
@@ -530,21 +488,9 @@ def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared:
         zero = jnp.zeros((sp.bn,), F32)
     else:
         zero = tuple(jnp.zeros((sp.bn,), F32) for _ in range(sp.Bp))
-    s2 = refs[na + nw:na + nw + 1]
-    if sp.ahead and sp.plain1 and steps == 1:  # one tile a slot: the next slot's tile (and weight) in flight
-        sh = _tile1(sp, s2, None, rows, a, (U,), start) if shared else None  # depends on nothing: issued first
-
-        def one(t):
-            return jnp.sum(_fma1(sp, jnp.zeros((sp.bn, sp.bk), F32), *t), axis=1)
-        y = stream(U, lambda u: (_tile1(sp, w2, read_ref[u], rows, a, (u,), start), coef_ref[0, u]),
-                   lambda acc, t, u: acc + t[1] * one(t[0]), zero, ahead=True)
-        if shared:
-            y = y + one(sh)
-        _store(o_ref, (s,), rows, y)
-        return
     y = lax.fori_loop(0, U, body, zero)
     if shared:
-        y = add(y, _gemv_rows(sp, s2, None, rows, a, (U,), steps, start))
+        y = add(y, _gemv_rows(sp, refs[na + nw:na + nw + 1], None, rows, a, (U,), steps, start))
     _store(o_ref, (s,), rows, y)
 
 
@@ -576,11 +522,14 @@ def _dims(w) -> tuple[int, int, int, int, bool]:
 
 
 def _resolve(cf: Config, B: int, In: int, I: int, Out: int) -> Config:
-    """cf with its zero fields chosen: bn x bk = 16 x 256 at B = 1 and 32 x 128 for B > 1 (the sweep's fastest
-    at Kimi-Linear and K3 shapes: docs/PERF.md), or the largest smaller powers of two dividing the shapes."""
+    """cf with its unset fields chosen: bn x bk = 16 x 256 at B = 1 and 32 x 128 for B > 1 (the sweep's fastest
+    at Kimi-Linear and K3 shapes: docs/PERF.md), or the largest smaller powers of two dividing the shapes; MXFP4's
+    scale per group (and the input in float32) for one token, per weight for more."""
     bn = cf.bn or next((b for b in ((16,) if B == 1 else (32, 16)) if I % b == 0 and Out % b == 0), 16)
     bk = cf.bk or next((b for b in ((256, 128, 64) if B == 1 else (128, 64)) if In % b == 0 and I % b == 0), G32)
-    return dataclasses.replace(cf, bn=bn, bk=bk)
+    scale = cf.scale or ("group" if B == 1 and cf.decode != "bits" else "weight")  # ("bits" has no group form)
+    x_f32 = scale == "group" if cf.x_f32 is None else cf.x_f32
+    return dataclasses.replace(cf, bn=bn, bk=bk, scale=scale, x_f32=x_f32)
 
 
 def _splits(cf: Config, Out: int, I: int, sms: int = 132) -> int:
@@ -647,9 +596,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     w3v = [] if joined else _weight_views(w.experts_w3)[0]
     w2v, _ = _weight_views(w.experts_w2)
     Bp = _rows_padded(w, B)
-    plain1 = Bp == 1 and not packed
-    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=cf.decode, group=packed and cf.scale == "group",
-               x_row=plain1 and cf.x_row, joint=plain1 and cf.joint, ahead=plain1 and cf.ahead)
+    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=cf.decode, group=packed and cf.scale == "group")
     xs = _x_views(jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0))), packed, cf.x_f32)
     s13, s2 = ([shared.gate_up], [shared.down]) if shared is not None else ([], [])
     act = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
@@ -696,11 +643,18 @@ MEASURED: dict[tuple, tuple[float, float]] = {
     ("bf16", 8, 64, 1024, 2304, 2304, True): (229.2, 277.7),
     ("bf16", 1, None, 1536, 3584, 3584, False): (160.1, 151.8),
     ("bf16", 8, 64, 1536, 3584, 3584, False): (534.5, 1019.5),
-    # MXFP4: B = 1 with the f16 decode (the default since the last call), B = 8 with the select decode before it
-    ("mxfp4", 1, None, 1024, 2304, 2304, False): (60.8, 55.1),
+    # MXFP4: B = 8 with the select decode (the f16 decode since: 1795.0 against XLA's 1214.2 at K3's share, 2026-12-03)
     ("mxfp4", 8, 64, 1024, 2304, 2304, False): (721.4, 327.5),
-    ("mxfp4", 1, None, 1536, 3584, 3584, False): (191.9, 189.2),
     ("mxfp4", 8, 64, 1536, 3584, 3584, False): (2142.7, 1227.0),
+    # MXFP4 at B = 1 with the scale per group and the input in float32 (the B = 1 default since): the sweep at K3's
+    # TP 2 share, 2026-12-03 (fourteenth session; the f16 decode's scale per weight took 187.9 us in the same run)
+    ("mxfp4", 1, None, 1536, 3584, 3584, False): (145.2, 182.1),
+}
+# Shapes measured in the decode step rather than alone: (us per step with the kernel, without), same call, H200.
+# K3 layers 11-14 at TP 1 (32 experts kept, packed + sharded + one-shot, B = 1, 4K): 2894.9 against XLA's 3273.7
+# (fourteenth session, docs/PERF.md; the kernel with the scale per weight: 3313.6).
+STEP_MEASURED: dict[tuple, tuple[float, float]] = {
+    ("mxfp4", 1, None, 3072, 3584, 3584, False): (2894.9, 3273.7),
 }
 MARGIN = 1.05
 
@@ -748,7 +702,7 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
                     f"{shared.down.shape} {shared.down.dtype}")
     if only_where_faster:
         key = _key(w, z_BL.shape[0], shared)
-        m = MEASURED.get(key)
+        m = MEASURED.get(key) or STEP_MEASURED.get(key)
         if m is None:
             return f"moe_experts kernel: {key} not measured against XLA on an H200 (kernels='on' runs it)"
         if m[1] / m[0] < MARGIN:

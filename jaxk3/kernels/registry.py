@@ -38,39 +38,6 @@ def pow2(n: int) -> bool:
     return n > 0 and not n & (n - 1)
 
 
-def stream(n: int, load: Callable, step: Callable, init, ahead: bool = False, unroll: bool = False, first=None):
-    """A kernel's loop over n tiles: acc = step(acc, load(i), i) for i in [0, n), n static.  `ahead`: tile i + 1's
-    loads are issued before step i (carried in registers), so that a program waits for one memory round trip per
-    tile at most instead of its loads' chain (Triton does not pipeline the element-wise loops of a Pallas kernel:
-    docs/PERF.md, fourteenth session); `first`: tile 0 as loaded already (by a prologue that issued it early).
-    `unroll`: the loop written out.  The same steps in the same order: the results are bitwise those of the plain
-    loop."""
-    if n == 0:
-        return init
-    if not ahead:
-        acc = init if first is None else step(init, first, 0)
-        lo = 0 if first is None else 1
-        if unroll:
-            for i in range(lo, n):
-                acc = step(acc, load(i), i)
-            return acc
-        return jax.lax.fori_loop(lo, n, lambda i, a: step(a, load(i), i), acc)
-    cur = load(0) if first is None else first
-    if unroll:
-        acc = init
-        for i in range(n - 1):
-            nxt = load(i + 1)
-            acc, cur = step(acc, cur, i), nxt
-        return step(acc, cur, n - 1)
-
-    def body(i, c):
-        acc, cur = c
-        nxt = load(i + 1)
-        return step(acc, cur, i), nxt
-    acc, cur = jax.lax.fori_loop(0, n - 1, body, (init, cur))
-    return step(acc, cur, n - 1)
-
-
 def triton_params(num_warps: int, num_stages: int, interpret: bool) -> dict:
     """pallas_call's compiler_params for the Triton lowering ({} in interpret mode, which takes none)."""
     if interpret:

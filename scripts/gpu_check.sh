@@ -316,7 +316,7 @@ if has determinism; then
   D="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --strategies stock --variants serving/auto --steps 2 --repeats 1 --batch ${DET_BATCH:-1}"
   for i in $(seq 1 ${DET_RUNS:-6}); do
     flags=${flags_list[$(( (i - 1) % ${#flags_list[@]} ))]}; [ "$flags" = - ] && flags=
-    XLA_FLAGS="$flags" timeout -k 10 ${DET_TIMEOUT:-90} $PY -m jaxk3.cli bench decode $D --json "$OUT/det_$i.json" > "/tmp/det_$i.log" 2>&1 \
+    XLA_FLAGS="$flags" timeout -k 10 ${DET_TIMEOUT:-120} $PY -m jaxk3.cli bench decode $D --json "$OUT/det_$i.json" > "/tmp/det_$i.log" 2>&1 \
       || { echo "run $i failed"; tail -5 "/tmp/det_$i.log"; status=1; continue; }
     $PY -c "import json, sys; r = json.load(open(sys.argv[1]))['rows'][0]; print('run', sys.argv[2], 'XLA_FLAGS', repr(sys.argv[3]), 'tokens', r['tokens'], 'margins', [round(m, 6) for m in r['top2_margin']], 'rerun_equal', r['rerun_equal'])" \
       "$OUT/det_$i.json" "$i" "$flags"

@@ -7,10 +7,19 @@ scheduling can differ, and only the GPU says what bounds a loop.  Its use is a k
 a device call (docs/PERF.md, thirteenth session: the MXFP4 experts loop's 12.4 instructions a weight, 9.6 with the
 scale per group).  Two steps, two Pythons (scripts/sass_loop.sh runs both):
 
-  python scripts/sass_loop.py dump OUT moe_experts --preset k3 --tp 2 --batch 1 [--config scale=group,x_f32=1]
-      (the project's venv) writes OUT/<name>_k<i>.ttir, one per kernel of the call;
+  python scripts/sass_loop.py dump OUT KERNEL --preset k3 --tp 2 --batch 1 [--config scale=group,x_f32=1]
+      [--patch MODULE:NAME=INT ...]
+      (the project's venv) writes OUT/<name>_k<i>.ttir, one per kernel of the call.  KERNEL: moe_experts (MXFP4,
+      Config fields by --config), moe_experts_routed (bf16, the serving layout with the shared experts),
+      kda_decode_in, gemv_norm (KDA's fused in_proj), gemv_gnorm (KDA's o_proj); --patch sets a constant of
+      jaxk3.kernels.MODULE for the dump;
   python scripts/sass_loop.py count FILE.ttir [--warps 4] [--stages 3] [--weights-per-iter 32]
-      (a venv with `triton`) writes FILE.cubin / .sass / .ttgir and prints registers, spills and each loop's mix.
+      (a venv with `triton`) writes FILE.cubin / .sass / .ttgir and prints registers, spills, the global loads
+      against the barriers in program order (`mem_order`) and each loop's mix.
+
+The fourteenth session's lesson (docs/PERF.md): a loop whose loads wait on each other's round trips in this listing
+was not slower on the H200 for it, and forms that issued them together (more registers) were slower: the counts
+say what a loop executes, not what bounds a kernel that many resident programs share.
 """
 from __future__ import annotations
 

@@ -717,8 +717,10 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
 register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits,
                 measured="bf16: 1.23x XLA at Kimi-Linear-48B B=1 and 1.21x at B=8 (serving layout, shared experts "
                          "fused; inside the B=1 step: even), 1.91x at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps "
-                         "XLA; B=8 with 64 experts kept); MXFP4: 0.91-0.99x at B=1 with the f16 decode, 0.45-0.57x at "
-                         "B=8 with the select decode (auto keeps XLA) (H200, jax 0.11.2, 2026-12-02; MEASURED)"))
+                         "XLA; B=8 with 64 experts kept); MXFP4: 1.25x at K3 TP 2 B=1 with the scale per group "
+                         "(the B=1 default since 2026-12-03; K3 layers 11-14 at TP 1, packed: the step 2874.8 us "
+                         "against XLA's 3223.6), 0.45-0.68x at B=8 (auto keeps XLA) (H200, jax 0.11.2; MEASURED, "
+                         "STEP_MEASURED)"))
 
 
 def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,

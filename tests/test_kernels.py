@@ -570,11 +570,38 @@ def test_moe_experts_group_scale_and_f32_input(B, joined):
         assert not np.array_equal(got, np.zeros_like(got))
 
 
+@pytest.mark.parametrize("B", [3, 8])
+@pytest.mark.parametrize("joined", [False, True])
+def test_moe_experts_mxfp4_on_the_tensor_cores(B, joined):
+    """MXFP4 experts for several tokens with `Config(mx_dot=True)` (the tokens padded to 16 rows, each scale group's
+    decoded codes in two bf16 dots, the sums times the group's scale), interpret mode, both decodes it takes and two
+    K splits of kernel 2: the reference's exact products summed per group, then across groups, so within float32
+    reassociation of it (2e-6 of max|ref|, as every configuration); not bitwise the element-wise form's output (the
+    path ran).  `fits` refuses it with the input widened, the "bits" decode or float32 activations, by name."""
+    from jaxk3.kernels import moe_experts as ME
+
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B)
+    if joined:
+        w = _joined(w)
+    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
+    run = lambda **c: np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=ME.Config(bn=16, bk=64, **c)))
+    base = run()
+    for c in (dict(mx_dot=True), dict(mx_dot=True, decode="select"), dict(mx_dot=True, splits=1)):
+        assert ME.fits(cfg, w, z, wk, ids, config=ME.Config(bn=16, bk=64, **c), only_where_faster=False) is None
+        got = run(**c)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=str(c))
+        assert not np.array_equal(got, base)
+    for c, z_ in ((dict(mx_dot=True, x_f32=True), z), (dict(mx_dot=True, decode="bits"), z),
+                  (dict(mx_dot=True), z.astype(jnp.float32))):
+        assert "mx_dot takes bf16" in ME.fits(cfg, w, z_, wk, ids, config=ME.Config(**c), only_where_faster=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("B", [1, 3, 8])
 @pytest.mark.parametrize("config", [None, dict(decode="bits"), dict(scale="group", x_f32=True),
-                                    dict(bn=32, bk=64, splits=1, decode="select", num_warps=8, num_stages=2)])
+                                    dict(bn=32, bk=64, splits=1, decode="select", num_warps=8, num_stages=2),
+                                    dict(mx_dot=True)])
 @pytest.mark.parametrize("layout", ["checkpoint", "joined+shared"])
 def test_moe_experts_kernel_on_gpu(fmt, B, config, layout):
     """The compiled kernel (Triton) on a GPU against the jnp reference, bf16 activations, in the default

@@ -41,10 +41,11 @@ def test_moe_experts_routed_lowers(E, B):
     assert n == 2  # kernel 1 and 2
 
 
-@pytest.mark.parametrize("B", [1, 8])
-def test_moe_experts_group_scale_lowers(B):
-    """MXFP4 experts with the scale per group and the input widened by XLA (`Config(scale="group", x_f32=True)`) at
-    K3's TP 2 share (64 experts kept), B 1 and 8."""
+@pytest.mark.parametrize("B,c", [(1, dict(scale="group", x_f32=True)), (8, dict(scale="group", x_f32=True)),
+                                 (8, dict(mx_dot=True)), (3, dict(mx_dot=True, decode="select"))])
+def test_moe_experts_group_scale_lowers(B, c):
+    """MXFP4 experts with the scale per group and the input widened by XLA (`Config(scale="group", x_f32=True)`, B 1
+    and 8) and on the tensor cores (`mx_dot`, B 3 and 8) at K3's TP 2 share (64 experts kept)."""
     from jaxk3.config import KimiK3Config
     from jaxk3.kernels import moe_experts as ME
     from jaxk3.layers import moe
@@ -58,7 +59,7 @@ def test_moe_experts_group_scale_lowers(B):
     w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=packed(I, L), experts_w2=packed(L, I),
                        experts_w3=packed(I, L))
     z, wk, ids = S((B, L), BF16), S((B, k), jnp.float32), S((B, k), jnp.int32)
-    c = ME.Config(scale="group", x_f32=True)
+    c = ME.Config(**c)
     assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
     assert lower(lambda w, z, wk, ids: ME.experts(cfg, w, z, wk, ids, config=c), w, z, wk, ids) == 2
 

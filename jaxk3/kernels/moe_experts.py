@@ -78,6 +78,10 @@ class Config:
     # 2633.5 against 1795.0 at B = 8)
     x_f32: bool | None = None  # the input passed as float32 (XLA widens it once) instead of widened in the loop:
     # the same values, bitwise the same results.  None: with the "group" scale (measured together)
+    mx_dot: bool = False  # MXFP4 for more than one token on the tensor cores: the tokens padded to 16 rows, each
+    # scale group's decoded codes (bf16, exact) in two [16, 16] x [16, bn] dots, their sum times the group's scale
+    # (`_mx_dot_rows`).  Off until timed on a GPU: the element-wise form reduces each token's products per tile
+    # (1795 us at K3's TP 2 share, B = 8, against XLA's 1214: fourteenth session)
 
 
 @jax.tree_util.register_dataclass
@@ -256,10 +260,11 @@ class _Spec:
     bk: int
     decode: str
     group: bool = False  # Config.scale == "group"
+    mx_dot: bool = False  # Config.mx_dot where it applies (MXFP4, B > 1)
 
     @property
     def dot(self) -> bool:
-        return self.Bp == 16 and not self.packed
+        return self.Bp == 16 and (not self.packed or self.mx_dot)
 
 
 def _pl():
@@ -310,9 +315,38 @@ def _grouped(lo, hi, s, pre, xe, xo):
     return (p if pre is None else p * pre) * s
 
 
+def _mx_dot_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
+    """MXFP4 on the tensor cores (`Config.mx_dot`): Σ over the input tiles [start, start + steps) of W[e, rows, :] ·
+    x[lead] for 16 (padded) token rows, fp32 [16, bn].  Each scale group j: the codes' raw values (f16's times 2^-14,
+    or the select decode's) in bf16, exactly (E2M1 has one mantissa bit), against the tokens' even and odd columns
+    [16, 16] in two dots (bf16 products are exact in fp32), the sum times 2^14 (f16) and the group's scale, powers of
+    two: the reference's exact products, summed per group and then across groups."""
+    pl = _pl()
+    wl = () if e is None else (e,)
+    g = sp.bk // G32
+    pre = F32(2.0 ** 14) if sp.decode == "f16" else F32(1.0)
+    raw = _e2m1_f16 if sp.decode == "f16" else _e2m1
+
+    def dot_nt(a, b):  # a [16, K] @ b [N, K].T -> [16, N], fp32
+        return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+    def body(i, acc):
+        for j in range(g):
+            grp = (start + i) * g + j
+            codes = w[0][(*wl, rows, grp, slice(None))].astype(jnp.int32)  # [bn, 16] bytes
+            lo, hi = raw(codes & 15).astype(jnp.bfloat16), raw(codes >> 4).astype(jnp.bfloat16)
+            xe, xo = (r[(*lead, slice(None), grp, slice(None))] for r in x)  # [16, 16] each
+            f = e8m0_scales(w[1][(*wl, rows, grp)]) * pre  # [bn]
+            acc = acc + (dot_nt(xe, lo) + dot_nt(xo, hi)) * f[None, :]
+        return acc
+    return lax.fori_loop(0, steps, body, jnp.zeros((16, sp.bn), F32))
+
+
 def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
     """Σ over the input tiles [start, start + steps) of W[e, rows, :] · x[lead]: fp32 [bn] (B = 1),
-    [16, bn] (dense, dot) or a tuple of Bp [bn] (MXFP4, B > 1)."""
+    [16, bn] (dense, dot; MXFP4 with `mx_dot`) or a tuple of Bp [bn] (MXFP4, B > 1)."""
+    if sp.dot and sp.packed:
+        return _mx_dot_rows(sp, w, e, rows, x, lead, steps, start)
     if sp.dot:
         def body(i, acc):
             return acc + lax.dot_general(_xs(sp, x, (*lead, slice(None)), start + i), _tile(sp, w, e, rows, start + i),
@@ -550,7 +584,7 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared:
     B = z_BL.shape[0]
     E, *_ = _dims(w)
     uniq, coef = plan(ids_Bk, w_Bk, E)
-    Bp = _rows_padded(w, B)
+    Bp = _rows_padded(w, B, config)
     # padded slots (B > 1) re-read the last expert (just read by the same program: cached), times 0
     read = uniq if B == 1 else jnp.where(uniq < 0, jnp.max(uniq), uniq)
     coef = w_Bk.astype(F32) if B == 1 else jnp.pad(coef.T, ((0, Bp - B), (0, 0)))  # [Bp, U]: B = 1 as routed
@@ -577,9 +611,12 @@ def experts_routed(cfg, w, z_BL: jax.Array, logits_BE: jax.Array, bias_E: jax.Ar
     return _launch(cfg, w, z_BL, [logits, bias], None, rt.k, rt, shared, interpret, config)
 
 
-def _rows_padded(w, B: int) -> int:
-    """The kernels' token rows: 1 (element-wise), 16 (dense, the dot) or B's power of two (MXFP4)."""
-    return 1 if B == 1 else (1 << (B - 1).bit_length() if isinstance(w.experts_w2, MXFP4) else 16)
+def _rows_padded(w, B: int, config: Config | None = None) -> int:
+    """The kernels' token rows: 1 (element-wise), 16 (dense, the dot; MXFP4 with `mx_dot`) or B's power of two
+    (MXFP4)."""
+    if B == 1 or not isinstance(w.experts_w2, MXFP4) or (config is not None and config.mx_dot):
+        return 1 if B == 1 else 16
+    return 1 << (B - 1).bit_length()
 
 
 def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _Route | None, shared,
@@ -595,8 +632,9 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     w13v, packed = _weight_views(w.experts_w13 if joined else w.experts_w1)
     w3v = [] if joined else _weight_views(w.experts_w3)[0]
     w2v, _ = _weight_views(w.experts_w2)
-    Bp = _rows_padded(w, B)
-    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=cf.decode, group=packed and cf.scale == "group")
+    Bp = _rows_padded(w, B, cf)
+    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=cf.decode, group=packed and cf.scale == "group",
+               mx_dot=packed and Bp == 16)
     xs = _x_views(jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0))), packed, cf.x_f32)
     s13, s2 = ([shared.gate_up], [shared.down]) if shared is not None else ([], [])
     act = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
@@ -683,6 +721,9 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
     if z_BL.ndim != 2 or not 1 <= z_BL.shape[0] <= MAX_B:
         return f"moe_experts kernel is for decode (1 to {MAX_B} tokens), got z {z_BL.shape}"
     packed = isinstance(w.experts_w2, MXFP4)
+    if packed and cf.mx_dot and B > 1 and (cf.decode == "bits" or cf.x_f32 or z_BL.dtype != jnp.bfloat16):
+        return (f"moe_experts kernel: mx_dot takes bf16 activations (not widened: x_f32 off) and the 'f16' or 'select' "
+                f"decode, got {z_BL.dtype}, x_f32 {cf.x_f32}, decode {cf.decode!r}")
     if not packed and w.experts_w2.dtype != jnp.bfloat16:
         return f"moe_experts kernel streams bf16 or MXFP4 experts, got {w.experts_w2.dtype}"
     S = _splits(cf, Out, I) if I % cf.bk == 0 else 1  # (a bk not dividing I is refused below)

@@ -34,9 +34,12 @@ CONFIGS = [Config()] + [Config(bn=bn, bk=bk, splits=sp, decode=d, num_warps=w, n
                         for d in ("select", "bits", "f16")
                         for bn, bk, sp, w, st in ((16, 256, 0, 8, 3), (32, 256, 0, 4, 3), (16, 128, 0, 4, 4),
                                                   (32, 128, 0, 8, 3), (16, 512, 0, 4, 2), (64, 256, 0, 8, 3))]
-QUICK = [Config(), Config(decode="select"), Config(decode="bits"), Config(num_warps=8),
-         # MXFP4: the scale per group and the input widened by XLA (thirteenth session, untimed)
-         Config(scale="group", x_f32=True), Config(scale="group", x_f32=True, num_warps=8), Config(x_f32=True)]
+QUICK = [Config(), Config(decode="select"), Config(num_warps=8),
+         # MXFP4 at B = 1: the scale per weight, the default's per group with 8 warps (fourteenth session: the default,
+         # 4 warps, 1.25x XLA at K3's TP 2 share)
+         Config(scale="weight", x_f32=False), Config(num_warps=8, scale="group", x_f32=True),
+         # MXFP4 for B > 1 on the tensor cores (untimed), in the tilings a dot suits
+         Config(mx_dot=True), Config(mx_dot=True, bn=64), Config(mx_dot=True, bk=256), Config(mx_dot=True, num_warps=8)]
 
 
 def main(argv=None) -> int:

@@ -35,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
+from jaxk3.kernels.registry import Kernel, dot_nt, pow2, register, triton_params
 from jaxk3.kernels.rms_norm import gated_rms_norm, rms_norm_as
 
 F32 = jnp.float32
@@ -147,11 +147,6 @@ def _rows(w: jax.Array, layout: str) -> int:
     return w.shape[0] if layout == "nk" else w.shape[1]
 
 
-def _dot_nt(a, b):
-    """a [M, K] @ b[N, K].T -> [M, N], bf16 in, fp32 out (tensor cores)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-
-
 def _loop(steps: int, body, init, unroll: bool):
     if not unroll:
         return jax.lax.fori_loop(0, steps, body, init)
@@ -201,7 +196,7 @@ def _kernel(x_ref, w_ref, *refs, layout: str, bn: int, bk: int, steps: int, dot:
             cols, w = tile(i)
             x = xin(cols)  # [16, bk]
             if layout == "nk":
-                return acc + _dot_nt(x, w)
+                return acc + dot_nt(x, w)
             return acc + jnp.dot(x, w, preferred_element_type=F32)
         acc = _loop(steps, body, jnp.zeros((x_ref.shape[0], bn), F32), unroll)
         o_ref[s, :, rows] = acc

@@ -47,7 +47,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
+from jaxk3.kernels.registry import Kernel, dot_nt, pow2, register, triton_params
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -99,11 +99,6 @@ def latent_attention(ql_BHR: jax.Array, qpe_BHP: jax.Array, kv_BSR: jax.Array, l
     return jnp.einsum("bhs,bsr->bhr", p_BHS, c_BSR[..., :R])
 
 
-def _dot_t(a, b):
-    """a [M, K] @ b[N, K].T -> [M, N], float32 accumulation (bf16 operands: tensor cores)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-
-
 def _kernel(len_ref, ql_ref, qpe_ref, kv_ref, m_ref, l_ref, acc_ref, *, R: int, P: int, S: int, split: int,
             scale: float, BLOCK_S: int, order: str):
     from jax.experimental import pallas as pl
@@ -125,7 +120,7 @@ def _kernel(len_ref, ql_ref, qpe_ref, kv_ref, m_ref, l_ref, acc_ref, *, R: int, 
         # slots past the length are not read (masked loads give 0): they may hold anything, NaN included
         c = plgpu.load(kv_ref.at[b, pl.ds(pos, BLOCK_S), pl.ds(0, R)], mask=ok[:, None], other=0.0)  # bf16 [BS, R]
         kpe = plgpu.load(kv_ref.at[b, pl.ds(pos, BLOCK_S), pl.ds(R, P)], mask=ok[:, None], other=0.0)  # [BS, P]
-        s = (_dot_t(ql, c) + _dot_t(qpe, kpe)) * scale  # fp32 [Hb, BS]
+        s = (dot_nt(ql, c) + dot_nt(qpe, kpe)) * scale  # fp32 [Hb, BS]
         s = jnp.where(ok[None, :], s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])  # fp32; masked slots: exp(NEG - m_new) = 0

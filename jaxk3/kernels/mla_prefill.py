@@ -36,8 +36,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxk3.kernels.mla_decode import NEG, _dot_t, tile_limits
-from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
+from jaxk3.kernels.mla_decode import NEG, tile_limits
+from jaxk3.kernels.registry import Kernel, dot_nt, pow2, register, triton_params
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -123,7 +123,7 @@ def _kernel(lim_ref, ql_ref, qpe_ref, kv_ref, o_ref, *, R: int, P: int, S: int, 
         ok = slot < end
         cv = plgpu.load(kv_ref.at[b, pl.ds(pos, c.bn), pl.ds(0, R)], mask=ok[:, None], other=0.0)  # bf16 [bn, R]
         kpe = plgpu.load(kv_ref.at[b, pl.ds(pos, c.bn), pl.ds(R, P)], mask=ok[:, None], other=0.0)
-        s = (_dot_t(ql, cv) + _dot_t(qpe, kpe)) * scale  # fp32 [bm, bn]
+        s = (dot_nt(ql, cv) + dot_nt(qpe, kpe)) * scale  # fp32 [bm, bn]
         return _softmax_step(m, l, acc, jnp.where(slot[None, :] <= lim[:, None], s, NEG), cv)
 
     init = (jnp.full((c.bm,), NEG, F32), jnp.zeros((c.bm,), F32), jnp.zeros((c.bm, R), F32))
@@ -186,7 +186,7 @@ def _heads_kernel(lim_ref, qn_ref, qpe_ref, k_ref, kpe_ref, v_ref, o_ref, *, S: 
         kn = plgpu.load(k_ref.at[bh, pl.ds(pos, c.bn), :], mask=ok, other=0.0)  # bf16 [bn, N]
         kp = plgpu.load(kpe_ref.at[b, pl.ds(pos, c.bn), :], mask=ok, other=0.0)  # [bn, P], shared by the heads
         vv = plgpu.load(v_ref.at[bh, pl.ds(pos, c.bn), :], mask=ok, other=0.0)  # [bn, V]
-        s = (_dot_t(qn, kn) + _dot_t(qpe, kp)) * scale
+        s = (dot_nt(qn, kn) + dot_nt(qpe, kp)) * scale
         return _softmax_step(m, l, acc, jnp.where(slot[None, :] <= lim[:, None], s, NEG), vv)
 
     init = (jnp.full((c.bm,), NEG, F32), jnp.zeros((c.bm,), F32), jnp.zeros((c.bm, Vd), F32))

@@ -49,7 +49,7 @@ from jax import lax
 
 from jaxk3.config import MXFP4_GROUP as G32
 from jaxk3.config import KimiK3Config
-from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
+from jaxk3.kernels.registry import Kernel, dot_nt, pow2, register, triton_params
 
 F32 = jnp.float32
 
@@ -327,9 +327,6 @@ def _mx_dot_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
     pre = F32(2.0 ** 14) if sp.decode == "f16" else F32(1.0)
     raw = _e2m1_f16 if sp.decode == "f16" else _e2m1
 
-    def dot_nt(a, b):  # a [16, K] @ b [N, K].T -> [16, N], fp32
-        return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-
     def body(i, acc):
         for j in range(g):
             grp = (start + i) * g + j
@@ -349,8 +346,7 @@ def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
         return _mx_dot_rows(sp, w, e, rows, x, lead, steps, start)
     if sp.dot:
         def body(i, acc):
-            return acc + lax.dot_general(_xs(sp, x, (*lead, slice(None)), start + i), _tile(sp, w, e, rows, start + i),
-                                         (((1,), (1,)), ((), ())), preferred_element_type=F32)
+            return acc + dot_nt(_xs(sp, x, (*lead, slice(None)), start + i), _tile(sp, w, e, rows, start + i))
         return lax.fori_loop(0, steps, body, jnp.zeros((16, sp.bn), F32))
     if sp.Bp == 1 and not sp.packed:
         def body(i, acc):
@@ -634,7 +630,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     w2v, _ = _weight_views(w.experts_w2)
     Bp = _rows_padded(w, B, cf)
     sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=cf.decode, group=packed and cf.scale == "group",
-               mx_dot=packed and Bp == 16)
+               mx_dot=packed and bool(cf.mx_dot) and B > 1)
     xs = _x_views(jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0))), packed, cf.x_f32)
     s13, s2 = ([shared.gate_up], [shared.down]) if shared is not None else ([], [])
     act = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,

@@ -37,8 +37,7 @@ from jax import lax
 
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels.moe_experts import MXFP4, act, compute_dtype, dequantize, glu
-from jaxk3.kernels.gemv import _dot_nt
-from jaxk3.kernels.registry import Kernel, register, triton_params
+from jaxk3.kernels.registry import Kernel, dot_nt, register, triton_params
 
 F32 = jnp.float32
 DENSE_MOE_BYTES = 1 << 30  # the dense prefill form's fp32 [n, E, I] activations per rank per block, at most
@@ -217,7 +216,7 @@ def _gate_up_kernel(expert_ref, src_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Con
         def body(i, acc):
             ks = pl.ds(pl.multiple_of(i * c.bk, c.bk), c.bk)
             x = x_ref[x_rows, ks]
-            return acc[0] + _dot_nt(x, w1_ref[e, g_rows, ks]), acc[1] + _dot_nt(x, w3_ref[e, u_rows, ks])
+            return acc[0] + dot_nt(x, w1_ref[e, g_rows, ks]), acc[1] + dot_nt(x, w3_ref[e, u_rows, ks])
 
         zero = jnp.zeros((c.bm, c.bn), F32)
         h1, h3 = lax.fori_loop(0, steps, body, (zero, zero))
@@ -237,7 +236,7 @@ def _down_kernel(expert_ref, a_ref, w2_ref, y_ref, *, c: Config, steps: int):
 
         def body(i, acc):
             ks = pl.ds(pl.multiple_of(i * c.bk, c.bk), c.bk)
-            return acc + _dot_nt(a_ref[rows, ks], w2_ref[e, cols, ks])
+            return acc + dot_nt(a_ref[rows, ks], w2_ref[e, cols, ks])
 
         y_ref[rows, cols] = lax.fori_loop(0, steps, body, jnp.zeros((c.bm, c.bn), F32))
 

@@ -38,6 +38,11 @@ def pow2(n: int) -> bool:
     return n > 0 and not n & (n - 1)
 
 
+def dot_nt(a, b):
+    """a [M, K] @ b [N, K].T -> [M, N], float32 accumulation (bf16 operands: tensor cores), inside a kernel."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jax.numpy.float32)
+
+
 def triton_params(num_warps: int, num_stages: int, interpret: bool) -> dict:
     """pallas_call's compiler_params for the Triton lowering ({} in interpret mode, which takes none)."""
     if interpret:

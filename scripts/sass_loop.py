@@ -8,11 +8,11 @@ a device call (docs/PERF.md, thirteenth session: the MXFP4 experts loop's 12.4 i
 scale per group).  Two steps, two Pythons (scripts/sass_loop.sh runs both):
 
   python scripts/sass_loop.py dump OUT KERNEL --preset k3 --tp 2 --batch 1 [--config scale=group,x_f32=1]
-      [--patch MODULE:NAME=INT ...]
+      [--patch MODULE:NAME=VALUE ...]
       (the project's venv) writes OUT/<name>_k<i>.ttir, one per kernel of the call.  KERNEL: moe_experts (MXFP4,
       Config fields by --config), moe_experts_routed (bf16, the serving layout with the shared experts),
-      kda_decode_in, gemv_norm (KDA's fused in_proj), gemv_gnorm (KDA's o_proj); --patch sets a constant of
-      jaxk3.kernels.MODULE for the dump;
+      kda_decode_in, gemv_norm (KDA's fused in_proj), gemv_gnorm (KDA's o_proj); --patch sets a constant or
+      a config default of jaxk3.kernels.MODULE for the dump, as scripts/gpu/step_with_kernel.py does;
   python scripts/sass_loop.py count FILE.ttir [--warps 4] [--stages 3] [--weights-per-iter 32]
       (a venv with `triton`) writes FILE.cubin / .sass / .ttgir and prints registers, spills, the global loads
       against the barriers in program order (`mem_order`) and each loop's mix.
@@ -61,7 +61,7 @@ def _call(kernel: str, cfg, tp: int, batch: int, kw: dict):
         from jaxk3.kernels import moe_experts as ME
         from jaxk3.layers import moe
 
-        I, Lh, Is = cfg.moe_intermediate_size // tp, cfg.moe_hidden, cfg.moe_intermediate_size * cfg.num_shared_experts // tp
+        I, Lh, Is = cfg.moe_intermediate_size // tp, cfg.moe_hidden, cfg.shared_intermediate_size // tp
         w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=None, experts_w3=None,
                            experts_w2=S((64, Lh, I), bf), experts_w13=S((64, 2 * I, Lh), bf))
         sh = ME.SharedMLP(S((2 * Is, Lh), bf), S((Lh, Is), bf))
@@ -89,9 +89,11 @@ def _call(kernel: str, cfg, tp: int, batch: int, kw: dict):
 
 
 def dump(out: str, kernel: str, preset: str, tp: int, batch: int, config: str, patches: list[str] = ()) -> list[str]:
-    """The Triton IR of each Pallas kernel `kernel`'s call lowers to (`_call`), with `patches` (MODULE:NAME=INT, a
-    constant of jaxk3.kernels.MODULE) applied."""
-    import importlib
+    """The Triton IR of each Pallas kernel `kernel`'s call lowers to (`_call`), with `patches` applied as
+    scripts/gpu/step_with_kernel.py applies them (MODULE:NAME=VALUE a constant of jaxk3.kernels.MODULE,
+    MODULE:CLASS.FIELD=VALUE a config default; its notes go to stderr, stdout is the files written)."""
+    import contextlib
+    import importlib.util
 
     from jax._src.pallas.triton import lowering as L
 
@@ -100,13 +102,14 @@ def dump(out: str, kernel: str, preset: str, tp: int, batch: int, config: str, p
 
     if kernel not in KERNELS:
         raise SystemExit(f"sass_loop dump: wired up for {', '.join(KERNELS)}, got {kernel!r}")
-    for p in patches:
-        mod, _, assign = p.partition(":")
-        name, _, v = assign.partition("=")
-        m = importlib.import_module(f"jaxk3.kernels.{mod}")
-        if not hasattr(m, name):
-            raise SystemExit(f"sass_loop dump: jaxk3.kernels.{mod} has no {name}")
-        setattr(m, name, type(getattr(m, name))(int(v)))
+    if patches:
+        spec = importlib.util.spec_from_file_location(
+            "step_with_kernel", os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu", "step_with_kernel.py"))
+        swk = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(swk)
+        with contextlib.redirect_stdout(sys.stderr):
+            for p in patches:
+                swk.set_default(p)
     texts: list[str] = []
     orig = L.lower_jaxpr_to_triton_module
 
@@ -209,7 +212,8 @@ def main(argv=None) -> int:
     d.add_argument("--tp", type=int, default=2)
     d.add_argument("--batch", type=int, default=1)
     d.add_argument("--config", default="")
-    d.add_argument("--patch", action="append", default=[], help="MODULE:NAME=INT, a jaxk3.kernels constant")
+    d.add_argument("--patch", action="append", default=[],
+                   help="MODULE:NAME=VALUE (a jaxk3.kernels constant) or MODULE:CLASS.FIELD=VALUE, as step_with_kernel.py")
     c = sub.add_parser("count")
     c.add_argument("ttir")
     c.add_argument("--warps", type=int, default=4)

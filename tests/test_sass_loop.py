@@ -42,7 +42,7 @@ def test_dump_other_kernels_and_patches(tmp_path):
     ME.MAX_B = before
     with pytest.raises(SystemExit, match="wired up for"):
         m.dump(str(tmp_path), "nope", "k3", 2, 1, "")
-    with pytest.raises(SystemExit, match="has no NOPE"):
+    with pytest.raises(SystemExit, match="has no constant NOPE"):
         m.dump(str(tmp_path), "gemv_norm", "k3", 2, 1, "", ["gemv:NOPE=1"])
 
 

@@ -156,8 +156,9 @@ def align(ids_Nk: jax.Array, num_experts: int, bm: int) -> tuple[jax.Array, jax.
     """The block-aligned layout of the N·k pairs: (pos_Nk int32, the row of pair (n, slot) in the
     sorted, padded [M, ·] operands; src_M int32, the token of each row, N for a padding row;
     expert_B int32, the expert of each bm-row block, -1 for an unused block), M = blocks · bm.  On an H200 at 48B
-    dims, 256 experts (scripts/gpu/moe_grouped.py --align): 0.285 ms at 4096 tokens against the stable argsort's
-    0.328 it replaced, 0.249 against 0.240 at 512."""
+    dims, 256 experts (scripts/gpu/moe_grouped.py --align): 0.114 ms at 4096 tokens against 0.196 for a stable
+    argsort with the same blocks_of (fifteenth session; before blocks_of's search was a comparison, 0.285 against
+    0.328: both were mostly its while loop)."""
     N, k = ids_Nk.shape
     P, E = N * k, num_experts
     nb = num_blocks(P, E, bm)
@@ -177,13 +178,20 @@ def align(ids_Nk: jax.Array, num_experts: int, bm: int) -> tuple[jax.Array, jax.
     return pos.reshape(N, k), src, expert
 
 
+# blocks_of's search: "compare_all", one [nb, E] comparison.  jnp.searchsorted's default ("scan") is a while loop
+# (log2 E steps), which a GPU runs one step at a time with the loop's condition read back by the host: measured on
+# an H200 (48B dims, 256 experts, 4096 tokens) 69 us of device kernels in a prepare that took 0.36-0.41 ms
+# (docs/PERF.md, fifteenth session).
+SEARCH = "compare_all"
+
+
 def blocks_of(sizes_E: jax.Array, bm: int, nb: int) -> tuple[jax.Array, jax.Array]:
     """From each expert's row count: (first_row_E, each expert's first row in the padded layout; expert_B, the expert
     of each of the nb bm-row blocks, -1 past the used ones)."""
     blocks = (sizes_E + bm - 1) // bm
     end_block = jnp.cumsum(blocks)
     b = jnp.arange(nb, dtype=jnp.int32)
-    expert = jnp.searchsorted(end_block, b, side="right").astype(jnp.int32)
+    expert = jnp.searchsorted(end_block, b, side="right", method=SEARCH).astype(jnp.int32)
     return (end_block - blocks) * bm, jnp.where(b < end_block[-1], expert, -1)
 
 
@@ -334,4 +342,5 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
 register(Kernel("moe_grouped", experts_dense, grouped, platforms=("gpu",), fits=fits,
                 measured="Kimi-Linear-48B dims, 256 experts, top-8: 2.68x the dense form at 512 tokens (2026-12-02), "
                          "14.3x at 4096 with its rows gathered in the kernel (1.885 vs 27.0 ms, 246 TFLOP/s exact; "
-                         "ragged_dot 0.16x) (H200, jax 0.11.2, 2026-12-03)"))
+                         "ragged_dot 0.16x) (H200, jax 0.11.2, 2026-12-03); 1.771-1.807 ms, 257-262 TFLOP/s, with "
+                         "its layout free of a while loop (2026-12-04)"))

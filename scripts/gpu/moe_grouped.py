@@ -47,16 +47,17 @@ SWEEP = [G.Config(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=s, order=o)
 def phases(kcfg, w, z, wk, ids, c, log, N):
     """Each step of the kernel path alone (ms): align + the input gather, gate-up, down, the combine."""
     E, I, L = G._shapes(w)
-    prep = jax.jit(lambda z, ids: G.prepare(w, z, ids, c))
-    pos, expert, src, xs = prep(z, ids)
-    gu = jax.jit(lambda e, s, x: G.gate_up(kcfg, w, e, s, x, c))
-    a = gu(expert, src, xs)
-    dn = jax.jit(lambda e, a: G.down(w, e, a, c))
-    y = dn(expert, a)
+    # the weights are arguments, not constants closed over (2.4 GB of them made each compile take minutes)
+    prep = jax.jit(lambda w, z, ids: G.prepare(w, z, ids, c))
+    pos, expert, src, xs = prep(w, z, ids)
+    gu = jax.jit(lambda w, e, s, x: G.gate_up(kcfg, w, e, s, x, c))
+    a = gu(w, expert, src, xs)
+    dn = jax.jit(lambda w, e, a: G.down(w, e, a, c))
+    y = dn(w, expert, a)
     cb = jax.jit(G.combine)
     out = {}
-    for name, f, args in (("prepare", prep, (z, ids)), ("gate_up", gu, (expert, src, xs)), ("down", dn, (expert, a)),
-                          ("combine", cb, (y, pos, wk))):
+    for name, f, args in (("prepare", prep, (w, z, ids)), ("gate_up", gu, (w, expert, src, xs)),
+                          ("down", dn, (w, expert, a)), ("combine", cb, (y, pos, wk))):
         out[name] = timing.per_call(f, args, reps=REPS, inner=INNER, chain=1) * 1e3
     k = kcfg.num_experts_per_token
     used = int(np.sum(np.asarray(expert) >= 0))
@@ -109,11 +110,53 @@ def align_rows(a, log) -> list[dict]:
         t_new, t_old = (timing.per_call(f, (ids,), reps=REPS, inner=INNER, chain=1) * 1e3 for f in (new, old))
         log(f"N {N:5d} align (bm {c.bm}): {t_new:.3f} ms against the sort's {t_old:.3f} ({t_old / t_new:.2f}x); "
             f"the same layout: {same}")
-        full = jax.jit(lambda w, z, wk, ids: G.grouped(kcfg, w, z, wk, ids))
-        t = timing.per_call(full, (w, z, wk, ids), reps=REPS, inner=INNER, chain=1)
-        log(f"N {N:5d} kernel default {c}: {t * 1e3:.3f} ms  {6.0 * N * k * L * I / t / 1e12:.1f} TFLOP/s exact")
-        rows.append(dict(tokens=N, align_ms=t_new, sorted_ms=t_old, same=same, kernel_ms=t * 1e3,
+        search0, by_search = G.SEARCH, {}
+        for search in ("scan", search0, "scan", search0):  # blocks_of's search before the fifteenth session, and now
+            G.SEARCH = search  # read when the calls are traced
+            full = jax.jit(lambda w, z, wk, ids: G.grouped(kcfg, w, z, wk, ids))
+            prep = jax.jit(lambda w, z, ids: G.prepare(w, z, ids, c))
+            t = timing.per_call(full, (w, z, wk, ids), reps=REPS, inner=INNER, chain=1)
+            tp = timing.per_call(prep, (w, z, ids), reps=REPS, inner=INNER, chain=1)
+            by_search.setdefault(search, []).append(dict(layer_ms=t * 1e3, prepare_ms=tp * 1e3))
+            log(f"N {N:5d} kernel default {c}, search {search}: {t * 1e3:.3f} ms  "
+                f"{6.0 * N * k * L * I / t / 1e12:.1f} TFLOP/s exact; its prepare {tp * 1e3:.3f} ms")
+        G.SEARCH = search0
+        rows.append(dict(tokens=N, align_ms=t_new, sorted_ms=t_old, same=same, kernel_ms=t * 1e3, by_search=by_search,
+                         prepare_kernels=device_ops(prep, (w, z, ids), log, f"N {N:5d} prepare"),
                          phases_ms=phases(kcfg, w, z, wk, ids, c, log, N)))
+    return rows
+
+
+def device_ops(f, args, log, head: str, calls: int = 5, top: int = 12) -> list:
+    """The device kernels of the compiled `f` from a profile of `calls` calls: [op, us per call, launches per call],
+    slowest first (where a small XLA program's time goes), each logged with the start of its HLO line."""
+    import tempfile
+
+    from jaxk3.tools.census import _event_op, find_xplane
+
+    jax.block_until_ready(f(*args))
+    d = tempfile.mkdtemp(prefix="jaxk3_prof_")
+    with jax.profiler.trace(d):
+        for _ in range(calls):
+            jax.block_until_ready(f(*args))
+    from jax.profiler import ProfileData
+
+    ns, n = {}, {}
+    for plane in ProfileData.from_file(find_xplane(d)).planes:
+        if not plane.name.startswith("/device:") or "CPU" in plane.name:
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                op = _event_op(ev.name, dict(ev.stats))[0] or ev.name
+                ns[op] = ns.get(op, 0) + ev.duration_ns
+                n[op] = n.get(op, 0) + 1
+    hlo = {ln.split("=")[0].strip().lstrip("%").replace("ROOT ", ""): ln.strip()
+           for ln in f.lower(*args).compile().as_text().splitlines() if " = " in ln}
+    rows = sorted(([op, ns[op] / calls / 1e3, n[op] / calls] for op in ns), key=lambda r: -r[1])
+    log(f"{head}: {sum(r[1] for r in rows):.1f} us of device events per call in {sum(r[2] for r in rows):.0f} "
+        "launches; the slowest:")
+    for op, us, k in rows[:top]:
+        log(f"  {us:8.1f} us  x{k:4.1f}  {op[:40]:40s} {hlo.get(op, '')[:150]}")
     return rows
 
 

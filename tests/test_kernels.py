@@ -558,11 +558,12 @@ def test_moe_experts_group_scale_and_f32_input(B, joined):
     if joined:
         w = _joined(w)
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
-    run = lambda **c: np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=ME.Config(bn=32, bk=64, **c)))
+    run = lambda **c: np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=ME.Config(
+        bn=32, bk=64, **{"mx_dot": False, **c})))  # the element-wise forms (mx_dot has its own test below)
     base = run(scale="weight", x_f32=False)
     np.testing.assert_array_equal(run(scale="weight", x_f32=True), base)
-    # the default: the scale per group with the input in float32 for one token, per weight for more
-    np.testing.assert_array_equal(run(), run(scale="group", x_f32=True) if B == 1 else base)
+    # the default: the scale per group with the input in float32 for one token; for more, the tensor cores
+    np.testing.assert_array_equal(run(mx_dot=None), run(scale="group", x_f32=True) if B == 1 else run(mx_dot=True))
     for c in (dict(scale="group"), dict(scale="group", decode="select"), dict(scale="group", x_f32=True)):
         assert ME.fits(cfg, w, z, wk, ids, config=ME.Config(bn=32, bk=64, **c), only_where_faster=False) is None
         got = run(**c)
@@ -585,7 +586,12 @@ def test_moe_experts_mxfp4_on_the_tensor_cores(B, joined):
         w = _joined(w)
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
     run = lambda **c: np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=ME.Config(bn=16, bk=64, **c)))
-    base = run()
+    base = run(mx_dot=False)
+    # the default for several tokens (mx_dot None): the tensor cores with bf16 activations; element-wise where the
+    # input is widened (x_f32) or float32, which mx_dot does not take
+    np.testing.assert_array_equal(run(), run(mx_dot=True))
+    np.testing.assert_array_equal(run(x_f32=True), run(mx_dot=False, x_f32=True))
+    assert ME._rows_padded(w, z, None) == 16 and ME._rows_padded(w, z.astype(jnp.float32), None) == (4 if B == 3 else 8)
     for c in (dict(mx_dot=True), dict(mx_dot=True, decode="select"), dict(mx_dot=True, splits=1)):
         assert ME.fits(cfg, w, z, wk, ids, config=ME.Config(bn=16, bk=64, **c), only_where_faster=False) is None
         got = run(**c)
@@ -601,7 +607,7 @@ def test_moe_experts_mxfp4_on_the_tensor_cores(B, joined):
 @pytest.mark.parametrize("B", [1, 3, 8])
 @pytest.mark.parametrize("config", [None, dict(decode="bits"), dict(scale="group", x_f32=True),
                                     dict(bn=32, bk=64, splits=1, decode="select", num_warps=8, num_stages=2),
-                                    dict(mx_dot=True)])
+                                    dict(mx_dot=True), dict(mx_dot=False)])
 @pytest.mark.parametrize("layout", ["checkpoint", "joined+shared"])
 def test_moe_experts_kernel_on_gpu(fmt, B, config, layout):
     """The compiled kernel (Triton) on a GPU against the jnp reference, bf16 activations, in the default
@@ -670,6 +676,27 @@ def test_moe_grouped_align():
     want = np.empty_like(flat)
     want[order] = first[flat[order]] + np.arange(flat.size) - (np.cumsum(sizes) - sizes)[flat[order]]
     np.testing.assert_array_equal(pos.ravel(), want)
+
+
+
+def test_moe_grouped_layout_has_no_loop():
+    """The grouped MoE's layout and combine (the XLA part of the prefill's MoE around its two kernels) lower to no
+    while loop: a GPU runs a loop one step at a time with its condition read back by the host, which cost the prefill
+    ~0.3 ms a MoE layer while `blocks_of` used jnp.searchsorted's default scan (docs/PERF.md, fifteenth session).
+    The scan form is still one, so this test would see it come back."""
+    from jaxk3.kernels import moe_grouped as G
+
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (512, 8)), jnp.int32)
+    wk = jnp.ones((512, 8), jnp.float32)
+    y = jnp.ones((G.num_blocks(512 * 8, 256, 64) * 64, 32), jnp.float32)
+
+    def layout(ids, wk, y):
+        pos, src, expert = G.align(ids, 256, 64)
+        return G.combine(y, pos, wk), src, expert
+
+    assert "stablehlo.while" not in jax.jit(layout).lower(ids, wk, y).as_text()
+    assert "stablehlo.while" in jax.jit(lambda s: jnp.searchsorted(s, jnp.arange(768), side="right")).lower(
+        jnp.arange(256)).as_text()
 
 
 @pytest.mark.parametrize("fmt,fused", [("dense", False), ("dense", True), ("mxfp4", True)])

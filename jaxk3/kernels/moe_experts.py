@@ -78,10 +78,11 @@ class Config:
     # 2633.5 against 1795.0 at B = 8)
     x_f32: bool | None = None  # the input passed as float32 (XLA widens it once) instead of widened in the loop:
     # the same values, bitwise the same results.  None: with the "group" scale (measured together)
-    mx_dot: bool = False  # MXFP4 for more than one token on the tensor cores: the tokens padded to 16 rows, each
-    # scale group's decoded codes (bf16, exact) in two [16, 16] x [16, bn] dots, their sum times the group's scale
-    # (`_mx_dot_rows`).  Off until timed on a GPU: the element-wise form reduces each token's products per tile
-    # (1795 us at K3's TP 2 share, B = 8, against XLA's 1214: fourteenth session)
+    mx_dot: bool | None = None  # MXFP4 for more than one token on the tensor cores: the tokens padded to 16 rows,
+    # each scale group's decoded codes (bf16, exact) in two [16, 16] x [16, bn] dots, their sum times the group's
+    # scale (`_mx_dot_rows`).  None: on for MXFP4 with B > 1 and bf16 activations not widened ("f16" or "select"
+    # decode), where the element-wise form reduces each token's products per tile (fifteenth session, K3's TP 2
+    # share, B = 8: 665.3 us at bn 128, 819.7 at bn 64, against the element-wise 1800.3 and XLA's 1224.7)
 
 
 @jax.tree_util.register_dataclass
@@ -551,15 +552,19 @@ def _dims(w) -> tuple[int, int, int, int, bool]:
     return E, I, In, Out, joined
 
 
-def _resolve(cf: Config, B: int, In: int, I: int, Out: int) -> Config:
-    """cf with its unset fields chosen: bn x bk = 16 x 256 at B = 1 and 32 x 128 for B > 1 (the sweep's fastest
-    at Kimi-Linear and K3 shapes: docs/PERF.md), or the largest smaller powers of two dividing the shapes; MXFP4's
-    scale per group (and the input in float32) for one token, per weight for more."""
-    bn = cf.bn or next((b for b in ((16,) if B == 1 else (32, 16)) if I % b == 0 and Out % b == 0), 16)
-    bk = cf.bk or next((b for b in ((256, 128, 64) if B == 1 else (128, 64)) if In % b == 0 and I % b == 0), G32)
+def _resolve(cf: Config, B: int, In: int, I: int, Out: int, packed: bool = False, x_dtype=jnp.bfloat16) -> Config:
+    """cf with its unset fields chosen: bn x bk = 16 x 256 at B = 1, 32 x 128 for B > 1 and 128 x 128 for MXFP4 on the
+    tensor cores (the sweep's fastest at Kimi-Linear and K3 shapes: docs/PERF.md), or the largest smaller powers of
+    two dividing the shapes; MXFP4's scale per group (and the input in float32) for one token, per weight for more;
+    MXFP4 for more than one token on the tensor cores where its input allows (bf16, not widened, not "bits")."""
     scale = cf.scale or ("group" if B == 1 and cf.decode != "bits" else "weight")  # ("bits" has no group form)
     x_f32 = scale == "group" if cf.x_f32 is None else cf.x_f32
-    return dataclasses.replace(cf, bn=bn, bk=bk, scale=scale, x_f32=x_f32)
+    mx_dot = (packed and B > 1 and not x_f32 and cf.decode != "bits" and jnp.dtype(x_dtype) == jnp.bfloat16
+              ) if cf.mx_dot is None else cf.mx_dot
+    bns = (16,) if B == 1 else (128, 64, 32, 16) if packed and mx_dot else (32, 16)
+    bn = cf.bn or next((b for b in bns if I % b == 0 and Out % b == 0), 16)
+    bk = cf.bk or next((b for b in ((256, 128, 64) if B == 1 else (128, 64)) if In % b == 0 and I % b == 0), G32)
+    return dataclasses.replace(cf, bn=bn, bk=bk, scale=scale, x_f32=x_f32, mx_dot=mx_dot)
 
 
 def _splits(cf: Config, Out: int, I: int, sms: int = 132) -> int:
@@ -580,7 +585,7 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared:
     B = z_BL.shape[0]
     E, *_ = _dims(w)
     uniq, coef = plan(ids_Bk, w_Bk, E)
-    Bp = _rows_padded(w, B, config)
+    Bp = _rows_padded(w, z_BL, config)
     # padded slots (B > 1) re-read the last expert (just read by the same program: cached), times 0
     read = uniq if B == 1 else jnp.where(uniq < 0, jnp.max(uniq), uniq)
     coef = w_Bk.astype(F32) if B == 1 else jnp.pad(coef.T, ((0, Bp - B), (0, 0)))  # [Bp, U]: B = 1 as routed
@@ -607,10 +612,13 @@ def experts_routed(cfg, w, z_BL: jax.Array, logits_BE: jax.Array, bias_E: jax.Ar
     return _launch(cfg, w, z_BL, [logits, bias], None, rt.k, rt, shared, interpret, config)
 
 
-def _rows_padded(w, B: int, config: Config | None = None) -> int:
+def _rows_padded(w, z_BL: jax.Array, config: Config | None = None) -> int:
     """The kernels' token rows: 1 (element-wise), 16 (dense, the dot; MXFP4 with `mx_dot`) or B's power of two
     (MXFP4)."""
-    if B == 1 or not isinstance(w.experts_w2, MXFP4) or (config is not None and config.mx_dot):
+    B = z_BL.shape[0]
+    _, I, In, Out, _ = _dims(w)
+    packed = isinstance(w.experts_w2, MXFP4)
+    if B == 1 or not packed or _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype).mx_dot:
         return 1 if B == 1 else 16
     return 1 << (B - 1).bit_length()
 
@@ -623,12 +631,12 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     pl = _pl()
     B = z_BL.shape[0]
     E, I, In, Out, joined = _dims(w)
-    cf = _resolve(config or Config(), B, In, I, Out)
     dt = compute_dtype(w, z_BL)
     w13v, packed = _weight_views(w.experts_w13 if joined else w.experts_w1)
+    cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype)
     w3v = [] if joined else _weight_views(w.experts_w3)[0]
     w2v, _ = _weight_views(w.experts_w2)
-    Bp = _rows_padded(w, B, cf)
+    Bp = _rows_padded(w, z_BL, cf)
     sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=cf.decode, group=packed and cf.scale == "group",
                mx_dot=packed and bool(cf.mx_dot) and B > 1)
     xs = _x_views(jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0))), packed, cf.x_f32)
@@ -677,9 +685,11 @@ MEASURED: dict[tuple, tuple[float, float]] = {
     ("bf16", 8, 64, 1024, 2304, 2304, True): (229.2, 277.7),
     ("bf16", 1, None, 1536, 3584, 3584, False): (160.1, 151.8),
     ("bf16", 8, 64, 1536, 3584, 3584, False): (534.5, 1019.5),
-    # MXFP4: B = 8 with the select decode (the f16 decode since: 1795.0 against XLA's 1214.2 at K3's share, 2026-12-03)
-    ("mxfp4", 8, 64, 1024, 2304, 2304, False): (721.4, 327.5),
-    ("mxfp4", 8, 64, 1536, 3584, 3584, False): (2142.7, 1227.0),
+    # MXFP4 for B > 1 on the tensor cores (`mx_dot`, the default since; bn 128): the sweep at K3's TP 2 share,
+    # 2026-12-04 (fifteenth session; bn 64 819.7 us, the element-wise form 1800.3 in the same run).  Kimi-Linear-48B's
+    # MXFP4 B = 8 entry (the element-wise form, 721.4 against XLA's 327.5) is dropped: the new default is not measured
+    # there
+    ("mxfp4", 8, 64, 1536, 3584, 3584, False): (665.3, 1224.7),
     # MXFP4 at B = 1 with the scale per group and the input in float32 (the B = 1 default since): the sweep at K3's
     # TP 2 share, 2026-12-03 (fourteenth session; the f16 decode's scale per weight took 187.9 us in the same run)
     ("mxfp4", 1, None, 1536, 3584, 3584, False): (145.2, 182.1),
@@ -687,8 +697,12 @@ MEASURED: dict[tuple, tuple[float, float]] = {
 # Shapes measured in the decode step rather than alone: (us per step with the kernel, without), same call, H200.
 # K3 layers 11-14 at TP 1 (32 experts kept, packed + sharded + one-shot, B = 1, 4K): 2894.9 against XLA's 3273.7
 # (fourteenth session, docs/PERF.md; the kernel with the scale per weight: 3313.6).
+# K3 layers 11-14 at TP 1, B = 8, both strategies in one process (fifteenth session): stock (bf16) 4212.7 against
+# 9839.8, packed (MXFP4 on the tensor cores) 5792.1 against 12074.1.
 STEP_MEASURED: dict[tuple, tuple[float, float]] = {
     ("mxfp4", 1, None, 3072, 3584, 3584, False): (2894.9, 3273.7),
+    ("bf16", 8, 32, 3072, 3584, 3584, False): (4212.7, 9839.8),
+    ("mxfp4", 8, 32, 3072, 3584, 3584, False): (5792.1, 12074.1),
 }
 MARGIN = 1.05
 
@@ -704,7 +718,8 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
          only_where_faster: bool = True, **_) -> str | None:
     _, I, In, Out, _ = _dims(w)
     B = z_BL.shape[0] if z_BL.ndim == 2 else 1
-    cf = _resolve(config or Config(), B, In, I, Out)
+    packed = isinstance(w.experts_w2, MXFP4)
+    cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype)
     min_bn = 8 if B == 1 else 16  # one token: element-wise [bn, bk] tiles; more: the dot's 16-row tiles
     if not (pow2(cf.bn) and pow2(cf.bk)) or cf.bk < G32 or cf.bn < min_bn:
         return (f"moe_experts kernel needs bn >= {min_bn} (B = {B}) and bk >= {G32}, powers of two (Triton blocks), "
@@ -716,7 +731,6 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
                 f"decode), got {cf.scale!r} with {cf.decode!r}")
     if z_BL.ndim != 2 or not 1 <= z_BL.shape[0] <= MAX_B:
         return f"moe_experts kernel is for decode (1 to {MAX_B} tokens), got z {z_BL.shape}"
-    packed = isinstance(w.experts_w2, MXFP4)
     if packed and cf.mx_dot and B > 1 and (cf.decode == "bits" or cf.x_f32 or z_BL.dtype != jnp.bfloat16):
         return (f"moe_experts kernel: mx_dot takes bf16 activations (not widened: x_f32 off) and the 'f16' or 'select' "
                 f"decode, got {z_BL.dtype}, x_f32 {cf.x_f32}, decode {cf.decode!r}")
@@ -756,8 +770,9 @@ register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits
                          "fused; inside the B=1 step: even), 1.91x at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps "
                          "XLA; B=8 with 64 experts kept); MXFP4: 1.25x at K3 TP 2 B=1 with the scale per group "
                          "(the B=1 default since 2026-12-03; K3 layers 11-14 at TP 1, packed: the step 2874.8 us "
-                         "against XLA's 3223.6), 0.45-0.68x at B=8 (auto keeps XLA) (H200, jax 0.11.2; MEASURED, "
-                         "STEP_MEASURED)"))
+                         "against XLA's 3223.6); 1.49x at K3 TP 2 B=8 on the tensor cores (mx_dot, the B>1 default "
+                         "since 2026-12-04); K3 layers 11-14 at TP 1, B=8: the step 4212.7 us against 9839.8 (bf16) "
+                         "and 5792.1 against 12074.1 (MXFP4) (H200, jax 0.11.2; MEASURED, STEP_MEASURED)"))
 
 
 def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,

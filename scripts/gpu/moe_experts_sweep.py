@@ -35,12 +35,12 @@ CONFIGS = [Config()] + [Config(bn=bn, bk=bk, splits=sp, decode=d, num_warps=w, n
                         for bn, bk, sp, w, st in ((16, 256, 0, 8, 3), (32, 256, 0, 4, 3), (16, 128, 0, 4, 4),
                                                   (32, 128, 0, 8, 3), (16, 512, 0, 4, 2), (64, 256, 0, 8, 3))]
 QUICK = [Config(), Config(decode="select"), Config(num_warps=8),
-         # MXFP4 at B = 1: the scale per weight, the default's per group with 8 warps (fourteenth session: the default,
-         # 4 warps, 1.25x XLA at K3's TP 2 share)
-         Config(scale="weight", x_f32=False), Config(num_warps=8, scale="group", x_f32=True),
-         # MXFP4 for B > 1 on the tensor cores (untimed), in the tilings a dot suits
-         Config(mx_dot=True), Config(mx_dot=True, bn=64), Config(mx_dot=True, bk=256), Config(mx_dot=True, num_warps=8)]
-
+         # MXFP4 at B = 1: the scale per weight (the default before the fourteenth session)
+         Config(scale="weight", x_f32=False),
+         # MXFP4 for B > 1: element-wise (the default before the fifteenth session's tensor-core form)
+         Config(mx_dot=False),
+         # B > 1 tilings around the defaults (bf16 32 x 128, MXFP4 on the tensor cores 64 x 128)
+         Config(bn=64), Config(bk=256), Config(bn=64, bk=256), Config(bn=128), Config(num_stages=4)]
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()

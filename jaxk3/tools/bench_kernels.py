@@ -44,9 +44,11 @@ def _timed(fn, args, chain: int, repeats: int) -> float:
 
 
 def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[int, ...], chain: int, repeats: int,
-                      seed: int = 0, configs=(None,), layout: str = "checkpoint") -> list[dict[str, Any]]:
+                      seed: int = 0, configs=(None,), layout: str = "checkpoint",
+                      formats: tuple[str, ...] = ("bf16", "mxfp4")) -> list[dict[str, Any]]:
     """Rows of {format, batch, path, us, bytes, GB/s, x_vs_reference, x_vs_dense_reference}; one kernel row per
-    moe_experts.Config in `configs` (None: the default; path "kernel", else "kernel <config>").  `layout`
+    moe_experts.Config in `configs` (None: the default; path "kernel", else "kernel <config>"), for each of
+    `formats` ("bf16", "mxfp4"; x_vs_bf16_xla is None without the bf16 rows).  `layout`
     "serving": w1 | w3 joined as the serving layout stores them, and (bf16, a config whose routed experts read
     the hidden state: Kimi-Linear) the shared experts fused in the kernel, their bytes counted."""
     from jaxk3 import kernels, params
@@ -89,6 +91,8 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
         distinct = int(np.sum(np.asarray(plan(ids, wk, E)[0]) >= 0))
         base = None
         for fmt, w in (("bf16", dense), ("mxfp4", mx)):
+            if fmt not in formats:
+                continue
             per_expert = sum(a[0].nbytes for a in jax.tree.leaves((w.experts_w1, w.experts_w2, w.experts_w3,
                                                                     w.experts_w13)))
             sh = shared if fmt == "bf16" else None
@@ -116,7 +120,8 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
                 if fmt == "bf16" and path == "xla":
                     base = us
                 rows.append(dict(kernel="moe_experts", format=fmt, batch=B, path=path, us=us, bytes=nbytes,
-                                 gbps=nbytes / us / 1e3, distinct_experts=distinct, x_vs_bf16_xla=base / us,
+                                 gbps=nbytes / us / 1e3, distinct_experts=distinct,
+                                 x_vs_bf16_xla=base / us if base else None,
                                  layout=layout, shared=sh is not None,
                                  rel_err=float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))))
     return rows

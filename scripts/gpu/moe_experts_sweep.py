@@ -12,10 +12,12 @@ the output's error against XLA's (max |a - b| / max |b|: float32 reassociation, 
 fit is a row saying why).  Issue 22's targets: MXFP4 >= 2.5 TB/s of packed bytes at B = 1, >= 2.0 at B = 8.
 
     python scripts/gpu/moe_experts_sweep.py [--preset k3,kl] [--json out/moe_experts_sweep.json] [--batch 1,8] [--all]
+        [--formats bf16,mxfp4] [--configs 'bn=256;bn=128,bk=256']
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -47,23 +49,34 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="out/moe_experts_sweep.json")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--preset", default="kl,k3", help="kl (Kimi-Linear-48B TP 1, serving layout + shared), k3 (TP 2)")
-    ap.add_argument("--all", action="store_true", help="25 configurations instead of five")
+    ap.add_argument("--all", action="store_true", help="25 configurations instead of QUICK's")
+    ap.add_argument("--formats", default="bf16,mxfp4")
+    ap.add_argument("--configs", default=None, help="';'-separated Config fields instead of QUICK, e.g. "
+                    "'bn=256;bn=128,bk=256' (the default Config first; an empty entry is the default alone)")
     a = ap.parse_args(argv)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     log = timing.logger(a.json)
     batches = tuple(int(b) for b in a.batch.split(","))
-    configs = CONFIGS if a.all else QUICK
+    configs = CONFIGS if a.all else QUICK if a.configs is None else [Config()] + [
+        Config(**{k: int(v) if v.lstrip("-").isdigit() else v for k, v in (f.split("=") for f in c.split(","))})
+        for c in a.configs.split(";") if c]
     rows = []
     for preset in a.preset.split(","):
         name, tp, layout = {"kl": ("kimi-linear-48b", 1, "serving"), "k3": ("k3", 2, "checkpoint")}[preset]
         cfg = bd.load_config(name)
         log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {name} TP {tp} share, 64 experts, top-"
             f"{cfg.num_experts_per_token}, {layout} layout; {len(configs)} kernel configs")
-        got = moe_experts_cases(cfg, tp, 64, batches, chain=20, repeats=5, configs=configs, layout=layout)
+        got = moe_experts_cases(cfg, tp, 64, batches, chain=20, repeats=5, configs=configs, layout=layout,
+                                formats=tuple(a.formats.split(",")))
+        short = {f"kernel {c}": "kernel " + (", ".join(f"{f.name}={getattr(c, f.name)!r}"
+                                                      for f in dataclasses.fields(c)
+                                                      if getattr(c, f.name) != f.default) or "default")
+                 for c in configs}
         xla = {(r["format"], r["batch"]): r["us"] for r in got if r["path"] == "xla"}
         for r in got:
             r["preset"] = preset
-            head = f"{preset} {r['format']:5s} B {r['batch']} {'+shared ' if r.get('shared') else ''}{r['path'][:100]:100s}"
+            path = short.get(r["path"], r["path"])
+            head = f"{preset} {r['format']:5s} B {r['batch']} {'+shared ' if r.get('shared') else ''}{path[:100]:60s}"
             if "error" in r:
                 log(f"{head} FAILED {r['error'][:200]}")
                 continue

@@ -59,3 +59,6 @@ T=tests/test_kernels_real.py::test_kernel_real_dims_on_gpu
 python3 -m pytest -m gpu -q "$T[moe_experts_mxfp4-k3-1-8]" "$T[moe_experts_mxfp4-k3-2-8]" "$T[moe_experts_mxfp4-k3-8-8]" \
   "$T[moe_experts_mxfp4-kimi-linear-48b-1-8]" "$T[moe_experts-k3-1-8]"                      # 5_real_tests.log
 python3 -m pytest tests/test_kernels.py -m gpu -q -k "moe_experts_kernel_on_gpu and mxfp4 and None"   # 5_tiny_tests.log
+# call 6 (ENV; main at the PERF commit, the sweep's --formats/--configs new): the tensor-core form's tiles around bn 128
+python3 scripts/gpu/moe_experts_sweep.py --preset k3 --batch 8 --formats mxfp4 \
+  --configs "bn=256;bn=128,bk=256;bn=128,num_warps=8;bn=256,num_warps=8;bn=128,num_stages=4;bn=128,bk=64" --json $OUT/6_sweep.json

@@ -681,9 +681,9 @@ def test_moe_grouped_align():
 
 def test_moe_grouped_layout_has_no_loop():
     """The grouped MoE's layout and combine (the XLA part of the prefill's MoE around its two kernels) lower to no
-    while loop: a GPU runs a loop one step at a time with its condition read back by the host, which cost the prefill
-    ~0.3 ms a MoE layer while `blocks_of` used jnp.searchsorted's default scan (docs/PERF.md, fifteenth session).
-    The scan form is still one, so this test would see it come back."""
+    while loop: a GPU runs a loop one step at a time (each step's small kernels and its condition in turn), which
+    cost the prefill ~0.3 ms a MoE layer while `blocks_of` used jnp.searchsorted's default scan (docs/PERF.md,
+    fifteenth session).  The scan form is still one, so this test would see it come back."""
     from jaxk3.kernels import moe_grouped as G
 
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (512, 8)), jnp.int32)

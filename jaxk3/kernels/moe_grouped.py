@@ -179,9 +179,9 @@ def align(ids_Nk: jax.Array, num_experts: int, bm: int) -> tuple[jax.Array, jax.
 
 
 # blocks_of's search: "compare_all", one [nb, E] comparison.  jnp.searchsorted's default ("scan") is a while loop
-# (log2 E steps), which a GPU runs one step at a time with the loop's condition read back by the host: measured on
-# an H200 (48B dims, 256 experts, 4096 tokens) 69 us of device kernels in a prepare that took 0.36-0.41 ms
-# (docs/PERF.md, fifteenth session).
+# (log2 E steps), which a GPU runs one step at a time (each step's small kernels and its condition in turn):
+# measured on an H200 (48B dims, 256 experts, 4096 tokens) 69 us of device kernels in a prepare that took 0.36-0.41
+# ms (docs/PERF.md, fifteenth session).
 SEARCH = "compare_all"
 
 

@@ -697,8 +697,9 @@ MEASURED: dict[tuple, tuple[float, float]] = {
 # Shapes measured in the decode step rather than alone: (us per step with the kernel, without), same call, H200.
 # K3 layers 11-14 at TP 1 (32 experts kept, packed + sharded + one-shot, B = 1, 4K): 2894.9 against XLA's 3273.7
 # (fourteenth session, docs/PERF.md; the kernel with the scale per weight: 3313.6).
-# K3 layers 11-14 at TP 1, B = 8, both strategies in one process (fifteenth session): stock (bf16) 4212.7 against
-# 9839.8, packed (MXFP4 on the tensor cores) 5792.1 against 12074.1.
+# K3 layers 11-14 at TP 1, B = 8 (fifteenth session; with and without the kernel in two processes of one call, each
+# running both strategies): stock (bf16) 4212.7 against 9839.8, packed (MXFP4 on the tensor cores) 5792.1 against
+# 12074.1.
 STEP_MEASURED: dict[tuple, tuple[float, float]] = {
     ("mxfp4", 1, None, 3072, 3584, 3584, False): (2894.9, 3273.7),
     ("bf16", 8, 32, 3072, 3584, 3584, False): (4212.7, 9839.8),

@@ -292,6 +292,63 @@ def test_moe_experts_bits_decode_is_the_select_decode_bit_for_bit():
     assert "not measured against XLA" in ME.fits(cfg, w, z, wk, ids, config=c)
 
 
+def _run_ptx(asm: str, w: np.ndarray) -> list[np.ndarray]:
+    """The "asm" decode's PTX evaluated on uint32 words w (one per instance) by a reading of the instructions it uses
+    (shl, shr, and, or, mov .b32; mov.b32 {h0, h1} splitting a word into its low and high halves; cvt.f32.f16):
+    the outputs $0.. as float32 arrays."""
+    regs: dict[str, np.ndarray] = {"$4": w.astype(np.uint32)}
+    body = asm.strip()[1:-1]
+    for ins in (i.strip() for i in body.split(";") if i.strip()):
+        op, _, rest = ins.partition(" ")
+        args = [a.strip() for a in rest.replace("{", "").replace("}", "").split(",")]
+        if op == ".reg":
+            continue
+        val = (lambda a: regs[a] if a in regs else np.uint32(int(a, 0)))
+        if op == "mov.b32" and "{" in rest:  # split a word: {lo, hi}, word
+            word = val(args[2])
+            regs[args[0]], regs[args[1]] = (word & 0xFFFF).astype(np.uint16), (word >> 16).astype(np.uint16)
+        elif op == "mov.b32":
+            regs[args[0]] = val(args[1])
+        elif op in ("shl.b32", "shr.b32", "and.b32", "or.b32"):
+            a, b = val(args[1]), val(args[2])
+            r = {"shl.b32": lambda: a << b, "shr.b32": lambda: a >> b, "and.b32": lambda: a & b,
+                 "or.b32": lambda: a | b}[op]()
+            regs[args[0]] = np.asarray(r, np.uint64).astype(np.uint32)
+        elif op == "cvt.f32.f16":
+            regs[args[0]] = regs[args[1]].view(np.float16).astype(np.float32)
+        else:
+            raise AssertionError(f"the test does not read {op!r}: extend it with the asm")
+    return [regs[f"${i}"] for i in range(4)]
+
+
+def test_moe_experts_asm_decode_is_the_f16_decode_bit_for_bit():
+    """The "asm" decode's PTX (`_ASM_LO`, `_ASM_HI`), read instruction by instruction, gives `_e2m1_f16`'s values bit
+    for bit for every byte value in every one of the four byte positions of a word (and random words); in interpret
+    mode the kernel runs the "f16" decode in its place (the same values), and `fits` takes it where "f16" goes."""
+    from jaxk3.kernels import moe_experts as ME
+
+    rng = np.random.default_rng(0)
+    b = np.arange(256, dtype=np.uint32)
+    words = np.concatenate([b, b << 8, b << 16, b << 24, rng.integers(0, 2 ** 32, 4096, dtype=np.uint64)
+                            .astype(np.uint32)])
+    lo, hi = _run_ptx(ME._ASM_LO, words), _run_ptx(ME._ASM_HI, words)
+    for i in range(4):
+        byte = jnp.asarray(((words >> (8 * i)) & 0xFF).astype(np.int32))
+        for got, code in ((lo[i], byte & 15), (hi[i], byte >> 4)):
+            want = np.asarray(ME._e2m1_f16(code))
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"byte {i}")
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1)
+    for B in (1, 3):
+        z_, wk_, ids_ = (z, wk, ids) if B == 1 else _moe_case("mxfp4", jnp.bfloat16, B)[2:]
+        for c in (dict(), dict(scale="weight"), dict(mx_dot=True)):
+            if B == 1 and c.get("mx_dot"):
+                continue
+            asm, f16 = (ME.Config(bn=16, bk=64, decode=d, **c) for d in ("asm", "f16"))
+            assert ME.fits(cfg, w, z_, wk_, ids_, config=asm, only_where_faster=False) is None
+            np.testing.assert_array_equal(np.asarray(ME.experts(cfg, w, z_, wk_, ids_, interpret=True, config=asm)),
+                                          np.asarray(ME.experts(cfg, w, z_, wk_, ids_, interpret=True, config=f16)))
+
+
 def test_moe_experts_plan_reads_each_expert_once():
     from jaxk3.kernels.moe_experts import plan
 
@@ -607,7 +664,8 @@ def test_moe_experts_mxfp4_on_the_tensor_cores(B, joined):
 @pytest.mark.parametrize("B", [1, 3, 8])
 @pytest.mark.parametrize("config", [None, dict(decode="bits"), dict(scale="group", x_f32=True),
                                     dict(bn=32, bk=64, splits=1, decode="select", num_warps=8, num_stages=2),
-                                    dict(mx_dot=True), dict(mx_dot=False)])
+                                    dict(mx_dot=True), dict(mx_dot=False), dict(decode="asm"),
+                                    dict(decode="asm", mx_dot=True)])
 @pytest.mark.parametrize("layout", ["checkpoint", "joined+shared"])
 def test_moe_experts_kernel_on_gpu(fmt, B, config, layout):
     """The compiled kernel (Triton) on a GPU against the jnp reference, bf16 activations, in the default
@@ -628,6 +686,24 @@ def test_moe_experts_kernel_on_gpu(fmt, B, config, layout):
         w, z, wk, ids))
     ref = np.asarray(kernels.REGISTRY["moe_experts"].reference(cfg, w, z, wk, ids, shared=shared))
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+def test_moe_experts_asm_decode_on_gpu(B):
+    """The compiled "asm" decode (PTX inline assembly, which interpret mode cannot run) against the compiled "f16"
+    decode: the same values into the same products and sums, so the same output bit for bit, at one token (the scale
+    per group) and at eight (the tensor cores); both within the reference's tolerance (the paths ran)."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda): inline PTX")
+    from jaxk3.kernels import moe_experts as ME
+
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B)
+    run = {d: np.asarray(jax.jit(lambda *a, d=d: ME.experts(cfg, *a, config=ME.Config(decode=d)))(w, z, wk, ids))
+           for d in ("asm", "f16")}
+    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
+    np.testing.assert_allclose(run["asm"], ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    np.testing.assert_array_equal(run["asm"], run["f16"])
 
 
 # ------------------------------------------------------------------ moe_grouped (prefill)

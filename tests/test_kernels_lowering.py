@@ -42,7 +42,8 @@ def test_moe_experts_routed_lowers(E, B):
 
 
 @pytest.mark.parametrize("B,c", [(1, dict(scale="group", x_f32=True)), (8, dict(scale="group", x_f32=True)),
-                                 (8, dict(mx_dot=True)), (3, dict(mx_dot=True, decode="select"))])
+                                 (8, dict(mx_dot=True)), (3, dict(mx_dot=True, decode="select")),
+                                 (1, dict(decode="asm")), (8, dict(mx_dot=True, decode="asm"))])
 def test_moe_experts_group_scale_lowers(B, c):
     """MXFP4 experts with the scale per group and the input widened by XLA (`Config(scale="group", x_f32=True)`, B 1
     and 8) and on the tensor cores (`mx_dot`, B 3 and 8) at K3's TP 2 share (64 experts kept)."""

@@ -19,9 +19,10 @@ leave S partial sums that XLA adds in the fusion that consumes the output (the r
 How a tile is multiplied (as in jaxk3.kernels.gemv, whose sweep found the same):
   B = 1        the tile times x, accumulated element-wise in fp32 registers, reduced once at the end;
   B > 1 dense  x padded to 16 rows, `dot` on the tensor cores (bf16 in, fp32 accumulate);
-  B > 1 MXFP4  per token, each tile's products reduced as they come (MXFP4 has no tensor-core path here).
-MXFP4 rows are dequantised in registers (E2M1 nibble -> value by arithmetic times the E8M0 scale, or
-the scaled float built from its bits: `Config.decode`) and never exist dequantised in memory.
+  B > 1 MXFP4  x padded to 16 rows, each 32-value scale group's codes in bf16 on the tensor cores, the sums times
+               the group's scale (`Config.mx_dot`); per token element-wise where the input is not bf16.
+MXFP4 rows are dequantised in registers (by default each 32-bit word's eight E2M1 codes become float16's bits in a
+few PTX instructions, `Config.decode`, then the E8M0 scale per group) and never exist dequantised in memory.
 Products and sums are float32, as in the reference; the sums run in another order, so the results
 agree to float32 rounding (tests/test_kernels.py).  Padded slots of `plan` (expert id -1, B > 1) write
 zeros in kernel 1; kernel 2 re-reads the last expert's rows for them (just read by the same program, so
@@ -54,6 +55,7 @@ from jaxk3.kernels.registry import Kernel, dot_nt, pow2, register, triton_params
 F32 = jnp.float32
 
 
+DECODES = ("f16", "asm", "select", "bits")  # Config.decode's choices
 MAX_B = 8  # decode rows; more take the reference (prefill has jaxk3.kernels.moe_grouped)
 
 
@@ -65,8 +67,11 @@ class Config:
     splits: int = 0  # kernel 2's programs along I (partial sums added by the consumer); 0: enough for 4 per SM
     num_warps: int = 4
     num_stages: int = 3
-    decode: str = "f16"  # MXFP4's E2M1 -> float: "f16" (float16's bits, then two products: the fastest on the
-    # H200), "select" (compares and selects) or "bits" (the scaled float's bits).  A decode with no float conversion
+    decode: str = "asm"  # MXFP4's E2M1 -> float: "asm" (float16's bits built by PTX, eight codes from one 32-bit
+    # word, `_ASM_LO`/`_ASM_HI`; interpret mode runs "f16", the same values: the fastest on the H200, sixteenth
+    # session: K3's TP 2 share 119.6 us against "f16"'s 141.2 at B = 1 and 595.2 against 658.5 at B = 8, bitwise the
+    # same output), "f16" (the same bits by Triton's integer operations, then a conversion), "select" (compares and
+    # selects) or "bits" (the scaled float's bits).  A decode with no float conversion
     # (a 32-bit lookup under 2^22's exponent, commit 23ec581) was 16-19% slower than "f16" (docs/PERF.md, thirteenth
     # session): the conversions are not what bounds it.
     # MXFP4 only (docs/PERF.md, thirteenth session: the generated loop, compiled offline, spends ~12 instructions per
@@ -252,6 +257,44 @@ def _e2m1_f16(code: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(F32)
 
 
+# The "asm" decode: `_e2m1_f16`'s values from PTX, four bytes (eight codes) per instance.  Triton packs the four
+# uint8 operands into one 32-bit register w (byte i in bits 8i..8i+7).  A code c sits in float16's bits as
+# ((c & 7) << 9) | ((c & 8) << 12); bytes 0 and 2 (and 1 and 3) are 16 bits apart, as the halves of a float16 pair
+# are, so each pair of codes is two shifts and masks of w, with no byte moved alone:
+#   low nibbles of bytes 0, 2: (w << 9) & 0x0E000E00 | (w << 12) & 0x80008000
+#   low nibbles of bytes 1, 3: (w << 1) & 0x0E000E00 | (w << 4)  & 0x80008000
+#   high nibbles of bytes 0, 2: (w << 5) & 0x0E000E00 | (w << 8) & 0x80008000
+#   high nibbles of bytes 1, 3: (w >> 3) & 0x0E000E00 | w & 0x80008000
+# then each half widened to float32 (exact).  Outputs $0-$3: bytes 0-3's values.  The low and high nibbles are two
+# instances (jax's Pallas lowers one result per inline asm).
+_ASM_PAIR = ("{pre} p, $4, {a}; and.b32 p, p, 0x0E000E00; {qop} and.b32 q, q, 0x80008000; or.b32 r, p, q; "
+             "mov.b32 {{h0, h1}}, r; cvt.f32.f16 ${o0}, h0; cvt.f32.f16 ${o1}, h1;")
+_ASM_HEAD = "{ .reg .b32 p, q, r; .reg .b16 h0, h1; "
+_ASM_LO = _ASM_HEAD + " ".join([_ASM_PAIR.format(pre="shl.b32", a=9, qop="shl.b32 q, $4, 12;", o0=0, o1=2),
+                                _ASM_PAIR.format(pre="shl.b32", a=1, qop="shl.b32 q, $4, 4;", o0=1, o1=3)]) + " }"
+_ASM_HI = _ASM_HEAD + " ".join([_ASM_PAIR.format(pre="shl.b32", a=5, qop="shl.b32 q, $4, 8;", o0=0, o1=2),
+                                _ASM_PAIR.format(pre="shr.b32", a=3, qop="mov.b32 q, $4;", o0=1, o1=3)]) + " }"
+
+
+def _e2m1_f16_asm(codes_u8: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 bytes [..] -> (low nibbles', high nibbles') float32 values × 2^-14 [..] each: `_e2m1_f16`'s values bit for
+    bit, decoded by `_ASM_LO` and `_ASM_HI` in ~2.75 instructions a code (Pallas Triton only: the compiled kernel's
+    "asm" decode)."""
+    from jax.experimental.pallas import triton as plt
+
+    out = [jax.ShapeDtypeStruct(codes_u8.shape, F32)]
+    return tuple(plt.elementwise_inline_asm(asm, args=[codes_u8], constraints="=f,=f,=f,=f,r", pack=4,
+                                            result_shape_dtypes=out)[0] for asm in (_ASM_LO, _ASM_HI))
+
+
+def _raw_f16(sp: "_Spec", codes_u8: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 bytes -> (low, high) nibbles' float32 values × 2^-14 (the "f16" decode; "asm": the same bits from PTX)."""
+    if sp.decode == "asm":
+        return _e2m1_f16_asm(codes_u8)
+    codes = codes_u8.astype(jnp.int32)
+    return _e2m1_f16(codes & 15), _e2m1_f16(codes >> 4)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     """What the kernels' bodies need to know, static."""
@@ -283,18 +326,21 @@ def _tile(sp: _Spec, w, e, rows, i):
         return w[0][(*lead, rows, pl.ds(pl.multiple_of(i * sp.bk, sp.bk), sp.bk))]
     g = sp.bk // G32
     grp = pl.ds(pl.multiple_of(i * g, g), g)
+    if sp.decode in ("f16", "asm"):  # [bn, g, 16] bytes -> raw values (f16's times 2^-14), then the group factor
+        lo, hi = _raw_f16(sp, w[0][(*lead, rows, grp, slice(None))])
+        s = e8m0_scales(w[1][(*lead, rows, grp)])  # [bn, g]
+        if sp.group:  # applied after the sums
+            return lo, hi, s, F32(2.0 ** 14)
+        s = s[:, :, None]
+        return lo * F32(2.0 ** 14) * s, hi * F32(2.0 ** 14) * s
     codes = w[0][(*lead, rows, grp, slice(None))].astype(jnp.int32)  # [bn, g, 16] bytes
     if sp.decode == "bits":
         s = w[1][(*lead, rows, grp)].astype(jnp.int32)[:, :, None]
         return _e2m1_scaled_bits(codes & 15, s), _e2m1_scaled_bits(codes >> 4, s)
     s = e8m0_scales(w[1][(*lead, rows, grp)])  # [bn, g]
-    if sp.group:  # the raw values ([bn, g, 16]: f16's times 2^-14) and the group factor [bn, g], applied after the sums
-        if sp.decode == "f16":
-            return _e2m1_f16(codes & 15), _e2m1_f16(codes >> 4), s, F32(2.0 ** 14)
+    if sp.group:  # the select decode's values and the group factor [bn, g], applied after the sums
         return _e2m1(codes & 15), _e2m1(codes >> 4), s, None
     s = s[:, :, None]
-    if sp.decode == "f16":
-        return _e2m1_f16(codes & 15) * F32(2.0 ** 14) * s, _e2m1_f16(codes >> 4) * F32(2.0 ** 14) * s
     return _e2m1(codes & 15) * s, _e2m1(codes >> 4) * s
 
 
@@ -325,14 +371,19 @@ def _mx_dot_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
     pl = _pl()
     wl = () if e is None else (e,)
     g = sp.bk // G32
-    pre = F32(2.0 ** 14) if sp.decode == "f16" else F32(1.0)
-    raw = _e2m1_f16 if sp.decode == "f16" else _e2m1
+    f16 = sp.decode in ("f16", "asm")
+    pre = F32(2.0 ** 14) if f16 else F32(1.0)
 
     def body(i, acc):
         for j in range(g):
             grp = (start + i) * g + j
-            codes = w[0][(*wl, rows, grp, slice(None))].astype(jnp.int32)  # [bn, 16] bytes
-            lo, hi = raw(codes & 15).astype(jnp.bfloat16), raw(codes >> 4).astype(jnp.bfloat16)
+            codes = w[0][(*wl, rows, grp, slice(None))]  # [bn, 16] bytes
+            if f16:
+                lo, hi = _raw_f16(sp, codes)
+            else:
+                c = codes.astype(jnp.int32)
+                lo, hi = _e2m1(c & 15), _e2m1(c >> 4)
+            lo, hi = lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16)
             xe, xo = (r[(*lead, slice(None), grp, slice(None))] for r in x)  # [16, 16] each
             f = e8m0_scales(w[1][(*wl, rows, grp)]) * pre  # [bn]
             acc = acc + (dot_nt(xe, lo) + dot_nt(xo, hi)) * f[None, :]
@@ -553,15 +604,18 @@ def _dims(w) -> tuple[int, int, int, int, bool]:
 
 
 def _resolve(cf: Config, B: int, In: int, I: int, Out: int, packed: bool = False, x_dtype=jnp.bfloat16) -> Config:
-    """cf with its unset fields chosen: bn x bk = 16 x 256 at B = 1, 32 x 128 for B > 1 and 128 x 128 for MXFP4 on the
-    tensor cores (the sweep's fastest at Kimi-Linear and K3 shapes: docs/PERF.md), or the largest smaller powers of
+    """cf with its unset fields chosen: bn x bk = 16 x 256 at B = 1, 32 x 128 for B > 1 (64 x 128 where In <= 2304) and
+    128 x 128 for MXFP4 on the tensor cores (the sweep's fastest at Kimi-Linear and K3 shapes: docs/PERF.md), or the largest smaller powers of
     two dividing the shapes; MXFP4's scale per group (and the input in float32) for one token, per weight for more;
     MXFP4 for more than one token on the tensor cores where its input allows (bf16, not widened, not "bits")."""
     scale = cf.scale or ("group" if B == 1 and cf.decode != "bits" else "weight")  # ("bits" has no group form)
     x_f32 = scale == "group" if cf.x_f32 is None else cf.x_f32
     mx_dot = (packed and B > 1 and not x_f32 and cf.decode != "bits" and jnp.dtype(x_dtype) == jnp.bfloat16
               ) if cf.mx_dot is None else cf.mx_dot
-    bns = (16,) if B == 1 else (128, 64, 32, 16) if packed and mx_dot else (32, 16)
+    # dense B > 1: bn 64 where the input is Kimi-Linear's 2304 wide (sixteenth session: the 48B B = 8 step 6822.7 us
+    # against 7344.6 at bn 32; at K3's 7168 bn 64 made the stock B = 8 step slower, 4390.6 against 4212.7)
+    bns = ((16,) if B == 1 else (128, 64, 32, 16) if packed and mx_dot else (64, 32, 16) if In <= 2304
+           else (32, 16))
     bn = cf.bn or next((b for b in bns if I % b == 0 and Out % b == 0), 16)
     bk = cf.bk or next((b for b in ((256, 128, 64) if B == 1 else (128, 64)) if In % b == 0 and I % b == 0), G32)
     return dataclasses.replace(cf, bn=bn, bk=bk, scale=scale, x_f32=x_f32, mx_dot=mx_dot)
@@ -637,7 +691,8 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     w3v = [] if joined else _weight_views(w.experts_w3)[0]
     w2v, _ = _weight_views(w.experts_w2)
     Bp = _rows_padded(w, z_BL, cf)
-    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=cf.decode, group=packed and cf.scale == "group",
+    decode = "f16" if interpret and cf.decode == "asm" else cf.decode  # interpret mode has no PTX: the same values
+    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=decode, group=packed and cf.scale == "group",
                mx_dot=packed and bool(cf.mx_dot) and B > 1)
     xs = _x_views(jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0))), packed, cf.x_f32)
     s13, s2 = ([shared.gate_up], [shared.down]) if shared is not None else ([], [])
@@ -682,28 +737,31 @@ MEASURED: dict[tuple, tuple[float, float]] = {
     # scripts/gpu/moe_experts_sweep.py, 2026-12-02 (third session), jax 0.11.2: Kimi-Linear-48B TP 1 in the serving
     # layout with the shared experts fused (against XLA's routed + shared experts), K3's TP 2 share; 64 experts kept
     ("bf16", 1, None, 1024, 2304, 2304, True): (59.3, 72.9),
-    ("bf16", 8, 64, 1024, 2304, 2304, True): (229.2, 277.7),
+    ("bf16", 8, 64, 1024, 2304, 2304, True): (218.6, 272.2),  # bn 64 (sixteenth session; bn 32: 252.0, same run)
     ("bf16", 1, None, 1536, 3584, 3584, False): (160.1, 151.8),
     ("bf16", 8, 64, 1536, 3584, 3584, False): (534.5, 1019.5),
     # MXFP4 for B > 1 on the tensor cores (`mx_dot`, the default since; bn 128): the sweep at K3's TP 2 share,
-    # 2026-12-04 (fifteenth session; bn 64 819.7 us, the element-wise form 1800.3 in the same run).  Kimi-Linear-48B's
+    # 2026-12-04 (fifteenth session: 665.3 us against 1224.7, bn 64 819.7, the element-wise form 1800.3 in the same
+    # run; sixteenth, with the "asm" decode: 595.2 against 1209.1, the "f16" decode 658.5).  Kimi-Linear-48B's
     # MXFP4 B = 8 entry (the element-wise form, 721.4 against XLA's 327.5) is dropped: the new default is not measured
     # there
-    ("mxfp4", 8, 64, 1536, 3584, 3584, False): (665.3, 1224.7),
+    ("mxfp4", 8, 64, 1536, 3584, 3584, False): (595.2, 1209.1),
     # MXFP4 at B = 1 with the scale per group and the input in float32 (the B = 1 default since): the sweep at K3's
-    # TP 2 share, 2026-12-03 (fourteenth session; the f16 decode's scale per weight took 187.9 us in the same run)
-    ("mxfp4", 1, None, 1536, 3584, 3584, False): (145.2, 182.1),
+    # TP 2 share, 2026-12-03 (fourteenth session: 145.2 us against 182.1; the scale per weight 187.9); 2026-12-04
+    # (sixteenth, the "asm" decode: 119.6 against 176.8, the "f16" decode 141.2)
+    ("mxfp4", 1, None, 1536, 3584, 3584, False): (119.6, 176.8),
 }
 # Shapes measured in the decode step rather than alone: (us per step with the kernel, without), same call, H200.
 # K3 layers 11-14 at TP 1 (32 experts kept, packed + sharded + one-shot, B = 1, 4K): 2894.9 against XLA's 3273.7
 # (fourteenth session, docs/PERF.md; the kernel with the scale per weight: 3313.6).
 # K3 layers 11-14 at TP 1, B = 8 (fifteenth session; with and without the kernel in two processes of one call, each
 # running both strategies): stock (bf16) 4212.7 against 9839.8, packed (MXFP4 on the tensor cores) 5792.1 against
-# 12074.1.
+# 12074.1.  The packed rows again with the "asm" decode (sixteenth session, call 2, one process each): B = 1 2647.3
+# against 3252.3, B = 8 4456.6 against 12066.2.
 STEP_MEASURED: dict[tuple, tuple[float, float]] = {
-    ("mxfp4", 1, None, 3072, 3584, 3584, False): (2894.9, 3273.7),
+    ("mxfp4", 1, None, 3072, 3584, 3584, False): (2647.3, 3252.3),
     ("bf16", 8, 32, 3072, 3584, 3584, False): (4212.7, 9839.8),
-    ("mxfp4", 8, 32, 3072, 3584, 3584, False): (5792.1, 12074.1),
+    ("mxfp4", 8, 32, 3072, 3584, 3584, False): (4456.6, 12066.2),
 }
 MARGIN = 1.05
 
@@ -725,16 +783,16 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
     if not (pow2(cf.bn) and pow2(cf.bk)) or cf.bk < G32 or cf.bn < min_bn:
         return (f"moe_experts kernel needs bn >= {min_bn} (B = {B}) and bk >= {G32}, powers of two (Triton blocks), "
                 f"got {cf.bn}, {cf.bk}")
-    if cf.decode not in ("select", "bits", "f16"):
-        return f"moe_experts kernel: decode must be 'select', 'bits' or 'f16', got {cf.decode!r}"
+    if cf.decode not in DECODES:
+        return f"moe_experts kernel: decode must be one of {DECODES}, got {cf.decode!r}"
     if cf.scale not in ("weight", "group") or (cf.scale == "group" and cf.decode == "bits"):
-        return (f"moe_experts kernel: scale must be 'weight' or 'group' (the latter with the 'f16' or 'select' "
+        return (f"moe_experts kernel: scale must be 'weight' or 'group' (the latter with the 'f16', 'asm' or 'select' "
                 f"decode), got {cf.scale!r} with {cf.decode!r}")
     if z_BL.ndim != 2 or not 1 <= z_BL.shape[0] <= MAX_B:
         return f"moe_experts kernel is for decode (1 to {MAX_B} tokens), got z {z_BL.shape}"
     if packed and cf.mx_dot and B > 1 and (cf.decode == "bits" or cf.x_f32 or z_BL.dtype != jnp.bfloat16):
-        return (f"moe_experts kernel: mx_dot takes bf16 activations (not widened: x_f32 off) and the 'f16' or 'select' "
-                f"decode, got {z_BL.dtype}, x_f32 {cf.x_f32}, decode {cf.decode!r}")
+        return (f"moe_experts kernel: mx_dot takes bf16 activations (not widened: x_f32 off) and the 'f16', 'asm' or "
+                f"'select' decode, got {z_BL.dtype}, x_f32 {cf.x_f32}, decode {cf.decode!r}")
     if not packed and w.experts_w2.dtype != jnp.bfloat16:
         return f"moe_experts kernel streams bf16 or MXFP4 experts, got {w.experts_w2.dtype}"
     S = _splits(cf, Out, I) if I % cf.bk == 0 else 1  # (a bk not dividing I is refused below)
@@ -767,13 +825,13 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
 # MXFP4 with the select decode: the f16 default was compiled at tiny dims only), and `fits` lets auto take it only
 # at the shapes where it beat XLA (MEASURED): bf16 at Kimi-Linear B 1 and, with 64 experts kept, B 8 and K3 B 8.
 register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits,
-                measured="bf16: 1.23x XLA at Kimi-Linear-48B B=1 and 1.21x at B=8 (serving layout, shared experts "
-                         "fused; inside the B=1 step: even), 1.91x at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps "
-                         "XLA; B=8 with 64 experts kept); MXFP4: 1.25x at K3 TP 2 B=1 with the scale per group "
-                         "(the B=1 default since 2026-12-03; K3 layers 11-14 at TP 1, packed: the step 2874.8 us "
-                         "against XLA's 3223.6); 1.49x at K3 TP 2 B=8 on the tensor cores (mx_dot, the B>1 default "
-                         "since 2026-12-04); K3 layers 11-14 at TP 1, B=8: the step 4212.7 us against 9839.8 (bf16) "
-                         "and 5792.1 against 12074.1 (MXFP4) (H200, jax 0.11.2; MEASURED, STEP_MEASURED)"))
+                measured="bf16: 1.23x XLA at Kimi-Linear-48B B=1 and 1.25x at B=8 (serving layout, shared experts "
+                         "fused, bn 64; the 48B B=8 step 6839.8 us, 1.39x its floor, against 7344.6 at bn 32), 1.91x "
+                         "at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps XLA; B=8 with 64 experts kept); MXFP4 "
+                         "(the \"asm\" decode): 1.48x at K3 TP 2 B=1 with the scale per group (K3 layers 11-14 at TP 1, "
+                         "packed: the step 2647.3 us against XLA's 3252.3); 2.03x at K3 TP 2 B=8 on the tensor cores "
+                         "(mx_dot); K3 layers 11-14 at TP 1, B=8: the step 4212.7 us against 9839.8 (bf16) and 4456.6 "
+                         "against 12066.2 (MXFP4) (H200, jax 0.11.2; MEASURED, STEP_MEASURED)"))
 
 
 def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,

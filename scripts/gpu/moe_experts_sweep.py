@@ -33,7 +33,7 @@ from jaxk3.tools import bench_decode as bd  # noqa: E402
 from jaxk3.tools.bench_kernels import moe_experts_cases  # noqa: E402
 
 CONFIGS = [Config()] + [Config(bn=bn, bk=bk, splits=sp, decode=d, num_warps=w, num_stages=st)
-                        for d in ("select", "bits", "f16")
+                        for d in ("select", "bits", "f16", "asm")
                         for bn, bk, sp, w, st in ((16, 256, 0, 8, 3), (32, 256, 0, 4, 3), (16, 128, 0, 4, 4),
                                                   (32, 128, 0, 8, 3), (16, 512, 0, 4, 2), (64, 256, 0, 8, 3))]
 QUICK = [Config(), Config(decode="select"), Config(num_warps=8),

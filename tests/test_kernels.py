@@ -795,6 +795,53 @@ def test_moe_grouped_kernel_matches_reference(fmt, fused, N, order, gather):
         np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
 
 
+def _wide_grouped_case(N: int = 29, E: int = 4, I: int = 128, L: int = 128, seed: int = 5):
+    """Random bf16 experts in the serving layout (w1|w3 joined) wider than the tiny K3's (I 128, for bn 128), top-2
+    of E, N tokens: the tiny K3 config's activation and routing scale."""
+    from jaxk3.config import KimiK3Config
+    from jaxk3.layers import moe
+
+    cfg = dataclasses.replace(KimiK3Config.tiny_k3(), num_experts=E, num_experts_per_token=2, moe_intermediate_size=I)
+    rng = np.random.default_rng(seed)
+    w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=None, experts_w3=None,
+                       experts_w2=jnp.asarray(rng.standard_normal((E, L, I)) * 0.05, jnp.bfloat16),
+                       experts_w13=jnp.asarray(rng.standard_normal((E, 2 * I, L)) * 0.05, jnp.bfloat16))
+    ids = jnp.asarray(np.stack([rng.choice(E, 2, replace=False) for _ in range(N)]), jnp.int32)
+    wk = jnp.asarray(rng.uniform(0.2, 1.0, (N, 2)), jnp.float32)
+    return cfg, w, jnp.asarray(rng.standard_normal((N, L)), jnp.bfloat16), wk, ids
+
+
+@pytest.mark.parametrize("fmt,fused", [("dense", True), ("dense", False), ("mxfp4", True)])
+def test_moe_grouped_mosaic_matches_reference(fmt, fused):
+    """The Mosaic GPU form of the grouped GEMMs (`Config(backend="mosaic")`: TMA tiles, wgmma, a persistent grid that
+    skips unused blocks) in Mosaic GPU's own interpreter against the dense form, the tolerance of the Triton form's
+    test (4e-3 of max|ref|: bf16 operands, fp32 sums in another order, the activations rounded to bf16); `fits` names
+    the tiles it cannot take."""
+    from jaxk3.kernels import moe_grouped as G
+    from jaxk3.kernels import moe_grouped_mgpu as MG
+
+    if MG.interpret_params() is None:
+        pytest.skip(f"jax {jax.__version__} has no Mosaic GPU interpreter (InterpretGPUParams); the Python 3.12 suite's "
+                    "newest jax runs this test")
+    cfg, w, z, wk, ids = _grouped_case(fmt, 13, fused)
+    c = G.Config(bm=64, bn=64, bk=64, num_stages=2, backend="mosaic", width=1)
+    ref = np.asarray(G.experts_dense(cfg, w, z, wk, ids))
+    assert np.abs(ref).max() > 0
+    assert G.fits(cfg, w, z, wk, ids, config=c) is None
+    got = np.asarray(G.grouped(cfg, w, z, wk, ids, config=c, interpret=True))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+    if fmt == "dense" and fused:  # the warp-specialised gate|up: bn 128, wider experts than the tiny K3's
+        cfg, w, z, wk, ids = _wide_grouped_case()
+        ws = G.Config(bm=64, bn=128, bk=64, num_stages=2, backend="mosaic_ws", width=1)
+        assert G.fits(cfg, w, z, wk, ids, config=ws) is None
+        ref = np.asarray(G.experts_dense(cfg, w, z, wk, ids))
+        got = np.asarray(G.grouped(cfg, w, z, wk, ids, config=ws, interpret=True))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+    for bad, why in ((dict(bm=32), "multiple of 64"), (dict(bk=32), "bk 64"), (dict(bn=96), "bn 64, 128 or 256"),
+                     (dict(bm=128, bn=128), "two fp32 accumulators"), (dict(backend="cuda"), "backend must be")):
+        assert why in G.fits(cfg, w, z, wk, ids, config=dataclasses.replace(c, **bad)), bad
+
+
 def test_moe_grouped_selection():
     """Proven on an H200 at the 48B dims (docs/PERF.md): auto takes it on a GPU, the CPU keeps the dense
     form; fp32 experts and tiles that do not divide the experts' dims are named; bm follows the mean rows
@@ -828,6 +875,25 @@ def test_moe_grouped_kernel_on_gpu(fmt, fused, order, gather):
     got = np.asarray(jax.jit(lambda *a: G.grouped(cfg, *a, config=c))(w, z, wk, ids))
     ref = np.asarray(G.experts_dense(cfg, w, z, wk, ids))
     np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,fused", [("dense", True), ("dense", False), ("mxfp4", True)])
+def test_moe_grouped_mosaic_on_gpu(fmt, fused):
+    """The compiled Mosaic GPU form (TMA, wgmma) on a GPU against the dense form, tolerance as in the interpreter."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda): Mosaic GPU compiles for Hopper")
+    from jaxk3.kernels import moe_grouped as G
+
+    cfg, w, z, wk, ids = _grouped_case(fmt, 13, fused)
+    for c in (G.Config(bm=64, bn=64, bk=64, num_stages=2, backend="mosaic", width=1),
+              G.Config(bm=64, bn=64, bk=64, num_stages=4, backend="mosaic", width=4),
+              G.Config(bm=64, bn=128, bk=64, num_stages=4, backend="mosaic_ws", width=4)):
+        if c.backend == "mosaic_ws":  # bn 128: wider experts than the tiny K3's
+            cfg, w, z, wk, ids = _wide_grouped_case()
+        got = np.asarray(jax.jit(lambda *a: G.grouped(cfg, *a, config=c))(w, z, wk, ids))
+        ref = np.asarray(G.experts_dense(cfg, w, z, wk, ids))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max(), err_msg=str(c))
 
 
 @pytest.mark.slow  # the first suite only: CLI plumbing; the newest jax takes its kernel paths in the tests above

@@ -18,6 +18,10 @@ block of its rows (once per chunk where an expert has at most bm rows), and only
 FLOPs are done: unused blocks (expert -1, the padding of the static block count) return at once.
 Rows of unused blocks are left unwritten and never read back; padded rows inside a block are zeros.
 
+`Config(backend="mosaic")` runs the same two GEMMs as Pallas Mosaic GPU kernels (jaxk3.kernels.moe_grouped_mgpu: TMA,
+wgmma, a persistent grid), on the sorted copy of the inputs: correct on an H200 and 4-7% slower than these (docs/PERF.md,
+sixteenth session), so never config_for's choice.
+
 Weights are bf16 [E, O, In] (the checkpoint's layout, or the serving layout's w1|w3 stack [E, 2I, L]);
 MXFP4 experts are dequantised to bf16 once per call first (`dense_experts`, as the dense form does).
 Decoding them in the kernels instead (per 32-column scale group the nibbles as bf16 E2M1 values against the
@@ -128,7 +132,13 @@ class Config:
     order: str = "m"  # the grid's fastest axis: "m", the row blocks (programs at once share a weight tile);
     #                   "n", the output tiles (programs at once share a row block's input)
     gather: bool = True  # gate|up reads its rows from z by index, no sorted copy of the inputs (measured on an H200,
-    # 48B dims, 256 experts, 4096 tokens: 1.885 ms a layer against 2.009 with the copy, bm 64; 3.833 vs 3.880, bm 16)
+    # 48B dims, 256 experts, 4096 tokens: 1.885 ms a layer against 2.009 with the copy, bm 64; 3.833 vs 3.880, bm 16);
+    # Triton only: the Mosaic GPU kernels load whole tiles by TMA from the sorted copy
+    backend: str = "triton"  # "triton" (the kernels below), "mosaic" (jaxk3.kernels.moe_grouped_mgpu: TMA and wgmma;
+    # bm a multiple of 64, bk 64; num_stages its pipeline's depth) or "mosaic_ws" (its gate|up warp-specialised: a TMA
+    # warpgroup and two compute warpgroups).  Measured 4-7% slower than "triton" at the 48B prefill (sixteenth
+    # session: 1.899-1.941 ms against 1.815-1.819), so never config_for's choice
+    width: int = 4  # "mosaic": the persistent grid's snake, this many output tiles wide
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
@@ -263,14 +273,19 @@ def _shapes(w) -> tuple[int, int, int]:
     return E, I, L
 
 
+def _gathers(c: Config) -> bool:
+    """Whether gate|up gathers its rows by index (Triton with `gather`) rather than reading the sorted copy."""
+    return c.gather and c.backend == "triton"
+
+
 def prepare(w, z_NL: jax.Array, ids_Nk: jax.Array, c: Config):
     """The block-aligned operands: (pos_Nk, expert_B, src_M, xs), xs the inputs in sorted, padded order
-    [M, L] (padding rows 0), or with `c.gather` z itself and a zero row [N + 1, L] (the kernel gathers)."""
+    [M, L] (padding rows 0), or where the kernel gathers (`_gathers`) z itself and a zero row [N + 1, L]."""
     E, _, L = _shapes(w)
     pos, src, expert = align(ids_Nk, E, c.bm)
     dt = compute_dtype(w, z_NL)
     z = jnp.concatenate([z_NL.astype(dt), jnp.zeros((1, L), dt)])
-    return pos, expert, src, (z if c.gather else z[src])
+    return pos, expert, src, (z if _gathers(c) else z[src])
 
 
 def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: jax.Array, c: Config,
@@ -282,9 +297,15 @@ def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: 
     w1, w3, off3 = _gate_up_weights(w, xs_ML.dtype)
     act_fn = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
                                linear_beta=cfg.activation_situ_linear_beta)
+    if c.backend in ("mosaic", "mosaic_ws"):
+        from jaxk3.kernels import moe_grouped_mgpu as MG
+
+        return (MG.gate_up_ws if c.backend == "mosaic_ws" else MG.gate_up)(expert_B, xs_ML, w1, w3, off3, I, act_fn, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages,
+                          width=c.width, interpret=interpret)
     raw = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn),
+        functools.partial(_gate_up_kernel, c=dataclasses.replace(c, gather=_gathers(c)), steps=L // c.bk, off3=off3,
+                          act_fn=act_fn),
         grid=_grid(c, expert_B.shape[0], I // c.bn), in_specs=[raw] * 5, out_specs=raw,
         out_shape=jax.ShapeDtypeStruct((src_M.shape[0], I), xs_ML.dtype), interpret=interpret,
         **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, src_M, xs_ML, w1, w3)
@@ -296,6 +317,11 @@ def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = F
 
     E, I, L = _shapes(w)
     w2 = dense_experts(w.experts_w2, a_MI.dtype)
+    if c.backend in ("mosaic", "mosaic_ws"):
+        from jaxk3.kernels import moe_grouped_mgpu as MG
+
+        return MG.down(expert_B, a_MI, w2, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages, width=c.width,
+                       interpret=interpret)
     raw = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_down_kernel, c=c, steps=I // c.bk),
@@ -336,6 +362,17 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
         return f"moe_grouped kernel: order must be 'm' or 'n', got {c.order!r}"
     if c.bm < 16 or c.bm & (c.bm - 1):
         return f"moe_grouped kernel: bm = {c.bm} must be a power of two >= 16 (tl.dot)"
+    if c.backend not in ("triton", "mosaic", "mosaic_ws"):
+        return f"moe_grouped kernel: backend must be 'triton', 'mosaic' or 'mosaic_ws', got {c.backend!r}"
+    if c.backend == "mosaic_ws" and c.bn not in (128, 256):
+        return f"moe_grouped mosaic_ws kernel: bn 128 or 256 (two compute warpgroups, half each), got {c.bn}"
+    if c.backend in ("mosaic", "mosaic_ws"):
+        if c.bm % 64 or c.bk != 64 or c.bn not in (64, 128, 256) or c.width < 1:
+            return (f"moe_grouped mosaic kernel needs bm a multiple of 64 (wgmma rows), bk 64 (128-byte swizzled rows) "
+                    f"and bn 64, 128 or 256, width >= 1, got bm {c.bm}, bk {c.bk}, bn {c.bn}, width {c.width}")
+        if c.bm * c.bn > 64 * 128 * (2 if c.backend == "mosaic_ws" else 1):  # gate|up's two fp32 accumulators in
+            # one warpgroup's registers (mosaic_ws: half the columns each)
+            return f"moe_grouped mosaic kernel: bm x bn <= 64 x 128 (two fp32 accumulators), got {c.bm} x {c.bn}"
     return None
 
 

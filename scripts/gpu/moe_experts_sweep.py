@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         xla = {(r["format"], r["batch"]): r["us"] for r in got if r["path"] == "xla"}
         for r in got:
             r["preset"] = preset
-            path = short.get(r["path"], r["path"])
+            path = r["name"] = short.get(r["path"], r["path"])
             head = f"{preset} {r['format']:5s} B {r['batch']} {'+shared ' if r.get('shared') else ''}{path[:100]:60s}"
             if "error" in r:
                 log(f"{head} FAILED {r['error'][:200]}")

@@ -13,6 +13,8 @@ error against `ragged` (max |a - b| / max |b|).  Routing is uniform at random (t
     python scripts/gpu/moe_grouped.py [--json PATH] [--tokens 512,4096] [--experts 256] [--no-sweep]
     python scripts/gpu/moe_grouped.py --align [--tokens 4096]   # only `align` against the sort it replaced, same
                                                                 # run, then the kernel path's phases (a short call)
+    python scripts/gpu/moe_grouped.py --tokens 4096 --mosaic --no-dense   # the Mosaic GPU form (MOSAIC) against
+                                                # the Triton default, errors against the latter, then both's phases
 """
 from __future__ import annotations
 
@@ -42,6 +44,12 @@ SWEEP = [G.Config(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=s, order=o)
     # the rows sorted into a copy first, as before the eleventh session (Config.gather is on by default)
     G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n", gather=False),
     G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, order="n", gather=False)]
+# the Mosaic GPU form (jaxk3.kernels.moe_grouped_mgpu: TMA, wgmma, a persistent grid): pipeline depth and snake width
+MOSAIC = [G.Config(bm=64, bn=128, bk=64, num_stages=s, backend="mosaic", width=wd)
+          for s, wd in ((4, 4), (3, 4), (5, 4), (4, 1), (4, 8))] + [
+    G.Config(bm=128, bn=64, bk=64, num_stages=4, backend="mosaic", width=4)] + [
+    G.Config(bm=bm, bn=bn, bk=64, num_stages=s, backend="mosaic_ws", width=4)
+    for bm, bn, s in ((64, 128, 4), (64, 256, 4), (128, 128, 4), (64, 128, 6))]
 
 
 def phases(kcfg, w, z, wk, ids, c, log, N):
@@ -167,6 +175,9 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--align", action="store_true", help="only align against the sort it replaced, then the phases")
+    ap.add_argument("--mosaic", action="store_true", help="the Mosaic GPU configs (MOSAIC) instead of SWEEP, and the "
+                    "phases of the best of them")
+    ap.add_argument("--no-dense", action="store_true", help="leave out the dense and ragged forms (minutes to compile)")
     a = ap.parse_args(argv)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     log = timing.logger(a.json)
@@ -182,14 +193,19 @@ def main(argv=None) -> int:
         k, I, L = kcfg.num_experts_per_token, kcfg.moe_intermediate_size, kcfg.moe_hidden
         flops = 6.0 * N * k * L * I
         ref = jax.jit(lambda w, z, wk, ids: G.experts_grouped(kcfg, w, z, wk, ids))
-        want = np.asarray(ref(w, z, wk, ids))
+        # the errors against the ragged_dot form; with --no-dense against the default kernel (proven against it)
+        want = np.asarray((jax.jit(lambda w, z, wk, ids: G.grouped(kcfg, w, z, wk, ids)) if a.no_dense else ref)(
+            w, z, wk, ids))
         xg = jax.random.normal(jax.random.key(9), (N * k, L), jnp.float32).astype(jnp.bfloat16)
         wg = (0.02 * jax.random.normal(jax.random.key(8), (L, 3 * I), jnp.float32)).astype(jnp.bfloat16)
-        paths = [("gemm", jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)), (xg, wg)),
-                 ("dense", jax.jit(lambda w, z, wk, ids: G.experts_dense(kcfg, w, z, wk, ids)), (w, z, wk, ids)),
-                 ] + ([("ragged", ref, (w, z, wk, ids))] if N <= 4096 else [])
+        paths = [("gemm", jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)), (xg, wg))]
+        if not a.no_dense:
+            paths += [("dense", jax.jit(lambda w, z, wk, ids: G.experts_dense(kcfg, w, z, wk, ids)), (w, z, wk, ids)),
+                      ] + ([("ragged", ref, (w, z, wk, ids))] if N <= 4096 else [])
         configs = [("kernel default " + str(G.config_for(N * k, a.experts, I, L)), None)]
-        if not a.no_sweep:
+        if a.mosaic:
+            configs += [(f"kernel {c}", c) for c in MOSAIC]
+        elif not a.no_sweep:
             configs += [(f"kernel {c}", c) for c in SWEEP]
         for name, c in configs:
             why = G.fits(kcfg, w, z, wk, ids, config=c)
@@ -209,9 +225,9 @@ def main(argv=None) -> int:
                 log(f"N {N:5d} {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 rows.append(dict(tokens=N, path=name, error=str(e)[:2000]))
                 continue
-            base = t if name == "dense" else base
+            base = t if name == ("dense" if not a.no_dense else configs[0][0]) else base
             log(f"N {N:5d} {name:70s} {t * 1e3:8.3f} ms  {flops / t / 1e12:7.1f} TFLOP/s exact"
-                + (f"  {base / t:5.2f}x dense" if base else "") + (f"  rel err {err:.1e}" if err is not None else ""))
+                + (f"  {base / t:5.2f}x {'the default' if a.no_dense else 'dense'}" if base else "") + (f"  rel err {err:.1e}" if err is not None else ""))
             rows.append(dict(tokens=N, path=name, ms=t * 1e3, tflops=flops / t / 1e12, rel_err=err,
                              vs_dense=(base / t if base else None)))
             if name.startswith("kernel") and (best is None or t < best[0]):

@@ -2,8 +2,9 @@
 # a temporary script whose blocks are copied here.  Raw files start with the call's number (ab_call.sh's files prefixed).
 # The code each call ran: call 1, main at acadec2 plus the "asm" decode (off) and scripts/gpu/mgpu_probe.py; call 2, "asm"
 # the default (2_sweep timed out before printing); calls 3-4, the same; call 5, dense B > 1 bn 64 where In <= 2304.
+# Calls 6-8: C=N bash scripts/gpu/s16_call.sh after the asm default: 6 the Mosaic GPU grouped GEMM (plain pipeline), 7 with
+# its warp-specialised gate|up, 8 the 48B bf16 B = 1 tiles (the A/B ran only for a tile 5% faster: none was).
 #!/usr/bin/env bash
-# The sixteenth session's device calls (temporary; recorded in docs/perf/2026-12-04/s16/calls.sh when done).
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.92
 O=$OUT; C=${C:-1}
 t() { echo "== $* ($(date -u +%T))"; }
@@ -55,4 +56,36 @@ if [ "$C" = 5 ]; then
   t 48b b8 main
   S="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --strategies stock --variants serving/auto --steps 20 --repeats 5"
   timeout -k 5 150 python3 -m jaxk3.cli bench decode $S --batch 8 --json $O/5_48b_b8_main.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+fi
+
+# ---- calls 6-8
+if [ "$C" = 6 ]; then
+  t tests
+  timeout -k 5 120 python3 -m pytest tests/test_kernels.py -m gpu -q -rfEs -p no:cacheprovider -k "mosaic_on_gpu" > $O/6_mosaic_tests.log 2>&1
+  echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|rror" $O/6_mosaic_tests.log | cut -c1-400 | tail -12
+  t grouped
+  timeout -k 5 300 python3 scripts/gpu/moe_grouped.py --tokens 4096 --mosaic --no-dense --json $O/6_grouped.json 2>&1 | grep -v "Warn\|warn\|^  " | cut -c1-260 | tail -20
+fi
+if [ "$C" = 7 ]; then
+  t tests
+  timeout -k 5 120 python3 -m pytest tests/test_kernels.py -m gpu -q -rfEs -p no:cacheprovider -k "mosaic_on_gpu" > $O/7_mosaic_tests.log 2>&1
+  echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|rror" $O/7_mosaic_tests.log | cut -c1-400 | tail -12
+  t grouped
+  timeout -k 5 300 python3 scripts/gpu/moe_grouped.py --tokens 4096 --mosaic --no-dense --json $O/7_grouped.json 2>&1 | grep -v "Warn\|warn\|^  " | sed 's/Config(//; s/num_warps=4, //; s/, order=.m., gather=True//' | cut -c1-230 | tail -20
+fi
+if [ "$C" = 8 ]; then
+  t kl b1 bf16 tiles
+  timeout -k 5 70 python3 scripts/gpu/moe_experts_sweep.py --preset kl --batch 1 --formats bf16 --configs "bn=32;bk=512;num_warps=2;bn=32,num_warps=2" --json $O/8_kl_sweep.json 2>&1 | grep -v "^ \|Warn" | cut -c1-200
+  P=$(python3 - "$O/8_kl_sweep.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+k = {r["name"]: r["us"] for r in rows if "us" in r and r["name"].startswith("kernel")}
+d = k["kernel default"]
+best = min(k, key=k.get)
+if k[best] < 0.95 * d and best != "kernel default":
+    print("+".join("moe_experts:Config." + f.strip() for f in best.split(" ", 1)[1].split(",")))
+PY
+)
+  echo "best patch: ${P:-none}"
+  if [ -n "$P" ]; then t 48b b1 ab; OUT=$O S_TIMEOUT=110 AB="$P@1" bash scripts/gpu/ab_call.sh 2>&1 | tail -6; fi
 fi

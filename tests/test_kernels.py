@@ -837,8 +837,10 @@ def test_moe_grouped_mosaic_matches_reference(fmt, fused):
         ref = np.asarray(G.experts_dense(cfg, w, z, wk, ids))
         got = np.asarray(G.grouped(cfg, w, z, wk, ids, config=ws, interpret=True))
         np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
-    for bad, why in ((dict(bm=32), "multiple of 64"), (dict(bk=32), "bk 64"), (dict(bn=96), "bn 64, 128 or 256"),
-                     (dict(bm=128, bn=128), "two fp32 accumulators"), (dict(backend="cuda"), "backend must be")):
+    cfg, w, z, wk, ids = _wide_grouped_case()  # I = L = 128: the refusals below are the mosaic rules, not tiling
+    for bad, why in ((dict(bm=32), "multiple of 64"), (dict(bk=32), "bk 64"), (dict(bn=32), "bn 64, 128 or 256"),
+                     (dict(bm=128, bn=128), "two fp32 accumulators"), (dict(backend="cuda"), "backend must be"),
+                     (dict(backend="mosaic_ws"), "bn 128 or 256")):
         assert why in G.fits(cfg, w, z, wk, ids, config=dataclasses.replace(c, **bad)), bad
 
 

@@ -158,3 +158,32 @@ def test_mla_prep_lowers_from_partial_sums():
     assert MP.fits(p, R + P, p, 0, rest[0], n, rest[1], 1e-6, *rest[2:], BF16, out_dtype=BF16) is None
     assert lower(lambda p, w, nw, kv, ln, ok: MP.mla_prep(p, R + P, p, 0, w, n, nw, 1e-6, kv, ln, ok, BF16,
                                                           out_dtype=BF16), p, *rest) == 1
+
+
+@pytest.mark.parametrize("backend,bn,ok", [("mosaic", 128, True), ("mosaic_ws", 128, True), ("mosaic_ws", 256, False)])
+def test_moe_grouped_mosaic_lowers(backend, bn, ok):
+    """The prefill MoE's Mosaic GPU kernels (moe_grouped `Config(backend=...)`) exported for CUDA at the 48B prefill's
+    dims (4096 tokens x 8 of 256 experts): Mosaic GPU compiles its kernels while lowering, so a tiling whose pipeline
+    does not fit an H200's 232,448 bytes of shared memory is refused here, as the GPU refused it (docs/PERF.md,
+    sixteenth session: warp-specialised bn 256 asks 327,744)."""
+    from jaxk3.kernels import moe_grouped as G
+    from jaxk3.layers import moe
+    from jaxk3.tools.triton_lowering import abstract_sm90
+
+    cfg = dataclasses.replace(_cfg48(), num_experts=256)
+    I, L, k, N = cfg.moe_intermediate_size, cfg.moe_hidden, cfg.num_experts_per_token, 4096
+    w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=None, experts_w3=None,
+                       experts_w2=S((256, L, I), BF16), experts_w13=S((256, 2 * I, L), BF16))
+    args = (w, S((N, L), BF16), S((N, k), jnp.float32), S((N, k), jnp.int32))
+    c = G.Config(bm=64, bn=bn, bk=64, num_stages=4, backend=backend, width=4)
+    assert G.fits(cfg, *args, config=c) is None
+    abstract_sm90()
+    export = jax.export.export(
+        jax.jit(lambda w, z, wk, ids: G.grouped(cfg, w, z, wk, ids, config=c)), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(n)
+                         for n in ("mosaic_gpu_v2", "mosaic_gpu", "__gpu$xla.gpu.triton")])
+    if ok:
+        assert export(*args).mlir_module().count("mosaic_gpu") >= 2  # gate|up and down
+    else:
+        with pytest.raises(Exception, match="exceeds available shared memory"):
+            export(*args)

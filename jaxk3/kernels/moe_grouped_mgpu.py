@@ -70,6 +70,22 @@ def _tiles(loop_index, nb: int, n_tiles: int, width: int):
     return plgpu.planar_snake(loop_index, (nb, n_tiles), 1, width)
 
 
+def _each_tile(expert_gmem, n_tiles: int, width: int, fn) -> None:
+    """The persistent loop: this SM's share of the (row block, output tile) pairs, fn(mi, ni, e) for each pair whose
+    block is used (its expert e = expert_B[mi] >= 0)."""
+    pl, plgpu = _mods()
+    nb = expert_gmem.shape[0]
+
+    @plgpu.nd_loop((nb * n_tiles,), collective_axes="sm")
+    def _(info):
+        mi, ni = _tiles(info.index[0], nb, n_tiles, width)
+        e = expert_gmem[mi]
+
+        @pl.when(e >= 0)
+        def _():
+            fn(mi, ni, e)
+
+
 def _store(acc_value, out_gmem, mi, ni, bm: int, bn: int) -> None:
     """A [bm, bn] tile into out[mi·bm :, ni·bn :] through shared memory (a TMA store), waited for."""
     pl, plgpu = _mods()
@@ -88,31 +104,27 @@ def gate_up(expert_B: jax.Array, xs_ML: jax.Array, w1: jax.Array, w3: jax.Array,
     blocks left unwritten); w1, w3 [E, ·, L] with the up rows at `off3` of w3 (a multiple of bn)."""
     pl, plgpu = _mods()
     M, L = xs_ML.shape
-    nb, n_tiles, steps, off = expert_B.shape[0], I // bn, L // bk, off3 // bn
+    n_tiles, steps, off = I // bn, L // bk, off3 // bn
 
     def body(expert_gmem, x_gmem, w1_gmem, w3_gmem, a_gmem):
-        @plgpu.nd_loop((nb * n_tiles,), collective_axes="sm")
-        def _(info):
-            mi, ni = _tiles(info.index[0], nb, n_tiles, width)
-            e = expert_gmem[mi]
+        def tile(mi, ni, e):
+            def scope(acc1, acc3):
+                def step(_, x_s, w1_s, w3_s):
+                    plgpu.wgmma(acc1, x_s, plgpu.transpose_ref(w1_s, (1, 0)))
+                    plgpu.wgmma(acc3, x_s, plgpu.transpose_ref(w3_s, (1, 0)))
 
-            @pl.when(e >= 0)
-            def _():
-                def scope(acc1, acc3):
-                    def step(_, x_s, w1_s, w3_s):
-                        plgpu.wgmma(acc1, x_s, plgpu.transpose_ref(w1_s, (1, 0)))
-                        plgpu.wgmma(acc3, x_s, plgpu.transpose_ref(w3_s, (1, 0)))
+                plgpu.emit_pipeline(
+                    step, grid=(steps,),
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (mi, k), delay_release=1),
+                              plgpu.BlockSpec((bn, bk), lambda k: (ni, k), delay_release=1),
+                              plgpu.BlockSpec((bn, bk), lambda k: (off + ni, k), delay_release=1)],
+                    max_concurrent_steps=stages)(x_gmem, w1_gmem.at[e], w3_gmem.at[e])
+                return acc1[...], acc3[...]
 
-                    plgpu.emit_pipeline(
-                        step, grid=(steps,),
-                        in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (mi, k), delay_release=1),
-                                  plgpu.BlockSpec((bn, bk), lambda k: (ni, k), delay_release=1),
-                                  plgpu.BlockSpec((bn, bk), lambda k: (off + ni, k), delay_release=1)],
-                        max_concurrent_steps=stages)(x_gmem, w1_gmem.at[e], w3_gmem.at[e])
-                    return acc1[...], acc3[...]
+            h1, h3 = pl.run_scoped(scope, plgpu.ACC((bm, bn)), plgpu.ACC((bm, bn)))
+            _store(act_fn(h1, h3), a_gmem, mi, ni, bm, bn)
 
-                h1, h3 = pl.run_scoped(scope, plgpu.ACC((bm, bn)), plgpu.ACC((bm, bn)))
-                _store(act_fn(h1, h3), a_gmem, mi, ni, bm, bn)
+        _each_tile(expert_gmem, n_tiles, width, tile)
 
     return _kernel(body, jax.ShapeDtypeStruct((M, I), xs_ML.dtype), interpret)(expert_B, xs_ML, w1, w3)
 
@@ -123,26 +135,22 @@ def down(expert_B: jax.Array, a_MI: jax.Array, w2: jax.Array, *, bm: int, bn: in
     pl, plgpu = _mods()
     M, I = a_MI.shape
     L = w2.shape[1]
-    nb, n_tiles, steps = expert_B.shape[0], L // bn, I // bk
+    n_tiles, steps = L // bn, I // bk
 
     def body(expert_gmem, a_gmem, w2_gmem, y_gmem):
-        @plgpu.nd_loop((nb * n_tiles,), collective_axes="sm")
-        def _(info):
-            mi, ni = _tiles(info.index[0], nb, n_tiles, width)
-            e = expert_gmem[mi]
+        def tile(mi, ni, e):
+            def scope(acc):
+                plgpu.emit_pipeline(
+                    lambda _, a_s, w_s: plgpu.wgmma(acc, a_s, plgpu.transpose_ref(w_s, (1, 0))),
+                    grid=(steps,),
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (mi, k), delay_release=1),
+                              plgpu.BlockSpec((bn, bk), lambda k: (ni, k), delay_release=1)],
+                    max_concurrent_steps=stages)(a_gmem, w2_gmem.at[e])
+                return acc[...]
 
-            @pl.when(e >= 0)
-            def _():
-                def scope(acc):
-                    plgpu.emit_pipeline(
-                        lambda _, a_s, w_s: plgpu.wgmma(acc, a_s, plgpu.transpose_ref(w_s, (1, 0))),
-                        grid=(steps,),
-                        in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (mi, k), delay_release=1),
-                                  plgpu.BlockSpec((bn, bk), lambda k: (ni, k), delay_release=1)],
-                        max_concurrent_steps=stages)(a_gmem, w2_gmem.at[e])
-                    return acc[...]
+            _store(pl.run_scoped(scope, plgpu.ACC((bm, bn))), y_gmem, mi, ni, bm, bn)
 
-                _store(pl.run_scoped(scope, plgpu.ACC((bm, bn))), y_gmem, mi, ni, bm, bn)
+        _each_tile(expert_gmem, n_tiles, width, tile)
 
     return _kernel(body, jax.ShapeDtypeStruct((M, L), F32), interpret)(expert_B, a_MI, w2)
 
@@ -154,7 +162,7 @@ def gate_up_ws(expert_B: jax.Array, xs_ML: jax.Array, w1: jax.Array, w3: jax.Arr
     compute warpgroups issuing them.  The same function as `gate_up`."""
     pl, plgpu = _mods()
     M, L = xs_ML.shape
-    nb, n_tiles, steps, off = expert_B.shape[0], I // bn, L // bk, off3 // bn
+    n_tiles, steps, off = I // bn, L // bk, off3 // bn
     half = bn // 2
 
     def body(expert_gmem, x_gmem, w1_gmem, w3_gmem, a_gmem):
@@ -175,36 +183,32 @@ def gate_up_ws(expert_B: jax.Array, xs_ML: jax.Array, w1: jax.Array, w3: jax.Arr
                                x_gmem.at[pl.ds(0, bm)], w1_gmem.at[0, pl.ds(0, bn)], w3_gmem.at[0, pl.ds(0, bn)]),
                            o_smem=plgpu.SMEM((2, bm, half), a_gmem.dtype), collective_axes="wg")
         def _(allocs, o_smem):
-            @plgpu.nd_loop((nb * n_tiles,), collective_axes="sm")
-            def _(info):
-                mi, ni = _tiles(info.index[0], nb, n_tiles, width)
-                e = expert_gmem[mi]
+            def tile(mi, ni, e):
+                cols = pl.ds(wg * half, half)
 
-                @pl.when(e >= 0)
-                def _():
-                    cols = pl.ds(wg * half, half)
+                def context(run):
+                    @functools.partial(pl.run_scoped, acc1=plgpu.ACC((bm, half)), acc3=plgpu.ACC((bm, half)))
+                    def _(acc1, acc3):
+                        run((acc1, acc3))
+                        y = act_fn(acc1[...], acc3[...]).astype(a_gmem.dtype)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        o_smem[wg] = y
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            o_smem.at[wg], a_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn + wg * half, half)])
 
-                    def context(run):
-                        @functools.partial(pl.run_scoped, acc1=plgpu.ACC((bm, half)), acc3=plgpu.ACC((bm, half)))
-                        def _(acc1, acc3):
-                            run((acc1, acc3))
-                            y = act_fn(acc1[...], acc3[...]).astype(a_gmem.dtype)
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            o_smem[wg] = y
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(
-                                o_smem.at[wg], a_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn + wg * half, half)])
+                def step(_, x_s, w1_s, w3_s, carry):
+                    acc1, acc3 = carry
+                    plgpu.wgmma(acc1, x_s, plgpu.transpose_ref(w1_s.at[cols], (1, 0)))
+                    plgpu.wgmma(acc3, x_s, plgpu.transpose_ref(w3_s.at[cols], (1, 0)))
+                    plgpu.wgmma_wait(0)
+                    return carry
 
-                    def step(_, x_s, w1_s, w3_s, carry):
-                        acc1, acc3 = carry
-                        plgpu.wgmma(acc1, x_s, plgpu.transpose_ref(w1_s.at[cols], (1, 0)))
-                        plgpu.wgmma(acc3, x_s, plgpu.transpose_ref(w3_s.at[cols], (1, 0)))
-                        plgpu.wgmma_wait(0)
-                        return carry
+                pipeline(step, context)(
+                    x_gmem.at[pl.ds(mi * bm, bm)], w1_gmem.at[e, pl.ds(ni * bn, bn)],
+                    w3_gmem.at[e, pl.ds((off + ni) * bn, bn)], allocations=allocs)
 
-                    pipeline(step, context)(
-                        x_gmem.at[pl.ds(mi * bm, bm)], w1_gmem.at[e, pl.ds(ni * bn, bn)],
-                        w3_gmem.at[e, pl.ds((off + ni) * bn, bn)], allocations=allocs)
+            _each_tile(expert_gmem, n_tiles, width, tile)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

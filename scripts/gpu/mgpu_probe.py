@@ -40,6 +40,15 @@ def _time(f, args, flops: float, log, name: str) -> dict:
     return {"name": name, "us": us, "tflops": flops / us / 1e6, "first_call_s": compile_s, "out": out}
 
 
+def _against(r: dict, ref: dict, name: str, log) -> dict:
+    """r with its largest absolute difference from ref's output (both ran), logged."""
+    if "out" in r and "out" in ref:
+        r[f"max_abs_diff_vs_{name}"] = err = float(jnp.max(jnp.abs(r["out"].astype(jnp.float32)
+                                                                   - ref["out"].astype(jnp.float32))))
+        log(f"  max |mosaic - {name}| = {err:.3g}")
+    return r
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="out/mgpu_probe.json")
@@ -62,13 +71,8 @@ def main(argv=None) -> int:
 
         for tm, tn, steps in ((128, 128, 4), (128, 256, 4), (256, 128, 4)):
             cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=steps)
-            r = _time(lambda x, w, cfg=cfg: hm.matmul(x, w, None, cfg), (x, w), flops, log,
-                      f"mosaic hopper matmul tile {tm}x{tn}x64, {steps} stages")
-            if "out" in r and "out" in ref:
-                err = float(jnp.max(jnp.abs(r["out"].astype(jnp.float32) - ref["out"].astype(jnp.float32))))
-                r["max_abs_diff_vs_xla"] = err
-                log(f"  max |mosaic - xla| = {err:.3g}")
-            rows.append(r)
+            rows.append(_against(_time(lambda x, w, cfg=cfg: hm.matmul(x, w, None, cfg), (x, w), flops, log,
+                                       f"mosaic hopper matmul tile {tm}x{tn}x64, {steps} stages"), ref, "xla", log))
     except Exception as e:  # noqa: BLE001
         log(f"hopper_matmul_mgpu unavailable: {type(e).__name__}: {e}")
 
@@ -92,11 +96,7 @@ def main(argv=None) -> int:
                 x, w, group_sizes=s, block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
                 grid_block_n=gbn), (xs, ws, sizes), gflops, log,
                 f"mosaic ragged_dot bm {bm} bn {bn} bk 64, {steps} stages, grid_block_n {gbn}")
-            if "out" in r and "out" in ref:
-                err = float(jnp.max(jnp.abs(r["out"].astype(jnp.float32) - ref["out"].astype(jnp.float32))))
-                r["max_abs_diff_vs_lax"] = err
-                log(f"  max |mosaic - lax| = {err:.3g}")
-            rows.append(r)
+            rows.append(_against(r, ref, "lax", log))
     except Exception as e:  # noqa: BLE001
         log(f"ragged_dot_mgpu unavailable: {type(e).__name__}: {e}")
     for r in rows:

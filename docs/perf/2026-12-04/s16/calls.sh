@@ -89,3 +89,6 @@ PY
   echo "best patch: ${P:-none}"
   if [ -n "$P" ]; then t 48b b1 ab; OUT=$O S_TIMEOUT=110 AB="$P@1" bash scripts/gpu/ab_call.sh 2>&1 | tail -6; fi
 fi
+
+# ---- call 9 (main at 49ae938: the Mosaic kernels' persistent loop as one helper), ENV as above
+timeout -k 5 150 python3 -m pytest tests/test_kernels.py -m gpu -q -rfEs -p no:cacheprovider -k "mosaic_on_gpu or asm_decode_on_gpu"   # 9_tests.log: 5 passed

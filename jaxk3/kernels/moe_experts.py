@@ -605,9 +605,10 @@ def _dims(w) -> tuple[int, int, int, int, bool]:
 
 def _resolve(cf: Config, B: int, In: int, I: int, Out: int, packed: bool = False, x_dtype=jnp.bfloat16) -> Config:
     """cf with its unset fields chosen: bn x bk = 16 x 256 at B = 1, 32 x 128 for B > 1 (64 x 128 where In <= 2304) and
-    128 x 128 for MXFP4 on the tensor cores (the sweep's fastest at Kimi-Linear and K3 shapes: docs/PERF.md), or the largest smaller powers of
-    two dividing the shapes; MXFP4's scale per group (and the input in float32) for one token, per weight for more;
-    MXFP4 for more than one token on the tensor cores where its input allows (bf16, not widened, not "bits")."""
+    128 x 128 for MXFP4 on the tensor cores (the sweep's fastest at Kimi-Linear and K3 shapes: docs/PERF.md), or the
+    largest smaller powers of two dividing the shapes; MXFP4's scale per group (and the input in float32) for one
+    token, per weight for more; MXFP4 for more than one token on the tensor cores where its input allows (bf16, not
+    widened, not "bits")."""
     scale = cf.scale or ("group" if B == 1 and cf.decode != "bits" else "weight")  # ("bits" has no group form)
     x_f32 = scale == "group" if cf.x_f32 is None else cf.x_f32
     mx_dot = (packed and B > 1 and not x_f32 and cf.decode != "bits" and jnp.dtype(x_dtype) == jnp.bfloat16
@@ -828,7 +829,8 @@ register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits
                 measured="bf16: 1.23x XLA at Kimi-Linear-48B B=1 and 1.25x at B=8 (serving layout, shared experts "
                          "fused, bn 64; the 48B B=8 step 6839.8 us, 1.39x its floor, against 7344.6 at bn 32), 1.91x "
                          "at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps XLA; B=8 with 64 experts kept); MXFP4 "
-                         "(the \"asm\" decode): 1.48x at K3 TP 2 B=1 with the scale per group (K3 layers 11-14 at TP 1, "
+                         "(the \"asm\" decode): 1.48x at K3 TP 2 B=1 with the scale per group (K3 layers 11-14 at "
+                         "TP 1, "
                          "packed: the step 2647.3 us against XLA's 3252.3); 2.03x at K3 TP 2 B=8 on the tensor cores "
                          "(mx_dot); K3 layers 11-14 at TP 1, B=8: the step 4212.7 us against 9839.8 (bf16) and 4456.6 "
                          "against 12066.2 (MXFP4) (H200, jax 0.11.2; MEASURED, STEP_MEASURED)"))

@@ -18,9 +18,9 @@ block of its rows (once per chunk where an expert has at most bm rows), and only
 FLOPs are done: unused blocks (expert -1, the padding of the static block count) return at once.
 Rows of unused blocks are left unwritten and never read back; padded rows inside a block are zeros.
 
-`Config(backend="mosaic")` runs the same two GEMMs as Pallas Mosaic GPU kernels (jaxk3.kernels.moe_grouped_mgpu: TMA,
-wgmma, a persistent grid), on the sorted copy of the inputs: correct on an H200 and 4-7% slower than these (docs/PERF.md,
-sixteenth session), so never config_for's choice.
+`Config(backend="mosaic")` runs the same two GEMMs as Pallas Mosaic GPU kernels (jaxk3.kernels.moe_grouped_mgpu:
+TMA, wgmma, a persistent grid), on the sorted copy of the inputs: correct on an H200 and 4-7% slower than these
+(docs/PERF.md, sixteenth session), so never config_for's choice.
 
 Weights are bf16 [E, O, In] (the checkpoint's layout, or the serving layout's w1|w3 stack [E, 2I, L]);
 MXFP4 experts are dequantised to bf16 once per call first (`dense_experts`, as the dense form does).
@@ -300,8 +300,9 @@ def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: 
     if c.backend in ("mosaic", "mosaic_ws"):
         from jaxk3.kernels import moe_grouped_mgpu as MG
 
-        return (MG.gate_up_ws if c.backend == "mosaic_ws" else MG.gate_up)(expert_B, xs_ML, w1, w3, off3, I, act_fn, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages,
-                          width=c.width, interpret=interpret)
+        return (MG.gate_up_ws if c.backend == "mosaic_ws" else MG.gate_up)(
+            expert_B, xs_ML, w1, w3, off3, I, act_fn, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages,
+            width=c.width, interpret=interpret)
     raw = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_gate_up_kernel, c=dataclasses.replace(c, gather=_gathers(c)), steps=L // c.bk, off3=off3,

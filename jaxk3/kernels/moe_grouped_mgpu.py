@@ -17,8 +17,9 @@ Interpret mode (tests on the CPU) is Mosaic GPU's own interpreter (`plgpu.Interp
 
 Measured on an H200 at Kimi-Linear-48B's prefill (4096 tokens x 8 of 256 experts; docs/PERF.md, sixteenth session):
 the two kernels 1.899-1.941 ms a layer (`gate_up_ws` 1.912-1.917), against the Triton kernels' 1.815-1.819, with the
-same output bit for bit.  What bounds both is the weight tiles each 64-row block loads from L2 (12 GB a layer against
-the plain GEMM's 5.4 GB for the same FLOPs); a cluster of two blocks sharing each tile by TMA multicast is the next form.
+same output bit for bit.  What bounds both, by the counts, is the weight tiles each 64-row block loads from L2 (12 GB a
+layer against the plain GEMM's 5.4 GB for the same FLOPs); a cluster of two blocks sharing each tile by TMA multicast is
+the next form.
 """
 from __future__ import annotations
 

@@ -227,7 +227,8 @@ def main(argv=None) -> int:
                 continue
             base = t if name == ("dense" if not a.no_dense else configs[0][0]) else base
             log(f"N {N:5d} {name:70s} {t * 1e3:8.3f} ms  {flops / t / 1e12:7.1f} TFLOP/s exact"
-                + (f"  {base / t:5.2f}x {'the default' if a.no_dense else 'dense'}" if base else "") + (f"  rel err {err:.1e}" if err is not None else ""))
+                + (f"  {base / t:5.2f}x {'the default' if a.no_dense else 'dense'}" if base else "")
+                + (f"  rel err {err:.1e}" if err is not None else ""))
             rows.append(dict(tokens=N, path=name, ms=t * 1e3, tflops=flops / t / 1e12, rel_err=err,
                              vs_dense=(base / t if base else None)))
             if name.startswith("kernel") and (best is None or t < best[0]):

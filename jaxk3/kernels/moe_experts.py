@@ -287,12 +287,15 @@ def _e2m1_f16_asm(codes_u8: jax.Array) -> tuple[jax.Array, jax.Array]:
                                             result_shape_dtypes=out)[0] for asm in (_ASM_LO, _ASM_HI))
 
 
-def _raw_f16(sp: "_Spec", codes_u8: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """uint8 bytes -> (low, high) nibbles' float32 values × 2^-14 (the "f16" decode; "asm": the same bits from PTX)."""
+def _raw(sp: "_Spec", codes_u8: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """uint8 bytes -> (low, high) nibbles' float32 raw values and the factor that makes them E2M1's: "f16" and "asm"
+    (the same bits from PTX) give the values × 2^-14 and 2^14, "select" the values themselves and None."""
     if sp.decode == "asm":
-        return _e2m1_f16_asm(codes_u8)
+        return (*_e2m1_f16_asm(codes_u8), F32(2.0 ** 14))
     codes = codes_u8.astype(jnp.int32)
-    return _e2m1_f16(codes & 15), _e2m1_f16(codes >> 4)
+    if sp.decode == "f16":
+        return _e2m1_f16(codes & 15), _e2m1_f16(codes >> 4), F32(2.0 ** 14)
+    return _e2m1(codes & 15), _e2m1(codes >> 4), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,22 +329,18 @@ def _tile(sp: _Spec, w, e, rows, i):
         return w[0][(*lead, rows, pl.ds(pl.multiple_of(i * sp.bk, sp.bk), sp.bk))]
     g = sp.bk // G32
     grp = pl.ds(pl.multiple_of(i * g, g), g)
-    if sp.decode in ("f16", "asm"):  # [bn, g, 16] bytes -> raw values (f16's times 2^-14), then the group factor
-        lo, hi = _raw_f16(sp, w[0][(*lead, rows, grp, slice(None))])
-        s = e8m0_scales(w[1][(*lead, rows, grp)])  # [bn, g]
-        if sp.group:  # applied after the sums
-            return lo, hi, s, F32(2.0 ** 14)
-        s = s[:, :, None]
-        return lo * F32(2.0 ** 14) * s, hi * F32(2.0 ** 14) * s
-    codes = w[0][(*lead, rows, grp, slice(None))].astype(jnp.int32)  # [bn, g, 16] bytes
     if sp.decode == "bits":
+        codes = w[0][(*lead, rows, grp, slice(None))].astype(jnp.int32)  # [bn, g, 16] bytes
         s = w[1][(*lead, rows, grp)].astype(jnp.int32)[:, :, None]
         return _e2m1_scaled_bits(codes & 15, s), _e2m1_scaled_bits(codes >> 4, s)
+    lo, hi, pre = _raw(sp, w[0][(*lead, rows, grp, slice(None))])  # [bn, g, 16] each
     s = e8m0_scales(w[1][(*lead, rows, grp)])  # [bn, g]
-    if sp.group:  # the select decode's values and the group factor [bn, g], applied after the sums
-        return _e2m1(codes & 15), _e2m1(codes >> 4), s, None
+    if sp.group:  # the raw values and the group factor [bn, g], applied after the sums
+        return lo, hi, s, pre
     s = s[:, :, None]
-    return _e2m1(codes & 15) * s, _e2m1(codes >> 4) * s
+    if pre is not None:
+        lo, hi = lo * pre, hi * pre
+    return lo * s, hi * s
 
 
 def _xs(sp: _Spec, x, lead: tuple, i):
@@ -371,21 +370,14 @@ def _mx_dot_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
     pl = _pl()
     wl = () if e is None else (e,)
     g = sp.bk // G32
-    f16 = sp.decode in ("f16", "asm")
-    pre = F32(2.0 ** 14) if f16 else F32(1.0)
 
     def body(i, acc):
         for j in range(g):
             grp = (start + i) * g + j
-            codes = w[0][(*wl, rows, grp, slice(None))]  # [bn, 16] bytes
-            if f16:
-                lo, hi = _raw_f16(sp, codes)
-            else:
-                c = codes.astype(jnp.int32)
-                lo, hi = _e2m1(c & 15), _e2m1(c >> 4)
+            lo, hi, pre = _raw(sp, w[0][(*wl, rows, grp, slice(None))])  # [bn, 16] each
             lo, hi = lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16)
             xe, xo = (r[(*lead, slice(None), grp, slice(None))] for r in x)  # [16, 16] each
-            f = e8m0_scales(w[1][(*wl, rows, grp)]) * pre  # [bn]
+            f = e8m0_scales(w[1][(*wl, rows, grp)]) * (F32(1.0) if pre is None else pre)  # [bn]
             acc = acc + (dot_nt(xe, lo) + dot_nt(xo, hi)) * f[None, :]
         return acc
     return lax.fori_loop(0, steps, body, jnp.zeros((16, sp.bn), F32))

@@ -273,9 +273,12 @@ def _shapes(w) -> tuple[int, int, int]:
     return E, I, L
 
 
+MOSAIC_BACKENDS = ("mosaic", "mosaic_ws")  # Config.backend's Mosaic GPU forms (jaxk3.kernels.moe_grouped_mgpu)
+
+
 def _gathers(c: Config) -> bool:
     """Whether gate|up gathers its rows by index (Triton with `gather`) rather than reading the sorted copy."""
-    return c.gather and c.backend == "triton"
+    return c.gather and c.backend not in MOSAIC_BACKENDS
 
 
 def prepare(w, z_NL: jax.Array, ids_Nk: jax.Array, c: Config):
@@ -297,7 +300,7 @@ def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: 
     w1, w3, off3 = _gate_up_weights(w, xs_ML.dtype)
     act_fn = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
                                linear_beta=cfg.activation_situ_linear_beta)
-    if c.backend in ("mosaic", "mosaic_ws"):
+    if c.backend in MOSAIC_BACKENDS:
         from jaxk3.kernels import moe_grouped_mgpu as MG
 
         return (MG.gate_up_ws if c.backend == "mosaic_ws" else MG.gate_up)(
@@ -305,8 +308,7 @@ def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: 
             width=c.width, interpret=interpret)
     raw = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_gate_up_kernel, c=dataclasses.replace(c, gather=_gathers(c)), steps=L // c.bk, off3=off3,
-                          act_fn=act_fn),
+        functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn),
         grid=_grid(c, expert_B.shape[0], I // c.bn), in_specs=[raw] * 5, out_specs=raw,
         out_shape=jax.ShapeDtypeStruct((src_M.shape[0], I), xs_ML.dtype), interpret=interpret,
         **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, src_M, xs_ML, w1, w3)
@@ -318,7 +320,7 @@ def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = F
 
     E, I, L = _shapes(w)
     w2 = dense_experts(w.experts_w2, a_MI.dtype)
-    if c.backend in ("mosaic", "mosaic_ws"):
+    if c.backend in MOSAIC_BACKENDS:
         from jaxk3.kernels import moe_grouped_mgpu as MG
 
         return MG.down(expert_B, a_MI, w2, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages, width=c.width,
@@ -363,11 +365,11 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
         return f"moe_grouped kernel: order must be 'm' or 'n', got {c.order!r}"
     if c.bm < 16 or c.bm & (c.bm - 1):
         return f"moe_grouped kernel: bm = {c.bm} must be a power of two >= 16 (tl.dot)"
-    if c.backend not in ("triton", "mosaic", "mosaic_ws"):
+    if c.backend not in ("triton", *MOSAIC_BACKENDS):
         return f"moe_grouped kernel: backend must be 'triton', 'mosaic' or 'mosaic_ws', got {c.backend!r}"
     if c.backend == "mosaic_ws" and c.bn not in (128, 256):
         return f"moe_grouped mosaic_ws kernel: bn 128 or 256 (two compute warpgroups, half each), got {c.bn}"
-    if c.backend in ("mosaic", "mosaic_ws"):
+    if c.backend in MOSAIC_BACKENDS:
         if c.bm % 64 or c.bk != 64 or c.bn not in (64, 128, 256) or c.width < 1:
             return (f"moe_grouped mosaic kernel needs bm a multiple of 64 (wgmma rows), bk 64 (128-byte swizzled rows) "
                     f"and bn 64, 128 or 256, width >= 1, got bm {c.bm}, bk {c.bk}, bn {c.bn}, width {c.width}")

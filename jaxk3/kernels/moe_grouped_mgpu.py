@@ -53,7 +53,7 @@ def interpret_params():
 
 def _kernel(body, out_type, interpret: bool, **mesh):
     """plgpu.kernel over a persistent grid of one program per SM (`mesh`: warpgroups, e.g. num_threads)."""
-    pl, plgpu = _mods()
+    _, plgpu = _mods()
     kw = {}
     if interpret:
         p = interpret_params()

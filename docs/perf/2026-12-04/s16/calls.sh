@@ -92,3 +92,7 @@ fi
 
 # ---- call 9 (main at 49ae938: the Mosaic kernels' persistent loop as one helper), ENV as above
 timeout -k 5 150 python3 -m pytest tests/test_kernels.py -m gpu -q -rfEs -p no:cacheprovider -k "mosaic_on_gpu or asm_decode_on_gpu"   # 9_tests.log: 5 passed
+
+# ---- call 10 (main at 0c74257: the raw-decode helper shared by the element-wise and tensor-core tiles), ENV as above
+timeout -k 5 150 python3 -m pytest tests/test_kernels.py -m gpu -q -rfEs -p no:cacheprovider \
+  -k "mosaic_on_gpu or asm_decode_on_gpu or (moe_experts_kernel_on_gpu and mxfp4 and (None or config1 or config3))"   # 10_tests.log: 23 passed

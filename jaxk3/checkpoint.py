@@ -46,6 +46,7 @@ except ImportError:  # optional dependency: pip install "jaxk3[checkpoint]"
 import jax
 
 from jaxk3 import mxfp4, params
+from jaxk3.kernels.moe_experts import f16_exact, with_f16
 from jaxk3.model import Weights, abstract_weights
 from jaxk3.config import KimiK3Config, json_type
 from jaxk3.params import Param
@@ -580,6 +581,16 @@ def place_plan(plan, mesh, dtype, shard_latent: bool, progress: Callable[[int, i
     return jax.tree.map(put, plan, is_leaf=lambda x: isinstance(x, _Leaf))
 
 
+def mark_experts_f16(cfg: KimiK3Config, weights):
+    """(cfg, weights) with `experts_f16` set where the MXFP4 experts' scales all lie in the float16-exact range
+    (`moe_experts.F16_SCALES`: checked on the loaded arrays), and each MXFP4 stack declaring it (`MXFP4.f16`), so
+    that the step's weight specs (from the config) and the arrays agree; as they were otherwise."""
+    if cfg.experts_format != "mxfp4" or cfg.experts_f16 == f16_exact(weights):
+        return cfg, weights
+    f16 = not cfg.experts_f16
+    return dataclasses.replace(cfg, experts_f16=f16), with_f16(weights, f16)
+
+
 def load_weights(path: str | os.PathLike, mesh, dtype, shard_latent: bool = True,
                  progress: Callable[[int, int], None] | None = None, check_finite: bool = True,
                  experts: str = "auto") -> tuple[KimiK3Config, Any]:
@@ -601,7 +612,7 @@ def load_weights(path: str | os.PathLike, mesh, dtype, shard_latent: bool = True
         weights = place_plan(plan, mesh, dtype, shard_latent, progress, check_finite)
     finally:
         source.close()
-    return cfg, weights
+    return mark_experts_f16(cfg, weights)
 
 
 def weights_from_hf(cfg: KimiK3Config, flat: Mapping[str, Any]) -> Weights:

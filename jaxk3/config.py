@@ -79,6 +79,10 @@ class KimiK3Config:
     # "dense" (the model dtype) or "mxfp4" (packed E2M1 nibbles + E8M0 scales, as K3 ships them;
     # jaxk3.layers.moe.MXFP4).  load_model picks "mxfp4" where the checkpoint has it.
     experts_format: str = "dense"
+    # -- a property of the loaded MXFP4 experts (not a hub field; set at load, `checkpoint.mark_experts_f16`): every
+    # E8M0 scale lies in jaxk3.kernels.moe_experts.F16_SCALES, so each weight is a float16 exactly and the decode
+    # kernels may run them on float16 tensor cores.  Declared on each MXFP4 stack (`MXFP4.f16`).
+    experts_f16: bool = False
 
     # ------------------------------------------------------------------ derived
     @property
@@ -528,7 +532,7 @@ class KimiK3Config:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if f.name not in ("layer_attn", "layer_ffn", "kda_num_heads", "kda_head_dim",
                                "short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate",
-                               "experts_format")}
+                               "experts_format", "experts_f16")}
         eos = d.pop("eos_token_ids")
         d["eos_token_id"] = None if not eos else eos[0] if len(eos) == 1 else list(eos)
         if d["max_position_embeddings"] is None:  # unknown: leave the key out, as configs without it do

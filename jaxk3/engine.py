@@ -132,6 +132,7 @@ class Model:
         else:
             plan = checkpoint.build_plan(cfg, source, tp_size)
         placed = checkpoint.place_plan(plan, mesh, dt, shard_latent, check_finite=check_finite)
+        cfg, placed = checkpoint.mark_experts_f16(cfg, placed)
         # donate what place_plan made from host arrays; a Weights tree may hold the caller's device arrays
         return cls(cfg, placed, mesh, dt, gather, shard_latent, psum, kernels, layout, donate_weights=source is not None)
 

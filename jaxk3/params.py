@@ -333,9 +333,11 @@ def _fieldwise(combine):
     """`combine(fuse, members)` applied field by field where the members are dataclasses (a weight of several
     arrays, MXFP4: packed, scale), as it is to plain leaves."""
     def each(fz: Fuse, members: list):
-        if dataclasses.is_dataclass(members[0]):
-            return dataclasses.replace(members[0], **{f.name: each(fz, [getattr(m, f.name) for m in members])
-                                                      for f in dataclasses.fields(members[0])})
+        if dataclasses.is_dataclass(members[0]):  # a static field (MXFP4.f16: a property of every value) holds for
+            # the join where it holds for every member
+            return dataclasses.replace(members[0], **{
+                f.name: all(getattr(m, f.name) for m in members) if f.metadata.get("static") else
+                each(fz, [getattr(m, f.name) for m in members]) for f in dataclasses.fields(members[0])})
         return combine(fz, members)
     return each
 

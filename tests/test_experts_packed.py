@@ -161,6 +161,30 @@ def test_experts_option_errors(tmp_path, packed_flat):
         packed_cfg(routed_expert_hidden_size=48)
 
 
+def test_load_marks_float16_exact_experts(packed_flat):
+    """The loader checks the MXFP4 scales it read: all in `F16_SCALES` (the random checkpoint's) sets the config's
+    `experts_f16` and every stack's `MXFP4.f16` (what the decode kernel's float16 form needs, declared alike in the
+    step's weight specs, so the step compiles with them); one scale byte outside (each end) leaves both off; the
+    dequantised model has neither.  Both load and decode to the same tokens (on a CPU the kernels do not run)."""
+    from jaxk3.kernels.moe_experts import F16_SCALES
+
+    m = Model.from_weights(tiny(), packed_flat, tp=2, experts="mxfp4")
+    stacks = [l.ffn.experts_w2 for l in m.weights.layers if isinstance(l.ffn, moe.MoEWeights)]
+    assert m.cfg.experts_f16 and stacks and all(s.f16 for s in stacks)
+    assert "experts_f16" not in m.cfg.to_hf_dict()
+    a = m.generate(PROMPTS, 3)
+    for byte in (F16_SCALES[0] - 1, F16_SCALES[1] + 1):
+        flat = dict(packed_flat)
+        name = "model.layers.2.block_sparse_moe.experts.5.w3.weight_scale"
+        flat[name] = flat[name].copy()
+        flat[name][7, 1] = byte
+        off = Model.from_weights(tiny(), flat, tp=2, experts="mxfp4")
+        assert not off.cfg.experts_f16
+        assert not any(l.ffn.experts_w1.f16 for l in off.weights.layers if isinstance(l.ffn, moe.MoEWeights))
+        assert len(off.generate(PROMPTS, 3).tokens) == len(a.tokens)
+    assert not Model.from_weights(tiny(), packed_flat, tp=2, experts="dense").cfg.experts_f16
+
+
 def test_nan_scale_in_packed_mode_is_named(packed_flat):
     flat = dict(packed_flat)
     name = "model.layers.2.block_sparse_moe.experts.5.w3.weight_scale"

@@ -76,6 +76,7 @@ def _moe_case(fmt: str, dtype, B: int, seed: int = 0, duplicate: bool = True):
     cfg = dataclasses.replace(KimiK3Config.tiny_k3(), experts_format=fmt)
     host = checkpoint.read_all(checkpoint.build_plan(cfg, checkpoint.ArraySource(random_hf_weights(cfg, seed)), 1))
     w = jax.tree.map(lambda a: jnp.asarray(a) if a.dtype == np.uint8 else jnp.asarray(a, dtype), host.layers[1].ffn)
+    w = moe.with_f16(w, moe.f16_exact(w))  # MXFP4 marked as the loader marks it (checkpoint.mark_experts_f16)
     rng = np.random.default_rng(seed + B)
     z = jnp.asarray(rng.standard_normal((B, cfg.moe_hidden)), dtype)
     wk, ids = moe.route(cfg, w.gate, w.e_score_correction_bias, jnp.asarray(rng.standard_normal((B, cfg.hidden_size)), dtype))
@@ -642,11 +643,14 @@ def test_moe_experts_mxfp4_on_the_tensor_cores(B, joined):
     if joined:
         w = _joined(w)
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
-    run = lambda **c: np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=ME.Config(bn=16, bk=64, **c)))
+    run = lambda **c: np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=ME.Config(
+        bn=16, bk=64, **{"f16": False, **c})))  # (the float16 form has its own test)
     base = run(mx_dot=False)
-    # the default for several tokens (mx_dot None): the tensor cores with bf16 activations; element-wise where the
-    # input is widened (x_f32) or float32, which mx_dot does not take
-    np.testing.assert_array_equal(run(), run(mx_dot=True))
+    # the default for several tokens (mx_dot None), where the stacks' scales are not marked float16-exact: the tensor
+    # cores with bf16 activations; element-wise where the input is widened (x_f32) or float32, which mx_dot does not take
+    w_unmarked = ME.with_f16(w, False)
+    np.testing.assert_array_equal(np.asarray(ME.experts(cfg, w_unmarked, z, wk, ids, interpret=True,
+                                                        config=ME.Config(bn=16, bk=64))), run(mx_dot=True))
     np.testing.assert_array_equal(run(x_f32=True), run(mx_dot=False, x_f32=True))
     assert ME._rows_padded(w, z, None) == 16 and ME._rows_padded(w, z.astype(jnp.float32), None) == (4 if B == 3 else 8)
     for c in (dict(mx_dot=True), dict(mx_dot=True, decode="select"), dict(mx_dot=True, splits=1)):
@@ -659,13 +663,69 @@ def test_moe_experts_mxfp4_on_the_tensor_cores(B, joined):
         assert "mx_dot takes bf16" in ME.fits(cfg, w, z_, wk, ids, config=ME.Config(**c), only_where_faster=False)
 
 
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("joined", [False, True])
+def test_moe_experts_mxfp4_on_f16_tensor_cores(B, joined):
+    """MXFP4 experts with `Config(f16=True)` (every code times its group's scale a float16, exactly, for the scales
+    in F16_SCALES; the tokens scaled per row by a power of two into float16; one dot per tile), interpret mode, one
+    token and three, two K splits of kernel 2: the reference's exact products in another order (2e-6 of max|ref|, as
+    every configuration), and not the group form's output bit for bit (the path ran)."""
+    from jaxk3.kernels import moe_experts as ME
+
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B)
+    if joined:
+        w = _joined(w)
+    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
+    run = lambda **c: np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=ME.Config(bn=16, bk=64, **c)))
+    assert ME._rows_padded(w, z, ME.Config(f16=True)) == 16
+    base = run(f16=False)
+    # the default for several tokens where the stacks are marked (the loader marks them: every scale of the test's
+    # random weights lies in F16_SCALES); not for one token; a scale outside the range (either end) fails the check
+    assert all(m.f16 for m in (w.experts_w2, getattr(w, "experts_w13", None) or w.experts_w1))
+    np.testing.assert_array_equal(run(), run(f16=True) if B > 1 else run(f16=False))
+    for s in (ME.F16_SCALES[0] - 1, ME.F16_SCALES[1] + 1):
+        bad = dataclasses.replace(w.experts_w2, scale=w.experts_w2.scale.at[0, 0, 0].set(s))
+        assert not ME.f16_exact(dataclasses.replace(w, experts_w2=bad)) and ME.f16_exact(w)
+    unmarked = ME.with_f16(w, False)
+    assert "f16 needs MXFP4 stacks" in ME.fits(cfg, unmarked, z, wk, ids, config=ME.Config(f16=True),
+                                               only_where_faster=False)
+    assert "f16 takes bf16" in ME.fits(cfg, w, z.astype(jnp.float32), wk, ids, config=ME.Config(f16=True),
+                                       only_where_faster=False)
+    for c in (dict(f16=True), dict(f16=True, splits=1), dict(f16=True, decode="select")):
+        assert ME.fits(cfg, w, z, wk, ids, config=ME.Config(bn=16, bk=64, **c), only_where_faster=False) is None
+        got = run(**c)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=str(c))
+        assert not np.array_equal(got, base)
+
+
+def test_moe_experts_f16_views_scale_rows_exactly():
+    """`_f16_views`: each row times a power of two that puts its largest magnitude in [2^14, 2^15), so bf16 values from
+    2^-17 of the maximum up are float16 exactly and none overflows (rows of 1e30 and 1e-30 too), a row of zeros
+    stays zeros with factor 1, and the returned 2^-k undoes it exactly."""
+    from jaxk3.kernels import moe_experts as ME
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    x[1] *= 1e30
+    x[2] *= 1e-30
+    x[3] = 0
+    xb = jnp.asarray(x, jnp.bfloat16)
+    (ve, vo), inv = ME._f16_views(xb)
+    v = np.stack([np.asarray(ve, np.float32), np.asarray(vo, np.float32)], -1).reshape(4, 64)
+    m = np.abs(v).max(axis=1)
+    assert np.all((m[:3] >= 2 ** 14) & (m[:3] < 2 ** 15)) and m[3] == 0 and np.asarray(inv)[3, 0] == 1
+    xf = np.asarray(xb, np.float32)
+    big = np.abs(xf) >= 2.0 ** -17 * np.abs(xf).max(axis=1, keepdims=True)
+    np.testing.assert_array_equal((v * np.asarray(inv))[big], xf[big])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("B", [1, 3, 8])
 @pytest.mark.parametrize("config", [None, dict(decode="bits"), dict(scale="group", x_f32=True),
                                     dict(bn=32, bk=64, splits=1, decode="select", num_warps=8, num_stages=2),
                                     dict(mx_dot=True), dict(mx_dot=False), dict(decode="asm"),
-                                    dict(decode="asm", mx_dot=True)])
+                                    dict(decode="asm", mx_dot=True), dict(f16=True)])
 @pytest.mark.parametrize("layout", ["checkpoint", "joined+shared"])
 def test_moe_experts_kernel_on_gpu(fmt, B, config, layout):
     """The compiled kernel (Triton) on a GPU against the jnp reference, bf16 activations, in the default
@@ -701,6 +761,25 @@ def test_moe_experts_asm_decode_on_gpu(B):
     cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B)
     run = {d: np.asarray(jax.jit(lambda *a, d=d: ME.experts(cfg, *a, config=ME.Config(decode=d)))(w, z, wk, ids))
            for d in ("asm", "f16")}
+    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
+    np.testing.assert_allclose(run["asm"], ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    np.testing.assert_array_equal(run["asm"], run["f16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+def test_moe_experts_f16_asm_on_gpu(B):
+    """The compiled float16 tensor-core form (`Config(f16=True)`) with its PTX decode ("asm": the codes' float16 bits
+    times the scale by mul.rn.f16x2) against the same form with Triton's decode ("f16": the float32 raw values times
+    the scale, rounded to float16): the same float16 values into the same dots, so the same output bit for bit; both
+    within the reference's tolerance."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda): inline PTX")
+    from jaxk3.kernels import moe_experts as ME
+
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B)
+    run = {d: np.asarray(jax.jit(lambda *a, d=d: ME.experts(cfg, *a, config=ME.Config(decode=d, f16=True)))(
+        w, z, wk, ids)) for d in ("asm", "f16")}
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
     np.testing.assert_allclose(run["asm"], ref, rtol=0, atol=2e-5 * np.abs(ref).max())
     np.testing.assert_array_equal(run["asm"], run["f16"])

@@ -43,10 +43,12 @@ def test_moe_experts_routed_lowers(E, B):
 
 @pytest.mark.parametrize("B,c", [(1, dict(scale="group", x_f32=True)), (8, dict(scale="group", x_f32=True)),
                                  (8, dict(mx_dot=True)), (3, dict(mx_dot=True, decode="select")),
-                                 (1, dict(decode="asm")), (8, dict(mx_dot=True, decode="asm"))])
+                                 (1, dict(decode="asm")), (8, dict(mx_dot=True, decode="asm")),
+                                 (8, dict(f16=True)), (3, dict(f16=True, decode="select"))])
 def test_moe_experts_group_scale_lowers(B, c):
     """MXFP4 experts with the scale per group and the input widened by XLA (`Config(scale="group", x_f32=True)`, B 1
-    and 8) and on the tensor cores (`mx_dot`, B 3 and 8) at K3's TP 2 share (64 experts kept)."""
+    and 8), on the tensor cores (`mx_dot`, B 3 and 8) and on float16 tensor cores (`f16`, the stacks marked: its
+    inline PTX with float16 results) at K3's TP 2 share (64 experts kept)."""
     from jaxk3.config import KimiK3Config
     from jaxk3.kernels import moe_experts as ME
     from jaxk3.layers import moe
@@ -56,7 +58,7 @@ def test_moe_experts_group_scale_lowers(B, c):
     u8 = jnp.uint8
 
     def packed(O, In):
-        return ME.MXFP4(S((64, O, In // 2), u8), S((64, O, In // 32), u8))
+        return ME.MXFP4(S((64, O, In // 2), u8), S((64, O, In // 32), u8), f16=bool(c.get("f16")))
     w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=packed(I, L), experts_w2=packed(L, I),
                        experts_w3=packed(I, L))
     z, wk, ids = S((B, L), BF16), S((B, k), jnp.float32), S((B, k), jnp.int32)

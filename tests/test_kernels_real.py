@@ -100,6 +100,7 @@ def case(kernel: str, preset: str, tp: int, B: int, seed: int = 0, fmt: str = "d
                 return moe.MXFP4(jax.random.randint(next(keys), (E, O, In // 2), 0, 256, jnp.int32).astype(jnp.uint8),
                                  jax.random.randint(next(keys), (E, O, In // 32), 119, 122, jnp.int32).astype(jnp.uint8))
             ex = [packed(I, L), packed(L, I), packed(I, L)]
+            ex = moe.with_f16(ex, moe.f16_exact(ex))  # as the loader marks them
         w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=ex[0], experts_w2=ex[1], experts_w3=ex[2])
         ids = jnp.asarray(np.stack([r.permutation(E)[:k] for _ in range(B)]), jnp.int32)
         wk = jnp.asarray(r.uniform(0.05, 0.3, (B, k)), jnp.float32)

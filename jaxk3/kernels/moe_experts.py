@@ -19,8 +19,11 @@ leave S partial sums that XLA adds in the fusion that consumes the output (the r
 How a tile is multiplied (as in jaxk3.kernels.gemv, whose sweep found the same):
   B = 1        the tile times x, accumulated element-wise in fp32 registers, reduced once at the end;
   B > 1 dense  x padded to 16 rows, `dot` on the tensor cores (bf16 in, fp32 accumulate);
-  B > 1 MXFP4  x padded to 16 rows, each 32-value scale group's codes in bf16 on the tensor cores, the sums times
-               the group's scale (`Config.mx_dot`); per token element-wise where the input is not bf16.
+  B > 1 MXFP4  x padded to 16 rows; where every scale of the stacks lies in F16_SCALES (checked at load: the
+               config's experts_f16, `MXFP4.f16`) each code times its scale is a float16 exactly, and the tokens,
+               scaled per row by a power of two, are float16 exactly: one float16 dot per tile (`Config.f16`);
+               otherwise each 32-value scale group's codes in bf16 on the tensor cores, the sums times the group's
+               scale (`Config.mx_dot`); per token element-wise where the input is not bf16.
 MXFP4 rows are dequantised in registers (by default each 32-bit word's eight E2M1 codes become float16's bits in a
 few PTX instructions, `Config.decode`, then the E8M0 scale per group) and never exist dequantised in memory.
 Products and sums are float32, as in the reference; the sums run in another order, so the results
@@ -88,6 +91,12 @@ class Config:
     # scale (`_mx_dot_rows`).  None: on for MXFP4 with B > 1 and bf16 activations not widened ("f16" or "select"
     # decode), where the element-wise form reduces each token's products per tile (fifteenth session, K3's TP 2
     # share, B = 8: 665.3 us at bn 128, 819.7 at bn 64, against the element-wise 1800.3 and XLA's 1224.7)
+    f16: bool | None = None  # MXFP4 on float16 tensor cores (`_f16_dot_rows`): each code times its group's scale is
+    # a float16, exactly, for E8M0 bytes in F16_SCALES (PTX's mul.rn.f16x2 of the "asm" decode's bits); the bf16 tokens
+    # scaled per row by a power of two into float16 (exact from 2^-17 of the row's maximum up: `_f16_views`); one dot
+    # per tile, no per-group rescale.  None: on for B > 1 with bf16 activations where the stacks are marked
+    # (`MXFP4.f16`, from the config's experts_f16, set at load), before mx_dot (seventeenth session, K3's TP 2 share, B = 8: 425.2 us against mx_dot's
+    # 590.6 and XLA's 1203.6); off at B = 1, where it lost to the scale per group (164.1 us against 122.0)
 
 
 @jax.tree_util.register_dataclass
@@ -108,10 +117,37 @@ class MXFP4:
     [E, O, In/32] (E8M0, bias 127), sharded alike (a split of In splits whole scale groups)."""
     packed: jax.Array
     scale: jax.Array
+    # static: every scale byte lies in F16_SCALES, so each weight is a float16 exactly (the config's experts_f16,
+    # which the loader sets from the scales it read: `checkpoint.mark_experts_f16`); False: not known, the kernels
+    # keep their float32 forms
+    f16: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:  # the logical [E, O, In]
         return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+
+def _stacks(tree) -> list:
+    return [m for m in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, MXFP4)) if isinstance(m, MXFP4)]
+
+
+def f16_exact(tree) -> bool:
+    """Whether `tree` holds MXFP4 stacks and every scale byte of them lies in F16_SCALES (concrete arrays, host or
+    device: one min and max each; traced ones are not known: False)."""
+    stacks = _stacks(tree)
+    if not stacks or any(isinstance(m.scale, jax.core.Tracer) for m in stacks):
+        return False
+    for m in stacks:
+        if m.scale.size and not (F16_SCALES[0] <= int(jax.device_get(jnp.min(m.scale)))
+                                 and int(jax.device_get(jnp.max(m.scale))) <= F16_SCALES[1]):
+            return False
+    return True
+
+
+def with_f16(tree, f16: bool):
+    """`tree` with every MXFP4 stack's static `f16` set to `f16` (the arrays unchanged)."""
+    return jax.tree.map(lambda m: dataclasses.replace(m, f16=f16) if isinstance(m, MXFP4) else m, tree,
+                        is_leaf=lambda x: isinstance(x, MXFP4))
 
 
 def glu(a: jax.Array, b: jax.Array, act: str, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:
@@ -287,6 +323,46 @@ def _e2m1_f16_asm(codes_u8: jax.Array) -> tuple[jax.Array, jax.Array]:
                                             result_shape_dtypes=out)[0] for asm in (_ASM_LO, _ASM_HI))
 
 
+# The "f16" tensor-core form (`Config.f16`): E8M0 bytes s for which every code times 2^(s − 127) is a float16 exactly.
+# The decode's bits are code · 2^-14 (a subnormal for 0.5); times the float16 2^(s − 113) (normal for s in [99, 128])
+# the product code · 2^(s − 127) is exact down to float16's smallest subnormal 2^-24 (0.5 · 2^(s − 127): s >= 104)
+# and finite up to 6 · 2^(s − 127) <= 65504.  Real checkpoints' experts (|w| < 12 per group, no group below 2^-21)
+# lie inside; `_f16_scales_ok` checks a stack, and a stack outside keeps the float32 forms.
+F16_SCALES = (104, 128)
+# Eight codes of a 32-bit word w as four float16 pairs in the pack=4 output order (result register j holds elements
+# 2j, 2j + 1 in its low and high halves): prmt puts bytes (0, 2, 1, 3) at positions (0, 1, 2, 3), so positions 0, 2
+# are bytes 0, 1 and positions 1, 3 bytes 2, 3; then `_ASM_LO`/`_ASM_HI`'s shifts and masks, and one mul.rn.f16x2
+# by the scale pair $3 (elements 0, 1's float16 2^(s − 113); the four share a group).
+_ASM16_PAIR = ("{pre} p, w, {a}; and.b32 p, p, 0x0E000E00; {qop} and.b32 q, q, 0x80008000; or.b32 p, p, q; "
+               "mul.rn.f16x2 ${o}, p, $3;")
+_ASM16_HEAD = "{ .reg .b32 w, p, q; prmt.b32 w, $2, 0, 0x3120; "
+_ASM16_LO = _ASM16_HEAD + " ".join([_ASM16_PAIR.format(pre="shl.b32", a=9, qop="shl.b32 q, w, 12;", o=0),
+                                    _ASM16_PAIR.format(pre="shl.b32", a=1, qop="shl.b32 q, w, 4;", o=1)]) + " }"
+_ASM16_HI = _ASM16_HEAD + " ".join([_ASM16_PAIR.format(pre="shl.b32", a=5, qop="shl.b32 q, w, 8;", o=0),
+                                    _ASM16_PAIR.format(pre="shr.b32", a=3, qop="mov.b32 q, w;", o=1)]) + " }"
+
+
+def _f16_scale(s_u8: jax.Array) -> jax.Array:
+    """E8M0 bytes in F16_SCALES -> float16 2^(s − 113), from its bits (exponent field s − 98)."""
+    bits = (s_u8.astype(jnp.int32) - 98) << 10
+    return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
+
+
+def _e2m1_f16_scaled(sp: "_Spec", codes_u8: jax.Array, s16: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 bytes [.., 16] and their group's float16 2^(s − 113) [.., 16] -> (low, high) nibbles' float16 values
+    code · 2^(s − 127), exact for s in F16_SCALES: by `_ASM16_LO`/`_ASM16_HI` ("asm") or by `_e2m1_f16`'s float32 raw
+    values times the float16 scale, rounded once to float16 (interpret mode and the other decodes: the same values)."""
+    if sp.decode == "asm":
+        from jax.experimental.pallas import triton as plt
+
+        out = [jax.ShapeDtypeStruct(codes_u8.shape, jnp.float16)]
+        return tuple(plt.elementwise_inline_asm(asm, args=[codes_u8, s16], constraints="=r,=r,r,r,r", pack=4,
+                                                result_shape_dtypes=out)[0] for asm in (_ASM16_LO, _ASM16_HI))
+    codes = codes_u8.astype(jnp.int32)
+    f = s16.astype(F32)
+    return tuple((_e2m1_f16(c) * f).astype(jnp.float16) for c in (codes & 15, codes >> 4))
+
+
 def _raw(sp: "_Spec", codes_u8: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """uint8 bytes -> (low, high) nibbles' float32 raw values and the factor that makes them E2M1's: "f16" and "asm"
     (the same bits from PTX) give the values × 2^-14 and 2^14, "select" the values themselves and None."""
@@ -308,10 +384,11 @@ class _Spec:
     decode: str
     group: bool = False  # Config.scale == "group"
     mx_dot: bool = False  # Config.mx_dot where it applies (MXFP4, B > 1)
+    f16: bool = False  # Config.f16 (MXFP4, any B; takes precedence over mx_dot)
 
     @property
     def dot(self) -> bool:
-        return self.Bp == 16 and (not self.packed or self.mx_dot)
+        return self.Bp == 16 and (not self.packed or self.mx_dot or self.f16)
 
 
 def _pl():
@@ -383,9 +460,31 @@ def _mx_dot_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
     return lax.fori_loop(0, steps, body, jnp.zeros((16, sp.bn), F32))
 
 
+def _f16_dot_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
+    """MXFP4 on float16 tensor cores (`Config.f16`): Σ over the input tiles [start, start + steps) of W[e, rows, :] ·
+    x[lead] for 16 (padded) token rows given as float16 (even, odd) columns [16, In/32, 16], fp32 [16, bn].  Each scale
+    group's codes become float16 values code · 2^(s − 127) exactly (`_e2m1_f16_scaled`), against the tokens' even and
+    odd columns in two [16, 16] x [16, bn] dots accumulated in place: float16 products are exact in fp32."""
+    wl = () if e is None else (e,)
+    g = sp.bk // G32
+
+    pl = _pl()
+
+    def body(i, acc):
+        grp = pl.ds(pl.multiple_of((start + i) * g, g), g)
+        s16 = _f16_scale(w[1][(*wl, rows, grp)])  # [bn, g]
+        lo, hi = _e2m1_f16_scaled(sp, w[0][(*wl, rows, grp, slice(None))],
+                                  jnp.broadcast_to(s16[:, :, None], (sp.bn, g, 16)))  # [bn, g, 16] each
+        xe, xo = (r[(*lead, slice(None), grp, slice(None))].reshape(16, g * 16) for r in x)  # [16, bk / 2] each
+        return acc + dot_nt(xe, lo.reshape(sp.bn, g * 16)) + dot_nt(xo, hi.reshape(sp.bn, g * 16))
+    return lax.fori_loop(0, steps, body, jnp.zeros((16, sp.bn), F32))
+
+
 def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
     """Σ over the input tiles [start, start + steps) of W[e, rows, :] · x[lead]: fp32 [bn] (B = 1),
     [16, bn] (dense, dot; MXFP4 with `mx_dot`) or a tuple of Bp [bn] (MXFP4, B > 1)."""
+    if sp.dot and sp.packed and sp.f16:
+        return _f16_dot_rows(sp, w, e, rows, x, lead, steps, start)
     if sp.dot and sp.packed:
         return _mx_dot_rows(sp, w, e, rows, x, lead, steps, start)
     if sp.dot:
@@ -489,6 +588,8 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
     pl = _pl()
     sel, refs = refs[:nsel], refs[nsel:]
     x, refs = refs[:nx], refs[nx:]
+    if sp.f16:  # the tokens' 2^-k, their float16 copies' power of two undone [16, 1]
+        xinv, refs = refs[0], refs[1:]
     w1, refs = refs[:nw], refs[nw:]
     w3, refs = (w1, refs) if joined else (refs[:nw], refs[nw:])
     if route is not None:
@@ -514,6 +615,8 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
     def gate_up(w1, w3, e, rows3):
         h1 = _gemv_rows(sp, w1, e, rows, x, (), steps)
         h3 = _gemv_rows(sp, w3, e, rows3, x, (), steps)
+        if sp.f16:
+            h1, h3 = h1 * xinv[...], h3 * xinv[...]
         y = tuple(act(a, b) for a, b in zip(h1, h3)) if isinstance(h1, tuple) else act(h1, h3)
         _store(a_ref, (u,), rows, y)
 
@@ -537,7 +640,10 @@ def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared:
     coef[:, u] · W2[read[u]] a[u] (+ the shared experts' down projection of slot U), one partial sum
     (coef [Bp, U]: at B = 1 the routing weights as the router gives them, or as kernel 1 wrote them)."""
     pl = _pl()
-    a, w2, o_ref = refs[:na], refs[na:na + nw], refs[-1]
+    a, refs = refs[:na], refs[na:]
+    if sp.f16:  # each slot's tokens' 2^-k [P, 16, 1]
+        ainv, refs = refs[0], refs[1:]
+    w2, o_ref = refs[:nw], refs[-1]
     n, s = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(pl.multiple_of(n * sp.bn, sp.bn), sp.bn)
     start = s * steps
@@ -554,7 +660,8 @@ def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared:
         return tuple(p + q for p, q in zip(acc, y)) if isinstance(acc, tuple) else acc + y
 
     def body(u, acc):
-        return add(acc, scaled(_gemv_rows(sp, w2, read_ref[u], rows, a, (u,), steps, start), u))
+        y = _gemv_rows(sp, w2, read_ref[u], rows, a, (u,), steps, start)
+        return add(acc, scaled(y * ainv[u] if sp.f16 else y, u))
 
     if sp.dot:
         zero = jnp.zeros((16, sp.bn), F32)
@@ -564,7 +671,7 @@ def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared:
         zero = tuple(jnp.zeros((sp.bn,), F32) for _ in range(sp.Bp))
     y = lax.fori_loop(0, U, body, zero)
     if shared:
-        y = add(y, _gemv_rows(sp, refs[na + nw:na + nw + 1], None, rows, a, (U,), steps, start))
+        y = add(y, _gemv_rows(sp, refs[nw:nw + 1], None, rows, a, (U,), steps, start))
     _store(o_ref, (s,), rows, y)
 
 
@@ -587,6 +694,19 @@ def _x_views(x: jax.Array, packed: bool, f32: bool = False) -> list[jax.Array]:
     return [v[..., 0::2], v[..., 1::2]]
 
 
+def _f16_views(x: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+    """Rows [..., R, In] (float32 or bf16) -> their float16 (even, odd) columns [..., R, In/32, 16] each times 2^k per
+    row, and 2^-k [..., R, 1] float32: k puts the row's largest magnitude in [2^14, 2^15) (k = 0 for a row of zeros;
+    |k| <= 126), so nothing overflows and every value above 2^-17 of the row's maximum is exact (bf16's 8 significant
+    bits; below, float16's subnormals round it by at most 2^-39 of the maximum)."""
+    x = x.astype(F32)
+    m = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    _, ex = jnp.frexp(m)  # m in [2^(ex-1), 2^ex)
+    k = jnp.where(m > 0, jnp.clip(15 - ex, -126, 126), 0)
+    v = jnp.ldexp(x, k).astype(jnp.float16)
+    return _x_views(v, True), jnp.ldexp(jnp.ones_like(m), -k)
+
+
 def _dims(w) -> tuple[int, int, int, int, bool]:
     """(E, I, In, Out, joined) of the block's experts, from w1 | w3 (or their join) and w2."""
     joined = getattr(w, "experts_w13", None) is not None
@@ -595,7 +715,15 @@ def _dims(w) -> tuple[int, int, int, int, bool]:
     return E, I, In, Out, joined
 
 
-def _resolve(cf: Config, B: int, In: int, I: int, Out: int, packed: bool = False, x_dtype=jnp.bfloat16) -> Config:
+def _f16_marked(w) -> bool:
+    """Whether the block's MXFP4 stacks are all marked `f16` (every scale in F16_SCALES, checked at load)."""
+    stacks = [getattr(w, n, None) for n in ("experts_w13", "experts_w1", "experts_w3", "experts_w2")]
+    stacks = [m for m in stacks if isinstance(m, MXFP4)]
+    return bool(stacks) and all(m.f16 for m in stacks)
+
+
+def _resolve(cf: Config, B: int, In: int, I: int, Out: int, packed: bool = False, x_dtype=jnp.bfloat16,
+             f16_ok: bool = False) -> Config:
     """cf with its unset fields chosen: bn x bk = 16 x 256 at B = 1, 32 x 128 for B > 1 (64 x 128 where In <= 2304) and
     128 x 128 for MXFP4 on the tensor cores (the sweep's fastest at Kimi-Linear and K3 shapes: docs/PERF.md), or the
     largest smaller powers of two dividing the shapes; MXFP4's scale per group (and the input in float32) for one
@@ -607,11 +735,14 @@ def _resolve(cf: Config, B: int, In: int, I: int, Out: int, packed: bool = False
               ) if cf.mx_dot is None else cf.mx_dot
     # dense B > 1: bn 64 where the input is Kimi-Linear's 2304 wide (sixteenth session: the 48B B = 8 step 6822.7 us
     # against 7344.6 at bn 32; at K3's 7168 bn 64 made the stock B = 8 step slower, 4390.6 against 4212.7)
-    bns = ((16,) if B == 1 else (128, 64, 32, 16) if packed and mx_dot else (64, 32, 16) if In <= 2304
-           else (32, 16))
+    f16 = bool(packed and (B > 1 and f16_ok and cf.decode != "bits" and jnp.dtype(x_dtype) == jnp.bfloat16
+                           if cf.f16 is None else cf.f16))
+    bns = ((128, 64, 32, 16) if f16 or (B > 1 and packed and mx_dot) else (16,) if B == 1 else (64, 32, 16)
+           if In <= 2304 else (32, 16))
     bn = cf.bn or next((b for b in bns if I % b == 0 and Out % b == 0), 16)
-    bk = cf.bk or next((b for b in ((256, 128, 64) if B == 1 else (128, 64)) if In % b == 0 and I % b == 0), G32)
-    return dataclasses.replace(cf, bn=bn, bk=bk, scale=scale, x_f32=x_f32, mx_dot=mx_dot)
+    bk = cf.bk or next((b for b in ((256, 128, 64) if B == 1 and not f16 else (128, 64)) if In % b == 0 and I % b == 0),
+                       G32)
+    return dataclasses.replace(cf, bn=bn, bk=bk, scale=scale, x_f32=x_f32, mx_dot=mx_dot, f16=f16)
 
 
 def _splits(cf: Config, Out: int, I: int, sms: int = 132) -> int:
@@ -665,7 +796,10 @@ def _rows_padded(w, z_BL: jax.Array, config: Config | None = None) -> int:
     B = z_BL.shape[0]
     _, I, In, Out, _ = _dims(w)
     packed = isinstance(w.experts_w2, MXFP4)
-    if B == 1 or not packed or _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype).mx_dot:
+    cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype, _f16_marked(w))
+    if packed and cf.f16:
+        return 16
+    if B == 1 or not packed or cf.mx_dot:
         return 1 if B == 1 else 16
     return 1 << (B - 1).bit_length()
 
@@ -680,14 +814,20 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     E, I, In, Out, joined = _dims(w)
     dt = compute_dtype(w, z_BL)
     w13v, packed = _weight_views(w.experts_w13 if joined else w.experts_w1)
-    cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype)
+    cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype, _f16_marked(w))
     w3v = [] if joined else _weight_views(w.experts_w3)[0]
     w2v, _ = _weight_views(w.experts_w2)
     Bp = _rows_padded(w, z_BL, cf)
     decode = "f16" if interpret and cf.decode == "asm" else cf.decode  # interpret mode has no PTX: the same values
-    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=decode, group=packed and cf.scale == "group",
-               mx_dot=packed and bool(cf.mx_dot) and B > 1)
-    xs = _x_views(jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0))), packed, cf.x_f32)
+    f16 = packed and bool(cf.f16)
+    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=decode, group=packed and cf.scale == "group" and not f16,
+               mx_dot=packed and bool(cf.mx_dot) and B > 1 and not f16, f16=f16)
+    zp = jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0)))
+    if f16:
+        xs, xinv = _f16_views(zp)
+        xs = [*xs, xinv]
+    else:
+        xs = _x_views(zp, packed, cf.x_f32)
     s13, s2 = ([shared.gate_up], [shared.down]) if shared is not None else ([], [])
     act = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
                             linear_beta=cfg.activation_situ_linear_beta)
@@ -700,16 +840,20 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     if route is not None:  # kernel 1 also writes each slot's expert and weights for kernel 2
         outs += [jax.ShapeDtypeStruct((U,), jnp.int32), jax.ShapeDtypeStruct((Bp, U), F32)]
     a, *sel = pl.pallas_call(
-        functools.partial(_gate_up_kernel, sp=sp, nsel=len(sel_up), route=route, nx=len(xs), nw=len(w13v),
+        functools.partial(_gate_up_kernel, sp=sp, nsel=len(sel_up), route=route, nx=len(xs) - f16, nw=len(w13v),
                           joined=joined, shared=shared is not None, I=I, steps=In // cf.bk, act=act),
         grid=(P, I // cf.bn), in_specs=[any_] * len(ins), out_specs=[any_] * len(outs),
         out_shape=tuple(outs), interpret=interpret, **kw)(*ins)
 
     S = _splits(cf, Out, I)
-    av = _x_views(a, packed, cf.x_f32)
+    if f16:
+        av, ainv = _f16_views(a)
+        av = [*av, ainv]
+    else:
+        av = _x_views(a, packed, cf.x_f32)
     ins = [*(sel_down if route is None else sel), *av, *w2v, *s2]
     y = pl.pallas_call(
-        functools.partial(_down_kernel, sp=sp, na=len(av), nw=len(w2v), shared=shared is not None,
+        functools.partial(_down_kernel, sp=sp, na=len(av) - f16, nw=len(w2v), shared=shared is not None,
                           steps=I // S // cf.bk),
         grid=(Out // cf.bn, S), in_specs=[any_] * len(ins), out_specs=any_,
         out_shape=jax.ShapeDtypeStruct((S, Bp, Out), F32), interpret=interpret, **kw)(*ins)
@@ -738,7 +882,9 @@ MEASURED: dict[tuple, tuple[float, float]] = {
     # run; sixteenth, with the "asm" decode: 595.2 against 1209.1, the "f16" decode 658.5).  Kimi-Linear-48B's
     # MXFP4 B = 8 entry (the element-wise form, 721.4 against XLA's 327.5) is dropped: the new default is not measured
     # there
-    ("mxfp4", 8, 64, 1536, 3584, 3584, False): (595.2, 1209.1),
+    # On float16 tensor cores (`f16`, the default since for marked stacks): 425.2 us against XLA's 1203.6 and mx_dot's
+    # 590.6 in the same run (seventeenth session)
+    ("mxfp4", 8, 64, 1536, 3584, 3584, False): (425.2, 1203.6),
     # MXFP4 at B = 1 with the scale per group and the input in float32 (the B = 1 default since): the sweep at K3's
     # TP 2 share, 2026-12-03 (fourteenth session: 145.2 us against 182.1; the scale per weight 187.9); 2026-12-04
     # (sixteenth, the "asm" decode: 119.6 against 176.8, the "f16" decode 141.2)
@@ -750,11 +896,12 @@ MEASURED: dict[tuple, tuple[float, float]] = {
 # K3 layers 11-14 at TP 1, B = 8 (fifteenth session; with and without the kernel in two processes of one call, each
 # running both strategies): stock (bf16) 4212.7 against 9839.8, packed (MXFP4 on the tensor cores) 5792.1 against
 # 12074.1.  The packed rows again with the "asm" decode (sixteenth session, call 2, one process each): B = 1 2647.3
-# against 3252.3, B = 8 4456.6 against 12066.2.
+# against 3252.3, B = 8 4456.6 against 12066.2.  B = 8 on float16 tensor cores (`f16`, seventeenth session, call 1):
+# 3869.8 against mx_dot's 4454.9 in the same call (XLA's experts: the sixteenth session's 12066.2).
 STEP_MEASURED: dict[tuple, tuple[float, float]] = {
     ("mxfp4", 1, None, 3072, 3584, 3584, False): (2647.3, 3252.3),
     ("bf16", 8, 32, 3072, 3584, 3584, False): (4212.7, 9839.8),
-    ("mxfp4", 8, 32, 3072, 3584, 3584, False): (4456.6, 12066.2),
+    ("mxfp4", 8, 32, 3072, 3584, 3584, False): (3869.8, 12066.2),
 }
 MARGIN = 1.05
 
@@ -771,7 +918,13 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
     _, I, In, Out, _ = _dims(w)
     B = z_BL.shape[0] if z_BL.ndim == 2 else 1
     packed = isinstance(w.experts_w2, MXFP4)
-    cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype)
+    cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype, _f16_marked(w))
+    if cf.f16 and not _f16_marked(w):
+        return (f"moe_experts kernel: f16 needs MXFP4 stacks whose scales all lie in {list(F16_SCALES)} (MXFP4.f16: "
+                f"the config's experts_f16, set at load; these are not marked)")
+    if cf.f16 and (cf.decode == "bits" or z_BL.dtype != jnp.bfloat16):
+        return (f"moe_experts kernel: f16 takes bf16 activations (their 8 significant bits are float16's exactly) and "
+                f"the 'asm', 'f16' or 'select' decode, got {z_BL.dtype}, decode {cf.decode!r}")
     min_bn = 8 if B == 1 else 16  # one token: element-wise [bn, bk] tiles; more: the dot's 16-row tiles
     if not (pow2(cf.bn) and pow2(cf.bk)) or cf.bk < G32 or cf.bn < min_bn:
         return (f"moe_experts kernel needs bn >= {min_bn} (B = {B}) and bk >= {G32}, powers of two (Triton blocks), "
@@ -823,9 +976,10 @@ register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits
                          "at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps XLA; B=8 with 64 experts kept); MXFP4 "
                          "(the \"asm\" decode): 1.48x at K3 TP 2 B=1 with the scale per group (K3 layers 11-14 at "
                          "TP 1, "
-                         "packed: the step 2647.3 us against XLA's 3252.3); 2.03x at K3 TP 2 B=8 on the tensor cores "
-                         "(mx_dot); K3 layers 11-14 at TP 1, B=8: the step 4212.7 us against 9839.8 (bf16) and 4456.6 "
-                         "against 12066.2 (MXFP4) (H200, jax 0.11.2; MEASURED, STEP_MEASURED)"))
+                         "packed: the step 2647.3 us against XLA's 3252.3); 2.83x at K3 TP 2 B=8 on float16 tensor "
+                         "cores (f16; mx_dot 2.04x); K3 layers 11-14 at TP 1, B=8: the step 4212.7 us against 9839.8 "
+                         "(bf16) and 3869.8 against 12066.2 (MXFP4; mx_dot 4454.9) (H200, jax 0.11.2; MEASURED, "
+                         "STEP_MEASURED)"))
 
 
 def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,

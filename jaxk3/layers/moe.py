@@ -35,7 +35,8 @@ from jaxk3 import collectives, kernels
 from jaxk3.config import MXFP4_GROUP, KimiK3Config
 from jaxk3.kernels import moe_experts
 from jaxk3.kernels.moe_experts import (MXFP4, SharedMLP, act, compute_dtype, dequantize,  # noqa: F401
-                                       e8m0_scales, expert_rows, experts_partial)
+                                       e8m0_scales, expert_rows, experts_partial, f16_exact,
+                                       with_f16)
 from jaxk3.kernels.rms_norm import rms_norm
 from jaxk3.kernels.router import select_experts
 from jaxk3.layers.common import F32, TP, Normed, as_tp, kernel_mode, linear, psum, split, value
@@ -97,7 +98,7 @@ def moe_abstract(cfg: KimiK3Config, prefix: str) -> MoEWeights:
         def part(suffix: str, cols: int, init: str) -> Param:
             return Param((E, O, cols), (f"{name}_{suffix}",), spec, dtype="uint8", init=init, group="moe_experts",
                          source="experts", ckpt_shape=(O, cols))
-        return MXFP4(packed=part("packed", In // 2, "e2m1"), scale=part("scale", In // G, "e8m0"))
+        return MXFP4(packed=part("packed", In // 2, "e2m1"), scale=part("scale", In // G, "e8m0"), f16=cfg.experts_f16)
 
     out = dict(gate=weight((E, D), prefix, "gate", spec=REP, group="moe_other"),
                e_score_correction_bias=weight((E,), prefix, "gate.e_score_correction_bias", spec=REP,

@@ -55,7 +55,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxk3 import collectives, params
+from jaxk3 import checkpoint, collectives, params
 from jaxk3.tools import census
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels import kda_decode
@@ -369,9 +369,10 @@ class _Weights:
 
     def __init__(self, cfg: KimiK3Config, mesh, dtype):
         self.cfg, self.mesh, self.dtype, self.made = cfg, mesh, dtype, {}
+        self.f16: dict[str, bool] = {}  # experts format -> experts_f16 as a load marks it (its weights made)
 
     def config(self, s: Strategy) -> KimiK3Config:
-        return dataclasses.replace(self.cfg, experts_format=s.experts)
+        return dataclasses.replace(self.cfg, experts_format=s.experts, experts_f16=self.f16.get(s.experts, False))
 
     def serving(self, s: Strategy) -> bool:
         return resolve_layout(s.layout, self.mesh.devices.flat[0].platform)
@@ -389,10 +390,12 @@ class _Weights:
         """The strategy's weights in the checkpoint layout (its byte counts are the served ones too)."""
         key = (s.experts, s.shard_latent)
         if key not in self.made:
-            cfg = self.config(s)
             base = self.made.get((s.experts, True))
-            if base is None:
-                base = self.made[(s.experts, True)] = random_weights(cfg, self.mesh, self.dtype, shard_latent=True)
+            if base is None:  # the MXFP4 stacks marked as the loader marks them (checkpoint.mark_experts_f16)
+                cfg, base = checkpoint.mark_experts_f16(
+                    self.config(s), random_weights(self.config(s), self.mesh, self.dtype, shard_latent=True))
+                self.f16[s.experts], self.made[(s.experts, True)] = cfg.experts_f16, base
+            cfg = self.config(s)
             if not s.shard_latent:
                 self.made[key] = relayout_latent(cfg, base, self.mesh, False)
         return self.made[key]

@@ -70,6 +70,7 @@ def moe_experts_cases(cfg: KimiK3Config, tp: int, experts: int, batches: tuple[i
                          jax.random.randint(kk, (E, O, In // 32), 119, 122, jnp.int32).astype(jnp.uint8))
     mx = dataclasses.replace(dense, experts_w1=packed(ks[3], I, L), experts_w2=packed(ks[4], L, I),
                              experts_w3=packed(ks[5], I, L))
+    mx = moe.with_f16(mx, moe.f16_exact(mx))  # as the loader marks them (checkpoint.mark_experts_f16)
     shared = None
     if layout == "serving":
         dense, mx = params.serve_local(dense), params.serve_local(mx)

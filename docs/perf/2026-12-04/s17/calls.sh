@@ -1,0 +1,49 @@
+# The seventeenth session's device calls as run (docs/PERF.md, seventeenth-session section): C=N bash scripts/gpu/s17_call.sh,
+# a temporary script copied here.  N_call.txt: each call's printed output; raw files start with the call's number.
+# Call 1: the float16 form forced (Config.f16=1) against the default; call 2: the default for marked stacks at B > 1 (the bench's
+# weights were not yet marked: its step rows ran mx_dot); call 3: the bench's weights marked as the loader marks them.
+#!/usr/bin/env bash
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.92
+O=$OUT; C=${C:-1}
+t() { echo "== $* ($(date -u +%T))"; }
+K3="--config k3 --layers 11-14 --experts 32 --tp 1 --context 4k --steps 20 --repeats 5 --strategies packed+sharded+one-shot"
+if [ "$C" = 1 ]; then
+  t tests
+  timeout -k 5 120 python3 -m pytest tests/test_kernels.py -m gpu -q -rfEs -p no:cacheprovider -k "f16_asm_on_gpu or (moe_experts_kernel_on_gpu and mxfp4 and config8)" > $O/1_tests.log 2>&1
+  echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|rror" $O/1_tests.log | cut -c1-300 | tail -8
+  t sweep
+  timeout -k 5 170 python3 scripts/gpu/moe_experts_sweep.py --preset k3 --batch 1,8 --formats mxfp4 --configs "f16=1;f16=1,bn=64;f16=1,bk=256;f16=1,num_warps=8" --json $O/1_sweep.json 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
+  t k3 b1 main; timeout -k 5 80 python3 -m jaxk3.cli bench decode $K3 --batch 1 --json $O/1_k3b1_main.json 2>&1 | grep -E "^ +1 \||rror" | tail -3
+  t k3 b1 f16; timeout -k 5 80 python3 scripts/gpu/step_with_kernel.py moe_experts:Config.f16=1 -- $K3 --batch 1 --json $O/1_k3b1_f16.json 2>&1 | grep -E "^ +1 \||rror" | tail -3
+  t k3 b8 main; timeout -k 5 80 python3 -m jaxk3.cli bench decode $K3 --batch 8 --json $O/1_k3b8_main.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t k3 b8 f16; timeout -k 5 80 python3 scripts/gpu/step_with_kernel.py moe_experts:Config.f16=1 -- $K3 --batch 8 --json $O/1_k3b8_f16.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t done
+fi
+if [ "$C" = 2 ]; then
+  t tests
+  T=tests/test_kernels_real.py::test_kernel_real_dims_on_gpu
+  timeout -k 5 150 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider "$T[moe_experts_mxfp4-k3-1-8]" "$T[moe_experts_mxfp4-k3-2-8]" "$T[moe_experts_mxfp4-k3-8-8]" "$T[moe_experts_mxfp4-kimi-linear-48b-1-8]" "$T[moe_experts_mxfp4-k3-1-1]" > $O/2_real_tests.log 2>&1
+  echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|rror" $O/2_real_tests.log | cut -c1-300 | tail -8
+  timeout -k 5 100 python3 -m pytest tests/test_kernels.py -m gpu -q -rfEs -p no:cacheprovider -k "f16_asm_on_gpu or (moe_experts_kernel_on_gpu and mxfp4)" > $O/2_tests.log 2>&1
+  echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|rror" $O/2_tests.log | cut -c1-300 | tail -8
+  t sweep
+  timeout -k 5 150 python3 scripts/gpu/moe_experts_sweep.py --preset k3 --batch 8 --formats mxfp4 --configs "f16=0;num_stages=4;num_stages=2;bk=64;bn=256" --json $O/2_sweep.json 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
+  timeout -k 5 90 python3 scripts/gpu/moe_experts_sweep.py --preset kl --batch 8 --formats mxfp4 --configs "f16=0" --json $O/2_kl_sweep.json 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
+  t k3 b8 main; timeout -k 5 80 python3 -m jaxk3.cli bench decode $K3 --batch 8 --json $O/2_k3b8_main.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t k3 b8 mx_dot; timeout -k 5 80 python3 scripts/gpu/step_with_kernel.py moe_experts:Config.f16=0 -- $K3 --batch 8 --json $O/2_k3b8_mxdot.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t k3 b8 without; timeout -k 5 80 python3 scripts/gpu/step_with_kernel.py -moe_experts -- $K3 --batch 8 --json $O/2_k3b8_without.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t done
+fi
+if [ "$C" = 3 ]; then
+  t tests
+  T=tests/test_kernels_real.py::test_kernel_real_dims_on_gpu
+  timeout -k 5 150 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider "$T[moe_experts_mxfp4-k3-1-8]" "$T[moe_experts_mxfp4-k3-2-8]" "$T[moe_experts_mxfp4-k3-8-8]" "$T[moe_experts_mxfp4-kimi-linear-48b-1-8]" > $O/3_real_tests.log 2>&1
+  echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|rror" $O/3_real_tests.log | cut -c1-300 | tail -8
+  timeout -k 5 100 python3 -m pytest tests/test_kernels.py -m gpu -q -rfEs -p no:cacheprovider -k "f16_asm_on_gpu or (moe_experts_kernel_on_gpu and mxfp4)" > $O/3_tests.log 2>&1
+  echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|rror" $O/3_tests.log | cut -c1-300 | tail -8
+  t k3 b8 main; timeout -k 5 80 python3 -m jaxk3.cli bench decode $K3 --batch 8 --json $O/3_k3b8_main.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t k3 b8 mx_dot; timeout -k 5 80 python3 scripts/gpu/step_with_kernel.py moe_experts:Config.f16=0 -- $K3 --batch 8 --json $O/3_k3b8_mxdot.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t k3 b8 main again; timeout -k 5 80 python3 -m jaxk3.cli bench decode $K3 --batch 8 --json $O/3_k3b8_main2.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t k3 b1 main; timeout -k 5 80 python3 -m jaxk3.cli bench decode $K3 --batch 1 --json $O/3_k3b1_main.json 2>&1 | grep -E "^ +1 \||rror" | tail -3
+  t done
+fi

@@ -293,11 +293,12 @@ def test_moe_experts_bits_decode_is_the_select_decode_bit_for_bit():
     assert "not measured against XLA" in ME.fits(cfg, w, z, wk, ids, config=c)
 
 
-def _run_ptx(asm: str, w: np.ndarray) -> list[np.ndarray]:
-    """The "asm" decode's PTX evaluated on uint32 words w (one per instance) by a reading of the instructions it uses
-    (shl, shr, and, or, mov .b32; mov.b32 {h0, h1} splitting a word into its low and high halves; cvt.f32.f16):
-    the outputs $0.. as float32 arrays."""
-    regs: dict[str, np.ndarray] = {"$4": w.astype(np.uint32)}
+def _run_ptx(asm: str, w: np.ndarray, inputs: dict | None = None, outs: int = 4) -> list[np.ndarray]:
+    """The "asm" decodes' PTX evaluated on uint32 words w (one per instance; `inputs`: the operand registers instead,
+    e.g. {"$2": codes, "$3": scale pairs}) by a reading of the instructions they use (shl, shr, and, or, mov .b32;
+    mov.b32 {h0, h1} splitting a word into its low and high halves; cvt.f32.f16; prmt.b32 in its default mode;
+    mul.rn.f16x2, each half's exact product rounded once): the outputs $0.. ($0..$outs-1) as they are."""
+    regs: dict[str, np.ndarray] = {k: v.astype(np.uint32) for k, v in (inputs or {"$4": w}).items()}
     body = asm.strip()[1:-1]
     for ins in (i.strip() for i in body.split(";") if i.strip()):
         op, _, rest = ins.partition(" ")
@@ -317,9 +318,25 @@ def _run_ptx(asm: str, w: np.ndarray) -> list[np.ndarray]:
             regs[args[0]] = np.asarray(r, np.uint64).astype(np.uint32)
         elif op == "cvt.f32.f16":
             regs[args[0]] = regs[args[1]].view(np.float16).astype(np.float32)
+        elif op == "prmt.b32":  # result byte i = byte sel_i (0-7) of {b, a}; sel bit 3 replicates that byte's sign
+            a, b, c = (np.broadcast_to(val(x), w.shape).astype(np.uint64) for x in args[1:4])
+            src, r = a | (b << 32), np.zeros(w.shape, np.uint64)
+            for i in range(4):
+                sel = (c >> (4 * i)) & 15
+                byte = (src >> (8 * (sel & 7))) & 0xFF
+                byte = np.where(sel & 8, np.where(byte & 0x80, 0xFF, 0), byte).astype(np.uint64)
+                r |= byte << np.uint64(8 * i)
+            regs[args[0]] = r.astype(np.uint32)
+        elif op == "mul.rn.f16x2":
+            a, b = (np.broadcast_to(val(x), w.shape).astype(np.uint32) for x in args[1:3])
+            halves = [(x & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64) for x in (a, b)]
+            lo = (halves[0] * halves[1]).astype(np.float16).view(np.uint16).astype(np.uint32)
+            halves = [(x >> 16).astype(np.uint16).view(np.float16).astype(np.float64) for x in (a, b)]
+            hi = (halves[0] * halves[1]).astype(np.float16).view(np.uint16).astype(np.uint32)
+            regs[args[0]] = lo | (hi << 16)
         else:
             raise AssertionError(f"the test does not read {op!r}: extend it with the asm")
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(outs)]
 
 
 def test_moe_experts_asm_decode_is_the_f16_decode_bit_for_bit():
@@ -348,6 +365,36 @@ def test_moe_experts_asm_decode_is_the_f16_decode_bit_for_bit():
             assert ME.fits(cfg, w, z_, wk_, ids_, config=asm, only_where_faster=False) is None
             np.testing.assert_array_equal(np.asarray(ME.experts(cfg, w, z_, wk_, ids_, interpret=True, config=asm)),
                                           np.asarray(ME.experts(cfg, w, z_, wk_, ids_, interpret=True, config=f16)))
+
+
+def test_moe_experts_f16_asm_decode_is_the_jnp_form_bit_for_bit():
+    """The float16 form's PTX (`_ASM16_LO`, `_ASM16_HI`: the codes' float16 bits after a byte permute, times the
+    group's float16 2^(s − 113) by mul.rn.f16x2), read instruction by instruction, gives the jnp form's values (the
+    interpret path: `_e2m1_f16`'s raw values times the scale, rounded once to float16) bit for bit: every byte value
+    in each of the four positions of a word and random words, at every scale byte of F16_SCALES, each result register
+    holding elements 2j, 2j + 1 in its halves (Triton's pack=4 order); every value is code · 2^(s − 127) exactly."""
+    from jaxk3.kernels import moe_experts as ME
+
+    rng = np.random.default_rng(1)
+    b = np.arange(256, dtype=np.uint32)
+    words = np.concatenate([b, b << 8, b << 16, b << 24, rng.integers(0, 2 ** 32, 1024, dtype=np.uint64)
+                            .astype(np.uint32)])
+    table = np.asarray(ME._E2M1_VALUES, np.float64)
+    for s in range(ME.F16_SCALES[0], ME.F16_SCALES[1] + 1):
+        s16 = np.asarray(ME._f16_scale(jnp.asarray([s], jnp.uint8)))
+        pair = np.uint32(s16.view(np.uint16)[0]) * np.uint32(0x10001)
+        ins = {"$2": words, "$3": np.full_like(words, pair), "$4": np.full_like(words, pair)}
+        got = {n: _run_ptx(asm, words, ins, outs=2) for n, asm in (("lo", ME._ASM16_LO), ("hi", ME._ASM16_HI))}
+        codes = jnp.asarray(np.stack([(words >> (8 * i)) & 0xFF for i in range(4)], -1).astype(np.uint8))  # [n, 4]
+        want = ME._e2m1_f16_scaled(ME._Spec(Bp=16, packed=True, bn=16, bk=64, decode="f16"), codes,
+                                   jnp.broadcast_to(jnp.asarray(s16), codes.shape))
+        for n, wv, nib in (("lo", want[0], codes & 15), ("hi", want[1], codes >> 4)):
+            bits = np.asarray(wv).view(np.uint16).astype(np.uint32)  # [n, 4]
+            for j in range(2):
+                np.testing.assert_array_equal(got[n][j], bits[:, 2 * j] | (bits[:, 2 * j + 1] << 16),
+                                              err_msg=f"{n} register {j}, scale {s}")
+            exact = table[np.asarray(nib)] * 2.0 ** (s - 127)
+            np.testing.assert_array_equal(np.asarray(wv).astype(np.float64), exact)
 
 
 def test_moe_experts_plan_reads_each_expert_once():

@@ -47,3 +47,12 @@ if [ "$C" = 3 ]; then
   t k3 b1 main; timeout -k 5 80 python3 -m jaxk3.cli bench decode $K3 --batch 1 --json $O/3_k3b1_main.json 2>&1 | grep -E "^ +1 \||rror" | tail -3
   t done
 fi
+
+# Call 4: the float16 form at one token with smaller tiles (all slower than the default), and its step A/B.
+if [ "$C" = 4 ]; then
+  t sweep b1
+  timeout -k 5 150 python3 scripts/gpu/moe_experts_sweep.py --preset k3 --batch 1 --formats mxfp4 --configs "f16=1,bn=16;f16=1,bn=32;f16=1,bn=32,num_stages=4;f16=1,bn=64,num_stages=5;f16=1,bn=16,num_warps=2" --json $O/4_sweep.json 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
+  t k3 b1 main; timeout -k 5 80 python3 -m jaxk3.cli bench decode $K3 --batch 1 --json $O/4_k3b1_main.json 2>&1 | grep -E "^ +1 \||rror" | tail -3
+  t k3 b1 f16 bn32; timeout -k 5 80 python3 scripts/gpu/step_with_kernel.py moe_experts:Config.f16=1 moe_experts:Config.bn=32 -- $K3 --batch 1 --json $O/4_k3b1_f16bn32.json 2>&1 | grep -E "^ +1 \||rror" | tail -3
+  t done
+fi

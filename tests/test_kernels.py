@@ -738,7 +738,15 @@ def test_moe_experts_mxfp4_on_f16_tensor_cores(B, joined):
                                                only_where_faster=False)
     assert "f16 takes bf16" in ME.fits(cfg, w, z.astype(jnp.float32), wk, ids, config=ME.Config(f16=True),
                                        only_where_faster=False)
-    for c in (dict(f16=True), dict(f16=True, splits=1), dict(f16=True, decode="select")):
+    # kernel 2's programs along the slots (slot_splits; 5 parts leave some empty at these few slots): the default
+    # rule splits them only for the float16 form's short grids (K3's TP 2 share: 4; TP 1: 2)
+    cf = ME._resolve(ME.Config(), 8, 3584, 1536, 3584, True, f16_ok=True)
+    assert (ME._slot_splits(cf, 3584, 1536), ME._slot_splits(cf, 3584, 3072)) == (4, 2)
+    assert ME._slot_splits(ME._resolve(ME.Config(), 8, 3584, 1536, 3584, True), 3584, 1536) == 1
+    assert "slot_splits must be" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(slot_splits=-1),
+                                            only_where_faster=False)
+    for c in (dict(f16=True), dict(f16=True, splits=1), dict(f16=True, decode="select"),
+              dict(f16=True, slot_splits=2), dict(f16=True, slot_splits=5, splits=1)):
         assert ME.fits(cfg, w, z, wk, ids, config=ME.Config(bn=16, bk=64, **c), only_where_faster=False) is None
         got = run(**c)
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=str(c))

@@ -68,6 +68,11 @@ class Config:
     bn: int = 0  # output rows per program, both kernels (a power of two dividing I and L); 0: `_resolve`'s
     bk: int = 0  # input columns per tile (a power of two; MXFP4: bk / 32 scale groups); 0: `_resolve`'s
     splits: int = 0  # kernel 2's programs along I (partial sums added by the consumer); 0: enough for 4 per SM
+    slot_splits: int = 0  # kernel 2's programs along the slots (each sums a contiguous part of them; more partial
+    # sums): for grids that `splits` alone leaves short of the SMs.  0: with `f16`, the fewest (up to 4) giving 8
+    # programs an SM, two waves at its 4 resident (seventeenth session, B = 8: K3's TP 2 share, where kernel 2's 336
+    # programs filled 0.64 of a wave, 2/3/4 parts 424.9/415.1/415.2 us against 438.8 with one; K3's TP 1 step, 672
+    # programs, 2/3 parts 3811.6/3826.3 us against 3891.8); else 1
     num_warps: int = 4
     num_stages: int = 3
     decode: str = "asm"  # MXFP4's E2M1 -> float: "asm" (float16's bits built by PTX, eight codes from one 32-bit
@@ -635,7 +640,7 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
             gate_up(s13, s13, None, up)
 
 
-def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared: bool, steps: int):
+def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared: bool, steps: int, parts: int = 1):
     """Program (n, s): output rows [n·bn, (n+1)·bn), the s-th part of I: Σ over the slots u of
     coef[:, u] · W2[read[u]] a[u] (+ the shared experts' down projection of slot U), one partial sum
     (coef [Bp, U]: at B = 1 the routing weights as the router gives them, or as kernel 1 wrote them)."""
@@ -644,10 +649,11 @@ def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared:
     if sp.f16:  # each slot's tokens' 2^-k [P, 16, 1]
         ainv, refs = refs[0], refs[1:]
     w2, o_ref = refs[:nw], refs[-1]
-    n, s = pl.program_id(0), pl.program_id(1)
+    n, s, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(pl.multiple_of(n * sp.bn, sp.bn), sp.bn)
     start = s * steps
     U = read_ref.shape[0]
+    per = -(-U // parts)  # the slots [part·per, min((part + 1)·per, U)) of `parts` (slot_splits)
 
     def scaled(y, u):  # coef[:, u] (token b's routing weight of slot u) times the slot's product, per token
         if isinstance(y, tuple):
@@ -659,9 +665,12 @@ def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared:
     def add(acc, y):
         return tuple(p + q for p, q in zip(acc, y)) if isinstance(acc, tuple) else acc + y
 
-    def body(u, acc):
+    def product(u):  # slot u's coef-weighted down projection of these rows
         y = _gemv_rows(sp, w2, read_ref[u], rows, a, (u,), steps, start)
-        return add(acc, scaled(y * ainv[u] if sp.f16 else y, u))
+        return scaled(y * ainv[u] if sp.f16 else y, u)
+
+    def body(u, acc):
+        return add(acc, product(u))
 
     if sp.dot:
         zero = jnp.zeros((16, sp.bn), F32)
@@ -669,10 +678,16 @@ def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared:
         zero = jnp.zeros((sp.bn,), F32)
     else:
         zero = tuple(jnp.zeros((sp.bn,), F32) for _ in range(sp.Bp))
-    y = lax.fori_loop(0, U, body, zero)
-    if shared:
+    def body_part(i, acc):  # a static trip count: the last part's slots past U re-read slot U - 1, times 0
+        u = part * per + i
+        y = product(jnp.minimum(u, U - 1))
+        keep = lambda t: jnp.where(u < U, t, 0.0)  # noqa: E731
+        return add(acc, tuple(keep(t) for t in y) if isinstance(y, tuple) else keep(y))
+
+    y = lax.fori_loop(0, U, body, zero) if parts == 1 else lax.fori_loop(0, per, body_part, zero)
+    if shared:  # (with one part: `fits`)
         y = add(y, _gemv_rows(sp, refs[nw:nw + 1], None, rows, a, (U,), steps, start))
-    _store(o_ref, (s,), rows, y)
+    _store(o_ref, (s * parts + part,), rows, y)
 
 
 def _weight_views(w) -> tuple[list[jax.Array], bool]:
@@ -743,6 +758,15 @@ def _resolve(cf: Config, B: int, In: int, I: int, Out: int, packed: bool = False
     bk = cf.bk or next((b for b in ((256, 128, 64) if B == 1 and not f16 else (128, 64)) if In % b == 0 and I % b == 0),
                        G32)
     return dataclasses.replace(cf, bn=bn, bk=bk, scale=scale, x_f32=x_f32, mx_dot=mx_dot, f16=f16)
+
+
+def _slot_splits(cf: Config, Out: int, I: int, sms: int = 132) -> int:
+    """Kernel 2's programs along the slots: cf.slot_splits, or with `f16` the fewest (up to 4) that bring its grid to
+    8 programs an SM, else 1."""
+    if cf.slot_splits or not cf.f16:
+        return cf.slot_splits or 1
+    n = (Out // cf.bn) * _splits(cf, Out, I, sms)
+    return next((g for g in range(1, 4) if n * g >= 8 * sms), 4)
 
 
 def _splits(cf: Config, Out: int, I: int, sms: int = 132) -> int:
@@ -845,7 +869,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
         grid=(P, I // cf.bn), in_specs=[any_] * len(ins), out_specs=[any_] * len(outs),
         out_shape=tuple(outs), interpret=interpret, **kw)(*ins)
 
-    S = _splits(cf, Out, I)
+    S, G = _splits(cf, Out, I), _slot_splits(cf, Out, I)
     if f16:
         av, ainv = _f16_views(a)
         av = [*av, ainv]
@@ -854,10 +878,10 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     ins = [*(sel_down if route is None else sel), *av, *w2v, *s2]
     y = pl.pallas_call(
         functools.partial(_down_kernel, sp=sp, na=len(av) - f16, nw=len(w2v), shared=shared is not None,
-                          steps=I // S // cf.bk),
-        grid=(Out // cf.bn, S), in_specs=[any_] * len(ins), out_specs=any_,
-        out_shape=jax.ShapeDtypeStruct((S, Bp, Out), F32), interpret=interpret, **kw)(*ins)
-    return (y[0] if S == 1 else jnp.sum(y, axis=0))[:B]
+                          steps=I // S // cf.bk, parts=G),
+        grid=(Out // cf.bn, S, G), in_specs=[any_] * len(ins), out_specs=any_,
+        out_shape=jax.ShapeDtypeStruct((S * G, Bp, Out), F32), interpret=interpret, **kw)(*ins)
+    return (y[0] if S * G == 1 else jnp.sum(y, axis=0))[:B]
 
 
 def reference(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Config | None = None,
@@ -883,8 +907,9 @@ MEASURED: dict[tuple, tuple[float, float]] = {
     # MXFP4 B = 8 entry (the element-wise form, 721.4 against XLA's 327.5) is dropped: the new default is not measured
     # there
     # On float16 tensor cores (`f16`, the default since for marked stacks): 425.2 us against XLA's 1203.6 and mx_dot's
-    # 590.6 in the same run (seventeenth session)
-    ("mxfp4", 8, 64, 1536, 3584, 3584, False): (425.2, 1203.6),
+    # 590.6 in the same run (seventeenth session, call 1); with kernel 2's slots in 4 parts (the default since) 415.2
+    # against XLA's 1222.1 (call 6)
+    ("mxfp4", 8, 64, 1536, 3584, 3584, False): (415.2, 1222.1),
     # MXFP4 at B = 1 with the scale per group and the input in float32 (the B = 1 default since): the sweep at K3's
     # TP 2 share, 2026-12-03 (fourteenth session: 145.2 us against 182.1; the scale per weight 187.9); 2026-12-04
     # (sixteenth, the "asm" decode: 119.6 against 176.8, the "f16" decode 141.2)
@@ -897,11 +922,12 @@ MEASURED: dict[tuple, tuple[float, float]] = {
 # running both strategies): stock (bf16) 4212.7 against 9839.8, packed (MXFP4 on the tensor cores) 5792.1 against
 # 12074.1.  The packed rows again with the "asm" decode (sixteenth session, call 2, one process each): B = 1 2647.3
 # against 3252.3, B = 8 4456.6 against 12066.2.  B = 8 on float16 tensor cores (`f16`, seventeenth session, call 1):
-# 3869.8 against mx_dot's 4454.9 in the same call (XLA's experts: the sixteenth session's 12066.2).
+# 3869.8 against mx_dot's 4454.9 in the same call (XLA's experts: the sixteenth session's 12066.2); call 6, kernel 2's
+# slots in 2 parts (the default since): 3811.6 against one part's 3891.8.
 STEP_MEASURED: dict[tuple, tuple[float, float]] = {
     ("mxfp4", 1, None, 3072, 3584, 3584, False): (2647.3, 3252.3),
     ("bf16", 8, 32, 3072, 3584, 3584, False): (4212.7, 9839.8),
-    ("mxfp4", 8, 32, 3072, 3584, 3584, False): (3869.8, 12066.2),
+    ("mxfp4", 8, 32, 3072, 3584, 3584, False): (3811.6, 12066.2),
 }
 MARGIN = 1.05
 
@@ -948,6 +974,9 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
                     f"got [{rows}, {cols}]")
     if I % (S * cf.bk):
         return f"moe_experts kernel: {S} splits of I {I} in tiles of {cf.bk} do not divide it"
+    if cf.slot_splits < 0 or (_slot_splits(cf, Out, I) > 1 and shared is not None):
+        return (f"moe_experts kernel: slot_splits must be >= 0, and 1 with the shared experts fused, got "
+                f"{cf.slot_splits}")
     if shared is not None:
         if packed:
             return "moe_experts kernel fuses the shared experts with bf16 routed experts only (these are MXFP4)"
@@ -976,9 +1005,9 @@ register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits
                          "at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps XLA; B=8 with 64 experts kept); MXFP4 "
                          "(the \"asm\" decode): 1.48x at K3 TP 2 B=1 with the scale per group (K3 layers 11-14 at "
                          "TP 1, "
-                         "packed: the step 2647.3 us against XLA's 3252.3); 2.83x at K3 TP 2 B=8 on float16 tensor "
+                         "packed: the step 2647.3 us against XLA's 3252.3); 2.94x at K3 TP 2 B=8 on float16 tensor "
                          "cores (f16; mx_dot 2.04x); K3 layers 11-14 at TP 1, B=8: the step 4212.7 us against 9839.8 "
-                         "(bf16) and 3869.8 against 12066.2 (MXFP4; mx_dot 4454.9) (H200, jax 0.11.2; MEASURED, "
+                         "(bf16) and 3811.6 against 12066.2 (MXFP4; mx_dot 4454.9) (H200, jax 0.11.2; MEASURED, "
                          "STEP_MEASURED)"))
 
 

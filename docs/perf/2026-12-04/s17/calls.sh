@@ -56,3 +56,42 @@ if [ "$C" = 4 ]; then
   t k3 b1 f16 bn32; timeout -k 5 80 python3 scripts/gpu/step_with_kernel.py moe_experts:Config.f16=1 moe_experts:Config.bn=32 -- $K3 --batch 1 --json $O/4_k3b1_f16bn32.json 2>&1 | grep -E "^ +1 \||rror" | tail -3
   t done
 fi
+
+# Call 5: Nsight Compute on the float16 form's two kernels (scripts/gpu/s17_ncu.sh, as run):
+#   #!/usr/bin/env bash
+#   export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.92
+#   O=$OUT
+#   which ncu || ls /opt/nvidia/nsight-compute/*/ncu
+#   NCU=$(which ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+#   for cfg in ""; do
+#     tag=${cfg:-f16}
+#     echo "== $tag ($(date -u +%T))"
+#     timeout -k 5 200 $NCU --clock-control none --target-processes all -k regex:"gate_up|down" --launch-skip 6 --launch-count 2 \
+#       --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+#       python3 scripts/gpu/moe_experts_sweep.py --preset k3 --batch 8 --formats mxfp4 --configs "$cfg" --json $O/ncu_$tag.json > $O/ncu_$tag.txt 2>&1
+#     echo "rc $?"; grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp|No Eligible|Stall|Block Limit" $O/ncu_$tag.txt | head -60
+#   done
+
+# Calls 6 and 7: kernel 2's slots split over programs (slot_splits), then main with it the default.
+if [ "$C" = 6 ]; then
+  t tests
+  timeout -k 5 100 python3 -m pytest tests/test_kernels.py -m gpu -q -rfEs -p no:cacheprovider -k "moe_experts_kernel_on_gpu and mxfp4 and (config8 or None)" > $O/6_tests.log 2>&1
+  echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|rror" $O/6_tests.log | cut -c1-300 | tail -8
+  t sweep
+  timeout -k 5 150 python3 scripts/gpu/moe_experts_sweep.py --preset k3 --batch 8 --formats mxfp4 --configs "slot_splits=2;slot_splits=3;slot_splits=4;slot_splits=2,bn=64" --json $O/6_sweep.json 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
+  t k3 b8 main; timeout -k 5 80 python3 -m jaxk3.cli bench decode $K3 --batch 8 --json $O/6_k3b8_main.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t k3 b8 slot2; timeout -k 5 80 python3 scripts/gpu/step_with_kernel.py moe_experts:Config.slot_splits=2 -- $K3 --batch 8 --json $O/6_k3b8_slot2.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t k3 b8 slot3; timeout -k 5 80 python3 scripts/gpu/step_with_kernel.py moe_experts:Config.slot_splits=3 -- $K3 --batch 8 --json $O/6_k3b8_slot3.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t done
+fi
+if [ "$C" = 7 ]; then
+  t tests
+  T=tests/test_kernels_real.py::test_kernel_real_dims_on_gpu
+  timeout -k 5 100 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider "$T[moe_experts_mxfp4-k3-1-8]" "$T[moe_experts_mxfp4-k3-2-8]" "$T[moe_experts_mxfp4-k3-8-8]" "$T[moe_experts_mxfp4-kimi-linear-48b-1-8]" > $O/7_real_tests.log 2>&1
+  echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|rror" $O/7_real_tests.log | cut -c1-300 | tail -4
+  timeout -k 5 70 python3 -m pytest tests/test_kernels.py -m gpu -q -rfEs -p no:cacheprovider -k "f16_asm_on_gpu or (moe_experts_kernel_on_gpu and mxfp4 and (config8 or None))" > $O/7_tests.log 2>&1
+  echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|rror" $O/7_tests.log | cut -c1-300 | tail -4
+  t k3 b8 main; timeout -k 5 70 python3 -m jaxk3.cli bench decode $K3 --batch 8 --json $O/7_k3b8_main.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t k3 b8 one part; timeout -k 5 70 python3 scripts/gpu/step_with_kernel.py moe_experts:Config.slot_splits=1 -- $K3 --batch 8 --json $O/7_k3b8_slot1.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
+  t done
+fi

@@ -470,10 +470,9 @@ def _f16_dot_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
     x[lead] for 16 (padded) token rows given as float16 (even, odd) columns [16, In/32, 16], fp32 [16, bn].  Each scale
     group's codes become float16 values code · 2^(s − 127) exactly (`_e2m1_f16_scaled`), against the tokens' even and
     odd columns in two [16, 16] x [16, bn] dots accumulated in place: float16 products are exact in fp32."""
+    pl = _pl()
     wl = () if e is None else (e,)
     g = sp.bk // G32
-
-    pl = _pl()
 
     def body(i, acc):
         grp = pl.ds(pl.multiple_of((start + i) * g, g), g)
@@ -678,6 +677,7 @@ def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared:
         zero = jnp.zeros((sp.bn,), F32)
     else:
         zero = tuple(jnp.zeros((sp.bn,), F32) for _ in range(sp.Bp))
+
     def body_part(i, acc):  # a static trip count: the last part's slots past U re-read slot U - 1, times 0
         u = part * per + i
         y = product(jnp.minimum(u, U - 1))
@@ -710,7 +710,7 @@ def _x_views(x: jax.Array, packed: bool, f32: bool = False) -> list[jax.Array]:
 
 
 def _f16_views(x: jax.Array) -> tuple[list[jax.Array], jax.Array]:
-    """Rows [..., R, In] (float32 or bf16) -> their float16 (even, odd) columns [..., R, In/32, 16] each times 2^k per
+    """Rows [..., R, In] (bf16 values, any float dtype) -> their float16 (even, odd) columns [..., R, In/32, 16] each times 2^k per
     row, and 2^-k [..., R, 1] float32: k puts the row's largest magnitude in [2^14, 2^15) (k = 0 for a row of zeros;
     |k| <= 126), so nothing overflows and every value above 2^-17 of the row's maximum is exact (bf16's 8 significant
     bits; below, float16's subnormals round it by at most 2^-39 of the maximum)."""

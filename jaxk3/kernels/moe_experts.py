@@ -974,9 +974,6 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
                     f"got [{rows}, {cols}]")
     if I % (S * cf.bk):
         return f"moe_experts kernel: {S} splits of I {I} in tiles of {cf.bk} do not divide it"
-    if cf.slot_splits < 0 or (_slot_splits(cf, Out, I) > 1 and shared is not None):
-        return (f"moe_experts kernel: slot_splits must be >= 0, and 1 with the shared experts fused, got "
-                f"{cf.slot_splits}")
     if shared is not None:
         if packed:
             return "moe_experts kernel fuses the shared experts with bf16 routed experts only (these are MXFP4)"
@@ -985,6 +982,9 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
             return (f"moe_experts kernel fuses shared experts of the routed experts' shapes and dtype (gate_up "
                     f"[{2 * I}, {In}], down [{Out}, {I}]), got {shared.gate_up.shape} {shared.gate_up.dtype}, "
                     f"{shared.down.shape} {shared.down.dtype}")
+    if cf.slot_splits < 0 or (_slot_splits(cf, Out, I) > 1 and shared is not None):
+        return (f"moe_experts kernel: slot_splits must be >= 0, and 1 with the shared experts fused, got "
+                f"{cf.slot_splits}")
     if only_where_faster:
         key = _key(w, z_BL.shape[0], shared)
         m = MEASURED.get(key) or STEP_MEASURED.get(key)

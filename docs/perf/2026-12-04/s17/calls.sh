@@ -95,3 +95,22 @@ if [ "$C" = 7 ]; then
   t k3 b8 one part; timeout -k 5 70 python3 scripts/gpu/step_with_kernel.py moe_experts:Config.slot_splits=1 -- $K3 --batch 8 --json $O/7_k3b8_slot1.json 2>&1 | grep -E "^ +8 \||rror" | tail -3
   t done
 fi
+
+# Call 8: Nsight Compute on the one-token group form's two kernels (as call 5, --batch 1; output 8_ncu_b1.txt):
+#   #!/usr/bin/env bash
+#   export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.92
+#   O=$OUT
+#   timeout -k 5 200 ncu --clock-control none --target-processes all -k regex:"gate_up|down" --launch-skip 6 --launch-count 2 \
+#     --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+#     python3 scripts/gpu/moe_experts_sweep.py --preset k3 --batch 1 --formats mxfp4 --configs "" --json $O/8_ncu_b1.json > $O/8_ncu_b1.txt 2>&1
+#   echo "rc $?"; grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issued Warp|No Eligible|Waves Per SM|Grid Size" $O/8_ncu_b1.txt | head -40
+
+# Call 9: kernel 2's slot parts at one token (measured, not taken).
+if [ "$C" = 9 ]; then
+  t sweep b1
+  timeout -k 5 90 python3 scripts/gpu/moe_experts_sweep.py --preset k3 --batch 1 --formats mxfp4 --configs "slot_splits=2;slot_splits=3;slot_splits=4" --json $O/9_sweep.json 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
+  t k3 b1 main; timeout -k 5 60 python3 -m jaxk3.cli bench decode $K3 --batch 1 --json $O/9_k3b1_main.json 2>&1 | grep -E "^ +1 \||rror" | tail -3
+  t k3 b1 slot2; timeout -k 5 60 python3 scripts/gpu/step_with_kernel.py moe_experts:Config.slot_splits=2 -- $K3 --batch 1 --json $O/9_k3b1_slot2.json 2>&1 | grep -E "^ +1 \||rror" | tail -3
+  t k3 b1 slot3; timeout -k 5 60 python3 scripts/gpu/step_with_kernel.py moe_experts:Config.slot_splits=3 -- $K3 --batch 1 --json $O/9_k3b1_slot3.json 2>&1 | grep -E "^ +1 \||rror" | tail -3
+  t done
+fi

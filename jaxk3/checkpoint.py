@@ -585,9 +585,9 @@ def mark_experts_f16(cfg: KimiK3Config, weights):
     """(cfg, weights) with `experts_f16` set where the MXFP4 experts' scales all lie in the float16-exact range
     (`moe_experts.F16_SCALES`: checked on the loaded arrays), and each MXFP4 stack declaring it (`MXFP4.f16`), so
     that the step's weight specs (from the config) and the arrays agree; as they were otherwise."""
-    if cfg.experts_format != "mxfp4" or cfg.experts_f16 == f16_exact(weights):
+    f16 = cfg.experts_format == "mxfp4" and f16_exact(weights)
+    if f16 == cfg.experts_f16:
         return cfg, weights
-    f16 = not cfg.experts_f16
     return dataclasses.replace(cfg, experts_f16=f16), with_f16(weights, f16)
 
 

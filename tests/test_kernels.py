@@ -694,7 +694,8 @@ def test_moe_experts_mxfp4_on_the_tensor_cores(B, joined):
         bn=16, bk=64, **{"f16": False, **c})))  # (the float16 form has its own test)
     base = run(mx_dot=False)
     # the default for several tokens (mx_dot None), where the stacks' scales are not marked float16-exact: the tensor
-    # cores with bf16 activations; element-wise where the input is widened (x_f32) or float32, which mx_dot does not take
+    # cores with bf16 activations; element-wise where the input is widened (x_f32) or float32, which mx_dot does not
+    # take
     w_unmarked = ME.with_f16(w, False)
     np.testing.assert_array_equal(np.asarray(ME.experts(cfg, w_unmarked, z, wk, ids, interpret=True,
                                                         config=ME.Config(bn=16, bk=64))), run(mx_dot=True))

@@ -100,8 +100,9 @@ class Config:
     # a float16, exactly, for E8M0 bytes in F16_SCALES (PTX's mul.rn.f16x2 of the "asm" decode's bits); the bf16 tokens
     # scaled per row by a power of two into float16 (exact from 2^-17 of the row's maximum up: `_f16_views`); one dot
     # per tile, no per-group rescale.  None: on for B > 1 with bf16 activations where the stacks are marked
-    # (`MXFP4.f16`, from the config's experts_f16, set at load), before mx_dot (seventeenth session, K3's TP 2 share, B = 8: 425.2 us against mx_dot's
-    # 590.6 and XLA's 1203.6); off at B = 1, where it lost to the scale per group (164.1 us against 122.0)
+    # (`MXFP4.f16`, from the config's experts_f16, set at load), before mx_dot (seventeenth session, K3's TP 2 share,
+    # B = 8: 425.2 us against mx_dot's 590.6 and XLA's 1203.6); off at B = 1, where it lost to the scale per group
+    # (164.1 us against 122.0)
 
 
 @jax.tree_util.register_dataclass
@@ -143,8 +144,8 @@ def f16_exact(tree) -> bool:
     if not stacks or any(isinstance(m.scale, jax.core.Tracer) for m in stacks):
         return False
     for m in stacks:
-        if m.scale.size and not (F16_SCALES[0] <= int(jax.device_get(jnp.min(m.scale)))
-                                 and int(jax.device_get(jnp.max(m.scale))) <= F16_SCALES[1]):
+        lo, hi = jax.device_get((jnp.min(m.scale), jnp.max(m.scale))) if m.scale.size else F16_SCALES
+        if not F16_SCALES[0] <= int(lo) <= int(hi) <= F16_SCALES[1]:
             return False
     return True
 
@@ -332,7 +333,8 @@ def _e2m1_f16_asm(codes_u8: jax.Array) -> tuple[jax.Array, jax.Array]:
 # The decode's bits are code · 2^-14 (a subnormal for 0.5); times the float16 2^(s − 113) (normal for s in [99, 128])
 # the product code · 2^(s − 127) is exact down to float16's smallest subnormal 2^-24 (0.5 · 2^(s − 127): s >= 104)
 # and finite up to 6 · 2^(s − 127) <= 65504.  Real checkpoints' experts (|w| < 12 per group, no group below 2^-21)
-# lie inside; `_f16_scales_ok` checks a stack, and a stack outside keeps the float32 forms.
+# lie inside; `f16_exact` checks the stacks at load (`checkpoint.mark_experts_f16`), and a stack outside keeps the
+# float32 forms.
 F16_SCALES = (104, 128)
 # Eight codes of a 32-bit word w as four float16 pairs in the pack=4 output order (result register j holds elements
 # 2j, 2j + 1 in its low and high halves): prmt puts bytes (0, 2, 1, 3) at positions (0, 1, 2, 3), so positions 0, 2
@@ -469,7 +471,7 @@ def _f16_dot_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
     """MXFP4 on float16 tensor cores (`Config.f16`): Σ over the input tiles [start, start + steps) of W[e, rows, :] ·
     x[lead] for 16 (padded) token rows given as float16 (even, odd) columns [16, In/32, 16], fp32 [16, bn].  Each scale
     group's codes become float16 values code · 2^(s − 127) exactly (`_e2m1_f16_scaled`), against the tokens' even and
-    odd columns in two [16, 16] x [16, bn] dots accumulated in place: float16 products are exact in fp32."""
+    odd columns in two [16, bk/2] x [bk/2, bn] dots per tile: float16 products are exact in fp32."""
     pl = _pl()
     wl = () if e is None else (e,)
     g = sp.bk // G32
@@ -710,10 +712,10 @@ def _x_views(x: jax.Array, packed: bool, f32: bool = False) -> list[jax.Array]:
 
 
 def _f16_views(x: jax.Array) -> tuple[list[jax.Array], jax.Array]:
-    """Rows [..., R, In] (bf16 values, any float dtype) -> their float16 (even, odd) columns [..., R, In/32, 16] each times 2^k per
-    row, and 2^-k [..., R, 1] float32: k puts the row's largest magnitude in [2^14, 2^15) (k = 0 for a row of zeros;
-    |k| <= 126), so nothing overflows and every value above 2^-17 of the row's maximum is exact (bf16's 8 significant
-    bits; below, float16's subnormals round it by at most 2^-39 of the maximum)."""
+    """Rows [..., R, In] (bf16 values, any float dtype) -> their float16 (even, odd) columns [..., R, In/32, 16] each
+    times 2^k per row, and 2^-k [..., R, 1] float32: k puts the row's largest magnitude in [2^14, 2^15) (k = 0 for
+    a row of zeros; |k| <= 126), so nothing overflows and every value above 2^-17 of the row's maximum is exact
+    (bf16's 8 significant bits; below, float16's subnormals round it by at most 2^-39 of the maximum)."""
     x = x.astype(F32)
     m = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     _, ex = jnp.frexp(m)  # m in [2^(ex-1), 2^ex)
@@ -732,8 +734,7 @@ def _dims(w) -> tuple[int, int, int, int, bool]:
 
 def _f16_marked(w) -> bool:
     """Whether the block's MXFP4 stacks are all marked `f16` (every scale in F16_SCALES, checked at load)."""
-    stacks = [getattr(w, n, None) for n in ("experts_w13", "experts_w1", "experts_w3", "experts_w2")]
-    stacks = [m for m in stacks if isinstance(m, MXFP4)]
+    stacks = _stacks(w)
     return bool(stacks) and all(m.f16 for m in stacks)
 
 
@@ -844,7 +845,8 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     Bp = _rows_padded(w, z_BL, cf)
     decode = "f16" if interpret and cf.decode == "asm" else cf.decode  # interpret mode has no PTX: the same values
     f16 = packed and bool(cf.f16)
-    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=decode, group=packed and cf.scale == "group" and not f16,
+    sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=decode,
+               group=packed and cf.scale == "group" and not f16,
                mx_dot=packed and bool(cf.mx_dot) and B > 1 and not f16, f16=f16)
     zp = jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0)))
     if f16:

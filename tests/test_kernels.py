@@ -371,8 +371,9 @@ def test_moe_experts_f16_asm_decode_is_the_jnp_form_bit_for_bit():
     """The float16 form's PTX (`_ASM16_LO`, `_ASM16_HI`: the codes' float16 bits after a byte permute, times the
     group's float16 2^(s − 113) by mul.rn.f16x2), read instruction by instruction, gives the jnp form's values (the
     interpret path: `_e2m1_f16`'s raw values times the scale, rounded once to float16) bit for bit: every byte value
-    in each of the four positions of a word and random words, at every scale byte of F16_SCALES, each result register
-    holding elements 2j, 2j + 1 in its halves (Triton's pack=4 order); every value is code · 2^(s − 127) exactly."""
+    in each of the four positions of a word and random words, at every scale byte of F16_SCALES, each element with its
+    own scale (the two pairs of a word may be two rows'), each result register holding elements 2j, 2j + 1 in its halves
+    (Triton's pack=4 order); every value is code · 2^(s − 127) exactly."""
     from jaxk3.kernels import moe_experts as ME
 
     rng = np.random.default_rng(1)
@@ -380,20 +381,24 @@ def test_moe_experts_f16_asm_decode_is_the_jnp_form_bit_for_bit():
     words = np.concatenate([b, b << 8, b << 16, b << 24, rng.integers(0, 2 ** 32, 1024, dtype=np.uint64)
                             .astype(np.uint32)])
     table = np.asarray(ME._E2M1_VALUES, np.float64)
-    for s in range(ME.F16_SCALES[0], ME.F16_SCALES[1] + 1):
-        s16 = np.asarray(ME._f16_scale(jnp.asarray([s], jnp.uint8)))
-        pair = np.uint32(s16.view(np.uint16)[0]) * np.uint32(0x10001)
-        ins = {"$2": words, "$3": np.full_like(words, pair), "$4": np.full_like(words, pair)}
+    lo_s, hi_s = ME.F16_SCALES
+    # each element its own scale byte (Triton may pack two rows' pairs into one word: `Config.swap`): every scale of
+    # F16_SCALES at element 0 in turn, the other three drawn at random
+    for s in range(lo_s, hi_s + 1):
+        sc = rng.integers(lo_s, hi_s + 1, (words.size, 4)).astype(np.uint8)
+        sc[:, 0] = s
+        s16 = np.asarray(ME._f16_scale(jnp.asarray(sc)))  # [n, 4] float16
+        h = s16.view(np.uint16).astype(np.uint32)
+        ins = {"$2": words, "$3": h[:, 0] | (h[:, 1] << 16), "$4": h[:, 2] | (h[:, 3] << 16)}
         got = {n: _run_ptx(asm, words, ins, outs=2) for n, asm in (("lo", ME._ASM16_LO), ("hi", ME._ASM16_HI))}
         codes = jnp.asarray(np.stack([(words >> (8 * i)) & 0xFF for i in range(4)], -1).astype(np.uint8))  # [n, 4]
-        want = ME._e2m1_f16_scaled(ME._Spec(Bp=16, packed=True, bn=16, bk=64, decode="f16"), codes,
-                                   jnp.broadcast_to(jnp.asarray(s16), codes.shape))
+        want = ME._e2m1_f16_scaled(ME._Spec(Bp=16, packed=True, bn=16, bk=64, decode="f16"), codes, jnp.asarray(s16))
         for n, wv, nib in (("lo", want[0], codes & 15), ("hi", want[1], codes >> 4)):
             bits = np.asarray(wv).view(np.uint16).astype(np.uint32)  # [n, 4]
             for j in range(2):
                 np.testing.assert_array_equal(got[n][j], bits[:, 2 * j] | (bits[:, 2 * j + 1] << 16),
                                               err_msg=f"{n} register {j}, scale {s}")
-            exact = table[np.asarray(nib)] * 2.0 ** (s - 127)
+            exact = table[np.asarray(nib)] * 2.0 ** (sc.astype(np.float64) - 127)
             np.testing.assert_array_equal(np.asarray(wv).astype(np.float64), exact)
 
 
@@ -700,7 +705,8 @@ def test_moe_experts_mxfp4_on_the_tensor_cores(B, joined):
     np.testing.assert_array_equal(np.asarray(ME.experts(cfg, w_unmarked, z, wk, ids, interpret=True,
                                                         config=ME.Config(bn=16, bk=64))), run(mx_dot=True))
     np.testing.assert_array_equal(run(x_f32=True), run(mx_dot=False, x_f32=True))
-    assert ME._rows_padded(w, z, None) == 16 and ME._rows_padded(w, z.astype(jnp.float32), None) == (4 if B == 3 else 8)
+    assert ME._rows_padded(w_unmarked, z, None) == 16 and ME._rows_padded(w, z.astype(jnp.float32), None) == (
+        4 if B == 3 else 8)
     for c in (dict(mx_dot=True), dict(mx_dot=True, decode="select"), dict(mx_dot=True, splits=1)):
         assert ME.fits(cfg, w, z, wk, ids, config=ME.Config(bn=16, bk=64, **c), only_where_faster=False) is None
         got = run(**c)
@@ -725,7 +731,9 @@ def test_moe_experts_mxfp4_on_f16_tensor_cores(B, joined):
         w = _joined(w)
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
     run = lambda **c: np.asarray(ME.experts(cfg, w, z, wk, ids, interpret=True, config=ME.Config(bn=16, bk=64, **c)))
-    assert ME._rows_padded(w, z, ME.Config(f16=True)) == 16
+    # the tokens padded to 8 rows with the weights as the MMA's M side (`swap`, the default with f16), else 16
+    assert ME._rows_padded(w, z, ME.Config(f16=True)) == 8
+    assert ME._rows_padded(w, z, ME.Config(f16=True, swap=False)) == 16
     base = run(f16=False)
     # the default for several tokens where the stacks are marked (the loader marks them: every scale of the test's
     # random weights lies in F16_SCALES); not for one token; a scale outside the range (either end) fails the check
@@ -740,14 +748,19 @@ def test_moe_experts_mxfp4_on_f16_tensor_cores(B, joined):
     assert "f16 takes bf16" in ME.fits(cfg, w, z.astype(jnp.float32), wk, ids, config=ME.Config(f16=True),
                                        only_where_faster=False)
     # kernel 2's programs along the slots (slot_splits; 5 parts leave some empty at these few slots): the default
-    # rule splits them only for the float16 form's short grids (K3's TP 2 share: 4; TP 1: 2)
+    # rule splits them for the float16 form's short grids (the default 256-column tiles: K3's TP 2 share and TP 1 4;
+    # TP 1 in 128-column tiles, 672 programs: 2)
     cf = ME._resolve(ME.Config(), 8, 3584, 1536, 3584, True, f16_ok=True)
-    assert (ME._slot_splits(cf, 3584, 1536), ME._slot_splits(cf, 3584, 3072)) == (4, 2)
+    assert (cf.bk, cf.num_stages, cf.swap) == (256, 1, True)
+    assert (ME._slot_splits(cf, 3584, 1536), ME._slot_splits(cf, 3584, 3072)) == (4, 4)
+    assert ME._slot_splits(dataclasses.replace(cf, bk=128), 3584, 3072) == 2
     assert ME._slot_splits(ME._resolve(ME.Config(), 8, 3584, 1536, 3584, True), 3584, 1536) == 1
+    assert ME._slot_splits(ME._resolve(ME.Config(), 1, 3584, 1536, 3584, True), 3584, 1536, one_mx=True) == 4
     assert "slot_splits must be" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(slot_splits=-1),
                                             only_where_faster=False)
     for c in (dict(f16=True), dict(f16=True, splits=1), dict(f16=True, decode="select"),
-              dict(f16=True, slot_splits=2), dict(f16=True, slot_splits=5, splits=1)):
+              dict(f16=True, slot_splits=2), dict(f16=True, slot_splits=5, splits=1), dict(f16=True, swap=False),
+              dict(f16=True, swap=False, slot_splits=2)):
         assert ME.fits(cfg, w, z, wk, ids, config=ME.Config(bn=16, bk=64, **c), only_where_faster=False) is None
         got = run(**c)
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max(), err_msg=str(c))
@@ -781,7 +794,8 @@ def test_moe_experts_f16_views_scale_rows_exactly():
 @pytest.mark.parametrize("config", [None, dict(decode="bits"), dict(scale="group", x_f32=True),
                                     dict(bn=32, bk=64, splits=1, decode="select", num_warps=8, num_stages=2),
                                     dict(mx_dot=True), dict(mx_dot=False), dict(decode="asm"),
-                                    dict(decode="asm", mx_dot=True), dict(f16=True)])
+                                    dict(decode="asm", mx_dot=True), dict(f16=True), dict(f16=True, swap=False),
+                                    dict(f16=True, bn=64)])
 @pytest.mark.parametrize("layout", ["checkpoint", "joined+shared"])
 def test_moe_experts_kernel_on_gpu(fmt, B, config, layout):
     """The compiled kernel (Triton) on a GPU against the jnp reference, bf16 activations, in the default
@@ -824,17 +838,19 @@ def test_moe_experts_asm_decode_on_gpu(B):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 8])
-def test_moe_experts_f16_asm_on_gpu(B):
+@pytest.mark.parametrize("swap", [True, False])
+def test_moe_experts_f16_asm_on_gpu(B, swap):
     """The compiled float16 tensor-core form (`Config(f16=True)`) with its PTX decode ("asm": the codes' float16 bits
     times the scale by mul.rn.f16x2) against the same form with Triton's decode ("f16": the float32 raw values times
     the scale, rounded to float16): the same float16 values into the same dots, so the same output bit for bit; both
-    within the reference's tolerance."""
+    within the reference's tolerance.  With the weights as the MMA's M side (`swap`) Triton may pack two rows' pairs
+    into one asm word: each pair must take its own scale."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda): inline PTX")
     from jaxk3.kernels import moe_experts as ME
 
     cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B)
-    run = {d: np.asarray(jax.jit(lambda *a, d=d: ME.experts(cfg, *a, config=ME.Config(decode=d, f16=True)))(
+    run = {d: np.asarray(jax.jit(lambda *a, d=d: ME.experts(cfg, *a, config=ME.Config(decode=d, f16=True, swap=swap)))(
         w, z, wk, ids)) for d in ("asm", "f16")}
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
     np.testing.assert_allclose(run["asm"], ref, rtol=0, atol=2e-5 * np.abs(ref).max())

@@ -135,6 +135,11 @@ def test_moe_experts_kernel_matches_reference(fmt, dtype, B, layout):
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
     if shared is not None:  # the shared experts are in the sum: without them the result moves
         assert np.abs(ref - np.asarray(ME.reference(cfg, w, z, wk, ids))).max() > 1e-3 * np.abs(ref).max()
+    if fmt == "dense" and B > 1:  # the weights as the MMA's M side (`swap`: set by hand for bf16), 8 token rows
+        cs = dataclasses.replace(c, swap=True)
+        assert ME._rows_padded(w, z, cs) == 8 and ME._rows_padded(w, z, c) == 16
+        got = np.asarray(ME.experts(cfg, w, z, wk, ids, shared=shared, interpret=True, config=cs))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
 def _routed_case(fmt: str, dtype, E: int | None = None, ties: bool = True, seed: int = 3, B: int = 1):
@@ -795,7 +800,7 @@ def test_moe_experts_f16_views_scale_rows_exactly():
                                     dict(bn=32, bk=64, splits=1, decode="select", num_warps=8, num_stages=2),
                                     dict(mx_dot=True), dict(mx_dot=False), dict(decode="asm"),
                                     dict(decode="asm", mx_dot=True), dict(f16=True), dict(f16=True, swap=False),
-                                    dict(f16=True, bn=64)])
+                                    dict(f16=True, bn=64), dict(swap=True)])
 @pytest.mark.parametrize("layout", ["checkpoint", "joined+shared"])
 def test_moe_experts_kernel_on_gpu(fmt, B, config, layout):
     """The compiled kernel (Triton) on a GPU against the jnp reference, bf16 activations, in the default

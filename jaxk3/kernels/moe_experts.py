@@ -108,10 +108,11 @@ class Config:
     # (`MXFP4.f16`, from the config's experts_f16, set at load), before mx_dot (seventeenth session, K3's TP 2 share,
     # B = 8: 425.2 us against mx_dot's 590.6 and XLA's 1203.6); off at B = 1, where it lost to the scale per group
     # (164.1 us against 122.0)
-    swap: bool | None = None  # `f16`'s dot as the decoded weights [bn, bk/2] (the MMA's M side: Hopper's wgmma takes
-    # them from registers) times the tokens [bk/2, Bp], the tokens padded to 8 rows (wgmma's N) instead of 16 (the
-    # M side of mma.sync).  None: on with `f16` (eighteenth session, K3's TP 2 share, B = 8: 355.2 us against 404.4;
-    # the K3 B = 8 step 3597.9 us against 3792.8)
+    swap: bool | None = None  # the B > 1 dot as the weights [bn, bk] (the MMA's M side: Hopper's wgmma, `f16`'s
+    # decoded weights from registers) times the tokens [bk, Bp], the tokens padded to 8 rows (wgmma's N) instead of 16
+    # (the M side of mma.sync).  None: on with `f16` (eighteenth session, K3's TP 2 share, B = 8: 355.2 us against
+    # 404.4; the K3 B = 8 step 3597.9 us against 3792.8); for bf16 experts only when set (built after the session's
+    # device time ran out: not measured, so not a default)
 
 
 @jax.tree_util.register_dataclass
@@ -408,7 +409,7 @@ class _Spec:
 
     @property
     def dot(self) -> bool:
-        return (self.Bp == 16 and (not self.packed or self.mx_dot)) or (self.packed and self.f16 and self.Bp > 1)
+        return (self.Bp == 16 and (not self.packed or self.mx_dot)) or ((self.swap or self.f16) and self.Bp > 1)
 
 
 def _pl():
@@ -509,6 +510,10 @@ def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
         return _f16_dot_rows(sp, w, e, rows, x, lead, steps, start)
     if sp.dot and sp.packed:
         return _mx_dot_rows(sp, w, e, rows, x, lead, steps, start)
+    if sp.dot and sp.swap:  # dense, the weights as the MMA's M side: [bn, Bp], transposed once
+        def body(i, acc):
+            return acc + dot_nt(_tile(sp, w, e, rows, start + i), _xs(sp, x, (*lead, slice(None)), start + i))
+        return lax.fori_loop(0, steps, body, jnp.zeros((sp.bn, sp.Bp), F32)).T
     if sp.dot:
         def body(i, acc):
             return acc + dot_nt(_xs(sp, x, (*lead, slice(None)), start + i), _tile(sp, w, e, rows, start + i))
@@ -690,7 +695,7 @@ def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared:
         return add(acc, product(u))
 
     if sp.dot:
-        zero = jnp.zeros((sp.Bp if sp.f16 else 16, sp.bn), F32)
+        zero = jnp.zeros((sp.Bp, sp.bn), F32)
     elif sp.Bp == 1:
         zero = jnp.zeros((sp.bn,), F32)
     else:
@@ -775,7 +780,7 @@ def _resolve(cf: Config, B: int, In: int, I: int, Out: int, packed: bool = False
     bn = cf.bn or next((b for b in bns if I % b == 0 and Out % b == 0), 16)
     bk = cf.bk or next((b for b in ((256, 128, 64) if (B == 1 and not f16) or (f16 and B > 1) else (128, 64))
                         if In % b == 0 and I % b == 0), G32)
-    swap = f16 and (cf.swap is None or bool(cf.swap))
+    swap = (f16 and (cf.swap is None or bool(cf.swap))) or (not packed and B > 1 and bool(cf.swap))
     stages = cf.num_stages or (1 if f16 else 3)
     return dataclasses.replace(cf, bn=bn, bk=bk, scale=scale, x_f32=x_f32, mx_dot=mx_dot, f16=f16, swap=swap,
                                num_stages=stages)
@@ -846,8 +851,10 @@ def _rows_padded(w, z_BL: jax.Array, config: Config | None = None) -> int:
     _, I, In, Out, _ = _dims(w)
     packed = isinstance(w.experts_w2, MXFP4)
     cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype, _f16_marked(w))
+    if cf.swap:  # the weights as the MMA's M side: the tokens are its N, at least 8
+        return max(8, 1 << (B - 1).bit_length())
     if packed and cf.f16:
-        return max(8, 1 << (B - 1).bit_length()) if cf.swap else 16
+        return 16
     if B == 1 or not packed or cf.mx_dot:
         return 1 if B == 1 else 16
     return 1 << (B - 1).bit_length()
@@ -871,7 +878,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     f16 = packed and bool(cf.f16)
     sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=decode,
                group=packed and cf.scale == "group" and not f16,
-               mx_dot=packed and bool(cf.mx_dot) and B > 1 and not f16, f16=f16, swap=f16 and cf.swap)
+               mx_dot=packed and bool(cf.mx_dot) and B > 1 and not f16, f16=f16, swap=bool(cf.swap))
     zp = jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0)))
     if f16:
         xs, xinv = _f16_views(zp)

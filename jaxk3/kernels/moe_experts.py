@@ -405,7 +405,7 @@ class _Spec:
     group: bool = False  # Config.scale == "group"
     mx_dot: bool = False  # Config.mx_dot where it applies (MXFP4, B > 1)
     f16: bool = False  # Config.f16 (MXFP4, any B; takes precedence over mx_dot)
-    swap: bool = False  # Config.swap (with f16): the dot's result is [bn, Bp], transposed once after the loop
+    swap: bool = False  # Config.swap (f16, or set for bf16): `_mma`'s result is [bn, Bp], transposed after the loop
 
     @property
     def dot(self) -> bool:
@@ -481,11 +481,24 @@ def _mx_dot_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
     return lax.fori_loop(0, steps, body, jnp.zeros((16, sp.bn), F32))
 
 
+def _mma(sp: _Spec, xt: jax.Array, wt: jax.Array) -> jax.Array:
+    """One tile's products on the tensor cores, tokens xt [Bp, K] and weights wt [bn, K]: [bn, Bp] with `swap` (the
+    weights the MMA's M side), else [Bp, bn]; `_mma_loop` accumulates them."""
+    return dot_nt(wt, xt) if sp.swap else dot_nt(xt, wt)
+
+
+def _mma_loop(sp: _Spec, steps: int, body) -> jax.Array:
+    """fori_loop(0, steps, body) from a zero accumulator in `_mma`'s orientation, returned as fp32 [Bp, bn]."""
+    if sp.swap:
+        return lax.fori_loop(0, steps, body, jnp.zeros((sp.bn, sp.Bp), F32)).T
+    return lax.fori_loop(0, steps, body, jnp.zeros((sp.Bp, sp.bn), F32))
+
+
 def _f16_dot_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
     """MXFP4 on float16 tensor cores (`Config.f16`): Σ over the input tiles [start, start + steps) of W[e, rows, :] ·
-    x[lead] for 16 (padded) token rows given as float16 (even, odd) columns [16, In/32, 16], fp32 [16, bn].  Each scale
-    group's codes become float16 values code · 2^(s − 127) exactly (`_e2m1_f16_scaled`), against the tokens' even and
-    odd columns in two [16, bk/2] x [bk/2, bn] dots per tile: float16 products are exact in fp32."""
+    x[lead] for Bp (padded) token rows given as float16 (even, odd) columns [Bp, In/32, 16], fp32 [Bp, bn].  Each
+    scale group's codes become float16 values code · 2^(s − 127) exactly (`_e2m1_f16_scaled`), against the tokens' even
+    and odd columns in two `_mma`s of bk/2 columns per tile: float16 products are exact in fp32."""
     pl = _pl()
     wl = () if e is None else (e,)
     g = sp.bk // G32
@@ -495,12 +508,8 @@ def _f16_dot_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
         s16 = _f16_scale(w[1][(*wl, rows, grp)])  # [bn, g]
         lo, hi = _e2m1_f16_scaled(sp, w[0][(*wl, rows, grp, slice(None))], s16[:, :, None])  # [bn, g, 16] each
         xe, xo = (r[(*lead, slice(None), grp, slice(None))].reshape(sp.Bp, g * 16) for r in x)  # [Bp, bk / 2] each
-        if sp.swap:
-            return acc + dot_nt(lo.reshape(sp.bn, g * 16), xe) + dot_nt(hi.reshape(sp.bn, g * 16), xo)
-        return acc + dot_nt(xe, lo.reshape(sp.bn, g * 16)) + dot_nt(xo, hi.reshape(sp.bn, g * 16))
-    if sp.swap:
-        return lax.fori_loop(0, steps, body, jnp.zeros((sp.bn, sp.Bp), F32)).T
-    return lax.fori_loop(0, steps, body, jnp.zeros((16, sp.bn), F32))
+        return acc + _mma(sp, xe, lo.reshape(sp.bn, g * 16)) + _mma(sp, xo, hi.reshape(sp.bn, g * 16))
+    return _mma_loop(sp, steps, body)
 
 
 def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
@@ -510,14 +519,10 @@ def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
         return _f16_dot_rows(sp, w, e, rows, x, lead, steps, start)
     if sp.dot and sp.packed:
         return _mx_dot_rows(sp, w, e, rows, x, lead, steps, start)
-    if sp.dot and sp.swap:  # dense, the weights as the MMA's M side: [bn, Bp], transposed once
-        def body(i, acc):
-            return acc + dot_nt(_tile(sp, w, e, rows, start + i), _xs(sp, x, (*lead, slice(None)), start + i))
-        return lax.fori_loop(0, steps, body, jnp.zeros((sp.bn, sp.Bp), F32)).T
     if sp.dot:
         def body(i, acc):
-            return acc + dot_nt(_xs(sp, x, (*lead, slice(None)), start + i), _tile(sp, w, e, rows, start + i))
-        return lax.fori_loop(0, steps, body, jnp.zeros((16, sp.bn), F32))
+            return acc + _mma(sp, _xs(sp, x, (*lead, slice(None)), start + i), _tile(sp, w, e, rows, start + i))
+        return _mma_loop(sp, steps, body)
     if sp.Bp == 1 and not sp.packed:
         def body(i, acc):
             xt = _xs(sp, x, (*lead, 0), start + i).astype(F32)

@@ -135,11 +135,17 @@ def test_moe_experts_kernel_matches_reference(fmt, dtype, B, layout):
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
     if shared is not None:  # the shared experts are in the sum: without them the result moves
         assert np.abs(ref - np.asarray(ME.reference(cfg, w, z, wk, ids))).max() > 1e-3 * np.abs(ref).max()
-    if fmt == "dense" and B > 1:  # the weights as the MMA's M side (`swap`: set by hand for bf16), 8 token rows
-        cs = dataclasses.replace(c, swap=True)
-        assert ME._rows_padded(w, z, cs) == 8 and ME._rows_padded(w, z, c) == 16
+    if fmt == "dense" and B > 1:  # the weights as the MMA's M side (`swap`, the default where In <= 2304: 8 token
+        # rows) and the tokens as its M side (16 rows), both run
+        cs = dataclasses.replace(c, swap=False)
+        assert ME._rows_padded(w, z, c) == 8 and ME._rows_padded(w, z, cs) == 16
         got = np.asarray(ME.experts(cfg, w, z, wk, ids, shared=shared, interpret=True, config=cs))
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+        # the rule: on at Kimi-Linear's 2304-wide input, off at K3's 7168 unless set
+        assert ME._resolve(ME.Config(), B, 2304, 1024, 2304).swap
+        assert not ME._resolve(ME.Config(), B, 7168, 1536, 3584).swap
+        assert ME._resolve(ME.Config(swap=True), B, 7168, 1536, 3584).swap
+        assert not ME._resolve(ME.Config(), 1, 2304, 1024, 2304).swap
 
 
 def _routed_case(fmt: str, dtype, E: int | None = None, ties: bool = True, seed: int = 3, B: int = 1):

@@ -111,8 +111,9 @@ class Config:
     swap: bool | None = None  # the B > 1 dot as the weights [bn, bk] (the MMA's M side: Hopper's wgmma, `f16`'s
     # decoded weights from registers) times the tokens [bk, Bp], the tokens padded to 8 rows (wgmma's N) instead of 16
     # (the M side of mma.sync).  None: on with `f16` (eighteenth session, K3's TP 2 share, B = 8: 355.2 us against
-    # 404.4; the K3 B = 8 step 3597.9 us against 3792.8); for bf16 experts only when set (built after the session's
-    # device time ran out: not measured, so not a default)
+    # 404.4; the K3 B = 8 step 3597.9 us against 3792.8); for bf16 experts at B > 1 where the input is at most 2304
+    # wide (nineteenth session: Kimi-Linear-48B B = 8 alone 194.0 us against 211.4 and XLA's 263.5, the step 6616.2
+    # against 6941.0; K3's TP 2 share even, 530.8 against 529.5, so not there)
 
 
 @jax.tree_util.register_dataclass
@@ -785,7 +786,10 @@ def _resolve(cf: Config, B: int, In: int, I: int, Out: int, packed: bool = False
     bn = cf.bn or next((b for b in bns if I % b == 0 and Out % b == 0), 16)
     bk = cf.bk or next((b for b in ((256, 128, 64) if (B == 1 and not f16) or (f16 and B > 1) else (128, 64))
                         if In % b == 0 and I % b == 0), G32)
-    swap = (f16 and (cf.swap is None or bool(cf.swap))) or (not packed and B > 1 and bool(cf.swap))
+    # bf16 at B > 1: on where the input is Kimi-Linear's 2304 wide (nineteenth session: the 48B B = 8 step 6616.2 us
+    # against 6941.0; alone 194.0 against 211.4), even at K3's 7168 (530.8 against 529.5 alone), so off there
+    swap = (f16 and (cf.swap is None or bool(cf.swap))) or (
+        not packed and B > 1 and (In <= 2304 if cf.swap is None else bool(cf.swap)))
     stages = cf.num_stages or (1 if f16 else 3)
     return dataclasses.replace(cf, bn=bn, bk=bk, scale=scale, x_f32=x_f32, mx_dot=mx_dot, f16=f16, swap=swap,
                                num_stages=stages)
@@ -936,7 +940,8 @@ MEASURED: dict[tuple, tuple[float, float]] = {
     # scripts/gpu/moe_experts_sweep.py, 2026-12-02 (third session), jax 0.11.2: Kimi-Linear-48B TP 1 in the serving
     # layout with the shared experts fused (against XLA's routed + shared experts), K3's TP 2 share; 64 experts kept
     ("bf16", 1, None, 1024, 2304, 2304, True): (59.3, 72.9),
-    ("bf16", 8, 64, 1024, 2304, 2304, True): (218.6, 272.2),  # bn 64 (sixteenth session; bn 32: 252.0, same run)
+    # bn 64 (sixteenth session; bn 32: 252.0, same run); with `swap` (nineteenth session, call 1): 194.0 against 263.5
+    ("bf16", 8, 64, 1024, 2304, 2304, True): (194.0, 263.5),
     ("bf16", 1, None, 1536, 3584, 3584, False): (160.1, 151.8),
     ("bf16", 8, 64, 1536, 3584, 3584, False): (534.5, 1019.5),
     # MXFP4 for B > 1 on the tensor cores (`mx_dot`, the default since; bn 128): the sweep at K3's TP 2 share,

@@ -166,6 +166,7 @@ NB_MODULE(_ffi, m) {
   m.def("cpu_targets", [] { return TargetDict(CpuTargets()); });
   m.def("cpu_types", [] { return TypeDict(CpuTypes()); });
   m.def("cuda_targets", [] { return TargetDict(CudaTargets()); });
+  m.def("cuda_kernels", [] { return TargetDict(CudaKernels()); });
   m.def("build_info", &BuildInfo);
   // Settings (jaxk3/collectives/settings.py sets them all when it loads the extension).
   m.def("set_process_index", &SetProcessIndex);

@@ -16,6 +16,7 @@ JAXK3_CPU_COLLECTIVES(JAXK3_DECLARE)
 JAXK3_CPU_TARGETS(JAXK3_DECLARE)
 #ifdef JAXK3_WITH_CUDA
 JAXK3_CUDA_TARGETS(JAXK3_DECLARE)
+JAXK3_CUDA_KERNELS(JAXK3_DECLARE)
 #endif
 
 std::vector<Target> CpuTargets() {
@@ -30,6 +31,14 @@ std::vector<FfiType> CpuTypes() {
 std::vector<Target> CudaTargets() {
 #ifdef JAXK3_WITH_CUDA
   return {JAXK3_CUDA_TARGETS(JAXK3_ENTRY)};
+#else
+  return {};
+#endif
+}
+
+std::vector<Target> CudaKernels() {
+#ifdef JAXK3_WITH_CUDA
+  return {JAXK3_CUDA_KERNELS(JAXK3_ENTRY)};
 #else
   return {};
 #endif

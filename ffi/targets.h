@@ -19,6 +19,10 @@
   X("jaxk3_padded_all_gather", jaxk3_cuda_padded_all_gather)     \
   X("jaxk3_local_tile", jaxk3_cuda_local_tile) /* bench floor, no communication */
 
+// The model's CUDA kernels (jaxk3/kernels/ registers them itself: kernels and collectives stay apart).
+#define JAXK3_CUDA_KERNELS(X) \
+  X("jaxk3_mxfp4_gate_up", jaxk3_cuda_mxfp4_gate_up) /* moe_experts' kernel 1 at one token */
+
 namespace jaxk3 {
 
 struct Target {
@@ -37,5 +41,6 @@ struct FfiType {
 std::vector<Target> CpuTargets();
 std::vector<FfiType> CpuTypes();
 std::vector<Target> CudaTargets();  // empty when built without CUDA
+std::vector<Target> CudaKernels();  // the same
 
 }  // namespace jaxk3

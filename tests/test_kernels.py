@@ -64,8 +64,9 @@ def test_rms_norm_kernel_on_gpu():
 
 
 # ------------------------------------------------------------------ moe_experts
-def _moe_case(fmt: str, dtype, B: int, seed: int = 0, duplicate: bool = True):
-    """A tiny K3 MoE layer's weights (dense or MXFP4, `dtype` activations) and B routed tokens."""
+def _moe_case(fmt: str, dtype, B: int, seed: int = 0, duplicate: bool = True, **overrides):
+    """A tiny K3 MoE layer's weights (dense or MXFP4, `dtype` activations) and B routed tokens (`overrides`: the
+    tiny config's fields changed)."""
     import dataclasses
 
     from jaxk3 import checkpoint
@@ -73,7 +74,7 @@ def _moe_case(fmt: str, dtype, B: int, seed: int = 0, duplicate: bool = True):
     from jaxk3.layers import moe
     from jaxk3.model import random_hf_weights
 
-    cfg = dataclasses.replace(KimiK3Config.tiny_k3(), experts_format=fmt)
+    cfg = dataclasses.replace(KimiK3Config.tiny_k3(**overrides), experts_format=fmt)
     host = checkpoint.read_all(checkpoint.build_plan(cfg, checkpoint.ArraySource(random_hf_weights(cfg, seed)), 1))
     w = jax.tree.map(lambda a: jnp.asarray(a) if a.dtype == np.uint8 else jnp.asarray(a, dtype), host.layers[1].ffn)
     w = moe.with_f16(w, moe.f16_exact(w))  # MXFP4 marked as the loader marks it (checkpoint.mark_experts_f16)
@@ -2003,3 +2004,108 @@ def test_info_lists_the_kernels(capsys):
     assert info["kernels_measured"] == kernels.speeds() and all(
         "x" in v or v == "not measured" for v in info["kernels_measured"].values())
 
+
+
+# ------------------------------------------------------------------ moe_experts' CUDA gate-up (one token, MXFP4)
+def _mma_m16n8k16(a_regs, b_regs):
+    """PTX mma.sync m16n8k16 (f16 in, f32 out) from its 32 lanes' fragment registers, as the PTX ISA lays them out:
+    A[m][k] (row major, 16 x 16): lane (g, t) holds a0,a1 = A[g][2t, 2t+1], a2,a3 = A[g+8][2t, 2t+1], a4,a5 = A[g][2t+8,
+    2t+9], a6,a7 = A[g+8][2t+8, 2t+9]; B[k][n] (16 x 8): b0,b1 = B[2t, 2t+1][g], b2,b3 = B[2t+8, 2t+9][g].  a_regs
+    [32, 4] and b_regs [32, 2] float16 pairs as uint32 (low half first).  Returns D [16, 8] float64."""
+    def halves(r):
+        return np.frombuffer(np.asarray(r, np.uint32).tobytes(), np.float16).astype(np.float64)
+    A, Bm = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        a = halves(a_regs[lane])
+        A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2] = a[0:2], a[2:4]
+        A[g, 2 * t + 8:2 * t + 10], A[g + 8, 2 * t + 8:2 * t + 10] = a[4:6], a[6:8]
+        b = halves(b_regs[lane])
+        Bm[2 * t:2 * t + 2, g], Bm[2 * t + 8:2 * t + 10, g] = b[0:2], b[2:4]
+    return A @ Bm
+
+
+def _decode_word(w: int, s2: int):
+    """ffi/cuda_mxfp4_gate_up.cu's Decode on a host int: four float16 pairs (uint32), times the scale pair s2."""
+    M, S, f = 0x0E000E00, 0x80008000, 0xFFFFFFFF
+    rs = [(((w << 9) & M) | ((w << 12) & S)) & f, (((w << 1) & M) | ((w << 4) & S)) & f,
+          (((w << 5) & M) | ((w << 8) & S)) & f, ((w >> 3) & M) | (w & S)]
+    sc = np.frombuffer(np.uint32(s2).tobytes(), np.float16)
+    return [np.frombuffer((np.frombuffer(np.uint32(r).tobytes(), np.float16) * sc).astype(np.float16).tobytes(),
+                          np.uint32)[0] for r in rs]
+
+
+def test_mxfp4_gate_up_lane_layout_is_the_dot():
+    """The CUDA gate-up's data flow, emulated on the host from the PTX ISA's fragment layout (not from the kernel's
+    code paths): a warp's 16 rows x one 128-code chunk, each lane decoding its two rows' 16-byte groups word by word,
+    the words' pairs into A registers as the kernel's Multiply passes them, the token's inputs in `lanes_order` into
+    lanes 0-3's B registers.  Column 0 of the summed D equals the rows' dot with the token, dequantised: exactly (every
+    product and partial sum here is exact in float64), so a wrong shift, mask, pair order, register order or input
+    permutation moves it."""
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.kernels import mxfp4_gate_up as CU
+
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, 256, (16, 64), dtype=np.uint8)  # 16 rows x 128 codes (4 groups of 32)
+    scales = rng.integers(104, 129, (16, 4), dtype=np.uint8)
+    x = rng.standard_normal(128).astype(np.float16)
+    ref = np.asarray(ME.dequantize(ME.MXFP4(jnp.asarray(codes), jnp.asarray(scales))), np.float64) @ x.astype(np.float64)
+    xp = np.asarray(CU.lanes_order(jnp.asarray(x)))
+    xw = np.frombuffer(xp.tobytes(), np.uint32).reshape(4, 4, 4)  # [lane t, word j, the 4 registers of word j]
+    d = np.zeros((16, 8))
+    for j in range(4):  # word j of each lane's group: mma steps 2j and 2j + 1
+        a = np.zeros((2, 32, 4), np.uint32)
+        b = np.zeros((2, 32, 2), np.uint32)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            p, q = ([*_decode_word(int(np.frombuffer(codes[r, 16 * t:16 * t + 16].tobytes(), np.uint32)[j]),
+                                   int((((int(scales[r, t]) - 98) << 10) * 0x10001)))] for r in (g, g + 8))
+            a[0, lane], a[1, lane] = (p[0], q[0], p[1], q[1]), (p[2], q[2], p[3], q[3])
+            if g == 0:
+                b[0, lane], b[1, lane] = xw[t, j, 0:2], xw[t, j, 2:4]
+        d += _mma_m16n8k16(a[0], b[0]) + _mma_m16n8k16(a[1], b[1])
+    np.testing.assert_array_equal(d[:, 0], ref)
+    assert np.all(d[:, 1:] == 0) and np.abs(ref).max() > 0
+
+
+def test_moe_experts_cuda_gate_up_refusals():
+    """`cuda=True` is refused by `fits` with the reason (on this CPU: no CUDA device; several tokens; a stack not
+    marked f16), and the routed form refuses it; `cuda=None` (the default) needs nothing."""
+    from jaxk3.kernels import moe_experts as ME
+
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1)
+    c = ME.Config(cuda=True)
+    assert "moe_experts kernel: cuda:" in ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False)
+    cfg8, w8, z8, wk8, ids8 = _moe_case("mxfp4", jnp.bfloat16, 8)
+    assert "one token" in ME.fits(cfg8, w8, z8, wk8, ids8, config=c, only_where_faster=False)
+    assert "not marked f16" in ME.fits(cfg, ME.with_f16(w, False), z, wk, ids, config=c, only_where_faster=False)
+    logits = jnp.zeros((1, w.experts_w2.packed.shape[0]), jnp.float32)
+    assert "CUDA gate-up" in ME.routed_fits(cfg, w, z, logits, w.e_score_correction_bias, config=c)
+    assert ME.fits(cfg, w, z, wk, ids, config=ME.Config(), only_where_faster=False) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["checkpoint", "joined"])
+@pytest.mark.parametrize("act", ["situ", "silu"])
+def test_moe_experts_cuda_gate_up_on_gpu(layout, act):
+    """The CUDA gate-up (kernel 1 at one token, MXFP4 marked f16) with the Pallas kernel 2, compiled, against the jnp
+    reference (a tiny K3 layer widened to an input of 512 and I 64: the kernel's tiling), w1 and w3 apart and joined,
+    SiTU and SiLU.  Tolerance as the float16 form's: float32 sums in another order (tensor-core accumulation) of exact
+    products, then one bf16 rounding of the activations, 2e-5 of max|ref|; and the path ran (its target is traced)."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.kernels import mxfp4_gate_up as CU
+
+    if CU.unavailable():
+        pytest.fail(CU.unavailable())  # a GPU run without the extension is a setup error, not a skip
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=512, hidden_act=act)
+    if layout == "joined":
+        w = _joined(w)
+    c = ME.Config(cuda=True)
+    assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
+    f = jax.jit(lambda *a: ME.experts(cfg, *a, config=c))
+    assert CU.TARGET in f.lower(w, z, wk, ids).as_text()
+    got = np.asarray(f(w, z, wk, ids))
+    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())

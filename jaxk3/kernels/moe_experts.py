@@ -25,6 +25,9 @@ How a tile is multiplied (as in jaxk3.kernels.gemv, whose sweep found the same):
                MMA's M side (wgmma's A operand, from registers) and the tokens padded to 8 rows (`Config.swap`);
                otherwise x padded to 16 rows and each 32-value scale group's codes in bf16 on the tensor cores, the
                sums times the group's scale (`Config.mx_dot`); per token element-wise where the input is not bf16.
+MXFP4 at one token, kernel 1 is a CUDA kernel where the extension has it (`Config.cuda`, jaxk3.kernels.mxfp4_gate_up:
+the float16 form's arithmetic on mma.sync, each lane decoding its own words into its fragment registers; Triton's
+layouts made every tensor-core form at one token slower than the element-wise one).
 MXFP4 rows are dequantised in registers (by default each 32-bit word's eight E2M1 codes become float16's bits in a
 few PTX instructions, `Config.decode`, then the E8M0 scale per group) and never exist dequantised in memory.
 Products and sums are float32, as in the reference; the sums run in another order, so the results
@@ -54,6 +57,7 @@ from jax import lax
 
 from jaxk3.config import MXFP4_GROUP as G32
 from jaxk3.config import KimiK3Config
+from jaxk3.kernels import mxfp4_gate_up as CU
 from jaxk3.kernels.registry import Kernel, dot_nt, pow2, register, triton_params
 
 F32 = jnp.float32
@@ -61,6 +65,10 @@ F32 = jnp.float32
 
 DECODES = ("f16", "asm", "select", "bits")  # Config.decode's choices
 MAX_B = 8  # decode rows; more take the reference (prefill has jaxk3.kernels.moe_grouped)
+# Config.cuda None: kernel 1 at one token in CUDA where it applies (nineteenth session, H200: K3's TP 2 share 89.4 us for
+# both kernels against the Pallas kernel 1's 105.5 and XLA's 182.0; the K3 layers 11-14 B = 1 step 2524.5/2529.7 us
+# against 2588.5/2591.6 in the same call; compiled at K3's TP 1, 2, 8 shares and the 48B's, docs/PERF.md)
+CUDA_GATE_UP = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +122,10 @@ class Config:
     # 404.4; the K3 B = 8 step 3597.9 us against 3792.8); for bf16 experts at B > 1 where the input is at most 2304
     # wide (nineteenth session: Kimi-Linear-48B B = 8 alone 194.0 us against 211.4 and XLA's 263.5, the step 6616.2
     # against 6941.0; K3's TP 2 share even, 530.8 against 529.5, so not there)
+    cuda: bool | None = None  # MXFP4 at one token: kernel 1 (gate | up and the GLU) as the CUDA kernel
+    # (jaxk3.kernels.mxfp4_gate_up: mma.sync on float16, each lane decoding into its own fragment registers), kernel 2
+    # as it is.  For stacks marked `MXFP4.f16`, bf16 activations, no shared experts in the kernels, the jaxk3
+    # extension built with CUDA.  None: CUDA_GATE_UP where it applies; True: required (`fits` says why it cannot)
 
 
 @jax.tree_util.register_dataclass
@@ -738,17 +750,38 @@ def _x_views(x: jax.Array, packed: bool, f32: bool = False) -> list[jax.Array]:
     return [v[..., 0::2], v[..., 1::2]]
 
 
-def _f16_views(x: jax.Array) -> tuple[list[jax.Array], jax.Array]:
-    """Rows [..., R, In] (bf16 values, any float dtype) -> their float16 (even, odd) columns [..., R, In/32, 16] each
-    times 2^k per row, and 2^-k [..., R, 1] float32: k puts the row's largest magnitude in [2^14, 2^15) (k = 0 for
-    a row of zeros; |k| <= 126), so nothing overflows and every value above 2^-17 of the row's maximum is exact
-    (bf16's 8 significant bits; below, float16's subnormals round it by at most 2^-39 of the maximum)."""
+def f16_scaled(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows [..., R, In] (bf16 values, any float dtype) -> float16 [..., R, In] times 2^k per row, and 2^-k [..., R, 1]
+    float32: k puts the row's largest magnitude in [2^14, 2^15) (k = 0 for a row of zeros; |k| <= 126), so nothing
+    overflows and every value above 2^-17 of the row's maximum is exact (bf16's 8 significant bits; below, float16's
+    subnormals round it by at most 2^-39 of the maximum)."""
     x = x.astype(F32)
     m = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     _, ex = jnp.frexp(m)  # m in [2^(ex-1), 2^ex)
     k = jnp.where(m > 0, jnp.clip(15 - ex, -126, 126), 0)
-    v = jnp.ldexp(x, k).astype(jnp.float16)
-    return _x_views(v, True), jnp.ldexp(jnp.ones_like(m), -k)
+    return jnp.ldexp(x, k).astype(jnp.float16), jnp.ldexp(jnp.ones_like(m), -k)
+
+
+def _f16_views(x: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+    """`f16_scaled`'s float16 rows as their (even, odd) columns [..., R, In/32, 16], and 2^-k [..., R, 1]."""
+    v, inv = f16_scaled(x)
+    return _x_views(v, True), inv
+
+
+def _cuda_problem(cf: Config, w, z_BL: jax.Array, shared, routed: bool = False) -> str | None:
+    """Why kernel 1 cannot be the CUDA kernel for this call (None: it can)."""
+    B, (_, I, In, _, _) = z_BL.shape[0], _dims(w)
+    if B != 1 or not isinstance(w.experts_w2, MXFP4) or not _f16_marked(w) or z_BL.dtype != jnp.bfloat16:
+        return (f"the CUDA gate-up takes one token of bf16 activations and MXFP4 stacks marked f16, got B {B}, "
+                f"{z_BL.dtype}, {'MXFP4' if isinstance(w.experts_w2, MXFP4) else 'dense'} experts"
+                f"{'' if _f16_marked(w) else ' (not marked f16)'}")
+    if shared is not None or routed:
+        return "the CUDA gate-up takes neither the shared experts nor the router's logits"
+    return CU.shape_problem(I, In) or CU.unavailable()
+
+
+def _cuda_wanted(cf: Config) -> bool:
+    return CUDA_GATE_UP if cf.cuda is None else bool(cf.cuda)
 
 
 def _dims(w) -> tuple[int, int, int, int, bool]:
@@ -901,15 +934,22 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     kw = triton_params(cf.num_warps, cf.num_stages, interpret)
     P = U + (shared is not None)
 
-    ins = [*sel_up, *xs, *w13v, *w3v, *s13]
-    outs = [jax.ShapeDtypeStruct((P, Bp, I), dt)]
-    if route is not None:  # kernel 1 also writes each slot's expert and weights for kernel 2
-        outs += [jax.ShapeDtypeStruct((U,), jnp.int32), jax.ShapeDtypeStruct((Bp, U), F32)]
-    a, *sel = pl.pallas_call(
-        functools.partial(_gate_up_kernel, sp=sp, nsel=len(sel_up), route=route, nx=len(xs) - f16, nw=len(w13v),
-                          joined=joined, shared=shared is not None, I=I, steps=In // cf.bk, act=act),
-        grid=(P, I // cf.bn), in_specs=[any_] * len(ins), out_specs=[any_] * len(outs),
-        out_shape=tuple(outs), interpret=interpret, **kw)(*ins)
+    if (not interpret and _cuda_wanted(cf)
+            and _cuda_problem(cf, w, z_BL, shared, route is not None) is None):  # kernel 1 in CUDA (one token)
+        x16, xinv = f16_scaled(zp)
+        gate = w.experts_w13 if joined else w.experts_w1
+        a, sel = CU.gate_up(sel_up[0], x16[0], xinv, gate, gate if joined else w.experts_w3, I if joined else 0, I,
+                            cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta), []
+    else:
+        ins = [*sel_up, *xs, *w13v, *w3v, *s13]
+        outs = [jax.ShapeDtypeStruct((P, Bp, I), dt)]
+        if route is not None:  # kernel 1 also writes each slot's expert and weights for kernel 2
+            outs += [jax.ShapeDtypeStruct((U,), jnp.int32), jax.ShapeDtypeStruct((Bp, U), F32)]
+        a, *sel = pl.pallas_call(
+            functools.partial(_gate_up_kernel, sp=sp, nsel=len(sel_up), route=route, nx=len(xs) - f16, nw=len(w13v),
+                              joined=joined, shared=shared is not None, I=I, steps=In // cf.bk, act=act),
+            grid=(P, I // cf.bn), in_specs=[any_] * len(ins), out_specs=[any_] * len(outs),
+            out_shape=tuple(outs), interpret=interpret, **kw)(*ins)
 
     S, G = _splits(cf, Out, I), _slot_splits(cf, Out, I, packed and B == 1)
     if f16:
@@ -957,8 +997,9 @@ MEASURED: dict[tuple, tuple[float, float]] = {
     # MXFP4 at B = 1 with the scale per group and the input in float32 (the B = 1 default since): the sweep at K3's
     # TP 2 share, 2026-12-03 (fourteenth session: 145.2 us against 182.1; the scale per weight 187.9); 2026-12-04
     # (sixteenth, the "asm" decode: 119.6 against 176.8, the "f16" decode 141.2); kernel 2's slots in 4 parts (the
-    # default since): 105.6 against 179.2 (eighteenth session, call 5; one part 109.6)
-    ("mxfp4", 1, None, 1536, 3584, 3584, False): (105.6, 179.2),
+    # default since): 105.6 against 179.2 (eighteenth session, call 5; one part 109.6); kernel 1 in CUDA (`cuda`, the
+    # default since where the extension has it): 89.4 against 182.0 and the Pallas kernel 1's 105.5 (nineteenth, call 4)
+    ("mxfp4", 1, None, 1536, 3584, 3584, False): (89.4, 182.0),
 }
 # Shapes measured in the decode step rather than alone: (us per step with the kernel, without), same call, H200.
 # K3 layers 11-14 at TP 1 (32 experts kept, packed + sharded + one-shot, B = 1, 4K): 2894.9 against XLA's 3273.7
@@ -970,9 +1011,11 @@ MEASURED: dict[tuple, tuple[float, float]] = {
 # 3869.8 against mx_dot's 4454.9 in the same call (XLA's experts: the sixteenth session's 12066.2); call 6, kernel 2's
 # slots in 2 parts (the default since): 3811.6 against one part's 3891.8.  Eighteenth session: B = 8 with `swap` and
 # 128 x 256 tiles in one stage 3380.8-3389.1 (call 9; 3605.3-3625.8 before, calls 2-4 and 8); B = 1 with kernel 2's
-# slots in 4 parts 2593.8-2613.3 against one part's 2657.6-2661.2 (call 5).
+# slots in 4 parts 2593.8-2613.3 against one part's 2657.6-2661.2 (call 5).  Nineteenth session: B = 1 with kernel 1 in
+# CUDA 2524.5 and 2529.7 against 2588.5 and 2591.6 with the Pallas kernel 1 (call 4; call 3, two loads in flight:
+# 2545.6, 2555.6 against 2623.6).
 STEP_MEASURED: dict[tuple, tuple[float, float]] = {
-    ("mxfp4", 1, None, 3072, 3584, 3584, False): (2613.3, 3252.3),
+    ("mxfp4", 1, None, 3072, 3584, 3584, False): (2524.5, 3252.3),
     ("bf16", 8, 32, 3072, 3584, 3584, False): (4212.7, 9839.8),
     ("mxfp4", 8, 32, 3072, 3584, 3584, False): (3389.1, 12066.2),
 }
@@ -992,6 +1035,10 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
     B = z_BL.shape[0] if z_BL.ndim == 2 else 1
     packed = isinstance(w.experts_w2, MXFP4)
     cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype, _f16_marked(w))
+    if cf.cuda and z_BL.ndim == 2:
+        why = _cuda_problem(cf, w, z_BL, shared)
+        if why:
+            return f"moe_experts kernel: cuda: {why}"
     if cf.f16 and not _f16_marked(w):
         return (f"moe_experts kernel: f16 needs MXFP4 stacks whose scales all lie in {list(F16_SCALES)} (MXFP4.f16: "
                 f"the config's experts_f16, set at load; these are not marked)")
@@ -1050,9 +1097,9 @@ register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits
                 measured="bf16: 1.23x XLA at Kimi-Linear-48B B=1 and 1.25x at B=8 (serving layout, shared experts "
                          "fused, bn 64; the 48B B=8 step 6839.8 us, 1.39x its floor, against 7344.6 at bn 32), 1.91x "
                          "at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps XLA; B=8 with 64 experts kept); MXFP4 "
-                         "(the \"asm\" decode): 1.48x at K3 TP 2 B=1 with the scale per group (K3 layers 11-14 at "
-                         "TP 1, "
-                         "packed: the step 2647.3 us against XLA's 3252.3); 2.94x at K3 TP 2 B=8 on float16 tensor "
+                         "(the \"asm\" decode): 2.04x at K3 TP 2 B=1 with kernel 1 in CUDA (tensor cores, "
+                         "jaxk3.kernels.mxfp4_gate_up; the Pallas form 1.73x; K3 layers 11-14 at TP 1, packed: the "
+                         "step 2524.5 us against 2588.5 with the Pallas kernel 1 and XLA's 3252.3); 2.94x at K3 TP 2 B=8 on float16 tensor "
                          "cores (f16; mx_dot 2.04x); K3 layers 11-14 at TP 1, B=8: the step 4212.7 us against 9839.8 "
                          "(bf16) and 3811.6 against 12066.2 (MXFP4; mx_dot 4454.9) (H200, jax 0.11.2; MEASURED, "
                          "STEP_MEASURED)"))
@@ -1088,6 +1135,8 @@ def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None
     if cfg.use_grouped_topk and cfg.num_expert_group > 1:
         return f"moe_experts routed form has no group-limited selection (num_expert_group {cfg.num_expert_group})"
     E = _dims(w)[0]
+    if config is not None and config.cuda:
+        return "moe_experts routed form: its kernel 1 ranks the router's logits; the CUDA gate-up (cuda) does not"
     why = fits(cfg, w, z_BL, None, None, shared=shared, config=config, only_where_faster=False)
     if why:
         return why

@@ -1,0 +1,248 @@
+// jaxk3_mxfp4_gate_up (platform "CUDA"): one token's gate | up GEMVs over the selected MXFP4 experts and their GLU,
+// on the tensor cores: a[u, 0, i] = act(W1[ids[u]] x, W3[ids[u]] x)[i], bf16.  The first of the `moe_experts` kernels
+// at one token (jaxk3/kernels/mxfp4_gate_up.py calls it; the Pallas kernel 2 follows).  No state, no communication:
+// command-buffer compatible.
+//
+// The arithmetic is the Pallas float16 form's (docs/ARCHITECTURE.md, moe_experts): every weight code · 2^(s − 127) is
+// a float16 exactly for E8M0 bytes s in [104, 128] (the stacks are checked at load), the token is a float16 exactly
+// after a power of two (x16, its inverse xinv), and mma.sync m16n8k16 multiplies them exactly and sums in float32.
+//
+// A CTA owns 16 rows of I for one slot: warps 0, 1 the gate rows over the two halves of the input, warps 2, 3 the up
+// rows.  In a warp, lane (g = lane / 4, t = lane % 4) is the mma's A-fragment thread for rows g and g + 8; per
+// iteration it loads the 16 bytes (32 codes, one scale group) of each row at group t of a 128-code chunk, decodes
+// each 32-bit word into four float16 pairs (codes (0, 4), (2, 6), (1, 5), (3, 7) of the word: bytes 16 bits apart,
+// so two shifts and masks a pair) and feeds two mma steps with them.  The token's B fragment (column 0 only: lanes
+// 0-3) holds the same codes' inputs, which Python lays out in that order (x16: each 8 inputs permuted
+// [0, 4, 2, 6, 1, 5, 3, 7]).  The K dimension's order inside an mma is free, so no data moves between lanes.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxk3 {
+namespace {
+
+constexpr int kRows = 16;     // rows of I per CTA: one m16 tile of gate rows and one of up rows
+constexpr int kWarps = 4;     // (gate, up) x (first, second half of the input)
+constexpr int kChunk = 128;   // codes of a row per warp iteration: 4 lanes x 32 (a scale group each)
+constexpr int kDepth = 4;     // iterations' loads in flight per lane (79 registers: 6 CTAs an SM; docs/PERF.md)
+constexpr int kMaxIn = 16384; // the token in shared memory: In x 2 bytes (32 KB at most)
+
+struct Params {
+  const int* ids;               // [U] the slots' experts (< 0 or >= E: the slot's outputs are zeros)
+  const uint4* x;               // [In / 8] the token as float16, permuted (see above), times 2^k
+  const float* xinv;            // [1] 2^-k
+  const uint8_t* gate_packed;   // [E, Rg, In / 2]
+  const uint8_t* gate_scale;    // [E, Rg, In / 32]
+  const uint8_t* up_packed;     // [E, Ru, In / 2]
+  const uint8_t* up_scale;      // [E, Ru, In / 32]
+  __nv_bfloat16* out;           // [U, I]
+  long long gate_rows, up_rows, up_off;  // rows per expert of each buffer; the up rows' offset in theirs
+  int E, I, In, act;
+  float beta, linear_beta;
+};
+
+// Four float16 pairs of a word's eight E2M1 codes, each code's bits placed as float16's (code · 2^-14, exactly:
+// magnitude bits to exponent bits 10-11 and mantissa bit 9, the sign to bit 15), then times the pair of scales s2
+// (2^(s − 113) each; the product is the weight, exact for s in [104, 128]).
+__device__ __forceinline__ void Decode(uint32_t w, uint32_t s2, uint32_t& p0, uint32_t& p1, uint32_t& p2,
+                                       uint32_t& p3) {
+  const uint32_t m = 0x0E000E00u, s = 0x80008000u;
+  const uint32_t r0 = ((w << 9) & m) | ((w << 12) & s);  // codes 0, 4: low nibbles of bytes 0, 2
+  const uint32_t r1 = ((w << 1) & m) | ((w << 4) & s);   // codes 2, 6: low nibbles of bytes 1, 3
+  const uint32_t r2 = ((w << 5) & m) | ((w << 8) & s);   // codes 1, 5: high nibbles of bytes 0, 2
+  const uint32_t r3 = ((w >> 3) & m) | (w & s);          // codes 3, 7: high nibbles of bytes 1, 3
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(p0) : "r"(r0), "r"(s2));
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(p1) : "r"(r1), "r"(s2));
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(p2) : "r"(r2), "r"(s2));
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(p3) : "r"(r3), "r"(s2));
+}
+
+__device__ __forceinline__ void Mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// An E8M0 byte in [104, 128] as the float16 2^(s − 113) twice (exponent field s − 98).
+__device__ __forceinline__ uint32_t Scale2(uint8_t s) {
+  const uint32_t h = (static_cast<uint32_t>(s) - 98u) << 10;
+  return h | (h << 16);
+}
+
+// One iteration's loads of a lane: its two rows' 16 code bytes (a scale group each) and their scale bytes.
+struct Tile {
+  uint4 c0, c8;
+  uint8_t s0, s8;
+};
+
+__device__ __forceinline__ void Load(Tile& T, const uint8_t* row0, const uint8_t* srow0, size_t row_bytes,
+                                     size_t srow_bytes, int code) {
+  T.c0 = __ldg(reinterpret_cast<const uint4*>(row0 + code / 2));
+  T.c8 = __ldg(reinterpret_cast<const uint4*>(row0 + 8 * row_bytes + code / 2));
+  T.s0 = __ldg(srow0 + code / 32);
+  T.s8 = __ldg(srow0 + 8 * srow_bytes + code / 32);
+}
+
+// The tile's 8 mma steps; lanes 0-3 take the token's 32 permuted inputs of their group from shared memory (xs), the
+// others' B registers are zeros (columns 1-7 of D stay 0).
+__device__ __forceinline__ void Multiply(float (&d)[4], const Tile& T, const uint4* xs, int code, bool has_x) {
+  const uint32_t sg = Scale2(T.s0), s8 = Scale2(T.s8);
+  const uint32_t w0[4] = {T.c0.x, T.c0.y, T.c0.z, T.c0.w};
+  const uint32_t w8[4] = {T.c8.x, T.c8.y, T.c8.z, T.c8.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint4 xj = has_x ? xs[code / 8 + j] : make_uint4(0, 0, 0, 0);
+    uint32_t p0, p1, p2, p3, q0, q1, q2, q3;
+    Decode(w0[j], sg, p0, p1, p2, p3);
+    Decode(w8[j], s8, q0, q1, q2, q3);
+    // A = {row g k(2t, 2t+1), row g+8 k(2t, 2t+1), row g k(2t+8, 2t+9), row g+8 k(2t+8, 2t+9)}
+    Mma(d, p0, q0, p1, q1, xj.x, xj.y);  // codes (0, 4) and (2, 6) of word j
+    Mma(d, p2, q2, p3, q3, xj.z, xj.w);  // codes (1, 5) and (3, 7)
+  }
+}
+
+__device__ __forceinline__ float Act(float a, float b, int act, float beta, float linear_beta) {
+  const float sig = 1.0f / (1.0f + expf(-a));
+  if (act == 0) return a * sig * b;  // SiLU-GLU
+  return beta * tanhf(a / beta) * sig * (linear_beta * tanhf(b / linear_beta));  // SiTU-GLU
+}
+
+__global__ void __launch_bounds__(kWarps * 32) GateUpKernel(Params p) {
+  extern __shared__ uint4 xs[];  // the token's In / 8 permuted float16 octets, read by lanes 0-3 of every warp
+  __shared__ float red[kWarps][kRows];
+  const int u = blockIdx.y, i0 = blockIdx.x * kRows;
+  const int e = p.ids[u];
+  if (e < 0 || e >= p.E) {  // an empty slot: zeros, as the Pallas kernel writes
+    if (threadIdx.x < kRows) p.out[static_cast<size_t>(u) * p.I + i0 + threadIdx.x] = __float2bfloat16(0.0f);
+    return;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const bool up = warp >= 2;
+  const size_t row_bytes = p.In / 2, srow_bytes = p.In / 32;
+  const long long rows = up ? p.up_rows : p.gate_rows;
+  const long long r = (up ? p.up_off : 0) + i0 + g;
+  const uint8_t* row0 = (up ? p.up_packed : p.gate_packed) + (static_cast<long long>(e) * rows + r) * row_bytes;
+  const uint8_t* srow0 = (up ? p.up_scale : p.gate_scale) + (static_cast<long long>(e) * rows + r) * srow_bytes;
+  const int half = p.In / 2, iters = half / kChunk;
+  const int first = (warp % 2) * half + 32 * t;  // this lane's first code (its group in the first chunk)
+  const bool has_x = g == 0;
+
+  Tile T[kDepth];  // kDepth tiles in flight: each refilled right after its products
+#pragma unroll
+  for (int s = 0; s < kDepth; ++s)
+    if (s < iters) Load(T[s], row0, srow0, row_bytes, srow_bytes, first + s * kChunk);
+  for (int i = threadIdx.x; i < p.In / 8; i += blockDim.x) xs[i] = p.x[i];
+  __syncthreads();
+
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int it = 0; it < iters; it += kDepth) {
+#pragma unroll
+    for (int s = 0; s < kDepth; ++s) {
+      if (it + s < iters) {
+        Multiply(d, T[s], xs, first + (it + s) * kChunk, has_x);
+        if (it + s + kDepth < iters) Load(T[s], row0, srow0, row_bytes, srow_bytes, first + (it + s + kDepth) * kChunk);
+      }
+    }
+  }
+
+  if (t == 0) {  // column 0 of D: rows g (d[0]) and g + 8 (d[2])
+    red[warp][g] = d[0];
+    red[warp][g + 8] = d[2];
+  }
+  __syncthreads();
+  if (threadIdx.x < kRows) {
+    const int i = threadIdx.x;
+    const float inv = *p.xinv;
+    const float h1 = (red[0][i] + red[1][i]) * inv, h3 = (red[2][i] + red[3][i]) * inv;
+    p.out[static_cast<size_t>(u) * p.I + i0 + i] = __float2bfloat16(Act(h1, h3, p.act, p.beta, p.linear_beta));
+  }
+}
+
+std::string Dims(const ffi::AnyBuffer::Dimensions& d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer x, ffi::AnyBuffer xinv,
+                           ffi::AnyBuffer gate_packed, ffi::AnyBuffer gate_scale, ffi::AnyBuffer up_packed,
+                           ffi::AnyBuffer up_scale, ffi::Result<ffi::AnyBuffer> out, int64_t up_off, int64_t act,
+                           float beta, float linear_beta) {
+  const char* name = "jaxk3_mxfp4_gate_up";
+  const auto gp = gate_packed.dimensions(), gs = gate_scale.dimensions(), upk = up_packed.dimensions(),
+             us = up_scale.dimensions(), od = out->dimensions();
+  if (ids.element_type() != ffi::DataType::S32 || ids.dimensions().size() != 1)
+    return InvalidArgument(std::string(name) + ": ids must be int32 [U], got " + Dims(ids.dimensions()));
+  if (x.element_type() != ffi::DataType::F16 || x.dimensions().size() != 1)
+    return InvalidArgument(std::string(name) + ": x must be float16 [In], got " + Dims(x.dimensions()));
+  if (xinv.element_type() != ffi::DataType::F32 || xinv.element_count() != 1)
+    return InvalidArgument(std::string(name) + ": xinv must be one float32, got " + Dims(xinv.dimensions()));
+  if (out->element_type() != ffi::DataType::BF16)
+    return InvalidArgument(std::string(name) + ": the output must be bfloat16");
+  for (const ffi::AnyBuffer* b : {&gate_packed, &gate_scale, &up_packed, &up_scale}) {
+    if (b->element_type() != ffi::DataType::U8 || b->dimensions().size() != 3)
+      return InvalidArgument(std::string(name) + ": MXFP4 codes and scales must be uint8 [E, rows, cols], got " +
+                             Dims(b->dimensions()));
+  }
+  const int64_t U = ids.dimensions()[0], In = x.dimensions()[0], E = gp[0];
+  const int64_t I = od.size() == 3 ? od[2] : -1;
+  if (od.size() != 3 || od[0] != U || od[1] != 1)
+    return InvalidArgument(std::string(name) + ": the output must be [U, 1, I] for U = " + std::to_string(U) +
+                           ", got " + Dims(od));
+  if (In % (2 * kChunk) != 0 || In > kMaxIn || I % kRows != 0 || U < 1)
+    return InvalidArgument(std::string(name) + ": the input width " + std::to_string(In) + " must be a multiple of " +
+                           std::to_string(2 * kChunk) + " up to " + std::to_string(kMaxIn) + " and I " + std::to_string(I) + " of " + std::to_string(kRows));
+  if (gp[2] != In / 2 || upk[2] != In / 2 || gs[2] != In / 32 || us[2] != In / 32 || gs[0] != E || upk[0] != E ||
+      us[0] != E || gs[1] != gp[1] || us[1] != upk[1])
+    return InvalidArgument(std::string(name) + ": codes " + Dims(gp) + ", " + Dims(upk) + " and scales " + Dims(gs) +
+                           ", " + Dims(us) + " do not match an input of " + std::to_string(In));
+  if (gp[1] < I || up_off < 0 || up_off + I > upk[1])
+    return InvalidArgument(std::string(name) + ": I = " + std::to_string(I) + " gate rows and up rows from " +
+                           std::to_string(up_off) + " do not fit the experts' " + std::to_string(gp[1]) + " and " +
+                           std::to_string(upk[1]) + " rows");
+  if (act != 0 && act != 1) return InvalidArgument(std::string(name) + ": act must be 0 (silu) or 1 (situ)");
+  if (reinterpret_cast<uintptr_t>(gate_packed.untyped_data()) % 16 || reinterpret_cast<uintptr_t>(up_packed.untyped_data()) % 16 ||
+      reinterpret_cast<uintptr_t>(x.untyped_data()) % 16)
+    return InvalidArgument(std::string(name) + ": the codes and the input must be 16-byte aligned");
+  Params p{static_cast<const int*>(ids.untyped_data()), static_cast<const uint4*>(x.untyped_data()),
+           static_cast<const float*>(xinv.untyped_data()), static_cast<const uint8_t*>(gate_packed.untyped_data()),
+           static_cast<const uint8_t*>(gate_scale.untyped_data()), static_cast<const uint8_t*>(up_packed.untyped_data()),
+           static_cast<const uint8_t*>(up_scale.untyped_data()), static_cast<__nv_bfloat16*>(out->untyped_data()),
+           gp[1], upk[1], up_off, static_cast<int>(E), static_cast<int>(I), static_cast<int>(In),
+           static_cast<int>(act), beta, linear_beta};
+  GateUpKernel<<<dim3(static_cast<unsigned>(I / kRows), static_cast<unsigned>(U)), kWarps * 32,
+                 static_cast<size_t>(In) * 2, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_mxfp4_gate_up, CudaMxfp4GateUp,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("up_off")
+                                  .Attr<int64_t>("act")
+                                  .Attr<float>("beta")
+                                  .Attr<float>("linear_beta"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jaxk3

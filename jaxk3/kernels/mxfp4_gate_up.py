@@ -1,0 +1,92 @@
+"""`moe_experts`' first kernel at one token for MXFP4 experts as a CUDA kernel through the FFI
+(ffi/cuda_mxfp4_gate_up.cu, target `jaxk3_mxfp4_gate_up`): a[u, 0, :] = act(W1[ids[u]] x, W3[ids[u]] x) in bf16, the
+products on the tensor cores (mma.sync m16n8k16, float16 in, float32 sums).
+
+Why CUDA: at one token the Pallas kernel multiplies element-wise on the CUDA cores, ~5.7 instructions a weight
+(offline SASS count, `scripts/sass_loop.sh`), and its tensor-core forms lose there, because Triton's layouts for
+decoded operands go through shared memory (docs/PERF.md, seventeenth and eighteenth sessions).  Here each lane decodes
+its own 32-bit words straight into mma's A-fragment registers: ~3.3 instructions a weight.
+
+The arithmetic is the Pallas float16 form's (`moe_experts.Config.f16`): it needs the stacks marked `MXFP4.f16` (every
+E8M0 scale in `moe_experts.F16_SCALES`, checked at load), and the token in float16 times a power of two
+(`moe_experts.f16_scaled`), exact from 2^-17 of its largest magnitude up.  The kernel wants the token's inputs in its
+lanes' order: within each 8 inputs, [0, 4, 2, 6, 1, 5, 3, 7] (`PERM`: a 32-bit word's codes as the kernel pairs them).
+
+jnp has no such kernel: the CPU path and the oracle are `moe_experts.experts_partial`, as for the Pallas kernels.
+"""
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "jaxk3_mxfp4_gate_up"
+PERM = (0, 4, 2, 6, 1, 5, 3, 7)  # the kernel's order of a word's eight codes (and so of each 8 inputs)
+ACTS = {"silu": 0, "situ": 1}
+ROWS, IN_MULTIPLE = 16, 256  # I a multiple of ROWS (a CTA's rows), In of IN_MULTIPLE (two halves of 128-code chunks)
+
+
+_lock = threading.Lock()
+_why: list[str | None] = []  # the registration's outcome, once: [None] registered, [reason] not
+
+
+def _register() -> str | None:
+    """Registers TARGET with XLA once (the extension's `cuda_kernels`: jaxk3.collectives registers its own targets,
+    and kernels and collectives do not import each other); why it cannot be, or None."""
+    with _lock:
+        if not _why:
+            try:
+                from jaxk3 import _ffi  # type: ignore[attr-defined]
+            except Exception as e:  # ImportError, or an ABI problem
+                _why.append(f"the jaxk3._ffi extension failed to import ({type(e).__name__}: {e})")
+            else:
+                found = dict(_ffi.cuda_kernels()) if hasattr(_ffi, "cuda_kernels") else {}
+                if TARGET in found:
+                    jax.ffi.register_ffi_target(TARGET, found[TARGET], platform="CUDA")
+                    _why.append(None)
+                else:
+                    _why.append("the extension was built without its CUDA kernels")
+        return _why[0]
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run on this process's default device (None: it can)."""
+    platform = jax.devices()[0].platform
+    if platform != "gpu":
+        return f"{TARGET} is a CUDA kernel, the device is {platform!r}"
+    why = _register()
+    return None if why is None else f"{TARGET} cannot run: {why} (`make build` with nvcc rebuilds it)"
+
+
+def shape_problem(I: int, In: int) -> str | None:
+    """Why the kernel's tiling does not divide these experts (None: it does)."""
+    if I % ROWS or In % IN_MULTIPLE:
+        return (f"{TARGET} needs the experts' I a multiple of {ROWS} and input width a multiple of {IN_MULTIPLE}, "
+                f"got I {I}, In {In}")
+    return None
+
+
+def lanes_order(x16_In: jax.Array) -> jax.Array:
+    """The token's float16 inputs [In] in the kernel's order: each 8 inputs permuted by PERM."""
+    return x16_In.reshape(-1, 8)[:, np.asarray(PERM)].reshape(-1)
+
+
+def gate_up(ids_U: jax.Array, x16_In: jax.Array, xinv: jax.Array, gate, up, up_off: int, I: int, act: str,
+            beta: float, linear_beta: float) -> jax.Array:
+    """a [U, 1, I] bf16 for one token: `gate` and `up` the MXFP4 stacks (`moe_experts.MXFP4`: packed [E, R, In/2],
+    scale [E, R, In/32]) holding the gate rows [0, I) and the up rows [up_off, up_off + I) (the serving layout's
+    join: the same stack twice, up_off = I); x16_In the token in float16 times 2^k (its order as it is: permuted
+    here), xinv 2^-k."""
+    U, In = ids_U.shape[0], x16_In.shape[-1]
+    why = shape_problem(I, In)
+    if why:
+        raise ValueError(why)
+    if act not in ACTS:
+        raise ValueError(f"{TARGET}: activation {act!r} is not one of {sorted(ACTS)}")
+    out = jax.ShapeDtypeStruct((U, 1, I), jnp.bfloat16)
+    return jax.ffi.ffi_call(TARGET, out)(
+        ids_U.astype(jnp.int32), lanes_order(x16_In.astype(jnp.float16)), jnp.reshape(xinv, (1,)).astype(jnp.float32),
+        gate.packed, gate.scale, up.packed, up.scale, up_off=np.int64(up_off), act=np.int64(ACTS[act]),
+        beta=np.float32(beta), linear_beta=np.float32(linear_beta))

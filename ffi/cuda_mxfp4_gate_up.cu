@@ -72,7 +72,9 @@ __device__ __forceinline__ void Mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// An E8M0 byte in [104, 128] as the float16 2^(s − 113) twice (exponent field s − 98).
+// An E8M0 byte in [104, 128] as the float16 2^(s − 113) twice (exponent field s − 98).  Nothing here checks the range:
+// the stacks' `MXFP4.f16` mark says it holds (checkpoint.mark_experts_f16 checks every scale at load), as for the
+// Pallas float16 form.
 __device__ __forceinline__ uint32_t Scale2(uint8_t s) {
   const uint32_t h = (static_cast<uint32_t>(s) - 98u) << 10;
   return h | (h << 16);
@@ -198,9 +200,12 @@ ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuff
   if (od.size() != 3 || od[0] != U || od[1] != 1)
     return InvalidArgument(std::string(name) + ": the output must be [U, 1, I] for U = " + std::to_string(U) +
                            ", got " + Dims(od));
-  if (In % (2 * kChunk) != 0 || In > kMaxIn || I % kRows != 0 || U < 1)
-    return InvalidArgument(std::string(name) + ": the input width " + std::to_string(In) + " must be a multiple of " +
-                           std::to_string(2 * kChunk) + " up to " + std::to_string(kMaxIn) + " and I " + std::to_string(I) + " of " + std::to_string(kRows));
+  if (U < 1 || U > 65535)
+    return InvalidArgument(std::string(name) + ": 1 to 65535 slots (ids [U]), got " + std::to_string(U));
+  if (In < 2 * kChunk || In % (2 * kChunk) != 0 || In > kMaxIn || I < kRows || I % kRows != 0)
+    return InvalidArgument(std::string(name) + ": the input width " + std::to_string(In) + " must be a positive " +
+                           "multiple of " + std::to_string(2 * kChunk) + " up to " + std::to_string(kMaxIn) +
+                           " and I " + std::to_string(I) + " of " + std::to_string(kRows));
   if (gp[2] != In / 2 || upk[2] != In / 2 || gs[2] != In / 32 || us[2] != In / 32 || gs[0] != E || upk[0] != E ||
       us[0] != E || gs[1] != gp[1] || us[1] != upk[1])
     return InvalidArgument(std::string(name) + ": codes " + Dims(gp) + ", " + Dims(upk) + " and scales " + Dims(gs) +

@@ -2082,6 +2082,11 @@ def test_moe_experts_cuda_gate_up_refusals():
     logits = jnp.zeros((1, w.experts_w2.packed.shape[0]), jnp.float32)
     assert "CUDA gate-up" in ME.routed_fits(cfg, w, z, logits, w.e_score_correction_bias, config=c)
     assert ME.fits(cfg, w, z, wk, ids, config=ME.Config(), only_where_faster=False) is None
+    # Config.f16 at one token is a dot over 8 padded rows: not the form the CUDA kernel replaces, whatever the device
+    cfw, ww, zw, wkw, idsw = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=512)
+    _, I, In, Out, _ = ME._dims(ww)
+    cf = ME._resolve(ME.Config(f16=True), 1, In, I, Out, True, zw.dtype, True)
+    assert "Config.f16" in ME._cuda_problem(cf, ww, zw, None)
 
 
 @pytest.mark.gpu
@@ -2089,7 +2094,8 @@ def test_moe_experts_cuda_gate_up_refusals():
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_moe_experts_cuda_gate_up_on_gpu(layout, act):
     """The CUDA gate-up (kernel 1 at one token, MXFP4 marked f16) with the Pallas kernel 2, compiled, against the jnp
-    reference (a tiny K3 layer widened to an input of 512 and I 64: the kernel's tiling), w1 and w3 apart and joined,
+    reference (a tiny K3 layer widened to an input of 1536 and I 64: the kernel's tiling, 6 iterations a warp, so its
+    loads' refill and a partial last round run), w1 and w3 apart and joined,
     SiTU and SiLU.  Tolerance as the float16 form's: float32 sums in another order (tensor-core accumulation) of exact
     products, then one bf16 rounding of the activations, 2e-5 of max|ref|; and the path ran (its target is traced)."""
     if jax.default_backend() == "cpu":
@@ -2099,7 +2105,7 @@ def test_moe_experts_cuda_gate_up_on_gpu(layout, act):
 
     if CU.unavailable():
         pytest.fail(CU.unavailable())  # a GPU run without the extension is a setup error, not a skip
-    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=512, hidden_act=act)
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, hidden_act=act)
     if layout == "joined":
         w = _joined(w)
     c = ME.Config(cuda=True)

@@ -125,7 +125,8 @@ class Config:
     cuda: bool | None = None  # MXFP4 at one token: kernel 1 (gate | up and the GLU) as the CUDA kernel
     # (jaxk3.kernels.mxfp4_gate_up: mma.sync on float16, each lane decoding into its own fragment registers), kernel 2
     # as it is.  For stacks marked `MXFP4.f16`, bf16 activations, no shared experts in the kernels, the jaxk3
-    # extension built with CUDA.  None: CUDA_GATE_UP where it applies; True: required (`fits` says why it cannot)
+    # extension built with CUDA.  None: CUDA_GATE_UP where it applies; True: `fits` refuses a call where it cannot run
+    # (saying why); a direct `experts` call, and interpret mode, then take the Pallas kernel 1
 
 
 @jax.tree_util.register_dataclass
@@ -777,6 +778,8 @@ def _cuda_problem(cf: Config, w, z_BL: jax.Array, shared, routed: bool = False) 
                 f"{'' if _f16_marked(w) else ' (not marked f16)'}")
     if shared is not None or routed:
         return "the CUDA gate-up takes neither the shared experts nor the router's logits"
+    if cf.f16:  # (`f16` at one token: the float16 dot form over 8 padded rows, kept in Pallas)
+        return "the CUDA gate-up replaces the one-token element-wise form, not Config.f16's dot over padded rows"
     return CU.shape_problem(I, In) or CU.unavailable()
 
 

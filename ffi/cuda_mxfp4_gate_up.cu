@@ -1,6 +1,6 @@
 // jaxk3_mxfp4_gate_up (platform "CUDA"): one token's gate | up GEMVs over the selected MXFP4 experts and their GLU,
 // on the tensor cores: a[u, 0, i] = act(W1[ids[u]] x, W3[ids[u]] x)[i], bf16.  The first of the `moe_experts` kernels
-// at one token (jaxk3/kernels/mxfp4_gate_up.py calls it; the Pallas kernel 2 follows).  No state, no communication:
+// at one token (jaxk3/kernels/mxfp4_cuda.py calls it; the Pallas kernel 2 follows).  No state, no communication:
 // command-buffer compatible.
 //
 // The arithmetic is the Pallas float16 form's (docs/ARCHITECTURE.md, moe_experts): every weight code · 2^(s − 127) is
@@ -21,15 +21,20 @@
 #include <string>
 
 #include "common.h"
+#include "cuda_mxfp4.h"
 
 namespace ffi = xla::ffi;
 
 namespace jaxk3 {
 namespace {
 
+using mxfp4::kChunk;
+using mxfp4::Load;
+using mxfp4::Multiply;
+using mxfp4::Tile;
+
 constexpr int kRows = 16;     // rows of I per CTA: one m16 tile of gate rows and one of up rows
 constexpr int kWarps = 4;     // (gate, up) x (first, second half of the input)
-constexpr int kChunk = 128;   // codes of a row per warp iteration: 4 lanes x 32 (a scale group each)
 constexpr int kDepth = 4;     // iterations' loads in flight per lane (79 registers: 6 CTAs an SM; docs/PERF.md)
 constexpr int kMaxIn = 16384; // the token in shared memory: In x 2 bytes (32 KB at most)
 
@@ -46,71 +51,6 @@ struct Params {
   int E, I, In, act;
   float beta, linear_beta;
 };
-
-// Four float16 pairs of a word's eight E2M1 codes, each code's bits placed as float16's (code · 2^-14, exactly:
-// magnitude bits to exponent bits 10-11 and mantissa bit 9, the sign to bit 15), then times the pair of scales s2
-// (2^(s − 113) each; the product is the weight, exact for s in [104, 128]).
-__device__ __forceinline__ void Decode(uint32_t w, uint32_t s2, uint32_t& p0, uint32_t& p1, uint32_t& p2,
-                                       uint32_t& p3) {
-  const uint32_t m = 0x0E000E00u, s = 0x80008000u;
-  const uint32_t r0 = ((w << 9) & m) | ((w << 12) & s);  // codes 0, 4: low nibbles of bytes 0, 2
-  const uint32_t r1 = ((w << 1) & m) | ((w << 4) & s);   // codes 2, 6: low nibbles of bytes 1, 3
-  const uint32_t r2 = ((w << 5) & m) | ((w << 8) & s);   // codes 1, 5: high nibbles of bytes 0, 2
-  const uint32_t r3 = ((w >> 3) & m) | (w & s);          // codes 3, 7: high nibbles of bytes 1, 3
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(p0) : "r"(r0), "r"(s2));
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(p1) : "r"(r1), "r"(s2));
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(p2) : "r"(r2), "r"(s2));
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(p3) : "r"(r3), "r"(s2));
-}
-
-__device__ __forceinline__ void Mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// An E8M0 byte in [104, 128] as the float16 2^(s − 113) twice (exponent field s − 98).  Nothing here checks the range:
-// the stacks' `MXFP4.f16` mark says it holds (checkpoint.mark_experts_f16 checks every scale at load), as for the
-// Pallas float16 form.
-__device__ __forceinline__ uint32_t Scale2(uint8_t s) {
-  const uint32_t h = (static_cast<uint32_t>(s) - 98u) << 10;
-  return h | (h << 16);
-}
-
-// One iteration's loads of a lane: its two rows' 16 code bytes (a scale group each) and their scale bytes.
-struct Tile {
-  uint4 c0, c8;
-  uint8_t s0, s8;
-};
-
-__device__ __forceinline__ void Load(Tile& T, const uint8_t* row0, const uint8_t* srow0, size_t row_bytes,
-                                     size_t srow_bytes, int code) {
-  T.c0 = __ldg(reinterpret_cast<const uint4*>(row0 + code / 2));
-  T.c8 = __ldg(reinterpret_cast<const uint4*>(row0 + 8 * row_bytes + code / 2));
-  T.s0 = __ldg(srow0 + code / 32);
-  T.s8 = __ldg(srow0 + 8 * srow_bytes + code / 32);
-}
-
-// The tile's 8 mma steps; lanes 0-3 take the token's 32 permuted inputs of their group from shared memory (xs), the
-// others' B registers are zeros (columns 1-7 of D stay 0).
-__device__ __forceinline__ void Multiply(float (&d)[4], const Tile& T, const uint4* xs, int code, bool has_x) {
-  const uint32_t sg = Scale2(T.s0), s8 = Scale2(T.s8);
-  const uint32_t w0[4] = {T.c0.x, T.c0.y, T.c0.z, T.c0.w};
-  const uint32_t w8[4] = {T.c8.x, T.c8.y, T.c8.z, T.c8.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint4 xj = has_x ? xs[code / 8 + j] : make_uint4(0, 0, 0, 0);
-    uint32_t p0, p1, p2, p3, q0, q1, q2, q3;
-    Decode(w0[j], sg, p0, p1, p2, p3);
-    Decode(w8[j], s8, q0, q1, q2, q3);
-    // A = {row g k(2t, 2t+1), row g+8 k(2t, 2t+1), row g k(2t+8, 2t+9), row g+8 k(2t+8, 2t+9)}
-    Mma(d, p0, q0, p1, q1, xj.x, xj.y);  // codes (0, 4) and (2, 6) of word j
-    Mma(d, p2, q2, p3, q3, xj.z, xj.w);  // codes (1, 5) and (3, 7)
-  }
-}
 
 __device__ __forceinline__ float Act(float a, float b, int act, float beta, float linear_beta) {
   const float sig = 1.0f / (1.0f + expf(-a));

@@ -21,7 +21,8 @@
 
 // The model's CUDA kernels (jaxk3/kernels/ registers them itself: kernels and collectives stay apart).
 #define JAXK3_CUDA_KERNELS(X) \
-  X("jaxk3_mxfp4_gate_up", jaxk3_cuda_mxfp4_gate_up) /* moe_experts' kernel 1 at one token */
+  X("jaxk3_mxfp4_gate_up", jaxk3_cuda_mxfp4_gate_up) /* moe_experts' kernel 1 at one token */ \
+  X("jaxk3_mxfp4_down", jaxk3_cuda_mxfp4_down)       /* moe_experts' kernel 2 at one token */
 
 namespace jaxk3 {
 

@@ -2043,7 +2043,7 @@ def test_mxfp4_gate_up_lane_layout_is_the_dot():
     product and partial sum here is exact in float64), so a wrong shift, mask, pair order, register order or input
     permutation moves it."""
     from jaxk3.kernels import moe_experts as ME
-    from jaxk3.kernels import mxfp4_gate_up as CU
+    from jaxk3.kernels import mxfp4_cuda as CU
 
     rng = np.random.default_rng(5)
     codes = rng.integers(0, 256, (16, 64), dtype=np.uint8)  # 16 rows x 128 codes (4 groups of 32)
@@ -2080,7 +2080,15 @@ def test_moe_experts_cuda_gate_up_refusals():
     assert "one token" in ME.fits(cfg8, w8, z8, wk8, ids8, config=c, only_where_faster=False)
     assert "not marked f16" in ME.fits(cfg, ME.with_f16(w, False), z, wk, ids, config=c, only_where_faster=False)
     logits = jnp.zeros((1, w.experts_w2.packed.shape[0]), jnp.float32)
-    assert "CUDA gate-up" in ME.routed_fits(cfg, w, z, logits, w.e_score_correction_bias, config=c)
+    assert "CUDA kernels" in ME.routed_fits(cfg, w, z, logits, w.e_score_correction_bias, config=c)
+    assert "CUDA kernels" in ME.routed_fits(cfg, w, z, logits, w.e_score_correction_bias, config=ME.Config(cuda_down=True))
+    # kernel 2 in CUDA: refused with its reason here (no CUDA device), and its own tiling rule
+    assert "moe_experts kernel: cuda_down:" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(cuda_down=True),
+                                                       only_where_faster=False)
+    from jaxk3.kernels import mxfp4_cuda as CU
+    assert CU.down_problem(16, 3072, 3584, 4) is None and CU.down_problem(16, 1536, 3584, 4) is None
+    assert "multiple of 128" in CU.down_problem(16, 64, 3584, 4)
+    assert "shared memory" in CU.down_problem(16, 6144, 3584, 1)
     assert ME.fits(cfg, w, z, wk, ids, config=ME.Config(), only_where_faster=False) is None
     # Config.f16 at one token is a dot over 8 padded rows: not the form the CUDA kernel replaces, whatever the device
     cfw, ww, zw, wkw, idsw = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=512)
@@ -2101,7 +2109,7 @@ def test_moe_experts_cuda_gate_up_on_gpu(layout, act):
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
     from jaxk3.kernels import moe_experts as ME
-    from jaxk3.kernels import mxfp4_gate_up as CU
+    from jaxk3.kernels import mxfp4_cuda as CU
 
     if CU.unavailable():  # as the gathers' GPU tests do without the extension's CUDA handlers
         pytest.skip(f"{CU.unavailable()} (scripts/gpu_check.sh build)")
@@ -2115,3 +2123,31 @@ def test_moe_experts_cuda_gate_up_on_gpu(layout, act):
     got = np.asarray(f(w, z, wk, ids))
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["checkpoint", "joined"])
+@pytest.mark.parametrize("parts", [1, 3, 4])
+def test_moe_experts_cuda_down_on_gpu(layout, parts):
+    """Kernel 2 at one token in CUDA (`Config(cuda_down=True)`), after either kernel 1, compiled, against the jnp
+    reference (an input of 1536, I 128: the tiling's chunk); 1, 3 (a last part with fewer slots) and 4 slot parts.
+    Tolerance as the float16 forms': 2e-5 of max|ref| (float32 sums in another order of exact products); and the
+    path ran (its target is in the lowered module)."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.kernels import mxfp4_cuda as CU
+
+    if CU.unavailable():  # as the gathers' GPU tests do without the extension's CUDA handlers
+        pytest.skip(f"{CU.unavailable()} (scripts/gpu_check.sh build)")
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, moe_intermediate_size=128)
+    if layout == "joined":
+        w = _joined(w)
+    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
+    for cuda in (True, False):
+        c = ME.Config(cuda=cuda, cuda_down=True, slot_splits=parts)
+        assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
+        f = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c))
+        assert CU.DOWN_TARGET in f.lower(w, z, wk, ids).as_text()
+        got = np.asarray(f(w, z, wk, ids))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())

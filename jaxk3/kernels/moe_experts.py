@@ -25,7 +25,7 @@ How a tile is multiplied (as in jaxk3.kernels.gemv, whose sweep found the same):
                MMA's M side (wgmma's A operand, from registers) and the tokens padded to 8 rows (`Config.swap`);
                otherwise x padded to 16 rows and each 32-value scale group's codes in bf16 on the tensor cores, the
                sums times the group's scale (`Config.mx_dot`); per token element-wise where the input is not bf16.
-MXFP4 at one token, kernel 1 is a CUDA kernel where the extension has it (`Config.cuda`, jaxk3.kernels.mxfp4_gate_up:
+MXFP4 at one token, kernel 1 is a CUDA kernel where the extension has it (`Config.cuda`, jaxk3.kernels.mxfp4_cuda:
 the float16 form's arithmetic on mma.sync, each lane decoding its own words into its fragment registers; Triton's
 layouts made every tensor-core form at one token slower than the element-wise one).
 MXFP4 rows are dequantised in registers (by default each 32-bit word's eight E2M1 codes become float16's bits in a
@@ -57,7 +57,7 @@ from jax import lax
 
 from jaxk3.config import MXFP4_GROUP as G32
 from jaxk3.config import KimiK3Config
-from jaxk3.kernels import mxfp4_gate_up as CU
+from jaxk3.kernels import mxfp4_cuda as CU
 from jaxk3.kernels.registry import Kernel, dot_nt, pow2, register, triton_params
 
 F32 = jnp.float32
@@ -69,6 +69,9 @@ MAX_B = 8  # decode rows; more take the reference (prefill has jaxk3.kernels.moe
 # both kernels against the Pallas kernel 1's 105.5 and XLA's 182.0; the K3 layers 11-14 B = 1 step 2524.5/2529.7 us
 # against 2588.5/2591.6 in the same call; compiled at K3's TP 1, 2, 8 shares and the 48B's, docs/PERF.md)
 CUDA_GATE_UP = True
+# Config.cuda_down None: kernel 2 at one token in CUDA (jaxk3.kernels.mxfp4_cuda.down).  Off: built after the nineteenth
+# session's device time ran out, not yet run on a GPU (its compiled test is queued: test_moe_experts_cuda_down_on_gpu)
+CUDA_DOWN = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,10 +126,12 @@ class Config:
     # wide (nineteenth session: Kimi-Linear-48B B = 8 alone 194.0 us against 211.4 and XLA's 263.5, the step 6616.2
     # against 6941.0; K3's TP 2 share even, 530.8 against 529.5, so not there)
     cuda: bool | None = None  # MXFP4 at one token: kernel 1 (gate | up and the GLU) as the CUDA kernel
-    # (jaxk3.kernels.mxfp4_gate_up: mma.sync on float16, each lane decoding into its own fragment registers), kernel 2
+    # (jaxk3.kernels.mxfp4_cuda: mma.sync on float16, each lane decoding into its own fragment registers), kernel 2
     # as it is.  For stacks marked `MXFP4.f16`, bf16 activations, no shared experts in the kernels, the jaxk3
     # extension built with CUDA.  None: CUDA_GATE_UP where it applies; True: `fits` refuses a call where it cannot run
     # (saying why); a direct `experts` call, and interpret mode, then take the Pallas kernel 1
+    cuda_down: bool | None = None  # the same for kernel 2 (down and the combine; the slots in `slot_splits` parts), its
+    # input each slot's activations in float16 times a power of two (one XLA fusion).  None: CUDA_DOWN where it applies
 
 
 @jax.tree_util.register_dataclass
@@ -769,21 +774,24 @@ def _f16_views(x: jax.Array) -> tuple[list[jax.Array], jax.Array]:
     return _x_views(v, True), inv
 
 
-def _cuda_problem(cf: Config, w, z_BL: jax.Array, shared, routed: bool = False) -> str | None:
-    """Why kernel 1 cannot be the CUDA kernel for this call (None: it can)."""
-    B, (_, I, In, _, _) = z_BL.shape[0], _dims(w)
+def _cuda_problem(cf: Config, w, z_BL: jax.Array, shared, routed: bool = False, down: tuple | None = None
+                  ) -> str | None:
+    """Why kernel 1 (or with `down` = (U, parts), kernel 2) cannot be the CUDA kernel for this call (None: it can)."""
+    B, (_, I, In, Out, _) = z_BL.shape[0], _dims(w)
     if B != 1 or not isinstance(w.experts_w2, MXFP4) or not _f16_marked(w) or z_BL.dtype != jnp.bfloat16:
-        return (f"the CUDA gate-up takes one token of bf16 activations and MXFP4 stacks marked f16, got B {B}, "
+        return (f"the CUDA kernels take one token of bf16 activations and MXFP4 stacks marked f16, got B {B}, "
                 f"{z_BL.dtype}, {'MXFP4' if isinstance(w.experts_w2, MXFP4) else 'dense'} experts"
                 f"{'' if _f16_marked(w) else ' (not marked f16)'}")
     if shared is not None or routed:
-        return "the CUDA gate-up takes neither the shared experts nor the router's logits"
+        return "the CUDA kernels take neither the shared experts nor the router's logits"
     if cf.f16:  # (`f16` at one token: the float16 dot form over 8 padded rows, kept in Pallas)
-        return "the CUDA gate-up replaces the one-token element-wise form, not Config.f16's dot over padded rows"
-    return CU.shape_problem(I, In) or CU.unavailable()
+        return "the CUDA kernels replace the one-token element-wise form, not Config.f16's dot over padded rows"
+    return (CU.down_problem(down[0], I, Out, down[1]) if down else CU.shape_problem(I, In)) or CU.unavailable()
 
 
-def _cuda_wanted(cf: Config) -> bool:
+def _cuda_wanted(cf: Config, down: bool = False) -> bool:
+    if down:
+        return CUDA_DOWN if cf.cuda_down is None else bool(cf.cuda_down)
     return CUDA_GATE_UP if cf.cuda is None else bool(cf.cuda)
 
 
@@ -955,6 +963,12 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
             out_shape=tuple(outs), interpret=interpret, **kw)(*ins)
 
     S, G = _splits(cf, Out, I), _slot_splits(cf, Out, I, packed and B == 1)
+    if (not interpret and _cuda_wanted(cf, down=True)
+            and _cuda_problem(cf, w, z_BL, shared, route is not None, down=(U, G)) is None):  # kernel 2 in CUDA
+        read, coef = sel_down if route is None else sel
+        a16, ainv = f16_scaled(a[:, 0, :])
+        y = CU.down(read, coef[0], a16, ainv[:, 0], w.experts_w2, G)
+        return (y[0] if G == 1 else jnp.sum(y, axis=0))[:B]
     if f16:
         av, ainv = _f16_views(a)
         av = [*av, ainv]
@@ -1042,6 +1056,11 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
         why = _cuda_problem(cf, w, z_BL, shared)
         if why:
             return f"moe_experts kernel: cuda: {why}"
+    if cf.cuda_down and z_BL.ndim == 2:
+        U = ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token
+        why = _cuda_problem(cf, w, z_BL, shared, down=(U, _slot_splits(cf, Out, I, B == 1)))
+        if why:
+            return f"moe_experts kernel: cuda_down: {why}"
     if cf.f16 and not _f16_marked(w):
         return (f"moe_experts kernel: f16 needs MXFP4 stacks whose scales all lie in {list(F16_SCALES)} (MXFP4.f16: "
                 f"the config's experts_f16, set at load; these are not marked)")
@@ -1101,7 +1120,7 @@ register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits
                          "fused, bn 64; the 48B B=8 step 6839.8 us, 1.39x its floor, against 7344.6 at bn 32), 1.91x "
                          "at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps XLA; B=8 with 64 experts kept); MXFP4 "
                          "(the \"asm\" decode): 2.04x at K3 TP 2 B=1 with kernel 1 in CUDA (tensor cores, "
-                         "jaxk3.kernels.mxfp4_gate_up; the Pallas form 1.73x; K3 layers 11-14 at TP 1, packed: the "
+                         "jaxk3.kernels.mxfp4_cuda; the Pallas form 1.73x; K3 layers 11-14 at TP 1, packed: the "
                          "step 2524.5 us against 2588.5 with the Pallas kernel 1 and XLA's 3252.3); 2.94x at K3 TP 2 B=8 on float16 tensor "
                          "cores (f16; mx_dot 2.04x); K3 layers 11-14 at TP 1, B=8: the step 4212.7 us against 9839.8 "
                          "(bf16) and 3811.6 against 12066.2 (MXFP4; mx_dot 4454.9) (H200, jax 0.11.2; MEASURED, "
@@ -1138,8 +1157,8 @@ def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None
     if cfg.use_grouped_topk and cfg.num_expert_group > 1:
         return f"moe_experts routed form has no group-limited selection (num_expert_group {cfg.num_expert_group})"
     E = _dims(w)[0]
-    if config is not None and config.cuda:
-        return "moe_experts routed form: its kernel 1 ranks the router's logits; the CUDA gate-up (cuda) does not"
+    if config is not None and (config.cuda or config.cuda_down):
+        return "moe_experts routed form: its kernel 1 ranks the router's logits; the CUDA kernels (cuda, cuda_down) do not"
     why = fits(cfg, w, z_BL, None, None, shared=shared, config=config, only_where_faster=False)
     if why:
         return why

@@ -1,6 +1,8 @@
-"""`moe_experts`' first kernel at one token for MXFP4 experts as a CUDA kernel through the FFI
-(ffi/cuda_mxfp4_gate_up.cu, target `jaxk3_mxfp4_gate_up`): a[u, 0, :] = act(W1[ids[u]] x, W3[ids[u]] x) in bf16, the
-products on the tensor cores (mma.sync m16n8k16, float16 in, float32 sums).
+"""`moe_experts`' two kernels at one token for MXFP4 experts as CUDA kernels through the FFI, on the tensor cores
+(mma.sync m16n8k16, float16 in, float32 sums; the shared warp products in ffi/cuda_mxfp4.h):
+  `gate_up` (ffi/cuda_mxfp4_gate_up.cu, `jaxk3_mxfp4_gate_up`): a[u, 0, :] = act(W1[ids[u]] x, W3[ids[u]] x), bf16;
+  `down` (ffi/cuda_mxfp4_down.cu, `jaxk3_mxfp4_down`): y[p, 0, :] = Σ over part p's slots of coef[u] W2[ids[u]] a[u],
+  fp32 partial sums (built after the nineteenth session's device time: off, `moe_experts.CUDA_DOWN`).
 
 Why CUDA: at one token the Pallas kernel multiplies element-wise on the CUDA cores, ~5.7 instructions a weight
 (offline SASS count, `scripts/sass_loop.sh`), and its tensor-core forms lose there, because Triton's layouts for
@@ -8,11 +10,11 @@ decoded operands go through shared memory (docs/PERF.md, seventeenth and eightee
 its own 32-bit words straight into mma's A-fragment registers: ~3.3 instructions a weight.
 
 The arithmetic is the Pallas float16 form's (`moe_experts.Config.f16`): it needs the stacks marked `MXFP4.f16` (every
-E8M0 scale in `moe_experts.F16_SCALES`, checked at load), and the token in float16 times a power of two
-(`moe_experts.f16_scaled`), exact from 2^-17 of its largest magnitude up.  The kernel wants the token's inputs in its
-lanes' order: within each 8 inputs, [0, 4, 2, 6, 1, 5, 3, 7] (`PERM`: a 32-bit word's codes as the kernel pairs them).
+E8M0 scale in `moe_experts.F16_SCALES`, checked at load), and each token (or slot's activations) in float16 times a
+power of two (`moe_experts.f16_scaled`), exact from 2^-17 of its largest magnitude up.  The kernels want those inputs
+in their lanes' order: within each 8, [0, 4, 2, 6, 1, 5, 3, 7] (`PERM`: a 32-bit word's codes as the kernels pair them).
 
-jnp has no such kernel: the CPU path and the oracle are `moe_experts.experts_partial`, as for the Pallas kernels.
+jnp has no such kernels: the CPU path and the oracle are `moe_experts.experts_partial`, as for the Pallas kernels.
 """
 from __future__ import annotations
 
@@ -23,9 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "jaxk3_mxfp4_gate_up"
+DOWN_TARGET = "jaxk3_mxfp4_down"
 PERM = (0, 4, 2, 6, 1, 5, 3, 7)  # the kernel's order of a word's eight codes (and so of each 8 inputs)
 ACTS = {"silu": 0, "situ": 1}
 ROWS, IN_MULTIPLE = 16, 256  # I a multiple of ROWS (a CTA's rows), In of IN_MULTIPLE (two halves of 128-code chunks)
+CHUNK, DOWN_SMEM = 128, 47 * 1024  # `down`: I a multiple of CHUNK; a part's activations (slots x I x 2 bytes) at most
 
 
 _lock = threading.Lock()
@@ -33,7 +37,7 @@ _why: list[str | None] = []  # the registration's outcome, once: [None] register
 
 
 def _register() -> str | None:
-    """Registers TARGET with XLA once (the extension's `cuda_kernels`: jaxk3.collectives registers its own targets,
+    """Registers TARGET and DOWN_TARGET with XLA once (the extension's `cuda_kernels`: jaxk3.collectives registers its own targets,
     and kernels and collectives do not import each other); why it cannot be, or None."""
     with _lock:
         if not _why:
@@ -43,8 +47,9 @@ def _register() -> str | None:
                 _why.append(f"the jaxk3._ffi extension failed to import ({type(e).__name__}: {e})")
             else:
                 found = dict(_ffi.cuda_kernels()) if hasattr(_ffi, "cuda_kernels") else {}
-                if TARGET in found:
-                    jax.ffi.register_ffi_target(TARGET, found[TARGET], platform="CUDA")
+                if TARGET in found and DOWN_TARGET in found:
+                    for name in (TARGET, DOWN_TARGET):
+                        jax.ffi.register_ffi_target(name, found[name], platform="CUDA")
                     _why.append(None)
                 else:
                     _why.append("the extension was built without its CUDA kernels")
@@ -55,9 +60,9 @@ def unavailable() -> str | None:
     """Why the kernel cannot run on this process's default device (None: it can)."""
     platform = jax.devices()[0].platform
     if platform != "gpu":
-        return f"{TARGET} is a CUDA kernel, the device is {platform!r}"
+        return f"the one-token MXFP4 CUDA kernels ({TARGET}, {DOWN_TARGET}) need a CUDA device, the device is {platform!r}"
     why = _register()
-    return None if why is None else f"{TARGET} cannot run: {why} (`make build` with nvcc rebuilds it)"
+    return None if why is None else f"{TARGET} and {DOWN_TARGET} cannot run: {why} (`make build` with nvcc rebuilds it)"
 
 
 def shape_problem(I: int, In: int) -> str | None:
@@ -90,3 +95,29 @@ def gate_up(ids_U: jax.Array, x16_In: jax.Array, xinv: jax.Array, gate, up, up_o
         ids_U.astype(jnp.int32), lanes_order(x16_In.astype(jnp.float16)), jnp.reshape(xinv, (1,)).astype(jnp.float32),
         gate.packed, gate.scale, up.packed, up.scale, up_off=np.int64(up_off), act=np.int64(ACTS[act]),
         beta=np.float32(beta), linear_beta=np.float32(linear_beta))
+
+
+def down_problem(U: int, I: int, Out: int, parts: int) -> str | None:
+    """Why `down`'s tiling does not divide these experts or its parts' activations do not fit (None: they do)."""
+    per = -(-U // parts)
+    if I % CHUNK or Out % ROWS or parts < 1:
+        return f"{DOWN_TARGET} needs I a multiple of {CHUNK} and Out of {ROWS}, got I {I}, Out {Out}, {parts} parts"
+    if per * I * 2 > DOWN_SMEM:
+        return f"{DOWN_TARGET}: a part's {per} slots of {I} activations exceed {DOWN_SMEM} bytes of shared memory"
+    return None
+
+
+def down(ids_U: jax.Array, coef_U: jax.Array, a16_UI: jax.Array, ainv_U: jax.Array, w2, parts: int) -> jax.Array:
+    """y [parts, 1, Out] fp32: part p's sum over its slots [p·per, (p+1)·per) (per = ceil(U / parts)) of coef[u] ·
+    W2[ids[u]] a[u]; `w2` the MXFP4 stack (packed [E, Out, I/2], scale [E, Out, I/32]), a16_UI each slot's activations
+    in float16 times 2^k_u (their order as they are: permuted here), ainv_U 2^-k_u."""
+    U, I = a16_UI.shape
+    Out = w2.packed.shape[1]
+    why = down_problem(U, I, Out, parts)
+    if why:
+        raise ValueError(why)
+    a = a16_UI.astype(jnp.float16).reshape(U, -1, 8)[:, :, np.asarray(PERM)].reshape(U, I)
+    out = jax.ShapeDtypeStruct((parts, 1, Out), jnp.float32)
+    return jax.ffi.ffi_call(DOWN_TARGET, out)(
+        ids_U.astype(jnp.int32), jnp.reshape(coef_U, (U,)).astype(jnp.float32), a,
+        jnp.reshape(ainv_U, (U,)).astype(jnp.float32), w2.packed, w2.scale)

@@ -1,0 +1,160 @@
+// jaxk3_mxfp4_down (platform "CUDA"): one token's down projections over the selected MXFP4 experts and their
+// combine, on the tensor cores: y[p, 0, o] = Σ over the slots u of part p of coef[u] · (W2[ids[u]] a[u])[o], fp32, the
+// G parts' partial sums added by XLA in the consumer.  The second of the `moe_experts` kernels at one token
+// (jaxk3/kernels/mxfp4_cuda.py's `down`), the same products as the first (cuda_mxfp4.h): each slot's activations
+// a[u] in float16 times 2^k_u (its inverse ainv[u]), the lanes' order.  No state: command-buffer compatible.
+//
+// A CTA owns 16 output rows and one part of the slots; its 4 warps take the part's slots in turn (warp w: slots
+// w, w + 4, ...), each slot over its whole I, and sum in shared memory.  The part's activations sit in shared memory.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+#include "cuda_mxfp4.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxk3 {
+namespace {
+
+using mxfp4::kChunk;
+using mxfp4::Load;
+using mxfp4::Multiply;
+using mxfp4::Tile;
+
+constexpr int kRows = 16;           // output rows per CTA: one m16 tile
+constexpr int kWarps = 4;           // slots of the part in turn
+constexpr int kDepth = 4;           // iterations' loads in flight per lane (as the gate-up kernel)
+constexpr int kMaxSmem = 47 * 1024; // the part's activations (per x I x 2 bytes) beside `red`: under 48 KB
+
+struct Params {
+  const int* ids;        // [U] the slots' experts (< 0 or >= E: the slot adds nothing)
+  const float* coef;     // [U] the slots' routing weights
+  const uint4* a;        // [U, I / 8] each slot's activations in float16 times 2^k_u, permuted
+  const float* ainv;     // [U] 2^-k_u
+  const uint8_t* packed; // [E, Out, I / 2]
+  const uint8_t* scale;  // [E, Out, I / 32]
+  float* out;            // [G, Out]
+  int E, U, I, Out, per; // per: slots a part
+};
+
+__global__ void __launch_bounds__(kWarps * 32) DownKernel(Params p) {
+  extern __shared__ uint4 as[];  // the part's slots' activations, [per, I / 8]
+  __shared__ float red[kWarps][kRows];
+  const int part = blockIdx.y, o0 = blockIdx.x * kRows;
+  const int first_slot = part * p.per, slots = min(p.per, p.U - first_slot);
+  const int octets = p.I / 8;
+  for (int i = threadIdx.x; i < slots * octets; i += blockDim.x) as[i] = p.a[static_cast<size_t>(first_slot) * octets + i];
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const bool has_x = g == 0;
+  const size_t row_bytes = p.I / 2, srow_bytes = p.I / 32;
+  const int iters = p.I / kChunk;
+  float tot0 = 0.0f, tot8 = 0.0f;  // rows g and g + 8 (lanes t = 0 only hold real sums)
+  for (int s = warp; s < slots; s += kWarps) {  // warp-uniform
+    const int u = first_slot + s, e = p.ids[u];
+    if (e < 0 || e >= p.E) continue;
+    const uint8_t* row0 = p.packed + (static_cast<long long>(e) * p.Out + o0 + g) * row_bytes;
+    const uint8_t* srow0 = p.scale + (static_cast<long long>(e) * p.Out + o0 + g) * srow_bytes;
+    const uint4* xs = as + static_cast<size_t>(s) * octets;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    Tile T[kDepth];
+#pragma unroll
+    for (int k = 0; k < kDepth; ++k)
+      if (k < iters) Load(T[k], row0, srow0, row_bytes, srow_bytes, 32 * t + k * kChunk);
+    for (int it = 0; it < iters; it += kDepth) {
+#pragma unroll
+      for (int k = 0; k < kDepth; ++k) {
+        if (it + k < iters) {
+          Multiply(d, T[k], xs, 32 * t + (it + k) * kChunk, has_x);
+          if (it + k + kDepth < iters) Load(T[k], row0, srow0, row_bytes, srow_bytes, 32 * t + (it + k + kDepth) * kChunk);
+        }
+      }
+    }
+    const float c = p.coef[u] * p.ainv[u];
+    tot0 += c * d[0];
+    tot8 += c * d[2];
+  }
+  if (t == 0) {
+    red[warp][g] = tot0;
+    red[warp][g + 8] = tot8;
+  }
+  __syncthreads();
+  if (threadIdx.x < kRows) {
+    const int i = threadIdx.x;
+    p.out[static_cast<size_t>(part) * p.Out + o0 + i] = red[0][i] + red[1][i] + red[2][i] + red[3][i];
+  }
+}
+
+std::string Dims(const ffi::AnyBuffer::Dimensions& d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+ffi::Error CudaMxfp4Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer coef, ffi::AnyBuffer a,
+                         ffi::AnyBuffer ainv, ffi::AnyBuffer packed, ffi::AnyBuffer scale,
+                         ffi::Result<ffi::AnyBuffer> out) {
+  const std::string name = "jaxk3_mxfp4_down";
+  if (ids.element_type() != ffi::DataType::S32 || ids.dimensions().size() != 1)
+    return InvalidArgument(name + ": ids must be int32 [U], got " + Dims(ids.dimensions()));
+  const int64_t U = ids.dimensions()[0];
+  if (U < 1) return InvalidArgument(name + ": at least one slot, got ids " + Dims(ids.dimensions()));
+  if (coef.element_type() != ffi::DataType::F32 || coef.element_count() != U)
+    return InvalidArgument(name + ": coef must be float32 with U = " + std::to_string(U) + " values, got " +
+                           Dims(coef.dimensions()));
+  if (ainv.element_type() != ffi::DataType::F32 || ainv.element_count() != U)
+    return InvalidArgument(name + ": ainv must be float32 with U = " + std::to_string(U) + " values, got " +
+                           Dims(ainv.dimensions()));
+  const auto ad = a.dimensions(), pd = packed.dimensions(), sd = scale.dimensions(), od = out->dimensions();
+  if (a.element_type() != ffi::DataType::F16 || ad.size() != 2 || ad[0] != U)
+    return InvalidArgument(name + ": a must be float16 [U, I] for U = " + std::to_string(U) + ", got " + Dims(ad));
+  const int64_t I = ad[1];
+  if (packed.element_type() != ffi::DataType::U8 || scale.element_type() != ffi::DataType::U8 || pd.size() != 3 ||
+      sd.size() != 3 || pd[2] != I / 2 || sd[2] != I / 32 || sd[0] != pd[0] || sd[1] != pd[1])
+    return InvalidArgument(name + ": codes " + Dims(pd) + " and scales " + Dims(sd) + " must be uint8 [E, Out, I/2] "
+                           "and [E, Out, I/32] for I = " + std::to_string(I));
+  const int64_t E = pd[0], Out = pd[1];
+  if (out->element_type() != ffi::DataType::F32 || od.size() != 3 || od[1] != 1 || od[2] != Out || od[0] < 1)
+    return InvalidArgument(name + ": the output must be float32 [G, 1, Out] for Out = " + std::to_string(Out) +
+                           ", got " + Dims(od));
+  const int64_t G = od[0], per = (U + G - 1) / G;
+  if (I < kChunk || I % kChunk != 0 || Out < kRows || Out % kRows != 0 || G > 65535)
+    return InvalidArgument(name + ": I " + std::to_string(I) + " must be a positive multiple of " +
+                           std::to_string(kChunk) + ", Out " + std::to_string(Out) + " of " + std::to_string(kRows) +
+                           ", and the parts " + std::to_string(G) + " at most 65535");
+  if (per * I * 2 > kMaxSmem)
+    return InvalidArgument(name + ": a part's " + std::to_string(per) + " slots of I " + std::to_string(I) +
+                           " activations do not fit " + std::to_string(kMaxSmem) + " bytes of shared memory");
+  if (reinterpret_cast<uintptr_t>(packed.untyped_data()) % 16 || reinterpret_cast<uintptr_t>(a.untyped_data()) % 16)
+    return InvalidArgument(name + ": the codes and the activations must be 16-byte aligned");
+  Params p{static_cast<const int*>(ids.untyped_data()), static_cast<const float*>(coef.untyped_data()),
+           static_cast<const uint4*>(a.untyped_data()), static_cast<const float*>(ainv.untyped_data()),
+           static_cast<const uint8_t*>(packed.untyped_data()), static_cast<const uint8_t*>(scale.untyped_data()),
+           static_cast<float*>(out->untyped_data()), static_cast<int>(E), static_cast<int>(U), static_cast<int>(I),
+           static_cast<int>(Out), static_cast<int>(per)};
+  DownKernel<<<dim3(static_cast<unsigned>(Out / kRows), static_cast<unsigned>(G)), kWarps * 32,
+               static_cast<size_t>(per * I * 2), stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Internal(name + ": launch: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_mxfp4_down, CudaMxfp4Down,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jaxk3

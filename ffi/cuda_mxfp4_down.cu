@@ -36,35 +36,57 @@ struct Params {
   const float* ainv;     // [U] 2^-k_u
   const uint8_t* packed; // [E, Out, I / 2]
   const uint8_t* scale;  // [E, Out, I / 32]
-  float* out;            // [G, Out]
+  float* out;            // [G, 1, Out]
   int E, U, I, Out, per; // per: slots a part
 };
+
+// A warp's slot: its rows' code and scale pointers, or false for an empty slot (an expert out of [0, E)).
+__device__ __forceinline__ bool SlotRows(const Params& p, int u, int o0, int g, const uint8_t*& row0,
+                                         const uint8_t*& srow0) {
+  const int e = p.ids[u];
+  if (e < 0 || e >= p.E) return false;
+  row0 = p.packed + (static_cast<long long>(e) * p.Out + o0 + g) * (p.I / 2);
+  srow0 = p.scale + (static_cast<long long>(e) * p.Out + o0 + g) * (p.I / 32);
+  return true;
+}
 
 __global__ void __launch_bounds__(kWarps * 32) DownKernel(Params p) {
   extern __shared__ uint4 as[];  // the part's slots' activations, [per, I / 8]
   __shared__ float red[kWarps][kRows];
   const int part = blockIdx.y, o0 = blockIdx.x * kRows;
-  const int first_slot = part * p.per, slots = min(p.per, p.U - first_slot);
+  const int first_slot = part * p.per, slots = min(p.per, p.U - first_slot);  // <= 0: an empty part, zeros
   const int octets = p.I / 8;
-  for (int i = threadIdx.x; i < slots * octets; i += blockDim.x) as[i] = p.a[static_cast<size_t>(first_slot) * octets + i];
-  __syncthreads();
-
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const bool has_x = g == 0;
   const size_t row_bytes = p.I / 2, srow_bytes = p.I / 32;
   const int iters = p.I / kChunk;
-  float tot0 = 0.0f, tot8 = 0.0f;  // rows g and g + 8 (lanes t = 0 only hold real sums)
-  for (int s = warp; s < slots; s += kWarps) {  // warp-uniform
-    const int u = first_slot + s, e = p.ids[u];
-    if (e < 0 || e >= p.E) continue;
-    const uint8_t* row0 = p.packed + (static_cast<long long>(e) * p.Out + o0 + g) * row_bytes;
-    const uint8_t* srow0 = p.scale + (static_cast<long long>(e) * p.Out + o0 + g) * srow_bytes;
-    const uint4* xs = as + static_cast<size_t>(s) * octets;
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    Tile T[kDepth];
+
+  // The warp's first slot's loads go out before the activations are copied (each slot after it: at its start).
+  Tile T[kDepth];
+  const uint8_t *row0 = nullptr, *srow0 = nullptr;
+  bool live = warp < slots && SlotRows(p, first_slot + warp, o0, g, row0, srow0);
+  if (live) {
 #pragma unroll
     for (int k = 0; k < kDepth; ++k)
       if (k < iters) Load(T[k], row0, srow0, row_bytes, srow_bytes, 32 * t + k * kChunk);
+  }
+  for (int i = threadIdx.x; i < slots * octets; i += blockDim.x) as[i] = p.a[static_cast<size_t>(first_slot) * octets + i];
+  __syncthreads();
+
+  float tot0 = 0.0f, tot8 = 0.0f;  // rows g and g + 8 (lanes t = 0 only hold real sums)
+  for (int s = warp; s < slots; s += kWarps) {  // warp-uniform
+    const int u = first_slot + s;
+    if (s != warp) {
+      live = SlotRows(p, u, o0, g, row0, srow0);
+      if (live) {
+#pragma unroll
+        for (int k = 0; k < kDepth; ++k)
+          if (k < iters) Load(T[k], row0, srow0, row_bytes, srow_bytes, 32 * t + k * kChunk);
+      }
+    }
+    if (!live) continue;
+    const uint4* xs = as + static_cast<size_t>(s) * octets;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int it = 0; it < iters; it += kDepth) {
 #pragma unroll
       for (int k = 0; k < kDepth; ++k) {

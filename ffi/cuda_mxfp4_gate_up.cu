@@ -1,7 +1,7 @@
 // jaxk3_mxfp4_gate_up (platform "CUDA"): one token's gate | up GEMVs over the selected MXFP4 experts and their GLU,
 // on the tensor cores: a[u, 0, i] = act(W1[ids[u]] x, W3[ids[u]] x)[i], bf16.  The first of the `moe_experts` kernels
-// at one token (jaxk3/kernels/mxfp4_cuda.py calls it; the Pallas kernel 2 follows).  No state, no communication:
-// command-buffer compatible.
+// at one token (jaxk3/kernels/mxfp4_cuda.py calls it; kernel 2 follows: Pallas, or cuda_mxfp4_down.cu).  No state, no
+// communication: command-buffer compatible.
 //
 // The arithmetic is the Pallas float16 form's (docs/ARCHITECTURE.md, moe_experts): every weight code · 2^(s − 127) is
 // a float16 exactly for E8M0 bytes s in [104, 128] (the stacks are checked at load), the token is a float16 exactly

@@ -2089,6 +2089,7 @@ def test_moe_experts_cuda_gate_up_refusals():
     assert CU.down_problem(16, 3072, 3584, 4) is None and CU.down_problem(16, 1536, 3584, 4) is None
     assert "multiple of 128" in CU.down_problem(16, 64, 3584, 4)
     assert "shared memory" in CU.down_problem(16, 6144, 3584, 1)
+    assert "slot parts" in CU.down_problem(16, 3072, 3584, 0)
     assert ME.fits(cfg, w, z, wk, ids, config=ME.Config(), only_where_faster=False) is None
     # Config.f16 at one token is a dot over 8 padded rows: not the form the CUDA kernel replaces, whatever the device
     cfw, ww, zw, wkw, idsw = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=512)
@@ -2127,20 +2128,23 @@ def test_moe_experts_cuda_gate_up_on_gpu(layout, act):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["checkpoint", "joined"])
-@pytest.mark.parametrize("parts", [1, 3, 4])
-def test_moe_experts_cuda_down_on_gpu(layout, parts):
+@pytest.mark.parametrize("k,parts", [(10, 1), (10, 3), (10, 4), (4, 3)])
+def test_moe_experts_cuda_down_on_gpu(layout, k, parts):
     """Kernel 2 at one token in CUDA (`Config(cuda_down=True)`), after either kernel 1, compiled, against the jnp
-    reference (an input of 1536, I 128: the tiling's chunk); 1, 3 (a last part with fewer slots) and 4 slot parts.
-    Tolerance as the float16 forms': 2e-5 of max|ref| (float32 sums in another order of exact products); and the
-    path ran (its target is in the lowered module)."""
+    reference: an input of 1536 and I 768 (6 iterations a slot: the loads' refill and a partial last round); k = 10
+    slots in 1 part (warps taking 3, 3, 2, 2 slots), 3 parts (4, 4, 2) and 4 (3, 3, 3, 1); k = 4 in 3 parts leaves
+    the last part empty (zeros).  Tolerance as the float16 forms': 2e-5 of max|ref| (float32 sums in another order of
+    exact products); and the path ran (its target is in the lowered module)."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
     from jaxk3.kernels import moe_experts as ME
     from jaxk3.kernels import mxfp4_cuda as CU
 
-    if CU.unavailable():  # as the gathers' GPU tests do without the extension's CUDA handlers
-        pytest.skip(f"{CU.unavailable()} (scripts/gpu_check.sh build)")
-    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, moe_intermediate_size=128)
+    if CU.unavailable(CU.DOWN_TARGET):  # as the gathers' GPU tests do without the extension's CUDA handlers
+        pytest.skip(f"{CU.unavailable(CU.DOWN_TARGET)} (scripts/gpu_check.sh build)")
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, moe_intermediate_size=768,
+                                   num_experts_per_token=k)
+    assert ids.shape == (1, k)
     if layout == "joined":
         w = _joined(w)
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))

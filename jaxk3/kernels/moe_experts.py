@@ -27,7 +27,8 @@ How a tile is multiplied (as in jaxk3.kernels.gemv, whose sweep found the same):
                sums times the group's scale (`Config.mx_dot`); per token element-wise where the input is not bf16.
 MXFP4 at one token, kernel 1 is a CUDA kernel where the extension has it (`Config.cuda`, jaxk3.kernels.mxfp4_cuda:
 the float16 form's arithmetic on mma.sync, each lane decoding its own words into its fragment registers; Triton's
-layouts made every tensor-core form at one token slower than the element-wise one).
+layouts made every tensor-core form at one token slower than the element-wise one); kernel 2 has the same CUDA form,
+off until it has run on a GPU (`Config.cuda_down`).
 MXFP4 rows are dequantised in registers (by default each 32-bit word's eight E2M1 codes become float16's bits in a
 few PTX instructions, `Config.decode`, then the E8M0 scale per group) and never exist dequantised in memory.
 Products and sums are float32, as in the reference; the sums run in another order, so the results
@@ -786,7 +787,9 @@ def _cuda_problem(cf: Config, w, z_BL: jax.Array, shared, routed: bool = False, 
         return "the CUDA kernels take neither the shared experts nor the router's logits"
     if cf.f16:  # (`f16` at one token: the float16 dot form over 8 padded rows, kept in Pallas)
         return "the CUDA kernels replace the one-token element-wise form, not Config.f16's dot over padded rows"
-    return (CU.down_problem(down[0], I, Out, down[1]) if down else CU.shape_problem(I, In)) or CU.unavailable()
+    if down:
+        return CU.down_problem(down[0], I, Out, down[1]) or CU.unavailable(CU.DOWN_TARGET)
+    return CU.shape_problem(I, In) or CU.unavailable(CU.TARGET)
 
 
 def _cuda_wanted(cf: Config, down: bool = False) -> bool:

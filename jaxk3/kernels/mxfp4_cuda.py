@@ -33,36 +33,36 @@ CHUNK, DOWN_SMEM = 128, 47 * 1024  # `down`: I a multiple of CHUNK; a part's act
 
 
 _lock = threading.Lock()
-_why: list[str | None] = []  # the registration's outcome, once: [None] registered, [reason] not
+_found: list[dict] = []  # once: {target: None registered, or why not}
 
 
-def _register() -> str | None:
-    """Registers TARGET and DOWN_TARGET with XLA once (the extension's `cuda_kernels`: jaxk3.collectives registers its own targets,
-    and kernels and collectives do not import each other); why it cannot be, or None."""
+def _register(target: str) -> str | None:
+    """Registers the extension's CUDA kernels (its `cuda_kernels` list: jaxk3.collectives registers its own targets,
+    and kernels and collectives do not import each other) with XLA once, each found target on its own; why `target`
+    cannot run, or None."""
     with _lock:
-        if not _why:
+        if not _found:
             try:
                 from jaxk3 import _ffi  # type: ignore[attr-defined]
             except Exception as e:  # ImportError, or an ABI problem
-                _why.append(f"the jaxk3._ffi extension failed to import ({type(e).__name__}: {e})")
+                why = f"the jaxk3._ffi extension failed to import ({type(e).__name__}: {e})"
+                _found.append({t: why for t in (TARGET, DOWN_TARGET)})
             else:
-                found = dict(_ffi.cuda_kernels()) if hasattr(_ffi, "cuda_kernels") else {}
-                if TARGET in found and DOWN_TARGET in found:
-                    for name in (TARGET, DOWN_TARGET):
-                        jax.ffi.register_ffi_target(name, found[name], platform="CUDA")
-                    _why.append(None)
-                else:
-                    _why.append("the extension was built without its CUDA kernels")
-        return _why[0]
+                caps = dict(_ffi.cuda_kernels()) if hasattr(_ffi, "cuda_kernels") else {}
+                for name, cap in caps.items():
+                    jax.ffi.register_ffi_target(name, cap, platform="CUDA")
+                _found.append({t: None if t in caps else "the extension was built without it (no CUDA, or older)"
+                               for t in (TARGET, DOWN_TARGET)})
+        return _found[0][target]
 
 
-def unavailable() -> str | None:
-    """Why the kernel cannot run on this process's default device (None: it can)."""
+def unavailable(target: str = TARGET) -> str | None:
+    """Why CUDA kernel `target` (TARGET, DOWN_TARGET) cannot run on this process's default device (None: it can)."""
     platform = jax.devices()[0].platform
     if platform != "gpu":
-        return f"the one-token MXFP4 CUDA kernels ({TARGET}, {DOWN_TARGET}) need a CUDA device, the device is {platform!r}"
-    why = _register()
-    return None if why is None else f"{TARGET} and {DOWN_TARGET} cannot run: {why} (`make build` with nvcc rebuilds it)"
+        return f"{target} is a CUDA kernel, the device is {platform!r}"
+    why = _register(target)
+    return None if why is None else f"{target} cannot run: {why} (`make build` with nvcc rebuilds it)"
 
 
 def shape_problem(I: int, In: int) -> str | None:
@@ -99,16 +99,17 @@ def gate_up(ids_U: jax.Array, x16_In: jax.Array, xinv: jax.Array, gate, up, up_o
 
 def down_problem(U: int, I: int, Out: int, parts: int) -> str | None:
     """Why `down`'s tiling does not divide these experts or its parts' activations do not fit (None: they do)."""
+    if I % CHUNK or Out % ROWS or not 1 <= parts <= 65535:
+        return (f"{DOWN_TARGET} needs I a multiple of {CHUNK}, Out of {ROWS} and 1 to 65535 slot parts, got I {I}, "
+                f"Out {Out}, {parts} parts")
     per = -(-U // parts)
-    if I % CHUNK or Out % ROWS or parts < 1:
-        return f"{DOWN_TARGET} needs I a multiple of {CHUNK} and Out of {ROWS}, got I {I}, Out {Out}, {parts} parts"
     if per * I * 2 > DOWN_SMEM:
         return f"{DOWN_TARGET}: a part's {per} slots of {I} activations exceed {DOWN_SMEM} bytes of shared memory"
     return None
 
 
 def down(ids_U: jax.Array, coef_U: jax.Array, a16_UI: jax.Array, ainv_U: jax.Array, w2, parts: int) -> jax.Array:
-    """y [parts, 1, Out] fp32: part p's sum over its slots [p·per, (p+1)·per) (per = ceil(U / parts)) of coef[u] ·
+    """y [parts, 1, Out] fp32: part p's sum over its slots [p·per, min((p+1)·per, U)) (per = ceil(U / parts)) of coef[u] ·
     W2[ids[u]] a[u]; `w2` the MXFP4 stack (packed [E, Out, I/2], scale [E, Out, I/32]), a16_UI each slot's activations
     in float16 times 2^k_u (their order as they are: permuted here), ainv_U 2^-k_u."""
     U, I = a16_UI.shape

@@ -54,6 +54,13 @@ inline xla::ffi::Error FailedPrecondition(std::string msg) {
   return xla::ffi::Error(xla::ffi::ErrorCode::kFailedPrecondition, std::move(msg));
 }
 
+// A buffer's dimensions as "[d0, d1, ...]", for the errors that name a bad shape.
+inline std::string DimsText(xla::ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
 // An asynchronous handler's result that is already a failure.
 inline xla::ffi::Future FailedFuture(xla::ffi::Error error) {
   xla::ffi::Promise promise;

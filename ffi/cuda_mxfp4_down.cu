@@ -111,38 +111,32 @@ __global__ void __launch_bounds__(kWarps * 32) DownKernel(Params p) {
   }
 }
 
-std::string Dims(const ffi::AnyBuffer::Dimensions& d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
 ffi::Error CudaMxfp4Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer coef, ffi::AnyBuffer a,
                          ffi::AnyBuffer ainv, ffi::AnyBuffer packed, ffi::AnyBuffer scale,
                          ffi::Result<ffi::AnyBuffer> out) {
   const std::string name = "jaxk3_mxfp4_down";
   if (ids.element_type() != ffi::DataType::S32 || ids.dimensions().size() != 1)
-    return InvalidArgument(name + ": ids must be int32 [U], got " + Dims(ids.dimensions()));
+    return InvalidArgument(name + ": ids must be int32 [U], got " + DimsText(ids.dimensions()));
   const int64_t U = ids.dimensions()[0];
-  if (U < 1) return InvalidArgument(name + ": at least one slot, got ids " + Dims(ids.dimensions()));
+  if (U < 1) return InvalidArgument(name + ": at least one slot, got ids " + DimsText(ids.dimensions()));
   if (coef.element_type() != ffi::DataType::F32 || coef.element_count() != U)
     return InvalidArgument(name + ": coef must be float32 with U = " + std::to_string(U) + " values, got " +
-                           Dims(coef.dimensions()));
+                           DimsText(coef.dimensions()));
   if (ainv.element_type() != ffi::DataType::F32 || ainv.element_count() != U)
     return InvalidArgument(name + ": ainv must be float32 with U = " + std::to_string(U) + " values, got " +
-                           Dims(ainv.dimensions()));
+                           DimsText(ainv.dimensions()));
   const auto ad = a.dimensions(), pd = packed.dimensions(), sd = scale.dimensions(), od = out->dimensions();
   if (a.element_type() != ffi::DataType::F16 || ad.size() != 2 || ad[0] != U)
-    return InvalidArgument(name + ": a must be float16 [U, I] for U = " + std::to_string(U) + ", got " + Dims(ad));
+    return InvalidArgument(name + ": a must be float16 [U, I] for U = " + std::to_string(U) + ", got " + DimsText(ad));
   const int64_t I = ad[1];
   if (packed.element_type() != ffi::DataType::U8 || scale.element_type() != ffi::DataType::U8 || pd.size() != 3 ||
       sd.size() != 3 || pd[2] != I / 2 || sd[2] != I / 32 || sd[0] != pd[0] || sd[1] != pd[1])
-    return InvalidArgument(name + ": codes " + Dims(pd) + " and scales " + Dims(sd) + " must be uint8 [E, Out, I/2] "
+    return InvalidArgument(name + ": codes " + DimsText(pd) + " and scales " + DimsText(sd) + " must be uint8 [E, Out, I/2] "
                            "and [E, Out, I/32] for I = " + std::to_string(I));
   const int64_t E = pd[0], Out = pd[1];
   if (out->element_type() != ffi::DataType::F32 || od.size() != 3 || od[1] != 1 || od[2] != Out || od[0] < 1)
     return InvalidArgument(name + ": the output must be float32 [G, 1, Out] for Out = " + std::to_string(Out) +
-                           ", got " + Dims(od));
+                           ", got " + DimsText(od));
   const int64_t G = od[0], per = (U + G - 1) / G;
   if (I < kChunk || I % kChunk != 0 || Out < kRows || Out % kRows != 0 || G > 65535)
     return InvalidArgument(name + ": I " + std::to_string(I) + " must be a positive multiple of " +

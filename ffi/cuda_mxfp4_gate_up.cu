@@ -109,12 +109,6 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(Params p) {
   }
 }
 
-std::string Dims(const ffi::AnyBuffer::Dimensions& d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
 ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer x, ffi::AnyBuffer xinv,
                            ffi::AnyBuffer gate_packed, ffi::AnyBuffer gate_scale, ffi::AnyBuffer up_packed,
                            ffi::AnyBuffer up_scale, ffi::Result<ffi::AnyBuffer> out, int64_t up_off, int64_t act,
@@ -123,23 +117,23 @@ ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuff
   const auto gp = gate_packed.dimensions(), gs = gate_scale.dimensions(), upk = up_packed.dimensions(),
              us = up_scale.dimensions(), od = out->dimensions();
   if (ids.element_type() != ffi::DataType::S32 || ids.dimensions().size() != 1)
-    return InvalidArgument(std::string(name) + ": ids must be int32 [U], got " + Dims(ids.dimensions()));
+    return InvalidArgument(std::string(name) + ": ids must be int32 [U], got " + DimsText(ids.dimensions()));
   if (x.element_type() != ffi::DataType::F16 || x.dimensions().size() != 1)
-    return InvalidArgument(std::string(name) + ": x must be float16 [In], got " + Dims(x.dimensions()));
+    return InvalidArgument(std::string(name) + ": x must be float16 [In], got " + DimsText(x.dimensions()));
   if (xinv.element_type() != ffi::DataType::F32 || xinv.element_count() != 1)
-    return InvalidArgument(std::string(name) + ": xinv must be one float32, got " + Dims(xinv.dimensions()));
+    return InvalidArgument(std::string(name) + ": xinv must be one float32, got " + DimsText(xinv.dimensions()));
   if (out->element_type() != ffi::DataType::BF16)
     return InvalidArgument(std::string(name) + ": the output must be bfloat16");
   for (const ffi::AnyBuffer* b : {&gate_packed, &gate_scale, &up_packed, &up_scale}) {
     if (b->element_type() != ffi::DataType::U8 || b->dimensions().size() != 3)
       return InvalidArgument(std::string(name) + ": MXFP4 codes and scales must be uint8 [E, rows, cols], got " +
-                             Dims(b->dimensions()));
+                             DimsText(b->dimensions()));
   }
   const int64_t U = ids.dimensions()[0], In = x.dimensions()[0], E = gp[0];
   const int64_t I = od.size() == 3 ? od[2] : -1;
   if (od.size() != 3 || od[0] != U || od[1] != 1)
     return InvalidArgument(std::string(name) + ": the output must be [U, 1, I] for U = " + std::to_string(U) +
-                           ", got " + Dims(od));
+                           ", got " + DimsText(od));
   if (U < 1 || U > 65535)
     return InvalidArgument(std::string(name) + ": 1 to 65535 slots (ids [U]), got " + std::to_string(U));
   if (In < 2 * kChunk || In % (2 * kChunk) != 0 || In > kMaxIn || I < kRows || I % kRows != 0)
@@ -148,8 +142,8 @@ ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuff
                            " and I " + std::to_string(I) + " of " + std::to_string(kRows));
   if (gp[2] != In / 2 || upk[2] != In / 2 || gs[2] != In / 32 || us[2] != In / 32 || gs[0] != E || upk[0] != E ||
       us[0] != E || gs[1] != gp[1] || us[1] != upk[1])
-    return InvalidArgument(std::string(name) + ": codes " + Dims(gp) + ", " + Dims(upk) + " and scales " + Dims(gs) +
-                           ", " + Dims(us) + " do not match an input of " + std::to_string(In));
+    return InvalidArgument(std::string(name) + ": codes " + DimsText(gp) + ", " + DimsText(upk) + " and scales " + DimsText(gs) +
+                           ", " + DimsText(us) + " do not match an input of " + std::to_string(In));
   if (gp[1] < I || up_off < 0 || up_off + I > upk[1])
     return InvalidArgument(std::string(name) + ": I = " + std::to_string(I) + " gate rows and up rows from " +
                            std::to_string(up_off) + " do not fit the experts' " + std::to_string(gp[1]) + " and " +

@@ -83,5 +83,31 @@ __device__ __forceinline__ void Multiply(float (&d)[4], const Tile& T, const uin
   }
 }
 
+// A lane's first kDepth tiles of its row pair (rows g and g + 8 from row0 / srow0), from code `first` on.
+template <int kDepth>
+__device__ __forceinline__ void Prefetch(Tile (&T)[kDepth], const uint8_t* row0, const uint8_t* srow0,
+                                         size_t row_bytes, size_t srow_bytes, int first, int iters) {
+#pragma unroll
+  for (int k = 0; k < kDepth; ++k)
+    if (k < iters) Load(T[k], row0, srow0, row_bytes, srow_bytes, first + k * kChunk);
+}
+
+// The row pair's products over `iters` chunks into d, `Prefetch`'s tiles first: each tile refilled with the one
+// kDepth chunks on right after its products, so kDepth chunks' loads stay in flight.
+template <int kDepth>
+__device__ __forceinline__ void Stream(float (&d)[4], Tile (&T)[kDepth], const uint8_t* row0, const uint8_t* srow0,
+                                       size_t row_bytes, size_t srow_bytes, const uint4* xs, int first, int iters,
+                                       bool has_x) {
+  for (int it = 0; it < iters; it += kDepth) {
+#pragma unroll
+    for (int k = 0; k < kDepth; ++k) {
+      if (it + k < iters) {
+        Multiply(d, T[k], xs, first + (it + k) * kChunk, has_x);
+        if (it + k + kDepth < iters) Load(T[k], row0, srow0, row_bytes, srow_bytes, first + (it + k + kDepth) * kChunk);
+      }
+    }
+  }
+}
+
 }  // namespace mxfp4
 }  // namespace jaxk3

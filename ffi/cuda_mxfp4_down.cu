@@ -20,8 +20,8 @@ namespace jaxk3 {
 namespace {
 
 using mxfp4::kChunk;
-using mxfp4::Load;
-using mxfp4::Multiply;
+using mxfp4::Prefetch;
+using mxfp4::Stream;
 using mxfp4::Tile;
 
 constexpr int kRows = 16;           // output rows per CTA: one m16 tile
@@ -65,11 +65,7 @@ __global__ void __launch_bounds__(kWarps * 32) DownKernel(Params p) {
   Tile T[kDepth];
   const uint8_t *row0 = nullptr, *srow0 = nullptr;
   bool live = warp < slots && SlotRows(p, first_slot + warp, o0, g, row0, srow0);
-  if (live) {
-#pragma unroll
-    for (int k = 0; k < kDepth; ++k)
-      if (k < iters) Load(T[k], row0, srow0, row_bytes, srow_bytes, 32 * t + k * kChunk);
-  }
+  if (live) Prefetch(T, row0, srow0, row_bytes, srow_bytes, 32 * t, iters);
   for (int i = threadIdx.x; i < slots * octets; i += blockDim.x) as[i] = p.a[static_cast<size_t>(first_slot) * octets + i];
   __syncthreads();
 
@@ -78,24 +74,11 @@ __global__ void __launch_bounds__(kWarps * 32) DownKernel(Params p) {
     const int u = first_slot + s;
     if (s != warp) {
       live = SlotRows(p, u, o0, g, row0, srow0);
-      if (live) {
-#pragma unroll
-        for (int k = 0; k < kDepth; ++k)
-          if (k < iters) Load(T[k], row0, srow0, row_bytes, srow_bytes, 32 * t + k * kChunk);
-      }
+      if (live) Prefetch(T, row0, srow0, row_bytes, srow_bytes, 32 * t, iters);
     }
     if (!live) continue;
-    const uint4* xs = as + static_cast<size_t>(s) * octets;
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int it = 0; it < iters; it += kDepth) {
-#pragma unroll
-      for (int k = 0; k < kDepth; ++k) {
-        if (it + k < iters) {
-          Multiply(d, T[k], xs, 32 * t + (it + k) * kChunk, has_x);
-          if (it + k + kDepth < iters) Load(T[k], row0, srow0, row_bytes, srow_bytes, 32 * t + (it + k + kDepth) * kChunk);
-        }
-      }
-    }
+    Stream(d, T, row0, srow0, row_bytes, srow_bytes, as + static_cast<size_t>(s) * octets, 32 * t, iters, has_x);
     const float c = p.coef[u] * p.ainv[u];
     tot0 += c * d[0];
     tot8 += c * d[2];

@@ -29,8 +29,8 @@ namespace jaxk3 {
 namespace {
 
 using mxfp4::kChunk;
-using mxfp4::Load;
-using mxfp4::Multiply;
+using mxfp4::Prefetch;
+using mxfp4::Stream;
 using mxfp4::Tile;
 
 constexpr int kRows = 16;     // rows of I per CTA: one m16 tile of gate rows and one of up rows
@@ -79,22 +79,12 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(Params p) {
   const bool has_x = g == 0;
 
   Tile T[kDepth];  // kDepth tiles in flight: each refilled right after its products
-#pragma unroll
-  for (int s = 0; s < kDepth; ++s)
-    if (s < iters) Load(T[s], row0, srow0, row_bytes, srow_bytes, first + s * kChunk);
+  Prefetch(T, row0, srow0, row_bytes, srow_bytes, first, iters);
   for (int i = threadIdx.x; i < p.In / 8; i += blockDim.x) xs[i] = p.x[i];
   __syncthreads();
 
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int it = 0; it < iters; it += kDepth) {
-#pragma unroll
-    for (int s = 0; s < kDepth; ++s) {
-      if (it + s < iters) {
-        Multiply(d, T[s], xs, first + (it + s) * kChunk, has_x);
-        if (it + s + kDepth < iters) Load(T[s], row0, srow0, row_bytes, srow_bytes, first + (it + s + kDepth) * kChunk);
-      }
-    }
-  }
+  Stream(d, T, row0, srow0, row_bytes, srow_bytes, xs, first, iters, has_x);
 
   if (t == 0) {  // column 0 of D: rows g (d[0]) and g + 8 (d[2])
     red[warp][g] = d[0];

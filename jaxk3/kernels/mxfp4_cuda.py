@@ -73,9 +73,9 @@ def shape_problem(I: int, In: int) -> str | None:
     return None
 
 
-def lanes_order(x16_In: jax.Array) -> jax.Array:
-    """The token's float16 inputs [In] in the kernel's order: each 8 inputs permuted by PERM."""
-    return x16_In.reshape(-1, 8)[:, np.asarray(PERM)].reshape(-1)
+def lanes_order(x16: jax.Array) -> jax.Array:
+    """Float16 inputs [..., In] (a token, or each slot's activations) in the kernels' order: each 8 permuted by PERM."""
+    return x16.reshape(*x16.shape[:-1], -1, 8)[..., np.asarray(PERM)].reshape(x16.shape)
 
 
 def gate_up(ids_U: jax.Array, x16_In: jax.Array, xinv: jax.Array, gate, up, up_off: int, I: int, act: str,
@@ -117,8 +117,7 @@ def down(ids_U: jax.Array, coef_U: jax.Array, a16_UI: jax.Array, ainv_U: jax.Arr
     why = down_problem(U, I, Out, parts)
     if why:
         raise ValueError(why)
-    a = a16_UI.astype(jnp.float16).reshape(U, -1, 8)[:, :, np.asarray(PERM)].reshape(U, I)
     out = jax.ShapeDtypeStruct((parts, 1, Out), jnp.float32)
     return jax.ffi.ffi_call(DOWN_TARGET, out)(
-        ids_U.astype(jnp.int32), jnp.reshape(coef_U, (U,)).astype(jnp.float32), a,
+        ids_U.astype(jnp.int32), jnp.reshape(coef_U, (U,)).astype(jnp.float32), lanes_order(a16_UI.astype(jnp.float16)),
         jnp.reshape(ainv_U, (U,)).astype(jnp.float32), w2.packed, w2.scale)

@@ -8,10 +8,12 @@
 // sums in lanes t = 0 (d[0]: row g, d[2]: row g + 8).
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace jaxk3 {
 namespace mxfp4 {
@@ -57,12 +59,37 @@ struct Tile {
   uint8_t s0, s8;
 };
 
+// A read-only global load; kL2: with PTX's L2::256B prefetch size, so that L2 fills the whole 256-byte block around it
+// from DRAM at once (the lanes' next three iterations of a row read the rest of it) instead of 64 bytes at a time.
+template <bool kL2>
+__device__ __forceinline__ uint4 Load16(const uint8_t* a) {
+  if constexpr (kL2) {
+    uint4 v;
+    asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
+    return v;
+  } else {
+    return __ldg(reinterpret_cast<const uint4*>(a));
+  }
+}
+
+template <bool kL2>
+__device__ __forceinline__ uint8_t Load1(const uint8_t* a) {
+  if constexpr (kL2) {
+    uint32_t v;
+    asm("ld.global.nc.L2::256B.u8 %0, [%1];" : "=r"(v) : "l"(a));
+    return static_cast<uint8_t>(v);
+  } else {
+    return __ldg(a);
+  }
+}
+
+template <bool kL2 = false>
 __device__ __forceinline__ void Load(Tile& T, const uint8_t* row0, const uint8_t* srow0, size_t row_bytes,
                                      size_t srow_bytes, int code) {
-  T.c0 = __ldg(reinterpret_cast<const uint4*>(row0 + code / 2));
-  T.c8 = __ldg(reinterpret_cast<const uint4*>(row0 + 8 * row_bytes + code / 2));
-  T.s0 = __ldg(srow0 + code / 32);
-  T.s8 = __ldg(srow0 + 8 * srow_bytes + code / 32);
+  T.c0 = Load16<kL2>(row0 + code / 2);
+  T.c8 = Load16<kL2>(row0 + 8 * row_bytes + code / 2);
+  T.s0 = Load1<kL2>(srow0 + code / 32);
+  T.s8 = Load1<kL2>(srow0 + 8 * srow_bytes + code / 32);
 }
 
 // The tile's 8 mma steps; lanes 0-3 take the token's 32 permuted inputs of their group from shared memory (xs), the
@@ -84,17 +111,17 @@ __device__ __forceinline__ void Multiply(float (&d)[4], const Tile& T, const uin
 }
 
 // A lane's first kDepth tiles of its row pair (rows g and g + 8 from row0 / srow0), from code `first` on.
-template <int kDepth>
+template <int kDepth, bool kL2 = false>
 __device__ __forceinline__ void Prefetch(Tile (&T)[kDepth], const uint8_t* row0, const uint8_t* srow0,
                                          size_t row_bytes, size_t srow_bytes, int first, int iters) {
 #pragma unroll
   for (int k = 0; k < kDepth; ++k)
-    if (k < iters) Load(T[k], row0, srow0, row_bytes, srow_bytes, first + k * kChunk);
+    if (k < iters) Load<kL2>(T[k], row0, srow0, row_bytes, srow_bytes, first + k * kChunk);
 }
 
 // The row pair's products over `iters` chunks into d, `Prefetch`'s tiles first: each tile refilled with the one
 // kDepth chunks on right after its products, so kDepth chunks' loads stay in flight.
-template <int kDepth>
+template <int kDepth, bool kL2 = false>
 __device__ __forceinline__ void Stream(float (&d)[4], Tile (&T)[kDepth], const uint8_t* row0, const uint8_t* srow0,
                                        size_t row_bytes, size_t srow_bytes, const uint4* xs, int first, int iters,
                                        bool has_x) {
@@ -103,10 +130,77 @@ __device__ __forceinline__ void Stream(float (&d)[4], Tile (&T)[kDepth], const u
     for (int k = 0; k < kDepth; ++k) {
       if (it + k < iters) {
         Multiply(d, T[k], xs, first + (it + k) * kChunk, has_x);
-        if (it + k + kDepth < iters) Load(T[k], row0, srow0, row_bytes, srow_bytes, first + (it + k + kDepth) * kChunk);
+        if (it + k + kDepth < iters) Load<kL2>(T[k], row0, srow0, row_bytes, srow_bytes, first + (it + k + kDepth) * kChunk);
       }
     }
   }
+}
+
+// ---- A kernel's bf16 input (the token, or each slot's activations) made float16 in the lanes' order by the kernel
+// itself (the "raw" form: no XLA fusions before it), as `moe_experts.f16_scaled` and `mxfp4_cuda.lanes_order` make it.
+
+// One 16-byte global -> shared copy that holds no register (cp.async; sm_80+): a CTA issues all of its input's copies
+// back to back, then waits once (CopyWait), instead of a load and a store per round trip.
+__device__ __forceinline__ void CopyAsync16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void CopyWait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// The helpers below are host code too (tests/native/mxfp4_raw_input.cu runs them on the CPU against
+// `moe_experts.f16_scaled` and `mxfp4_cuda.lanes_order`).
+
+__host__ __device__ __forceinline__ float AsFloat(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// The largest bf16 magnitude's bits among eight bf16 values and m (bf16 magnitudes order as unsigned integers; a NaN's
+// above the infinity's).
+__host__ __device__ __forceinline__ uint32_t MaxMagnitude(uint4 v, uint32_t m) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = w[i] & 0x7FFFu, hi = (w[i] >> 16) & 0x7FFFu;
+    m = lo > m ? lo : m;
+    m = hi > m ? hi : m;
+  }
+  return m;
+}
+
+// k of `f16_scaled` from the largest magnitude's bf16 bits: the one putting it in [2^14, 2^15) (frexp's exponent e of
+// m in [2^(e-1), 2^e): k = 15 - e, clipped to [-126, 126]); 0 for zeros and for a NaN (where(m > 0) is false there),
+// 15 for an infinity (frexp gives e = 0); 126 for a subnormal largest magnitude (its e is below -111; XLA on the CPU
+// flushes it to zero and takes k = 0: values that small are zeros either way after float16's rounding unless scaled).
+__host__ __device__ __forceinline__ int ScaleExponent(uint32_t mbits) {
+  if (mbits == 0 || mbits > 0x7F80u) return 0;
+  if (mbits == 0x7F80u) return 15;
+  const int biased = static_cast<int>(mbits >> 7);  // m in [2^(biased - 127), 2^(biased - 126)): e = biased - 126
+  if (biased == 0) return 126;
+  const int k = 141 - biased;
+  return k > 126 ? 126 : k;  // (>= -113 for a finite m)
+}
+
+// 2^k as a float for k in [-126, 127].
+__host__ __device__ __forceinline__ float Pow2(int k) { return AsFloat(static_cast<uint32_t>(k + 127) << 23); }
+
+// Eight bf16 values (little-endian halves v0..v7) times s = 2^k, each rounded to float16 (round to nearest even), in
+// the lanes' order: words (v0, v4), (v2, v6), (v1, v5), (v3, v7) — PERM = [0, 4, 2, 6, 1, 5, 3, 7].
+__host__ __device__ __forceinline__ uint4 ToLanes(uint4 v, float s) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float f[8];
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = AsFloat(w[i] << 16) * s;
+    f[2 * i + 1] = AsFloat(w[i] & 0xFFFF0000u) * s;
+  }
+  uint32_t o[4];
+  const int lo[4] = {0, 2, 1, 3};
+  for (int j = 0; j < 4; ++j) {
+    const __half2 h = __floats2half2_rn(f[lo[j]], f[lo[j] + 4]);
+    memcpy(&o[j], &h, sizeof o[j]);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 }  // namespace mxfp4

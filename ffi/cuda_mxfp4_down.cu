@@ -5,7 +5,9 @@
 // a[u] in float16 times 2^k_u (its inverse ainv[u]), the lanes' order.  No state: command-buffer compatible.
 //
 // A CTA owns 16 output rows and one part of the slots; its 4 warps take the part's slots in turn (warp w: slots
-// w, w + 4, ...), each slot over its whole I, and sum in shared memory.  The part's activations sit in shared memory.
+// w, w + 4, ...), each slot over its whole I, and sum in shared memory.  The part's activations sit in shared memory:
+// float16 copies XLA made, or in the raw form (a bf16) copied by cp.async and scaled there, each warp its own slots.
+// Template instances <raw, l2> as the gate-up kernel's.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -32,8 +34,8 @@ constexpr int kMaxSmem = 47 * 1024; // the part's activations (per x I x 2 bytes
 struct Params {
   const int* ids;        // [U] the slots' experts (< 0 or >= E: the slot adds nothing)
   const float* coef;     // [U] the slots' routing weights
-  const uint4* a;        // [U, I / 8] each slot's activations in float16 times 2^k_u, permuted
-  const float* ainv;     // [U] 2^-k_u
+  const uint4* a;        // [U, I / 8] each slot's activations in float16 times 2^k_u, permuted; kRaw: bf16 as is
+  const float* ainv;     // [U] 2^-k_u (kRaw: not read)
   const uint8_t* packed; // [E, Out, I / 2]
   const uint8_t* scale;  // [E, Out, I / 32]
   float* out;            // [G, 1, Out]
@@ -50,8 +52,29 @@ __device__ __forceinline__ bool SlotRows(const Params& p, int u, int o0, int g, 
   return true;
 }
 
-__global__ void __launch_bounds__(kWarps * 32) DownKernel(Params p) {
-  extern __shared__ uint4 as[];  // the part's slots' activations, [per, I / 8]
+// kRaw: the part's activations arrived in shared memory as bf16 (cp.async); each warp scales and permutes its own slots
+// (w, w + 4, ...: the ones it multiplies) in place and keeps each one's 2^-k in sinv (`moe_experts.f16_scaled` per slot).
+template <bool kRaw>
+__device__ __forceinline__ void ScaleSlots(uint4* as, float* sinv, int slots, int octets, int warp, int lane) {
+  if constexpr (kRaw) {
+    for (int s = warp; s < slots; s += kWarps) {  // warp-uniform
+      uint4* slot = as + static_cast<size_t>(s) * octets;
+      uint32_t m = 0;
+      for (int i = lane; i < octets; i += 32) m = mxfp4::MaxMagnitude(slot[i], m);
+      const int k = mxfp4::ScaleExponent(__reduce_max_sync(0xFFFFFFFFu, m));
+      const float sc = mxfp4::Pow2(k);
+      for (int i = lane; i < octets; i += 32) slot[i] = mxfp4::ToLanes(slot[i], sc);
+      if (lane == 0) sinv[s] = mxfp4::Pow2(-k);
+    }
+    __syncwarp();
+  }
+}
+
+// At least 6 CTAs an SM (80 registers, no spills: nvcc --resource-usage): the raw form's scaling beside the
+// prefetched tiles took 96 otherwise, 5 CTAs (the gate-up kernel's measured 79 registers, 6 CTAs, were the faster).
+template <bool kRaw, bool kL2>
+__global__ void __launch_bounds__(kWarps * 32, 6) DownKernel(Params p) {
+  extern __shared__ uint4 as[];  // the part's slots' activations, [per, I / 8]; kRaw: then each slot's 2^-k, [per]
   __shared__ float red[kWarps][kRows];
   const int part = blockIdx.y, o0 = blockIdx.x * kRows;
   const int first_slot = part * p.per, slots = min(p.per, p.U - first_slot);  // <= 0: an empty part, zeros
@@ -65,21 +88,29 @@ __global__ void __launch_bounds__(kWarps * 32) DownKernel(Params p) {
   Tile T[kDepth];
   const uint8_t *row0 = nullptr, *srow0 = nullptr;
   bool live = warp < slots && SlotRows(p, first_slot + warp, o0, g, row0, srow0);
-  if (live) Prefetch(T, row0, srow0, row_bytes, srow_bytes, 32 * t, iters);
-  for (int i = threadIdx.x; i < slots * octets; i += blockDim.x) as[i] = p.a[static_cast<size_t>(first_slot) * octets + i];
+  if (live) Prefetch<kDepth, kL2>(T, row0, srow0, row_bytes, srow_bytes, 32 * t, iters);
+  const uint4* a = p.a + static_cast<size_t>(first_slot) * octets;
+  float* sinv = reinterpret_cast<float*>(as + static_cast<size_t>(p.per) * octets);
+  if constexpr (kRaw) {
+    for (int i = threadIdx.x; i < slots * octets; i += blockDim.x) mxfp4::CopyAsync16(as + i, a + i);
+    mxfp4::CopyWait();
+  } else {
+    for (int i = threadIdx.x; i < slots * octets; i += blockDim.x) as[i] = a[i];
+  }
   __syncthreads();
+  ScaleSlots<kRaw>(as, sinv, slots, octets, warp, lane);
 
   float tot0 = 0.0f, tot8 = 0.0f;  // rows g and g + 8 (lanes t = 0 only hold real sums)
   for (int s = warp; s < slots; s += kWarps) {  // warp-uniform
     const int u = first_slot + s;
     if (s != warp) {
       live = SlotRows(p, u, o0, g, row0, srow0);
-      if (live) Prefetch(T, row0, srow0, row_bytes, srow_bytes, 32 * t, iters);
+      if (live) Prefetch<kDepth, kL2>(T, row0, srow0, row_bytes, srow_bytes, 32 * t, iters);
     }
     if (!live) continue;
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    Stream(d, T, row0, srow0, row_bytes, srow_bytes, as + static_cast<size_t>(s) * octets, 32 * t, iters, has_x);
-    const float c = p.coef[u] * p.ainv[u];
+    Stream<kDepth, kL2>(d, T, row0, srow0, row_bytes, srow_bytes, as + static_cast<size_t>(s) * octets, 32 * t, iters, has_x);
+    const float c = p.coef[u] * (kRaw ? sinv[s] : p.ainv[u]);
     tot0 += c * d[0];
     tot8 += c * d[2];
   }
@@ -96,7 +127,7 @@ __global__ void __launch_bounds__(kWarps * 32) DownKernel(Params p) {
 
 ffi::Error CudaMxfp4Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer coef, ffi::AnyBuffer a,
                          ffi::AnyBuffer ainv, ffi::AnyBuffer packed, ffi::AnyBuffer scale,
-                         ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::Result<ffi::AnyBuffer> out, int64_t l2) {
   const std::string name = "jaxk3_mxfp4_down";
   if (ids.element_type() != ffi::DataType::S32 || ids.dimensions().size() != 1)
     return InvalidArgument(name + ": ids must be int32 [U], got " + DimsText(ids.dimensions()));
@@ -109,8 +140,11 @@ ffi::Error CudaMxfp4Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer
     return InvalidArgument(name + ": ainv must be float32 with U = " + std::to_string(U) + " values, got " +
                            DimsText(ainv.dimensions()));
   const auto ad = a.dimensions(), pd = packed.dimensions(), sd = scale.dimensions(), od = out->dimensions();
-  if (a.element_type() != ffi::DataType::F16 || ad.size() != 2 || ad[0] != U)
-    return InvalidArgument(name + ": a must be float16 [U, I] for U = " + std::to_string(U) + ", got " + DimsText(ad));
+  const bool raw = a.element_type() == ffi::DataType::BF16;
+  if ((!raw && a.element_type() != ffi::DataType::F16) || ad.size() != 2 || ad[0] != U)
+    return InvalidArgument(name + ": a must be float16 [U, I] (scaled, permuted) or bfloat16 [U, I] (as it is) for U = " +
+                           std::to_string(U) + ", got " + DimsText(ad));
+  if (l2 != 0 && l2 != 1) return InvalidArgument(name + ": l2 must be 0 or 1");
   const int64_t I = ad[1];
   if (packed.element_type() != ffi::DataType::U8 || scale.element_type() != ffi::DataType::U8 || pd.size() != 3 ||
       sd.size() != 3 || pd[2] != I / 2 || sd[2] != I / 32 || sd[0] != pd[0] || sd[1] != pd[1])
@@ -125,7 +159,7 @@ ffi::Error CudaMxfp4Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer
     return InvalidArgument(name + ": I " + std::to_string(I) + " must be a positive multiple of " +
                            std::to_string(kChunk) + ", Out " + std::to_string(Out) + " of " + std::to_string(kRows) +
                            ", and the parts " + std::to_string(G) + " at most 65535");
-  if (per * I * 2 > kMaxSmem)
+  if (per * I * 2 + per * 4 > kMaxSmem)
     return InvalidArgument(name + ": a part's " + std::to_string(per) + " slots of I " + std::to_string(I) +
                            " activations do not fit " + std::to_string(kMaxSmem) + " bytes of shared memory");
   if (reinterpret_cast<uintptr_t>(packed.untyped_data()) % 16 || reinterpret_cast<uintptr_t>(a.untyped_data()) % 16)
@@ -135,8 +169,11 @@ ffi::Error CudaMxfp4Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer
            static_cast<const uint8_t*>(packed.untyped_data()), static_cast<const uint8_t*>(scale.untyped_data()),
            static_cast<float*>(out->untyped_data()), static_cast<int>(E), static_cast<int>(U), static_cast<int>(I),
            static_cast<int>(Out), static_cast<int>(per)};
-  DownKernel<<<dim3(static_cast<unsigned>(Out / kRows), static_cast<unsigned>(G)), kWarps * 32,
-               static_cast<size_t>(per * I * 2), stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(Out / kRows), static_cast<unsigned>(G));
+  const size_t smem = static_cast<size_t>(per * I * 2 + (raw ? per * 4 : 0));
+  auto* kernel = raw ? (l2 ? DownKernel<true, true> : DownKernel<true, false>)
+                     : (l2 ? DownKernel<false, true> : DownKernel<false, false>);
+  kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Internal(name + ": launch: " + cudaGetErrorString(e));
   return ffi::Error::Success();
@@ -153,7 +190,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_mxfp4_down, CudaMxfp4Down,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("l2"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxk3

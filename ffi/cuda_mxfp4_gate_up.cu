@@ -12,8 +12,10 @@
 // iteration it loads the 16 bytes (32 codes, one scale group) of each row at group t of a 128-code chunk, decodes
 // each 32-bit word into four float16 pairs (codes (0, 4), (2, 6), (1, 5), (3, 7) of the word: bytes 16 bits apart,
 // so two shifts and masks a pair) and feeds two mma steps with them.  The token's B fragment (column 0 only: lanes
-// 0-3) holds the same codes' inputs, which Python lays out in that order (x16: each 8 inputs permuted
-// [0, 4, 2, 6, 1, 5, 3, 7]).  The K dimension's order inside an mma is free, so no data moves between lanes.
+// 0-3) holds the same codes' inputs, laid out in that order (x16: each 8 inputs permuted [0, 4, 2, 6, 1, 5, 3, 7]) by
+// XLA, or in the raw form (x bf16) by the CTA itself in shared memory (cuda_mxfp4.h).  The K dimension's order
+// inside an mma is free, so no data moves between lanes.  Template instances: <raw, l2> (l2: the weight loads with
+// L2's 256-byte prefetch size); <false, false> is the one measured (docs/PERF.md, nineteenth session).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -40,8 +42,8 @@ constexpr int kMaxIn = 16384; // the token in shared memory: In x 2 bytes (32 KB
 
 struct Params {
   const int* ids;               // [U] the slots' experts (< 0 or >= E: the slot's outputs are zeros)
-  const uint4* x;               // [In / 8] the token as float16, permuted (see above), times 2^k
-  const float* xinv;            // [1] 2^-k
+  const uint4* x;               // [In / 8] the token as float16, permuted (see above), times 2^k; kRaw: bf16 as is
+  const float* xinv;            // [1] 2^-k (kRaw: not read)
   const uint8_t* gate_packed;   // [E, Rg, In / 2]
   const uint8_t* gate_scale;    // [E, Rg, In / 32]
   const uint8_t* up_packed;     // [E, Ru, In / 2]
@@ -58,6 +60,37 @@ __device__ __forceinline__ float Act(float a, float b, int act, float beta, floa
   return beta * tanhf(a / beta) * sig * (linear_beta * tanhf(b / linear_beta));  // SiTU-GLU
 }
 
+// The CTA's copy of the token in shared memory, permuted float16 octets (In / 8).  kRaw: from the bf16 token as it
+// is, scaled and permuted here (cp.async copies, the CTA's largest magnitude, then in place), returning 2^-k; else the
+// float16 XLA made, copied as it is (2^-k is *p.xinv, read after the products).
+template <bool kRaw>
+__device__ __forceinline__ float TokenToShared(const Params& p, uint4* xs) {
+  const int n = p.In / 8;
+  if constexpr (!kRaw) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) xs[i] = p.x[i];
+    __syncthreads();
+    return 1.0f;
+  } else {
+    __shared__ uint32_t top[kWarps];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) mxfp4::CopyAsync16(xs + i, p.x + i);
+    mxfp4::CopyWait();
+    __syncthreads();
+    uint32_t m = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m = mxfp4::MaxMagnitude(xs[i], m);
+    m = __reduce_max_sync(0xFFFFFFFFu, m);
+    if (threadIdx.x % 32 == 0) top[threadIdx.x / 32] = m;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = max(m, top[w]);
+    const int k = mxfp4::ScaleExponent(m);
+    const float s = mxfp4::Pow2(k);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) xs[i] = mxfp4::ToLanes(xs[i], s);  // its own octets
+    __syncthreads();
+    return mxfp4::Pow2(-k);
+  }
+}
+
+template <bool kRaw, bool kL2>
 __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(Params p) {
   extern __shared__ uint4 xs[];  // the token's In / 8 permuted float16 octets, read by lanes 0-3 of every warp
   __shared__ float red[kWarps][kRows];
@@ -79,12 +112,11 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(Params p) {
   const bool has_x = g == 0;
 
   Tile T[kDepth];  // kDepth tiles in flight: each refilled right after its products
-  Prefetch(T, row0, srow0, row_bytes, srow_bytes, first, iters);
-  for (int i = threadIdx.x; i < p.In / 8; i += blockDim.x) xs[i] = p.x[i];
-  __syncthreads();
+  Prefetch<kDepth, kL2>(T, row0, srow0, row_bytes, srow_bytes, first, iters);
+  const float raw_inv = TokenToShared<kRaw>(p, xs);
 
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  Stream(d, T, row0, srow0, row_bytes, srow_bytes, xs, first, iters, has_x);
+  Stream<kDepth, kL2>(d, T, row0, srow0, row_bytes, srow_bytes, xs, first, iters, has_x);
 
   if (t == 0) {  // column 0 of D: rows g (d[0]) and g + 8 (d[2])
     red[warp][g] = d[0];
@@ -93,7 +125,7 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(Params p) {
   __syncthreads();
   if (threadIdx.x < kRows) {
     const int i = threadIdx.x;
-    const float inv = *p.xinv;
+    const float inv = kRaw ? raw_inv : *p.xinv;
     const float h1 = (red[0][i] + red[1][i]) * inv, h3 = (red[2][i] + red[3][i]) * inv;
     p.out[static_cast<size_t>(u) * p.I + i0 + i] = __float2bfloat16(Act(h1, h3, p.act, p.beta, p.linear_beta));
   }
@@ -102,14 +134,16 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(Params p) {
 ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer x, ffi::AnyBuffer xinv,
                            ffi::AnyBuffer gate_packed, ffi::AnyBuffer gate_scale, ffi::AnyBuffer up_packed,
                            ffi::AnyBuffer up_scale, ffi::Result<ffi::AnyBuffer> out, int64_t up_off, int64_t act,
-                           float beta, float linear_beta) {
+                           float beta, float linear_beta, int64_t l2) {
   const char* name = "jaxk3_mxfp4_gate_up";
   const auto gp = gate_packed.dimensions(), gs = gate_scale.dimensions(), upk = up_packed.dimensions(),
              us = up_scale.dimensions(), od = out->dimensions();
   if (ids.element_type() != ffi::DataType::S32 || ids.dimensions().size() != 1)
     return InvalidArgument(std::string(name) + ": ids must be int32 [U], got " + DimsText(ids.dimensions()));
-  if (x.element_type() != ffi::DataType::F16 || x.dimensions().size() != 1)
-    return InvalidArgument(std::string(name) + ": x must be float16 [In], got " + DimsText(x.dimensions()));
+  const bool raw = x.element_type() == ffi::DataType::BF16;
+  if ((!raw && x.element_type() != ffi::DataType::F16) || x.dimensions().size() != 1)
+    return InvalidArgument(std::string(name) + ": x must be float16 [In] (scaled, permuted) or bfloat16 [In] (as it " +
+                           "is), got " + DimsText(x.dimensions()));
   if (xinv.element_type() != ffi::DataType::F32 || xinv.element_count() != 1)
     return InvalidArgument(std::string(name) + ": xinv must be one float32, got " + DimsText(xinv.dimensions()));
   if (out->element_type() != ffi::DataType::BF16)
@@ -139,6 +173,7 @@ ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuff
                            std::to_string(up_off) + " do not fit the experts' " + std::to_string(gp[1]) + " and " +
                            std::to_string(upk[1]) + " rows");
   if (act != 0 && act != 1) return InvalidArgument(std::string(name) + ": act must be 0 (silu) or 1 (situ)");
+  if (l2 != 0 && l2 != 1) return InvalidArgument(std::string(name) + ": l2 must be 0 or 1");
   if (reinterpret_cast<uintptr_t>(gate_packed.untyped_data()) % 16 || reinterpret_cast<uintptr_t>(up_packed.untyped_data()) % 16 ||
       reinterpret_cast<uintptr_t>(x.untyped_data()) % 16)
     return InvalidArgument(std::string(name) + ": the codes and the input must be 16-byte aligned");
@@ -148,8 +183,11 @@ ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuff
            static_cast<const uint8_t*>(up_scale.untyped_data()), static_cast<__nv_bfloat16*>(out->untyped_data()),
            gp[1], upk[1], up_off, static_cast<int>(E), static_cast<int>(I), static_cast<int>(In),
            static_cast<int>(act), beta, linear_beta};
-  GateUpKernel<<<dim3(static_cast<unsigned>(I / kRows), static_cast<unsigned>(U)), kWarps * 32,
-                 static_cast<size_t>(In) * 2, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(I / kRows), static_cast<unsigned>(U));
+  const size_t smem = static_cast<size_t>(In) * 2;
+  auto* kernel = raw ? (l2 ? GateUpKernel<true, true> : GateUpKernel<true, false>)
+                     : (l2 ? GateUpKernel<false, true> : GateUpKernel<false, false>);
+  kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
   return ffi::Error::Success();
@@ -171,7 +209,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_mxfp4_gate_up, CudaMxfp4GateUp,
                                   .Attr<int64_t>("up_off")
                                   .Attr<int64_t>("act")
                                   .Attr<float>("beta")
-                                  .Attr<float>("linear_beta"),
+                                  .Attr<float>("linear_beta")
+                                  .Attr<int64_t>("l2"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxk3

@@ -7,6 +7,7 @@ may fuse the mean differently, so 1e-6 relative (fp32 rounding of a 256-term sum
 kernel (missing eps, wrong axis, no weight) is off by >= 1e-3.
 """
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -2068,6 +2069,73 @@ def test_mxfp4_gate_up_lane_layout_is_the_dot():
     assert np.all(d[:, 1:] == 0) and np.abs(ref).max() > 0
 
 
+def test_mxfp4_cuda_raw_input_is_f16_scaled():
+    """The CUDA kernels' raw form makes their float16 input themselves (ffi/cuda_mxfp4.h: MaxMagnitude, ScaleExponent,
+    Pow2, ToLanes, host and device code): the header compiled for the CPU by nvcc (tests/native/mxfp4_raw_input.cu)
+    gives, bit for bit, `f16_scaled`'s values and k in `lanes_order` for rows of every scale, zeros, and halves of
+    float16's rounding ties; a NaN row as XLA's (k = 0, the NaN in place), an infinite one (k = 15).  A row whose
+    largest magnitude is subnormal takes k = 126 by frexp's rule (numpy, float64), where XLA on the CPU flushes it to
+    zero (k = 0): the one place the two differ, documented at ScaleExponent."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.kernels import mxfp4_cuda as CU
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc to compile ffi/cuda_mxfp4.h's helpers for the CPU")
+    root = Path(__file__).resolve().parents[1]
+    rng = np.random.default_rng(11)
+    N = 64
+    rows = [rng.standard_normal(N) * 10.0 ** e for e in (-30, -8, -3, 0, 2, 5, 30)]
+    rows.append(np.zeros(N))
+    ties = rng.standard_normal(N)  # k = 0 (the largest 2^14); float16's subnormal steps of 2^-24: ties to even
+    ties[:9] = [2.0 ** 14, 0.5 * 2 ** -24, 1.5 * 2 ** -24, 2.5 * 2 ** -24, -3.5 * 2 ** -24, 1.25 * 2 ** -24,
+                -0.5 * 2 ** -24, 0.75 * 2 ** -24, 2 ** -30]
+    rows.append(ties)
+    rows.append(np.full(N, 2.0 ** 14))  # exactly 2^14: k = 0
+    rows.append(np.where(np.arange(N) % 3 == 0, 1e-39, 0.0) * rng.standard_normal(N))  # largest < 2^-126: subnormal
+    nan_row, inf_row = rng.standard_normal(N), rng.standard_normal(N)
+    nan_row[5], inf_row[9] = np.nan, -np.inf
+    rows += [nan_row, inf_row]
+    x = jnp.asarray(np.stack(rows), jnp.bfloat16)
+    bits = np.asarray(x).view(np.uint16)
+    with tempfile.TemporaryDirectory() as d:
+        exe, src, dst = Path(d) / "raw", Path(d) / "in.bin", Path(d) / "out.bin"
+        subprocess.run([nvcc, "-std=c++17", f"-I{root / 'ffi'}", "-o", str(exe),
+                        str(root / "tests/native/mxfp4_raw_input.cu")], check=True, capture_output=True, timeout=300)
+        src.write_bytes(np.array(bits.shape, np.int32).tobytes() + bits.tobytes())
+        subprocess.run([str(exe), str(src), str(dst)], check=True, timeout=60)
+        out = np.frombuffer(dst.read_bytes(), np.uint8).reshape(len(rows), 4 + 2 * N)
+    k = out[:, :4].copy().view(np.int32)[:, 0]
+    got = out[:, 4:].copy().view(np.float16)
+    x16, inv = ME.f16_scaled(x)
+    want = np.asarray(CU.lanes_order(x16))
+    want_k = -np.log2(np.asarray(inv)[:, 0]).astype(np.int32)
+    sub = len(rows) - 3
+    for r in range(len(rows)):
+        if r == sub:  # frexp's rule in float64: the largest magnitude in [2^(e-1), 2^e), k = clip(15 - e)
+            x64 = np.asarray(x[r], np.float64)
+            e = np.frexp(np.abs(x64).max())[1]
+            kk = int(np.clip(15 - e, -126, 126))
+            assert kk == 126 and k[r] == kk and want_k[r] == 0  # (XLA on the CPU: the subnormals flushed)
+            w = np.asarray(CU.lanes_order(jnp.asarray((x64 * 2.0 ** kk).astype(np.float16))))
+            np.testing.assert_array_equal(got[r].view(np.uint16), w.view(np.uint16))
+            assert np.abs(w).max() > 0
+            continue
+        assert k[r] == want_k[r], (r, k[r], want_k[r])
+        nan = np.isnan(want[r])
+        np.testing.assert_array_equal(np.isnan(got[r]), nan)
+        np.testing.assert_array_equal(got[r][~nan].view(np.uint16), want[r][~nan].view(np.uint16))
+    assert set(k[[-2, -1]]) == {0, 15} and k[len(rows) - 4] == 0  # the NaN row, the infinite one, exactly 2^14
+    t = np.asarray(x16[len(rows) - 5, :9], np.float64) * 2.0 ** 24  # the ties row: rounded to even steps
+    np.testing.assert_array_equal(t, [2.0 ** 38, 0, 2, 2, -4, 1, -0.0, 1, 0])
+    assert np.isinf(got[-1]).any()
+
+
 def test_moe_experts_cuda_gate_up_refusals():
     """`cuda=True` is refused by `fits` with the reason (on this CPU: no CUDA device; several tokens; a stack not
     marked f16), and the routed form refuses it; `cuda=None` (the default) needs nothing."""
@@ -2098,6 +2166,30 @@ def test_moe_experts_cuda_gate_up_refusals():
     assert "Config.f16" in ME._cuda_problem(cf, ww, zw, None)
 
 
+@pytest.mark.parametrize("raw", [False, True])
+def test_moe_experts_cuda_forms_lowered(monkeypatch, raw):
+    """The CUDA kernels' call as `moe_experts` lowers it (here on the CPU, their availability patched in: lowering
+    needs no GPU): the raw form hands both kernels their bf16 inputs as they are, with no float16 anywhere in the
+    module (no XLA fusion scales or permutes them), the other form their float16 copies; `cuda_l2` reaches both
+    calls' attributes."""
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.kernels import mxfp4_cuda as CU
+
+    monkeypatch.setattr(CU, "unavailable", lambda target=CU.TARGET: None)
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, moe_intermediate_size=768)
+    for l2 in (False, True):
+        c = ME.Config(cuda=True, cuda_down=True, cuda_raw=raw, cuda_l2=l2)
+        assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
+        hlo = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c)).lower(w, z, wk, ids).as_text()
+        calls = [ln for ln in hlo.splitlines() if "stablehlo.custom_call" in ln and "jaxk3_mxfp4" in ln]
+        assert len(calls) == 2 and CU.TARGET in calls[0] and CU.DOWN_TARGET in calls[1], calls
+        assert all(f"l2 = {int(l2)} : i64" in ln for ln in calls), calls
+        assert (re.search(r"[x<]f16>", hlo) is None) == raw  # a float16 tensor anywhere (not bf16)
+        t, U = "bf16" if raw else "f16", ids.shape[1]  # the token [In], each slot's activations [U, I]
+        assert f"(tensor<{U}xi32>, tensor<1536x{t}>, " in calls[0], calls[0]
+        assert f"(tensor<{U}xi32>, tensor<{U}xf32>, tensor<{U}x768x{t}>, " in calls[1], calls[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["checkpoint", "joined"])
 @pytest.mark.parametrize("act", ["situ", "silu"])
@@ -2105,8 +2197,10 @@ def test_moe_experts_cuda_gate_up_on_gpu(layout, act):
     """The CUDA gate-up (kernel 1 at one token, MXFP4 marked f16) with the Pallas kernel 2, compiled, against the jnp
     reference (a tiny K3 layer widened to an input of 1536 and I 64: the kernel's tiling, 6 iterations a warp, so its
     loads' refill and a partial last round run), w1 and w3 apart and joined,
-    SiTU and SiLU.  Tolerance as the float16 form's: float32 sums in another order (tensor-core accumulation) of exact
-    products, then one bf16 rounding of the activations, 2e-5 of max|ref|; and the path ran (its target is traced)."""
+    SiTU and SiLU, in each of its forms (`cuda_raw`: the token converted in the kernel; `cuda_l2`: the loads' L2
+    hint), bitwise equal to each other.  Tolerance as the float16 form's: float32 sums in another order (tensor-core
+    accumulation) of exact products, then one bf16 rounding of the activations, 2e-5 of max|ref|; and the path ran
+    (its target is traced)."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
     from jaxk3.kernels import moe_experts as ME
@@ -2117,13 +2211,20 @@ def test_moe_experts_cuda_gate_up_on_gpu(layout, act):
     cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, hidden_act=act)
     if layout == "joined":
         w = _joined(w)
-    c = ME.Config(cuda=True)
-    assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
-    f = jax.jit(lambda *a: ME.experts(cfg, *a, config=c))
-    assert CU.TARGET in f.lower(w, z, wk, ids).as_text()
-    got = np.asarray(f(w, z, wk, ids))
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
-    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    first = None
+    for raw, l2 in ((False, False), (True, False), (False, True), (True, True)):  # the kernel's four forms
+        c = ME.Config(cuda=True, cuda_raw=raw, cuda_l2=l2)
+        assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
+        f = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c))
+        hlo = f.lower(w, z, wk, ids).as_text()
+        assert CU.TARGET in hlo and ("l2 = 1" in hlo) == l2, (raw, l2)
+        got = np.asarray(f(w, z, wk, ids))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+        if first is None:
+            first = got
+        else:  # the raw form's float16 copy is f16_scaled's, the hint changes no value: the same bits
+            np.testing.assert_array_equal(got, first)
 
 
 @pytest.mark.gpu
@@ -2133,8 +2234,9 @@ def test_moe_experts_cuda_down_on_gpu(layout, k, parts):
     """Kernel 2 at one token in CUDA (`Config(cuda_down=True)`), after either kernel 1, compiled, against the jnp
     reference: an input of 1536 and I 768 (6 iterations a slot: the loads' refill and a partial last round); k = 10
     slots in 1 part (warps taking 3, 3, 2, 2 slots), 3 parts (4, 4, 2) and 4 (3, 3, 3, 1); k = 4 in 3 parts leaves
-    the last part empty (zeros).  Tolerance as the float16 forms': 2e-5 of max|ref| (float32 sums in another order of
-    exact products); and the path ran (its target is in the lowered module)."""
+    the last part empty (zeros); in its forms (`cuda_raw`, `cuda_l2`), bitwise equal to each other.  Tolerance as the
+    float16 forms': 2e-5 of max|ref| (float32 sums in another order of exact products); and the path ran (its target
+    is in the lowered module)."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
     from jaxk3.kernels import moe_experts as ME
@@ -2149,9 +2251,15 @@ def test_moe_experts_cuda_down_on_gpu(layout, k, parts):
         w = _joined(w)
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
     for cuda in (True, False):
-        c = ME.Config(cuda=cuda, cuda_down=True, slot_splits=parts)
-        assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
-        f = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c))
-        assert CU.DOWN_TARGET in f.lower(w, z, wk, ids).as_text()
-        got = np.asarray(f(w, z, wk, ids))
-        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+        first = None
+        for raw, l2 in ((False, False), (True, False), (True, True)):  # kernel 2's forms (with kernel 1's the same)
+            c = ME.Config(cuda=cuda, cuda_down=True, slot_splits=parts, cuda_raw=raw, cuda_l2=l2)
+            assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
+            f = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c))
+            assert CU.DOWN_TARGET in f.lower(w, z, wk, ids).as_text()
+            got = np.asarray(f(w, z, wk, ids))
+            np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+            if first is None:
+                first = got
+            else:  # each slot's float16 copy made in the kernel is f16_scaled's: the same bits
+                np.testing.assert_array_equal(got, first)

@@ -73,6 +73,13 @@ CUDA_GATE_UP = True
 # Config.cuda_down None: kernel 2 at one token in CUDA (jaxk3.kernels.mxfp4_cuda.down).  Off: built after the nineteenth
 # session's device time ran out, not yet run on a GPU (its compiled test is queued: test_moe_experts_cuda_down_on_gpu)
 CUDA_DOWN = False
+# Config.cuda_raw / cuda_l2 None: the CUDA kernels' forms (ffi/cuda_mxfp4.h).  Both off: built after the twentieth
+# session found no device lent (their compiled tests and timing are queued: docs/PERF.md).  raw: each kernel takes its
+# bf16 input as it is and makes the float16 copy itself (cp.async into shared memory, the largest magnitude, scaled and
+# permuted in place), in place of `f16_scaled` and `lanes_order` as XLA fusions before it (two a kernel); l2: the weight
+# loads ask L2 for the whole 256-byte block around each (PTX's L2::256B prefetch size)
+CUDA_RAW = False
+CUDA_L2 = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +140,10 @@ class Config:
     # (saying why); a direct `experts` call, and interpret mode, then take the Pallas kernel 1
     cuda_down: bool | None = None  # the same for kernel 2 (down and the combine; the slots in `slot_splits` parts), its
     # input each slot's activations in float16 times a power of two (one XLA fusion).  None: CUDA_DOWN where it applies
+    cuda_raw: bool | None = None  # the CUDA kernels' inputs (the token; each slot's activations) passed as bf16 as they
+    # are, each kernel making its float16 copy in shared memory (the same values: `f16_scaled`'s, the lanes' order),
+    # with no XLA fusion before it.  None: CUDA_RAW
+    cuda_l2: bool | None = None  # the CUDA kernels' weight loads with L2's 256-byte prefetch size.  None: CUDA_L2
 
 
 @jax.tree_util.register_dataclass
@@ -798,6 +809,11 @@ def _cuda_wanted(cf: Config, down: bool = False) -> bool:
     return CUDA_GATE_UP if cf.cuda is None else bool(cf.cuda)
 
 
+def _cuda_form(cf: Config) -> tuple[bool, bool]:
+    """(raw, l2): the CUDA kernels' input form and weight-load hint (Config.cuda_raw, cuda_l2; None: the defaults)."""
+    return (CUDA_RAW if cf.cuda_raw is None else bool(cf.cuda_raw)), (CUDA_L2 if cf.cuda_l2 is None else bool(cf.cuda_l2))
+
+
 def _dims(w) -> tuple[int, int, int, int, bool]:
     """(E, I, In, Out, joined) of the block's experts, from w1 | w3 (or their join) and w2."""
     joined = getattr(w, "experts_w13", None) is not None
@@ -950,10 +966,15 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
 
     if (not interpret and _cuda_wanted(cf)
             and _cuda_problem(cf, w, z_BL, shared, route is not None) is None):  # kernel 1 in CUDA (one token)
-        x16, xinv = f16_scaled(zp)
+        raw, l2 = _cuda_form(cf)
+        if raw:  # the bf16 token as it is: the kernel makes its float16 copy
+            x, xinv = zp[0], None
+        else:
+            x16, xinv = f16_scaled(zp)
+            x = x16[0]
         gate = w.experts_w13 if joined else w.experts_w1
-        a, sel = CU.gate_up(sel_up[0], x16[0], xinv, gate, gate if joined else w.experts_w3, I if joined else 0, I,
-                            cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta), []
+        a, sel = CU.gate_up(sel_up[0], x, xinv, gate, gate if joined else w.experts_w3, I if joined else 0, I,
+                            cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta, l2=l2), []
     else:
         ins = [*sel_up, *xs, *w13v, *w3v, *s13]
         outs = [jax.ShapeDtypeStruct((P, Bp, I), dt)]
@@ -969,8 +990,13 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     if (not interpret and _cuda_wanted(cf, down=True)
             and _cuda_problem(cf, w, z_BL, shared, route is not None, down=(U, G)) is None):  # kernel 2 in CUDA
         read, coef = sel_down if route is None else sel
-        a16, ainv = f16_scaled(a[:, 0, :])
-        y = CU.down(read, coef[0], a16, ainv[:, 0], w.experts_w2, G)
+        raw, l2 = _cuda_form(cf)
+        if raw:  # each slot's bf16 activations as they are: the kernel scales each slot
+            a_UI, ainv = a[:, 0, :], None
+        else:
+            a_UI, ainv = f16_scaled(a[:, 0, :])
+            ainv = ainv[:, 0]
+        y = CU.down(read, coef[0], a_UI, ainv, w.experts_w2, G, l2=l2)
         return (y[0] if G == 1 else jnp.sum(y, axis=0))[:B]
     if f16:
         av, ainv = _f16_views(a)

@@ -13,6 +13,10 @@ The arithmetic is the Pallas float16 form's (`moe_experts.Config.f16`): it needs
 E8M0 scale in `moe_experts.F16_SCALES`, checked at load), and each token (or slot's activations) in float16 times a
 power of two (`moe_experts.f16_scaled`), exact from 2^-17 of its largest magnitude up.  The kernels want those inputs
 in their lanes' order: within each 8, [0, 4, 2, 6, 1, 5, 3, 7] (`PERM`: a 32-bit word's codes as the kernels pair them).
+Either XLA makes that copy (float16 in, with 2^-k), or, in the raw form (`moe_experts.Config.cuda_raw`), the kernel
+takes the bf16 input as it is and makes the same copy in shared memory (ffi/cuda_mxfp4.h; the same bits:
+tests/test_kernels.py's `test_mxfp4_cuda_raw_input_is_f16_scaled` runs that code on the CPU).  `l2` asks L2 for the
+whole 256-byte block around each weight load (PTX's L2::256B); values unchanged.
 
 jnp has no such kernels: the CPU path and the oracle are `moe_experts.experts_partial`, as for the Pallas kernels.
 """
@@ -78,23 +82,35 @@ def lanes_order(x16: jax.Array) -> jax.Array:
     return x16.reshape(*x16.shape[:-1], -1, 8)[..., np.asarray(PERM)].reshape(x16.shape)
 
 
-def gate_up(ids_U: jax.Array, x16_In: jax.Array, xinv: jax.Array, gate, up, up_off: int, I: int, act: str,
-            beta: float, linear_beta: float) -> jax.Array:
+def _x_in(x, inv, shape: tuple) -> tuple[jax.Array, jax.Array]:
+    """A kernel's input and its 2^-k: bf16 as it is with `inv` None (the kernel scales and permutes it in shared
+    memory: the "raw" form, no XLA fusion before the call; the buffer for 2^-k is then a constant 1 it does not read),
+    or float16 times 2^k (`moe_experts.f16_scaled`) with 2^-k, permuted here."""
+    if inv is None:
+        if x.dtype != jnp.bfloat16:
+            raise ValueError(f"an input without its 2^-k is taken as it is and must be bfloat16, got {x.dtype}")
+        return x, jnp.ones(shape, jnp.float32)
+    return lanes_order(x.astype(jnp.float16)), jnp.reshape(inv, shape).astype(jnp.float32)
+
+
+def gate_up(ids_U: jax.Array, x_In: jax.Array, xinv: jax.Array | None, gate, up, up_off: int, I: int, act: str,
+            beta: float, linear_beta: float, l2: bool = False) -> jax.Array:
     """a [U, 1, I] bf16 for one token: `gate` and `up` the MXFP4 stacks (`moe_experts.MXFP4`: packed [E, R, In/2],
     scale [E, R, In/32]) holding the gate rows [0, I) and the up rows [up_off, up_off + I) (the serving layout's
-    join: the same stack twice, up_off = I); x16_In the token in float16 times 2^k (its order as it is: permuted
-    here), xinv 2^-k."""
-    U, In = ids_U.shape[0], x16_In.shape[-1]
+    join: the same stack twice, up_off = I); x_In the bf16 token as it is with xinv None (the kernel makes its
+    float16 copy), or in float16 times 2^k with xinv = 2^-k (its order as it is: permuted here).  `l2`: the weight
+    loads with L2's 256-byte prefetch size."""
+    U, In = ids_U.shape[0], x_In.shape[-1]
     why = shape_problem(I, In)
     if why:
         raise ValueError(why)
     if act not in ACTS:
         raise ValueError(f"{TARGET}: activation {act!r} is not one of {sorted(ACTS)}")
+    x, inv = _x_in(x_In, xinv, (1,))
     out = jax.ShapeDtypeStruct((U, 1, I), jnp.bfloat16)
     return jax.ffi.ffi_call(TARGET, out)(
-        ids_U.astype(jnp.int32), lanes_order(x16_In.astype(jnp.float16)), jnp.reshape(xinv, (1,)).astype(jnp.float32),
-        gate.packed, gate.scale, up.packed, up.scale, up_off=np.int64(up_off), act=np.int64(ACTS[act]),
-        beta=np.float32(beta), linear_beta=np.float32(linear_beta))
+        ids_U.astype(jnp.int32), x, inv, gate.packed, gate.scale, up.packed, up.scale, up_off=np.int64(up_off),
+        act=np.int64(ACTS[act]), beta=np.float32(beta), linear_beta=np.float32(linear_beta), l2=np.int64(bool(l2)))
 
 
 def down_problem(U: int, I: int, Out: int, parts: int) -> str | None:
@@ -103,21 +119,24 @@ def down_problem(U: int, I: int, Out: int, parts: int) -> str | None:
         return (f"{DOWN_TARGET} needs I a multiple of {CHUNK}, Out of {ROWS} and 1 to 65535 slot parts, got I {I}, "
                 f"Out {Out}, {parts} parts")
     per = -(-U // parts)
-    if per * I * 2 > DOWN_SMEM:
+    if per * (I * 2 + 4) > DOWN_SMEM:  # (and each slot's 2^-k in the raw form)
         return f"{DOWN_TARGET}: a part's {per} slots of {I} activations exceed {DOWN_SMEM} bytes of shared memory"
     return None
 
 
-def down(ids_U: jax.Array, coef_U: jax.Array, a16_UI: jax.Array, ainv_U: jax.Array, w2, parts: int) -> jax.Array:
+def down(ids_U: jax.Array, coef_U: jax.Array, a_UI: jax.Array, ainv_U: jax.Array | None, w2, parts: int,
+         l2: bool = False) -> jax.Array:
     """y [parts, 1, Out] fp32: part p's sum over its slots [p·per, min((p+1)·per, U)) (per = ceil(U / parts)) of coef[u] ·
-    W2[ids[u]] a[u]; `w2` the MXFP4 stack (packed [E, Out, I/2], scale [E, Out, I/32]), a16_UI each slot's activations
-    in float16 times 2^k_u (their order as they are: permuted here), ainv_U 2^-k_u."""
-    U, I = a16_UI.shape
+    W2[ids[u]] a[u]; `w2` the MXFP4 stack (packed [E, Out, I/2], scale [E, Out, I/32]); a_UI each slot's activations,
+    bf16 as they are with ainv_U None (the kernel scales each slot), or in float16 times 2^k_u with ainv_U = 2^-k_u
+    (their order as it is: permuted here).  `l2`: the weight loads with L2's 256-byte prefetch size."""
+    U, I = a_UI.shape
     Out = w2.packed.shape[1]
     why = down_problem(U, I, Out, parts)
     if why:
         raise ValueError(why)
+    a, inv = _x_in(a_UI, ainv_U, (U,))
     out = jax.ShapeDtypeStruct((parts, 1, Out), jnp.float32)
     return jax.ffi.ffi_call(DOWN_TARGET, out)(
-        ids_U.astype(jnp.int32), jnp.reshape(coef_U, (U,)).astype(jnp.float32), lanes_order(a16_UI.astype(jnp.float16)),
-        jnp.reshape(ainv_U, (U,)).astype(jnp.float32), w2.packed, w2.scale)
+        ids_U.astype(jnp.int32), jnp.reshape(coef_U, (U,)).astype(jnp.float32), a, inv, w2.packed, w2.scale,
+        l2=np.int64(bool(l2)))

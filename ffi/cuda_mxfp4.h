@@ -59,48 +59,76 @@ struct Tile {
   uint8_t s0, s8;
 };
 
-// A read-only global load; kL2: with PTX's L2::256B prefetch size, so that L2 fills the whole 256-byte block around it
-// from DRAM at once (the lanes' next three iterations of a row read the rest of it) instead of 64 bytes at a time.
-template <bool kL2>
+// How a kernel loads (template flags): kL2, each weight load asks L2 for the whole aligned 256-byte block around it
+// (PTX's L2::256B prefetch size: one DRAM fill serves a row's next three iterations instead of 64 bytes at a time);
+// kWide, the B fragments come from global memory (each lane g token g's row, up to 8 tokens, kept in L1) instead of
+// token 0's from shared memory, and the weight loads do not allocate in L1 (L1::no_allocate) so the tokens stay.
+constexpr int kL2 = 1, kWide = 2;
+
+#define JAXK3_MXFP4_LD(q, t) "ld.global.nc" q "." t
+template <int kFlags>
 __device__ __forceinline__ uint4 Load16(const uint8_t* a) {
-  if constexpr (kL2) {
-    uint4 v;
-    asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
-    return v;
-  } else {
+  if constexpr (kFlags == 0) {
     return __ldg(reinterpret_cast<const uint4*>(a));
-  }
-}
-
-template <bool kL2>
-__device__ __forceinline__ uint8_t Load1(const uint8_t* a) {
-  if constexpr (kL2) {
-    uint32_t v;
-    asm("ld.global.nc.L2::256B.u8 %0, [%1];" : "=r"(v) : "l"(a));
-    return static_cast<uint8_t>(v);
   } else {
-    return __ldg(a);
+    uint4 v;
+    if constexpr (kFlags == (kL2 | kWide)) {
+      asm(JAXK3_MXFP4_LD(".L1::no_allocate.L2::256B", "v4.u32") " {%0, %1, %2, %3}, [%4];"
+          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
+    } else if constexpr (kFlags == kL2) {
+      asm(JAXK3_MXFP4_LD(".L2::256B", "v4.u32") " {%0, %1, %2, %3}, [%4];"
+          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
+    } else {
+      asm(JAXK3_MXFP4_LD(".L1::no_allocate", "v4.u32") " {%0, %1, %2, %3}, [%4];"
+          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
+    }
+    return v;
   }
 }
 
-template <bool kL2 = false>
+template <int kFlags>
+__device__ __forceinline__ uint8_t Load1(const uint8_t* a) {
+  if constexpr (kFlags == 0) {
+    return __ldg(a);
+  } else {
+    uint32_t v;
+    if constexpr (kFlags == (kL2 | kWide)) {
+      asm(JAXK3_MXFP4_LD(".L1::no_allocate.L2::256B", "u8") " %0, [%1];" : "=r"(v) : "l"(a));
+    } else if constexpr (kFlags == kL2) {
+      asm(JAXK3_MXFP4_LD(".L2::256B", "u8") " %0, [%1];" : "=r"(v) : "l"(a));
+    } else {
+      asm(JAXK3_MXFP4_LD(".L1::no_allocate", "u8") " %0, [%1];" : "=r"(v) : "l"(a));
+    }
+    return static_cast<uint8_t>(v);
+  }
+}
+#undef JAXK3_MXFP4_LD
+
+template <int kFlags = 0>
 __device__ __forceinline__ void Load(Tile& T, const uint8_t* row0, const uint8_t* srow0, size_t row_bytes,
                                      size_t srow_bytes, int code) {
-  T.c0 = Load16<kL2>(row0 + code / 2);
-  T.c8 = Load16<kL2>(row0 + 8 * row_bytes + code / 2);
-  T.s0 = Load1<kL2>(srow0 + code / 32);
-  T.s8 = Load1<kL2>(srow0 + 8 * srow_bytes + code / 32);
+  T.c0 = Load16<kFlags>(row0 + code / 2);
+  T.c8 = Load16<kFlags>(row0 + 8 * row_bytes + code / 2);
+  T.s0 = Load1<kFlags>(srow0 + code / 32);
+  T.s8 = Load1<kFlags>(srow0 + 8 * srow_bytes + code / 32);
 }
 
-// The tile's 8 mma steps; lanes 0-3 take the token's 32 permuted inputs of their group from shared memory (xs), the
-// others' B registers are zeros (columns 1-7 of D stay 0).
+// The tile's 8 mma steps.  The B registers of lane (g, t): token g's 32 permuted inputs of group t, from `xs` (shared
+// memory, token 0's row, lanes 0-3) or with kWide from `xs` in global memory (token g's row, through L1); lanes
+// without a token (has_x false) hold zeros, so their columns of D stay 0.
+template <int kFlags = 0>
 __device__ __forceinline__ void Multiply(float (&d)[4], const Tile& T, const uint4* xs, int code, bool has_x) {
   const uint32_t sg = Scale2(T.s0), s8 = Scale2(T.s8);
   const uint32_t w0[4] = {T.c0.x, T.c0.y, T.c0.z, T.c0.w};
   const uint32_t w8[4] = {T.c8.x, T.c8.y, T.c8.z, T.c8.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint4 xj = has_x ? xs[code / 8 + j] : make_uint4(0, 0, 0, 0);
+    uint4 xj;
+    if constexpr ((kFlags & kWide) != 0) {
+      xj = has_x ? __ldg(xs + code / 8 + j) : make_uint4(0, 0, 0, 0);
+    } else {
+      xj = has_x ? xs[code / 8 + j] : make_uint4(0, 0, 0, 0);
+    }
     uint32_t p0, p1, p2, p3, q0, q1, q2, q3;
     Decode(w0[j], sg, p0, p1, p2, p3);
     Decode(w8[j], s8, q0, q1, q2, q3);
@@ -111,17 +139,17 @@ __device__ __forceinline__ void Multiply(float (&d)[4], const Tile& T, const uin
 }
 
 // A lane's first kDepth tiles of its row pair (rows g and g + 8 from row0 / srow0), from code `first` on.
-template <int kDepth, bool kL2 = false>
+template <int kDepth, int kFlags = 0>
 __device__ __forceinline__ void Prefetch(Tile (&T)[kDepth], const uint8_t* row0, const uint8_t* srow0,
                                          size_t row_bytes, size_t srow_bytes, int first, int iters) {
 #pragma unroll
   for (int k = 0; k < kDepth; ++k)
-    if (k < iters) Load<kL2>(T[k], row0, srow0, row_bytes, srow_bytes, first + k * kChunk);
+    if (k < iters) Load<kFlags>(T[k], row0, srow0, row_bytes, srow_bytes, first + k * kChunk);
 }
 
 // The row pair's products over `iters` chunks into d, `Prefetch`'s tiles first: each tile refilled with the one
 // kDepth chunks on right after its products, so kDepth chunks' loads stay in flight.
-template <int kDepth, bool kL2 = false>
+template <int kDepth, int kFlags = 0>
 __device__ __forceinline__ void Stream(float (&d)[4], Tile (&T)[kDepth], const uint8_t* row0, const uint8_t* srow0,
                                        size_t row_bytes, size_t srow_bytes, const uint4* xs, int first, int iters,
                                        bool has_x) {
@@ -129,8 +157,9 @@ __device__ __forceinline__ void Stream(float (&d)[4], Tile (&T)[kDepth], const u
 #pragma unroll
     for (int k = 0; k < kDepth; ++k) {
       if (it + k < iters) {
-        Multiply(d, T[k], xs, first + (it + k) * kChunk, has_x);
-        if (it + k + kDepth < iters) Load<kL2>(T[k], row0, srow0, row_bytes, srow_bytes, first + (it + k + kDepth) * kChunk);
+        Multiply<kFlags>(d, T[k], xs, first + (it + k) * kChunk, has_x);
+        if (it + k + kDepth < iters)
+          Load<kFlags>(T[k], row0, srow0, row_bytes, srow_bytes, first + (it + k + kDepth) * kChunk);
       }
     }
   }

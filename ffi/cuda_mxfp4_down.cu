@@ -6,8 +6,9 @@
 //
 // A CTA owns 16 output rows and one part of the slots; its 4 warps take the part's slots in turn (warp w: slots
 // w, w + 4, ...), each slot over its whole I, and sum in shared memory.  The part's activations sit in shared memory:
-// float16 copies XLA made, or in the raw form (a bf16) copied by cp.async and scaled there, each warp its own slots.
-// Template instances <raw, l2> as the gate-up kernel's.
+// float16 copies XLA made, or in the raw form (a bf16) copied by cp.async and scaled there, each warp its own slots;
+// or, for up to 8 tokens (kInWide), nowhere: lane g reads token g's activations from global memory through L1, and
+// D's columns are the tokens.  Template instances <input form, l2> as the gate-up kernel's.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -30,16 +31,24 @@ constexpr int kRows = 16;           // output rows per CTA: one m16 tile
 constexpr int kWarps = 4;           // slots of the part in turn
 constexpr int kDepth = 4;           // iterations' loads in flight per lane (as the gate-up kernel)
 constexpr int kMaxSmem = 47 * 1024; // the part's activations (per x I x 2 bytes) beside `red`: under 48 KB
+constexpr int kMaxTokens = 8;       // kInWide: the mma's N
+
+// Where each slot's float16 activations in the lanes' order come from (as the gate-up kernel's token): kIn16, XLA made
+// them (copied to shared memory); kInRaw, bf16 as they are, scaled by the CTA in shared memory; kInWide, up to 8
+// tokens' rows XLA made, lane g reading token g's from global memory through L1.
+constexpr int kIn16 = 0, kInRaw = 1, kInWide = 2;
 
 struct Params {
   const int* ids;        // [U] the slots' experts (< 0 or >= E: the slot adds nothing)
-  const float* coef;     // [U] the slots' routing weights
-  const uint4* a;        // [U, I / 8] each slot's activations in float16 times 2^k_u, permuted; kRaw: bf16 as is
-  const float* ainv;     // [U] 2^-k_u (kRaw: not read)
+  const float* coef;     // [nb, U] each token's routing weight of each slot (0 where it did not choose it)
+  const uint4* a;        // [U, nb, I / 8] each slot's activations in float16 times 2^k_(u, b), permuted (nb = 1 but
+                         // for kInWide); kInRaw: [U, I / 8] bf16 as it is
+  const float* ainv;     // [U, nb] 2^-k (kInRaw: not read)
   const uint8_t* packed; // [E, Out, I / 2]
   const uint8_t* scale;  // [E, Out, I / 32]
-  float* out;            // [G, 1, Out]
+  float* out;            // [G, nb, Out]
   int E, U, I, Out, per; // per: slots a part
+  int nb;                // tokens (1 but for kInWide)
 };
 
 // A warp's slot: its rows' code and scale pointers, or false for an empty slot (an expert out of [0, E)).
@@ -72,15 +81,16 @@ __device__ __forceinline__ void ScaleSlots(uint4* as, float* sinv, int slots, in
 
 // At least 6 CTAs an SM (80 registers, no spills: nvcc --resource-usage): the raw form's scaling beside the
 // prefetched tiles took 96 otherwise, 5 CTAs (the gate-up kernel's measured 79 registers, 6 CTAs, were the faster).
-template <bool kRaw, bool kL2>
-__global__ void __launch_bounds__(kWarps * 32, 6) DownKernel(Params p) {
-  extern __shared__ uint4 as[];  // the part's slots' activations, [per, I / 8]; kRaw: then each slot's 2^-k, [per]
-  __shared__ float red[kWarps][kRows];
+// The wide form's four token columns of sums need 96 (at 80 it spilled 84 bytes): 5.
+template <int kIn, bool kHintL2>
+__global__ void __launch_bounds__(kWarps * 32, kIn == kInWide ? 5 : 6) DownKernel(Params p) {
+  constexpr int kFlags = (kHintL2 ? mxfp4::kL2 : 0) | (kIn == kInWide ? mxfp4::kWide : 0);
+  extern __shared__ uint4 as[];  // the part's slots' activations, [per, I / 8]; kInRaw: then each slot's 2^-k, [per]
   const int part = blockIdx.y, o0 = blockIdx.x * kRows;
   const int first_slot = part * p.per, slots = min(p.per, p.U - first_slot);  // <= 0: an empty part, zeros
   const int octets = p.I / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const bool has_x = g == 0;
+  const bool has_x = kIn == kInWide ? g < p.nb : g == 0;
   const size_t row_bytes = p.I / 2, srow_bytes = p.I / 32;
   const int iters = p.I / kChunk;
 
@@ -88,40 +98,72 @@ __global__ void __launch_bounds__(kWarps * 32, 6) DownKernel(Params p) {
   Tile T[kDepth];
   const uint8_t *row0 = nullptr, *srow0 = nullptr;
   bool live = warp < slots && SlotRows(p, first_slot + warp, o0, g, row0, srow0);
-  if (live) Prefetch<kDepth, kL2>(T, row0, srow0, row_bytes, srow_bytes, 32 * t, iters);
-  const uint4* a = p.a + static_cast<size_t>(first_slot) * octets;
+  if (live) Prefetch<kDepth, kFlags>(T, row0, srow0, row_bytes, srow_bytes, 32 * t, iters);
   float* sinv = reinterpret_cast<float*>(as + static_cast<size_t>(p.per) * octets);
-  if constexpr (kRaw) {
-    for (int i = threadIdx.x; i < slots * octets; i += blockDim.x) mxfp4::CopyAsync16(as + i, a + i);
-    mxfp4::CopyWait();
-  } else {
-    for (int i = threadIdx.x; i < slots * octets; i += blockDim.x) as[i] = a[i];
+  if constexpr (kIn != kInWide) {
+    const uint4* a = p.a + static_cast<size_t>(first_slot) * octets;
+    if constexpr (kIn == kInRaw) {
+      for (int i = threadIdx.x; i < slots * octets; i += blockDim.x) mxfp4::CopyAsync16(as + i, a + i);
+      mxfp4::CopyWait();
+    } else {
+      for (int i = threadIdx.x; i < slots * octets; i += blockDim.x) as[i] = a[i];
+    }
+    __syncthreads();
+    ScaleSlots<kIn == kInRaw>(as, sinv, slots, octets, warp, lane);
   }
-  __syncthreads();
-  ScaleSlots<kRaw>(as, sinv, slots, octets, warp, lane);
 
-  float tot0 = 0.0f, tot8 = 0.0f;  // rows g and g + 8 (lanes t = 0 only hold real sums)
+  // Rows g and g + 8 of D, tokens 2t and 2t + 1 (one token: lanes t = 0's column 0 only hold real sums)
+  float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int s = warp; s < slots; s += kWarps) {  // warp-uniform
     const int u = first_slot + s;
     if (s != warp) {
       live = SlotRows(p, u, o0, g, row0, srow0);
-      if (live) Prefetch<kDepth, kL2>(T, row0, srow0, row_bytes, srow_bytes, 32 * t, iters);
+      if (live) Prefetch<kDepth, kFlags>(T, row0, srow0, row_bytes, srow_bytes, 32 * t, iters);
     }
     if (!live) continue;
+    const uint4* x = kIn == kInWide ? p.a + (static_cast<size_t>(u) * p.nb + (has_x ? g : 0)) * octets
+                                    : as + static_cast<size_t>(s) * octets;
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    Stream<kDepth, kL2>(d, T, row0, srow0, row_bytes, srow_bytes, as + static_cast<size_t>(s) * octets, 32 * t, iters, has_x);
-    const float c = p.coef[u] * (kRaw ? sinv[s] : p.ainv[u]);
-    tot0 += c * d[0];
-    tot8 += c * d[2];
+    Stream<kDepth, kFlags>(d, T, row0, srow0, row_bytes, srow_bytes, x, 32 * t, iters, has_x);
+    if constexpr (kIn == kInWide) {
+      const int b0 = 2 * t, b1 = 2 * t + 1;
+      const float c0 = b0 < p.nb ? p.coef[static_cast<size_t>(b0) * p.U + u] * p.ainv[static_cast<size_t>(u) * p.nb + b0]
+                                 : 0.0f;
+      const float c1 = b1 < p.nb ? p.coef[static_cast<size_t>(b1) * p.U + u] * p.ainv[static_cast<size_t>(u) * p.nb + b1]
+                                 : 0.0f;
+      tot[0] += c0 * d[0];
+      tot[1] += c1 * d[1];
+      tot[2] += c0 * d[2];
+      tot[3] += c1 * d[3];
+    } else {
+      const float c = p.coef[u] * (kIn == kInRaw ? sinv[s] : p.ainv[u]);
+      tot[0] += c * d[0];
+      tot[2] += c * d[2];
+    }
   }
-  if (t == 0) {
-    red[warp][g] = tot0;
-    red[warp][g + 8] = tot8;
-  }
-  __syncthreads();
-  if (threadIdx.x < kRows) {
-    const int i = threadIdx.x;
-    p.out[static_cast<size_t>(part) * p.Out + o0 + i] = red[0][i] + red[1][i] + red[2][i] + red[3][i];
+  if constexpr (kIn == kInWide) {
+    __shared__ float wred[kWarps][kRows][kMaxTokens];
+    wred[warp][g][2 * t] = tot[0];
+    wred[warp][g][2 * t + 1] = tot[1];
+    wred[warp][g + 8][2 * t] = tot[2];
+    wred[warp][g + 8][2 * t + 1] = tot[3];
+    __syncthreads();
+    for (int q = threadIdx.x; q < kRows * p.nb; q += blockDim.x) {
+      const int i = q % kRows, b = q / kRows;
+      p.out[(static_cast<size_t>(part) * p.nb + b) * p.Out + o0 + i] =
+          wred[0][i][b] + wred[1][i][b] + wred[2][i][b] + wred[3][i][b];
+    }
+  } else {
+    __shared__ float red[kWarps][kRows];
+    if (t == 0) {
+      red[warp][g] = tot[0];
+      red[warp][g + 8] = tot[2];
+    }
+    __syncthreads();
+    if (threadIdx.x < kRows) {
+      const int i = threadIdx.x;
+      p.out[static_cast<size_t>(part) * p.Out + o0 + i] = red[0][i] + red[1][i] + red[2][i] + red[3][i];
+    }
   }
 }
 
@@ -133,33 +175,38 @@ ffi::Error CudaMxfp4Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer
     return InvalidArgument(name + ": ids must be int32 [U], got " + DimsText(ids.dimensions()));
   const int64_t U = ids.dimensions()[0];
   if (U < 1) return InvalidArgument(name + ": at least one slot, got ids " + DimsText(ids.dimensions()));
-  if (coef.element_type() != ffi::DataType::F32 || coef.element_count() != U)
-    return InvalidArgument(name + ": coef must be float32 with U = " + std::to_string(U) + " values, got " +
-                           DimsText(coef.dimensions()));
-  if (ainv.element_type() != ffi::DataType::F32 || ainv.element_count() != U)
-    return InvalidArgument(name + ": ainv must be float32 with U = " + std::to_string(U) + " values, got " +
-                           DimsText(ainv.dimensions()));
+  // The activations' form from their dtype and rank: float16 [U, I] (kIn16), bfloat16 [U, I] (kInRaw), float16
+  // [U, tokens, I] (kInWide)
   const auto ad = a.dimensions(), pd = packed.dimensions(), sd = scale.dimensions(), od = out->dimensions();
-  const bool raw = a.element_type() == ffi::DataType::BF16;
-  if ((!raw && a.element_type() != ffi::DataType::F16) || ad.size() != 2 || ad[0] != U)
-    return InvalidArgument(name + ": a must be float16 [U, I] (scaled, permuted) or bfloat16 [U, I] (as it is) for U = " +
+  const bool raw = a.element_type() == ffi::DataType::BF16, wide = ad.size() == 3;
+  if ((!raw && a.element_type() != ffi::DataType::F16) || (raw && wide) || ad.size() < 2 || ad.size() > 3 ||
+      ad[0] != U || (wide && (ad[1] < 1 || ad[1] > kMaxTokens)))
+    return InvalidArgument(name + ": a must be float16 [U, I] (scaled, permuted), bfloat16 [U, I] (as it is) or " +
+                           "float16 [U, tokens, I] for 1 to " + std::to_string(kMaxTokens) + " tokens, for U = " +
                            std::to_string(U) + ", got " + DimsText(ad));
+  const int64_t nb = wide ? ad[1] : 1;
+  if (coef.element_type() != ffi::DataType::F32 || coef.element_count() != nb * U)
+    return InvalidArgument(name + ": coef must be float32 [tokens, U] with " + std::to_string(nb * U) +
+                           " values, got " + DimsText(coef.dimensions()));
+  if (ainv.element_type() != ffi::DataType::F32 || ainv.element_count() != U * nb)
+    return InvalidArgument(name + ": ainv must be float32 [U, tokens] with " + std::to_string(U * nb) +
+                           " values, got " + DimsText(ainv.dimensions()));
   if (l2 != 0 && l2 != 1) return InvalidArgument(name + ": l2 must be 0 or 1");
-  const int64_t I = ad[1];
+  const int64_t I = ad[ad.size() - 1];
   if (packed.element_type() != ffi::DataType::U8 || scale.element_type() != ffi::DataType::U8 || pd.size() != 3 ||
       sd.size() != 3 || pd[2] != I / 2 || sd[2] != I / 32 || sd[0] != pd[0] || sd[1] != pd[1])
     return InvalidArgument(name + ": codes " + DimsText(pd) + " and scales " + DimsText(sd) + " must be uint8 [E, Out, I/2] "
                            "and [E, Out, I/32] for I = " + std::to_string(I));
   const int64_t E = pd[0], Out = pd[1];
-  if (out->element_type() != ffi::DataType::F32 || od.size() != 3 || od[1] != 1 || od[2] != Out || od[0] < 1)
-    return InvalidArgument(name + ": the output must be float32 [G, 1, Out] for Out = " + std::to_string(Out) +
-                           ", got " + DimsText(od));
+  if (out->element_type() != ffi::DataType::F32 || od.size() != 3 || od[1] != nb || od[2] != Out || od[0] < 1)
+    return InvalidArgument(name + ": the output must be float32 [G, " + std::to_string(nb) + ", Out] for Out = " +
+                           std::to_string(Out) + ", got " + DimsText(od));
   const int64_t G = od[0], per = (U + G - 1) / G;
   if (I < kChunk || I % kChunk != 0 || Out < kRows || Out % kRows != 0 || G > 65535)
     return InvalidArgument(name + ": I " + std::to_string(I) + " must be a positive multiple of " +
                            std::to_string(kChunk) + ", Out " + std::to_string(Out) + " of " + std::to_string(kRows) +
                            ", and the parts " + std::to_string(G) + " at most 65535");
-  if (per * I * 2 + per * 4 > kMaxSmem)
+  if (!wide && per * I * 2 + per * 4 > kMaxSmem)
     return InvalidArgument(name + ": a part's " + std::to_string(per) + " slots of I " + std::to_string(I) +
                            " activations do not fit " + std::to_string(kMaxSmem) + " bytes of shared memory");
   if (reinterpret_cast<uintptr_t>(packed.untyped_data()) % 16 || reinterpret_cast<uintptr_t>(a.untyped_data()) % 16)
@@ -168,11 +215,12 @@ ffi::Error CudaMxfp4Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer
            static_cast<const uint4*>(a.untyped_data()), static_cast<const float*>(ainv.untyped_data()),
            static_cast<const uint8_t*>(packed.untyped_data()), static_cast<const uint8_t*>(scale.untyped_data()),
            static_cast<float*>(out->untyped_data()), static_cast<int>(E), static_cast<int>(U), static_cast<int>(I),
-           static_cast<int>(Out), static_cast<int>(per)};
+           static_cast<int>(Out), static_cast<int>(per), static_cast<int>(nb)};
   const dim3 grid(static_cast<unsigned>(Out / kRows), static_cast<unsigned>(G));
-  const size_t smem = static_cast<size_t>(per * I * 2 + (raw ? per * 4 : 0));
-  auto* kernel = raw ? (l2 ? DownKernel<true, true> : DownKernel<true, false>)
-                     : (l2 ? DownKernel<false, true> : DownKernel<false, false>);
+  const size_t smem = wide ? 0 : static_cast<size_t>(per * I * 2 + (raw ? per * 4 : 0));
+  auto* kernel = wide ? (l2 ? DownKernel<kInWide, true> : DownKernel<kInWide, false>)
+                 : raw ? (l2 ? DownKernel<kInRaw, true> : DownKernel<kInRaw, false>)
+                       : (l2 ? DownKernel<kIn16, true> : DownKernel<kIn16, false>);
   kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Internal(name + ": launch: " + cudaGetErrorString(e));

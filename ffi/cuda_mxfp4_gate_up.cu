@@ -14,8 +14,9 @@
 // so two shifts and masks a pair) and feeds two mma steps with them.  The token's B fragment (column 0 only: lanes
 // 0-3) holds the same codes' inputs, laid out in that order (x16: each 8 inputs permuted [0, 4, 2, 6, 1, 5, 3, 7]) by
 // XLA, or in the raw form (x bf16) by the CTA itself in shared memory (cuda_mxfp4.h).  The K dimension's order
-// inside an mma is free, so no data moves between lanes.  Template instances: <raw, l2> (l2: the weight loads with
-// L2's 256-byte prefetch size); <false, false> is the one measured (docs/PERF.md, nineteenth session).
+// inside an mma is free, so no data moves between lanes.  Template instances <input form, l2> (kIn16, kInRaw,
+// kInWide: up to 8 tokens, each lane g token g's B column; l2: the weight loads with L2's 256-byte prefetch size);
+// <kIn16, false> is the one measured (docs/PERF.md, nineteenth session).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -39,19 +40,27 @@ constexpr int kRows = 16;     // rows of I per CTA: one m16 tile of gate rows an
 constexpr int kWarps = 4;     // (gate, up) x (first, second half of the input)
 constexpr int kDepth = 4;     // iterations' loads in flight per lane (79 registers: 6 CTAs an SM; docs/PERF.md)
 constexpr int kMaxIn = 16384; // the token in shared memory: In x 2 bytes (32 KB at most)
+constexpr int kMaxTokens = 8; // kInWide: the mma's N
+
+// Where the token's float16 copy in the lanes' order comes from: kIn16, XLA made it (copied to shared memory);
+// kInRaw, the bf16 token as it is, made by the CTA in shared memory; kInWide, up to 8 tokens XLA made, each lane g
+// reading token g's row from global memory through L1 (nothing in shared memory).
+constexpr int kIn16 = 0, kInRaw = 1, kInWide = 2;
 
 struct Params {
   const int* ids;               // [U] the slots' experts (< 0 or >= E: the slot's outputs are zeros)
-  const uint4* x;               // [In / 8] the token as float16, permuted (see above), times 2^k; kRaw: bf16 as is
-  const float* xinv;            // [1] 2^-k (kRaw: not read)
+  const uint4* x;               // [In / 8] the token as float16, permuted (see above), times 2^k; kInRaw: bf16 as it
+                                // is; kInWide: [nb, In / 8], the tokens' float16 rows, each times its own 2^k
+  const float* xinv;            // [1] 2^-k (kInRaw: not read); kInWide: [nb]
   const uint8_t* gate_packed;   // [E, Rg, In / 2]
   const uint8_t* gate_scale;    // [E, Rg, In / 32]
   const uint8_t* up_packed;     // [E, Ru, In / 2]
   const uint8_t* up_scale;      // [E, Ru, In / 32]
-  __nv_bfloat16* out;           // [U, I]
+  __nv_bfloat16* out;           // [U, I]; kInWide: [U, Bp, I] (rows nb..Bp-1 zeros)
   long long gate_rows, up_rows, up_off;  // rows per expert of each buffer; the up rows' offset in theirs
   int E, I, In, act;
   float beta, linear_beta;
+  int nb, Bp;                   // kInWide: the tokens given, the output's rows (nb <= Bp <= 8)
 };
 
 __device__ __forceinline__ float Act(float a, float b, int act, float beta, float linear_beta) {
@@ -66,7 +75,7 @@ __device__ __forceinline__ float Act(float a, float b, int act, float beta, floa
 template <bool kRaw>
 __device__ __forceinline__ float TokenToShared(const Params& p, uint4* xs) {
   const int n = p.In / 8;
-  if constexpr (!kRaw) {
+  if constexpr (!kRaw) {  // (kIn16)
     for (int i = threadIdx.x; i < n; i += blockDim.x) xs[i] = p.x[i];
     __syncthreads();
     return 1.0f;
@@ -90,14 +99,20 @@ __device__ __forceinline__ float TokenToShared(const Params& p, uint4* xs) {
   }
 }
 
-template <bool kRaw, bool kL2>
+template <int kIn, bool kHintL2>
 __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(Params p) {
+  constexpr int kFlags = (kHintL2 ? mxfp4::kL2 : 0) | (kIn == kInWide ? mxfp4::kWide : 0);
   extern __shared__ uint4 xs[];  // the token's In / 8 permuted float16 octets, read by lanes 0-3 of every warp
   __shared__ float red[kWarps][kRows];
   const int u = blockIdx.y, i0 = blockIdx.x * kRows;
   const int e = p.ids[u];
   if (e < 0 || e >= p.E) {  // an empty slot: zeros, as the Pallas kernel writes
-    if (threadIdx.x < kRows) p.out[static_cast<size_t>(u) * p.I + i0 + threadIdx.x] = __float2bfloat16(0.0f);
+    if constexpr (kIn == kInWide) {
+      for (int q = threadIdx.x; q < kRows * p.Bp; q += blockDim.x)
+        p.out[(static_cast<size_t>(u) * p.Bp + q / kRows) * p.I + i0 + q % kRows] = __float2bfloat16(0.0f);
+    } else {
+      if (threadIdx.x < kRows) p.out[static_cast<size_t>(u) * p.I + i0 + threadIdx.x] = __float2bfloat16(0.0f);
+    }
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -109,25 +124,43 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(Params p) {
   const uint8_t* srow0 = (up ? p.up_scale : p.gate_scale) + (static_cast<long long>(e) * rows + r) * srow_bytes;
   const int half = p.In / 2, iters = half / kChunk;
   const int first = (warp % 2) * half + 32 * t;  // this lane's first code (its group in the first chunk)
-  const bool has_x = g == 0;
+  const bool has_x = kIn == kInWide ? g < p.nb : g == 0;
 
   Tile T[kDepth];  // kDepth tiles in flight: each refilled right after its products
-  Prefetch<kDepth, kL2>(T, row0, srow0, row_bytes, srow_bytes, first, iters);
-  const float raw_inv = TokenToShared<kRaw>(p, xs);
+  Prefetch<kDepth, kFlags>(T, row0, srow0, row_bytes, srow_bytes, first, iters);
+  float raw_inv = 1.0f;
+  if constexpr (kIn != kInWide) raw_inv = TokenToShared<kIn == kInRaw>(p, xs);
+  const uint4* x = kIn == kInWide ? p.x + static_cast<size_t>(has_x ? g : 0) * (p.In / 8) : xs;
 
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  Stream<kDepth, kL2>(d, T, row0, srow0, row_bytes, srow_bytes, xs, first, iters, has_x);
+  Stream<kDepth, kFlags>(d, T, row0, srow0, row_bytes, srow_bytes, x, first, iters, has_x);
 
-  if (t == 0) {  // column 0 of D: rows g (d[0]) and g + 8 (d[2])
-    red[warp][g] = d[0];
-    red[warp][g + 8] = d[2];
-  }
-  __syncthreads();
-  if (threadIdx.x < kRows) {
-    const int i = threadIdx.x;
-    const float inv = kRaw ? raw_inv : *p.xinv;
-    const float h1 = (red[0][i] + red[1][i]) * inv, h3 = (red[2][i] + red[3][i]) * inv;
-    p.out[static_cast<size_t>(u) * p.I + i0 + i] = __float2bfloat16(Act(h1, h3, p.act, p.beta, p.linear_beta));
+  if constexpr (kIn == kInWide) {  // D: rows g, g + 8 x tokens 2t, 2t + 1; the tokens' columns past nb are zeros
+    __shared__ float wred[kWarps][kRows][kMaxTokens];
+    wred[warp][g][2 * t] = d[0];
+    wred[warp][g][2 * t + 1] = d[1];
+    wred[warp][g + 8][2 * t] = d[2];
+    wred[warp][g + 8][2 * t + 1] = d[3];
+    __syncthreads();
+    for (int q = threadIdx.x; q < kRows * p.Bp; q += blockDim.x) {
+      const int i = q % kRows, b = q / kRows;
+      const float inv = b < p.nb ? p.xinv[b] : 0.0f;
+      const float h1 = (wred[0][i][b] + wred[1][i][b]) * inv, h3 = (wred[2][i][b] + wred[3][i][b]) * inv;
+      p.out[(static_cast<size_t>(u) * p.Bp + b) * p.I + i0 + i] =
+          __float2bfloat16(Act(h1, h3, p.act, p.beta, p.linear_beta));
+    }
+  } else {
+    if (t == 0) {  // column 0 of D: rows g (d[0]) and g + 8 (d[2])
+      red[warp][g] = d[0];
+      red[warp][g + 8] = d[2];
+    }
+    __syncthreads();
+    if (threadIdx.x < kRows) {
+      const int i = threadIdx.x;
+      const float inv = kIn == kInRaw ? raw_inv : *p.xinv;
+      const float h1 = (red[0][i] + red[1][i]) * inv, h3 = (red[2][i] + red[3][i]) * inv;
+      p.out[static_cast<size_t>(u) * p.I + i0 + i] = __float2bfloat16(Act(h1, h3, p.act, p.beta, p.linear_beta));
+    }
   }
 }
 
@@ -140,12 +173,17 @@ ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuff
              us = up_scale.dimensions(), od = out->dimensions();
   if (ids.element_type() != ffi::DataType::S32 || ids.dimensions().size() != 1)
     return InvalidArgument(std::string(name) + ": ids must be int32 [U], got " + DimsText(ids.dimensions()));
-  const bool raw = x.element_type() == ffi::DataType::BF16;
-  if ((!raw && x.element_type() != ffi::DataType::F16) || x.dimensions().size() != 1)
-    return InvalidArgument(std::string(name) + ": x must be float16 [In] (scaled, permuted) or bfloat16 [In] (as it " +
-                           "is), got " + DimsText(x.dimensions()));
-  if (xinv.element_type() != ffi::DataType::F32 || xinv.element_count() != 1)
-    return InvalidArgument(std::string(name) + ": xinv must be one float32, got " + DimsText(xinv.dimensions()));
+  // The input's form from its dtype and rank: float16 [In] (kIn16), bfloat16 [In] (kInRaw), float16 [nb, In] (kInWide)
+  const bool raw = x.element_type() == ffi::DataType::BF16, wide = x.dimensions().size() == 2;
+  if ((!raw && x.element_type() != ffi::DataType::F16) || (raw && wide) || x.dimensions().size() < 1 ||
+      x.dimensions().size() > 2 || (wide && (x.dimensions()[0] < 1 || x.dimensions()[0] > kMaxTokens)))
+    return InvalidArgument(std::string(name) + ": x must be float16 [In] (scaled, permuted), bfloat16 [In] (as it is) " +
+                           "or float16 [tokens, In] for 1 to " + std::to_string(kMaxTokens) + " tokens, got " +
+                           DimsText(x.dimensions()));
+  const int64_t nb = wide ? x.dimensions()[0] : 1;
+  if (xinv.element_type() != ffi::DataType::F32 || xinv.element_count() != nb)
+    return InvalidArgument(std::string(name) + ": xinv must be " + std::to_string(nb) + " float32 (2^-k a token), got " +
+                           DimsText(xinv.dimensions()));
   if (out->element_type() != ffi::DataType::BF16)
     return InvalidArgument(std::string(name) + ": the output must be bfloat16");
   for (const ffi::AnyBuffer* b : {&gate_packed, &gate_scale, &up_packed, &up_scale}) {
@@ -153,11 +191,12 @@ ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuff
       return InvalidArgument(std::string(name) + ": MXFP4 codes and scales must be uint8 [E, rows, cols], got " +
                              DimsText(b->dimensions()));
   }
-  const int64_t U = ids.dimensions()[0], In = x.dimensions()[0], E = gp[0];
-  const int64_t I = od.size() == 3 ? od[2] : -1;
-  if (od.size() != 3 || od[0] != U || od[1] != 1)
-    return InvalidArgument(std::string(name) + ": the output must be [U, 1, I] for U = " + std::to_string(U) +
-                           ", got " + DimsText(od));
+  const int64_t U = ids.dimensions()[0], In = x.dimensions()[wide ? 1 : 0], E = gp[0];
+  const int64_t I = od.size() == 3 ? od[2] : -1, Bp = od.size() == 3 ? od[1] : -1;
+  if (od.size() != 3 || od[0] != U || (wide ? Bp < nb || Bp > kMaxTokens : Bp != 1))
+    return InvalidArgument(std::string(name) + ": the output must be [U, " +
+                           (wide ? std::to_string(nb) + " to " + std::to_string(kMaxTokens) : std::string("1")) +
+                           ", I] for U = " + std::to_string(U) + ", got " + DimsText(od));
   if (U < 1 || U > 65535)
     return InvalidArgument(std::string(name) + ": 1 to 65535 slots (ids [U]), got " + std::to_string(U));
   if (In < 2 * kChunk || In % (2 * kChunk) != 0 || In > kMaxIn || I < kRows || I % kRows != 0)
@@ -182,11 +221,12 @@ ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuff
            static_cast<const uint8_t*>(gate_scale.untyped_data()), static_cast<const uint8_t*>(up_packed.untyped_data()),
            static_cast<const uint8_t*>(up_scale.untyped_data()), static_cast<__nv_bfloat16*>(out->untyped_data()),
            gp[1], upk[1], up_off, static_cast<int>(E), static_cast<int>(I), static_cast<int>(In),
-           static_cast<int>(act), beta, linear_beta};
+           static_cast<int>(act), beta, linear_beta, static_cast<int>(nb), static_cast<int>(Bp)};
   const dim3 grid(static_cast<unsigned>(I / kRows), static_cast<unsigned>(U));
-  const size_t smem = static_cast<size_t>(In) * 2;
-  auto* kernel = raw ? (l2 ? GateUpKernel<true, true> : GateUpKernel<true, false>)
-                     : (l2 ? GateUpKernel<false, true> : GateUpKernel<false, false>);
+  const size_t smem = wide ? 0 : static_cast<size_t>(In) * 2;
+  auto* kernel = wide ? (l2 ? GateUpKernel<kInWide, true> : GateUpKernel<kInWide, false>)
+                 : raw ? (l2 ? GateUpKernel<kInRaw, true> : GateUpKernel<kInRaw, false>)
+                       : (l2 ? GateUpKernel<kIn16, true> : GateUpKernel<kIn16, false>);
   kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));

@@ -23,8 +23,8 @@
 #   against XLA at 48B dims, 4K and 32K (scripts/gpu/mla_sweep.py); `hostcopy` Model.score's host path alone;
 #   `determinism` the 48B step's first greedy tokens in DET_RUNS processes (XLA as it is, autotuning off, deterministic
 #   ops only, in turn), each with its top-2 margins and whether its check steps rerun bitwise (PERF.md, 13th session);
-#   `cudaforms` the one-token MXFP4 CUDA kernels' compiled tests and their forms alone at K3's TP 2 share, `cudastep`
-#   the K3 layers 11-14 B = 1 step with them patched in (CS_PATCHES), main before and after.
+#   `cudaforms` the MXFP4 CUDA kernels' compiled tests and their forms alone at K3's TP 2 share (B 1 and 8), `cudastep`
+#   the K3 layers 11-14 step at CS_BATCH (1) with them patched in (CS_PATCHES), main before and after.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -354,35 +354,42 @@ if has census48; then
 fi
 
 if has cudaforms; then
-  # The one-token MXFP4 CUDA kernels' forms (issue 22; queued since the twentieth session, docs/PERF.md): the compiled
-  # tests (kernel 2 in CUDA, and each kernel's raw and L2 forms bitwise against the measured one), then K3's TP 2 share
-  # alone in each form against the defaults and XLA (`build` first on a fresh machine).
+  # The MXFP4 CUDA kernels' forms (issue 22; queued since the twentieth session, docs/PERF.md): the compiled tests
+  # (kernel 2 in CUDA, the raw, L2 and wide forms bitwise against the measured one, the wide form at 2, 5, 8 tokens),
+  # then K3's TP 2 share alone in each form against the defaults and XLA, at one token and at 8 (`build` first).
   echo "== CUDA MXFP4 kernels: compiled tests, then their forms alone ($(date -u +%T))"
-  timeout -k 10 ${CF_TEST_TIMEOUT:-240} $PY -m pytest tests/test_kernels.py -m gpu -k "cuda_down or cuda_gate_up" -q -rfEs \
-    -p no:cacheprovider > "$OUT/cudaforms_tests.log" 2>&1
+  timeout -k 10 ${CF_TEST_TIMEOUT:-240} $PY -m pytest tests/test_kernels.py -m gpu -k "cuda_down or cuda_gate_up or cuda_wide" \
+    -q -rfEs -p no:cacheprovider > "$OUT/cudaforms_tests.log" 2>&1
   rc=$?; [ $rc -eq 0 ] || status=1
   echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch" "$OUT/cudaforms_tests.log" | cut -c1-300 | tail -12
-  timeout -k 10 ${CF_SWEEP_TIMEOUT:-240} $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch 1 --formats mxfp4 \
-    --configs "${CF_CONFIGS:-cuda=0;cuda_raw=1;cuda_l2=1;cuda_raw=1,cuda_l2=1;cuda_down=1;cuda_down=1,cuda_raw=1;cuda_down=1,cuda_raw=1,cuda_l2=1}" \
-    --json "$OUT/cudaforms_sweep.json" 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
+  timeout -k 10 ${CF_SWEEP_TIMEOUT:-200} $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch 1 --formats mxfp4 \
+    --configs "${CF_CONFIGS:-cuda=0;cuda_raw=1;cuda_l2=1;cuda_wide=1;cuda_down=1;cuda_down=1,cuda_raw=1;cuda_down=1,cuda_wide=1;cuda_down=1,cuda_raw=1,cuda_l2=1}" \
+    --json "$OUT/cudaforms_sweep_b1.json" 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  timeout -k 10 ${CF_SWEEP_TIMEOUT:-200} $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch 8 --formats mxfp4 \
+    --configs "${CF_CONFIGS8:-cuda_wide=1;cuda_wide=1,cuda_down=1;cuda_wide=1,cuda_down=1,cuda_l2=1;cuda=0,cuda_wide=1,cuda_down=1}" \
+    --json "$OUT/cudaforms_sweep_b8.json" 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if has cudastep; then
-  # K3 layers 11-14, packed, B = 1: main's defaults against the forms patched in, one process each (CS_PATCHES:
-  # ';'-separated step_with_kernel.py patch lists).
-  K3S="--config k3 --layers 11-14 --experts 32 --tp 1 --context 4k --steps 20 --repeats 5 --strategies packed+sharded+one-shot --batch 1"
-  IFS=';' read -ra patches <<< "${CS_PATCHES:-moe_experts:CUDA_RAW=1;moe_experts:CUDA_RAW=1 moe_experts:CUDA_DOWN=1}"
-  echo "== K3 B = 1 step: main ($(date -u +%T))"
-  timeout -k 5 100 $PY -m jaxk3.cli bench decode $K3S --json "$OUT/cudastep_main.json" 2>&1 | grep -E "^ +1 \||rror" | tail -3
+  # K3 layers 11-14, packed, at CS_BATCH tokens: main's defaults against the forms patched in, one process each
+  # (CS_PATCHES: ';'-separated step_with_kernel.py patch lists), main again at the end.
+  b=${CS_BATCH:-1}
+  K3S="--config k3 --layers 11-14 --experts 32 --tp 1 --context 4k --steps 20 --repeats 5 --strategies packed+sharded+one-shot --batch $b"
+  if [ "$b" = 1 ]; then dflt="moe_experts:CUDA_RAW=1;moe_experts:CUDA_RAW=1 moe_experts:CUDA_DOWN=1"
+  else dflt="moe_experts:CUDA_WIDE=1;moe_experts:CUDA_WIDE=1 moe_experts:CUDA_DOWN=1"; fi
+  IFS=';' read -ra patches <<< "${CS_PATCHES:-$dflt}"
+  echo "== K3 B = $b step: main ($(date -u +%T))"
+  timeout -k 5 110 $PY -m jaxk3.cli bench decode $K3S --json "$OUT/cudastep_b${b}_main.json" 2>&1 | grep -E "^ +$b \||rror" | tail -3
   for pt in "${patches[@]}"; do
-    echo "== K3 B = 1 step: $pt ($(date -u +%T))"
+    echo "== K3 B = $b step: $pt ($(date -u +%T))"
     # shellcheck disable=SC2086
-    timeout -k 5 100 $PY scripts/gpu/step_with_kernel.py $pt -- $K3S --json "$OUT/cudastep_${pt//[^A-Za-z0-9]/_}.json" 2>&1 \
-      | grep -E "^ +1 \||rror" | tail -3
+    timeout -k 5 110 $PY scripts/gpu/step_with_kernel.py $pt -- $K3S --json "$OUT/cudastep_b${b}_${pt//[^A-Za-z0-9]/_}.json" \
+      2>&1 | grep -E "^ +$b \||rror" | tail -3
   done
-  echo "== K3 B = 1 step: main again ($(date -u +%T))"
-  timeout -k 5 100 $PY -m jaxk3.cli bench decode $K3S --json "$OUT/cudastep_main2.json" 2>&1 | grep -E "^ +1 \||rror" | tail -3
+  echo "== K3 B = $b step: main again ($(date -u +%T))"
+  timeout -k 5 110 $PY -m jaxk3.cli bench decode $K3S --json "$OUT/cudastep_b${b}_main2.json" 2>&1 | grep -E "^ +$b \||rror" | tail -3
 fi
 
 if has bench_off; then

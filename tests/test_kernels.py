@@ -2166,28 +2166,42 @@ def test_moe_experts_cuda_gate_up_refusals():
     assert "Config.f16" in ME._cuda_problem(cf, ww, zw, None)
 
 
-@pytest.mark.parametrize("raw", [False, True])
-def test_moe_experts_cuda_forms_lowered(monkeypatch, raw):
-    """The CUDA kernels' call as `moe_experts` lowers it (here on the CPU, their availability patched in: lowering
-    needs no GPU): the raw form hands both kernels their bf16 inputs as they are, with no float16 anywhere in the
-    module (no XLA fusion scales or permutes them), the other form their float16 copies; `cuda_l2` reaches both
-    calls' attributes."""
+@pytest.mark.parametrize("form,B", [("f16", 1), ("raw", 1), ("wide", 1), ("wide", 5), ("wide", 8)])
+def test_moe_experts_cuda_forms_lowered(monkeypatch, form, B):
+    """The CUDA kernels' calls as `moe_experts` lowers them (here on the CPU, their availability patched in: lowering
+    needs no GPU), in each input form: "f16" hands both kernels XLA's float16 copies, "raw" their bf16 inputs as they
+    are, with no float16 anywhere in the module (no XLA fusion scales or permutes them), "wide" the B tokens' float16
+    rows [B, In] (kernel 1's output padded to the Pallas kernel 2's 8 rows past one token) and each slot's rows
+    [U, Bp, I] with the tokens' coefficients [Bp, U] (kernel 2's partial sums [G, Bp, Out]); `cuda_l2` reaches both
+    calls' attributes.  At B > 1 only the wide form is taken."""
     from jaxk3.kernels import moe_experts as ME
     from jaxk3.kernels import mxfp4_cuda as CU
 
     monkeypatch.setattr(CU, "unavailable", lambda target=CU.TARGET: None)
-    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, moe_intermediate_size=768)
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B, routed_expert_hidden_size=1536, moe_intermediate_size=768)
+    E, k = w.experts_w2.packed.shape[0], ids.shape[1]
+    U, Bp = (k, 1) if B == 1 else (min(E, B * k), 8)
     for l2 in (False, True):
-        c = ME.Config(cuda=True, cuda_down=True, cuda_raw=raw, cuda_l2=l2)
+        c = ME.Config(cuda=True, cuda_down=True, cuda_raw=form == "raw", cuda_wide=form == "wide", cuda_l2=l2)
         assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
         hlo = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c)).lower(w, z, wk, ids).as_text()
         calls = [ln for ln in hlo.splitlines() if "stablehlo.custom_call" in ln and "jaxk3_mxfp4" in ln]
         assert len(calls) == 2 and CU.TARGET in calls[0] and CU.DOWN_TARGET in calls[1], calls
         assert all(f"l2 = {int(l2)} : i64" in ln for ln in calls), calls
-        assert (re.search(r"[x<]f16>", hlo) is None) == raw  # a float16 tensor anywhere (not bf16)
-        t, U = "bf16" if raw else "f16", ids.shape[1]  # the token [In], each slot's activations [U, I]
-        assert f"(tensor<{U}xi32>, tensor<1536x{t}>, " in calls[0], calls[0]
-        assert f"(tensor<{U}xi32>, tensor<{U}xf32>, tensor<{U}x768x{t}>, " in calls[1], calls[1]
+        assert (re.search(r"[x<]f16>", hlo) is None) == (form == "raw")  # a float16 tensor anywhere (not bf16)
+        G = int(re.search(r"-> tensor<(\d+)x", calls[1]).group(1))
+        if form == "wide":
+            assert f"(tensor<{U}xi32>, tensor<{B}x1536xf16>, tensor<{B}xf32>, " in calls[0], calls[0]
+            assert f"-> tensor<{U}x{Bp}x768xbf16>" in calls[0], calls[0]
+            assert f"(tensor<{U}xi32>, tensor<{Bp * U}xf32>, tensor<{U}x{Bp}x768xf16>, tensor<{U * Bp}xf32>, " in calls[1]
+            assert f"-> tensor<{G}x{Bp}x1536xf32>" in calls[1], calls[1]
+        else:
+            t = "bf16" if form == "raw" else "f16"  # the token [In], each slot's activations [U, I]
+            assert f"(tensor<{U}xi32>, tensor<1536x{t}>, " in calls[0], calls[0]
+            assert f"(tensor<{U}xi32>, tensor<{U}xf32>, tensor<{U}x768x{t}>, " in calls[1], calls[1]
+    if B > 1:  # the one-token forms are refused at B > 1, with the reason
+        assert "1 to 8 with Config.cuda_wide" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(cuda=True),
+                                                          only_where_faster=False)
 
 
 @pytest.mark.gpu
@@ -2198,7 +2212,7 @@ def test_moe_experts_cuda_gate_up_on_gpu(layout, act):
     reference (a tiny K3 layer widened to an input of 1536 and I 64: the kernel's tiling, 6 iterations a warp, so its
     loads' refill and a partial last round run), w1 and w3 apart and joined,
     SiTU and SiLU, in each of its forms (`cuda_raw`: the token converted in the kernel; `cuda_l2`: the loads' L2
-    hint), bitwise equal to each other.  Tolerance as the float16 form's: float32 sums in another order (tensor-core
+    hint; `cuda_wide`: the token read through L1), bitwise equal to each other.  Tolerance as the float16 form's: float32 sums in another order (tensor-core
     accumulation) of exact products, then one bf16 rounding of the activations, 2e-5 of max|ref|; and the path ran
     (its target is traced)."""
     if jax.default_backend() == "cpu":
@@ -2213,18 +2227,20 @@ def test_moe_experts_cuda_gate_up_on_gpu(layout, act):
         w = _joined(w)
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
     first = None
-    for raw, l2 in ((False, False), (True, False), (False, True), (True, True)):  # the kernel's four forms
-        c = ME.Config(cuda=True, cuda_raw=raw, cuda_l2=l2)
+    forms = ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
+             (False, False, True), (False, True, True))  # (raw, l2, wide): the kernel's forms
+    for raw, l2, wide in forms:
+        c = ME.Config(cuda=True, cuda_raw=raw, cuda_l2=l2, cuda_wide=wide)
         assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
         f = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c))
         hlo = f.lower(w, z, wk, ids).as_text()
-        assert CU.TARGET in hlo and ("l2 = 1" in hlo) == l2, (raw, l2)
+        assert CU.TARGET in hlo and ("l2 = 1" in hlo) == l2, (raw, l2, wide)
         got = np.asarray(f(w, z, wk, ids))
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
         if first is None:
             first = got
-        else:  # the raw form's float16 copy is f16_scaled's, the hint changes no value: the same bits
-            np.testing.assert_array_equal(got, first)
+        else:  # the raw form's float16 copy is f16_scaled's, the wide form reads the same values from global memory,
+            np.testing.assert_array_equal(got, first)  # the hint changes none: the same bits
 
 
 @pytest.mark.gpu
@@ -2234,7 +2250,7 @@ def test_moe_experts_cuda_down_on_gpu(layout, k, parts):
     """Kernel 2 at one token in CUDA (`Config(cuda_down=True)`), after either kernel 1, compiled, against the jnp
     reference: an input of 1536 and I 768 (6 iterations a slot: the loads' refill and a partial last round); k = 10
     slots in 1 part (warps taking 3, 3, 2, 2 slots), 3 parts (4, 4, 2) and 4 (3, 3, 3, 1); k = 4 in 3 parts leaves
-    the last part empty (zeros); in its forms (`cuda_raw`, `cuda_l2`), bitwise equal to each other.  Tolerance as the
+    the last part empty (zeros); in its forms (`cuda_raw`, `cuda_l2`, `cuda_wide`), bitwise equal to each other.  Tolerance as the
     float16 forms': 2e-5 of max|ref| (float32 sums in another order of exact products); and the path ran (its target
     is in the lowered module)."""
     if jax.default_backend() == "cpu":
@@ -2252,8 +2268,8 @@ def test_moe_experts_cuda_down_on_gpu(layout, k, parts):
     ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
     for cuda in (True, False):
         first = None
-        for raw, l2 in ((False, False), (True, False), (True, True)):  # kernel 2's forms (with kernel 1's the same)
-            c = ME.Config(cuda=cuda, cuda_down=True, slot_splits=parts, cuda_raw=raw, cuda_l2=l2)
+        for raw, l2, wide in ((False, False, False), (True, False, False), (True, True, False), (False, False, True)):
+            c = ME.Config(cuda=cuda, cuda_down=True, slot_splits=parts, cuda_raw=raw, cuda_l2=l2, cuda_wide=wide)
             assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
             f = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c))
             assert CU.DOWN_TARGET in f.lower(w, z, wk, ids).as_text()
@@ -2262,4 +2278,44 @@ def test_moe_experts_cuda_down_on_gpu(layout, k, parts):
             if first is None:
                 first = got
             else:  # each slot's float16 copy made in the kernel is f16_scaled's: the same bits
+                np.testing.assert_array_equal(got, first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["checkpoint", "joined"])
+@pytest.mark.parametrize("B,parts", [(2, 1), (5, 3), (8, 4)])
+def test_moe_experts_cuda_wide_on_gpu(layout, B, parts):
+    """The CUDA kernels for several tokens (`Config(cuda_wide=True)`: each token one of the mma's 8 columns, its
+    float16 row read through L1), compiled: kernel 1 with the Pallas float16 kernel 2 and with the CUDA kernel 2, and
+    the CUDA kernel 2 after the Pallas kernel 1, against the jnp reference; B = 2, 5, 8 tokens (5: the columns past
+    B zeros; the slots padded with -1, which both kernels skip), 10 choices a token of 16 experts in 1, 3, 4 slot
+    parts, an input of 1536 and I 768 (6 iterations a warp), the L2 hint on and off (the same bits).  Tolerance as the
+    float16 forms': 2e-5 of max|ref| (float32 sums in another order of exact products)."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.kernels import mxfp4_cuda as CU
+
+    for target in (CU.TARGET, CU.DOWN_TARGET):
+        if CU.unavailable(target):
+            pytest.skip(f"{CU.unavailable(target)} (scripts/gpu_check.sh build)")
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B, routed_expert_hidden_size=1536, moe_intermediate_size=768,
+                                   num_experts_per_token=10)
+    if layout == "joined":
+        w = _joined(w)
+    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
+    for cuda, cuda_down in ((True, False), (True, True), (False, True)):
+        first = None
+        for l2 in (False, True):
+            c = ME.Config(cuda=cuda, cuda_down=cuda_down, cuda_wide=True, cuda_l2=l2, slot_splits=parts)
+            assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
+            f = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c))
+            hlo = f.lower(w, z, wk, ids).as_text()
+            assert (CU.TARGET in hlo) == cuda and (CU.DOWN_TARGET in hlo) == cuda_down, (cuda, cuda_down)
+            got = np.asarray(f(w, z, wk, ids))
+            assert got.shape == ref.shape
+            np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+            if first is None:
+                first = got
+            else:
                 np.testing.assert_array_equal(got, first)

@@ -80,6 +80,10 @@ CUDA_DOWN = False
 # loads ask L2 for the whole 256-byte block around each (PTX's L2::256B prefetch size)
 CUDA_RAW = False
 CUDA_L2 = False
+# Config.cuda_wide None: the CUDA kernels for 1 to 8 tokens (the same products with each token a column of the mma's
+# N = 8: lane g reads token g's float16 row through L1), in place of the Pallas float16 forms at B > 1.  Off: built
+# after the twentieth session found no device lent (tests and timing queued)
+CUDA_WIDE = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +148,10 @@ class Config:
     # are, each kernel making its float16 copy in shared memory (the same values: `f16_scaled`'s, the lanes' order),
     # with no XLA fusion before it.  None: CUDA_RAW
     cuda_l2: bool | None = None  # the CUDA kernels' weight loads with L2's 256-byte prefetch size.  None: CUDA_L2
+    cuda_wide: bool | None = None  # the CUDA kernels for 1 to 8 tokens (each token one of the mma's 8 columns, its
+    # float16 row read through L1, nothing copied to shared memory; the tokens' and activations' float16 copies made by
+    # XLA): at B > 1 in place of the Pallas kernels' float16 form, at one token in place of the shared-memory copy.
+    # None: CUDA_WIDE
 
 
 @jax.tree_util.register_dataclass
@@ -790,16 +798,19 @@ def _cuda_problem(cf: Config, w, z_BL: jax.Array, shared, routed: bool = False, 
                   ) -> str | None:
     """Why kernel 1 (or with `down` = (U, parts), kernel 2) cannot be the CUDA kernel for this call (None: it can)."""
     B, (_, I, In, Out, _) = z_BL.shape[0], _dims(w)
-    if B != 1 or not isinstance(w.experts_w2, MXFP4) or not _f16_marked(w) or z_BL.dtype != jnp.bfloat16:
-        return (f"the CUDA kernels take one token of bf16 activations and MXFP4 stacks marked f16, got B {B}, "
-                f"{z_BL.dtype}, {'MXFP4' if isinstance(w.experts_w2, MXFP4) else 'dense'} experts"
+    wide = _cuda_form(cf)[0] == "wide"
+    if (B > (MAX_B if wide else 1) or not isinstance(w.experts_w2, MXFP4) or not _f16_marked(w)
+            or z_BL.dtype != jnp.bfloat16):
+        return (f"the CUDA kernels take one token (1 to {MAX_B} with Config.cuda_wide) of bf16 activations and MXFP4 "
+                f"stacks marked f16, got B {B}, {z_BL.dtype}, "
+                f"{'MXFP4' if isinstance(w.experts_w2, MXFP4) else 'dense'} experts"
                 f"{'' if _f16_marked(w) else ' (not marked f16)'}")
     if shared is not None or routed:
         return "the CUDA kernels take neither the shared experts nor the router's logits"
-    if cf.f16:  # (`f16` at one token: the float16 dot form over 8 padded rows, kept in Pallas)
+    if cf.f16 and B == 1:  # (`f16` at one token: the float16 dot form over 8 padded rows, kept in Pallas)
         return "the CUDA kernels replace the one-token element-wise form, not Config.f16's dot over padded rows"
     if down:
-        return CU.down_problem(down[0], I, Out, down[1]) or CU.unavailable(CU.DOWN_TARGET)
+        return CU.down_problem(down[0], I, Out, down[1], wide) or CU.unavailable(CU.DOWN_TARGET)
     return CU.shape_problem(I, In) or CU.unavailable(CU.TARGET)
 
 
@@ -809,9 +820,13 @@ def _cuda_wanted(cf: Config, down: bool = False) -> bool:
     return CUDA_GATE_UP if cf.cuda is None else bool(cf.cuda)
 
 
-def _cuda_form(cf: Config) -> tuple[bool, bool]:
-    """(raw, l2): the CUDA kernels' input form and weight-load hint (Config.cuda_raw, cuda_l2; None: the defaults)."""
-    return (CUDA_RAW if cf.cuda_raw is None else bool(cf.cuda_raw)), (CUDA_L2 if cf.cuda_l2 is None else bool(cf.cuda_l2))
+def _cuda_form(cf: Config) -> tuple[str, bool]:
+    """(input form, l2): the CUDA kernels' inputs, "wide" (Config.cuda_wide: 1 to 8 tokens' float16 rows read through
+    L1), "raw" (Config.cuda_raw: bf16 as it is, the float16 copy made in shared memory) or "f16" (the float16 copy XLA
+    made, in shared memory: the measured form); and the weight loads' L2 hint (Config.cuda_l2).  None: the defaults."""
+    wide = CUDA_WIDE if cf.cuda_wide is None else bool(cf.cuda_wide)
+    raw = CUDA_RAW if cf.cuda_raw is None else bool(cf.cuda_raw)
+    return ("wide" if wide else "raw" if raw else "f16"), (CUDA_L2 if cf.cuda_l2 is None else bool(cf.cuda_l2))
 
 
 def _dims(w) -> tuple[int, int, int, int, bool]:
@@ -966,15 +981,19 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
 
     if (not interpret and _cuda_wanted(cf)
             and _cuda_problem(cf, w, z_BL, shared, route is not None) is None):  # kernel 1 in CUDA (one token)
-        raw, l2 = _cuda_form(cf)
-        if raw:  # the bf16 token as it is: the kernel makes its float16 copy
+        form, l2 = _cuda_form(cf)
+        if form == "wide":  # the B tokens' float16 rows; the output padded to the Bp rows a Pallas kernel 2 reads
+            x, xinv = f16_scaled(z_BL.astype(dt))
+            xinv = xinv[:, 0]
+        elif form == "raw":  # the bf16 token as it is: the kernel makes its float16 copy
             x, xinv = zp[0], None
         else:
             x16, xinv = f16_scaled(zp)
             x = x16[0]
         gate = w.experts_w13 if joined else w.experts_w1
         a, sel = CU.gate_up(sel_up[0], x, xinv, gate, gate if joined else w.experts_w3, I if joined else 0, I,
-                            cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta, l2=l2), []
+                            cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta, l2=l2,
+                            rows=Bp if form == "wide" else None), []
     else:
         ins = [*sel_up, *xs, *w13v, *w3v, *s13]
         outs = [jax.ShapeDtypeStruct((P, Bp, I), dt)]
@@ -989,14 +1008,18 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     S, G = _splits(cf, Out, I), _slot_splits(cf, Out, I, packed and B == 1)
     if (not interpret and _cuda_wanted(cf, down=True)
             and _cuda_problem(cf, w, z_BL, shared, route is not None, down=(U, G)) is None):  # kernel 2 in CUDA
-        read, coef = sel_down if route is None else sel
-        raw, l2 = _cuda_form(cf)
-        if raw:  # each slot's bf16 activations as they are: the kernel scales each slot
-            a_UI, ainv = a[:, 0, :], None
+        _, coef = sel_down if route is None else sel
+        ids = sel_up[0]  # (B > 1: -1 for the padding slots, which the kernel skips; `read` re-reads an expert)
+        form, l2 = _cuda_form(cf)
+        if form == "wide":  # each slot's Bp rows (past B: zeros, coef 0), each row times its own 2^k
+            a_U, ainv = f16_scaled(a)
+            ainv, c = ainv[..., 0], coef
+        elif form == "raw":  # each slot's bf16 activations as they are: the kernel scales each slot
+            a_U, ainv, c = a[:, 0, :], None, coef[0]
         else:
-            a_UI, ainv = f16_scaled(a[:, 0, :])
-            ainv = ainv[:, 0]
-        y = CU.down(read, coef[0], a_UI, ainv, w.experts_w2, G, l2=l2)
+            a_U, ainv = f16_scaled(a[:, 0, :])
+            ainv, c = ainv[:, 0], coef[0]
+        y = CU.down(ids, c, a_U, ainv, w.experts_w2, G, l2=l2)
         return (y[0] if G == 1 else jnp.sum(y, axis=0))[:B]
     if f16:
         av, ainv = _f16_views(a)
@@ -1086,7 +1109,8 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
         if why:
             return f"moe_experts kernel: cuda: {why}"
     if cf.cuda_down and z_BL.ndim == 2:
-        U = ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token
+        k = ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token
+        U = k if B == 1 else min(_dims(w)[0], B * k)  # (`plan`'s slots)
         why = _cuda_problem(cf, w, z_BL, shared, down=(U, _slot_splits(cf, Out, I, B == 1)))
         if why:
             return f"moe_experts kernel: cuda_down: {why}"

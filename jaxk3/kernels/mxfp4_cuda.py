@@ -1,5 +1,5 @@
-"""`moe_experts`' two kernels at one token for MXFP4 experts as CUDA kernels through the FFI, on the tensor cores
-(mma.sync m16n8k16, float16 in, float32 sums; the shared warp products in ffi/cuda_mxfp4.h):
+"""`moe_experts`' two kernels at one token (or up to 8) for MXFP4 experts as CUDA kernels through the FFI, on the
+tensor cores (mma.sync m16n8k16, float16 in, float32 sums; the shared warp products in ffi/cuda_mxfp4.h):
   `gate_up` (ffi/cuda_mxfp4_gate_up.cu, `jaxk3_mxfp4_gate_up`): a[u, 0, :] = act(W1[ids[u]] x, W3[ids[u]] x), bf16;
   `down` (ffi/cuda_mxfp4_down.cu, `jaxk3_mxfp4_down`): y[p, 0, :] = Σ over part p's slots of coef[u] W2[ids[u]] a[u],
   fp32 partial sums (built after the nineteenth session's device time: off, `moe_experts.CUDA_DOWN`).
@@ -16,7 +16,9 @@ in their lanes' order: within each 8, [0, 4, 2, 6, 1, 5, 3, 7] (`PERM`: a 32-bit
 Either XLA makes that copy (float16 in, with 2^-k), or, in the raw form (`moe_experts.Config.cuda_raw`), the kernel
 takes the bf16 input as it is and makes the same copy in shared memory (ffi/cuda_mxfp4.h; the same bits:
 tests/test_kernels.py's `test_mxfp4_cuda_raw_input_is_f16_scaled` runs that code on the CPU).  `l2` asks L2 for the
-whole 256-byte block around each weight load (PTX's L2::256B); values unchanged.
+whole 256-byte block around each weight load (PTX's L2::256B); values unchanged.  The wide form takes 1 to 8 tokens
+(`moe_experts.Config.cuda_wide`): the mma's N is 8, so lane g of the B fragment reads token g's float16 row (from
+global memory, kept in L1; the weight loads skip L1), for the same MMAs and weight bytes as one token.
 
 jnp has no such kernels: the CPU path and the oracle are `moe_experts.experts_partial`, as for the Pallas kernels.
 """
@@ -34,6 +36,7 @@ PERM = (0, 4, 2, 6, 1, 5, 3, 7)  # the kernel's order of a word's eight codes (a
 ACTS = {"silu": 0, "situ": 1}
 ROWS, IN_MULTIPLE = 16, 256  # I a multiple of ROWS (a CTA's rows), In of IN_MULTIPLE (two halves of 128-code chunks)
 CHUNK, DOWN_SMEM = 128, 47 * 1024  # `down`: I a multiple of CHUNK; a part's activations (slots x I x 2 bytes) at most
+MAX_TOKENS = 8  # the wide form: the mma's N
 
 
 _lock = threading.Lock()
@@ -82,61 +85,74 @@ def lanes_order(x16: jax.Array) -> jax.Array:
     return x16.reshape(*x16.shape[:-1], -1, 8)[..., np.asarray(PERM)].reshape(x16.shape)
 
 
-def _x_in(x, inv, shape: tuple) -> tuple[jax.Array, jax.Array]:
+def _x_in(x, inv, lead: int) -> tuple[jax.Array, jax.Array]:
     """A kernel's input and its 2^-k: bf16 as it is with `inv` None (the kernel scales and permutes it in shared
     memory: the "raw" form, no XLA fusion before the call; the buffer for 2^-k is then a constant 1 it does not read),
-    or float16 times 2^k (`moe_experts.f16_scaled`) with 2^-k, permuted here."""
+    or float16 times 2^k (`moe_experts.f16_scaled`) with 2^-k (`lead` values: one per row), permuted here."""
     if inv is None:
         if x.dtype != jnp.bfloat16:
             raise ValueError(f"an input without its 2^-k is taken as it is and must be bfloat16, got {x.dtype}")
-        return x, jnp.ones(shape, jnp.float32)
-    return lanes_order(x.astype(jnp.float16)), jnp.reshape(inv, shape).astype(jnp.float32)
+        return x, jnp.ones((lead,), jnp.float32)
+    return lanes_order(x.astype(jnp.float16)), jnp.reshape(inv, (lead,)).astype(jnp.float32)
 
 
-def gate_up(ids_U: jax.Array, x_In: jax.Array, xinv: jax.Array | None, gate, up, up_off: int, I: int, act: str,
-            beta: float, linear_beta: float, l2: bool = False) -> jax.Array:
+def gate_up(ids_U: jax.Array, x: jax.Array, xinv: jax.Array | None, gate, up, up_off: int, I: int, act: str,
+            beta: float, linear_beta: float, l2: bool = False, rows: int | None = None) -> jax.Array:
     """a [U, 1, I] bf16 for one token: `gate` and `up` the MXFP4 stacks (`moe_experts.MXFP4`: packed [E, R, In/2],
     scale [E, R, In/32]) holding the gate rows [0, I) and the up rows [up_off, up_off + I) (the serving layout's
-    join: the same stack twice, up_off = I); x_In the bf16 token as it is with xinv None (the kernel makes its
-    float16 copy), or in float16 times 2^k with xinv = 2^-k (its order as it is: permuted here).  `l2`: the weight
-    loads with L2's 256-byte prefetch size."""
-    U, In = ids_U.shape[0], x_In.shape[-1]
+    join: the same stack twice, up_off = I); x the bf16 token [In] as it is with xinv None (the kernel makes its
+    float16 copy), or in float16 times 2^k with xinv = 2^-k (its order as it is: permuted here).  x [nb, In] (1 to 8
+    tokens, float16, xinv [nb]: the wide form, each lane g reading token g's row): a [U, rows, I] (rows >= nb, the
+    rows past nb zeros).  `l2`: the weight loads with L2's 256-byte prefetch size."""
+    U, In = ids_U.shape[0], x.shape[-1]
     why = shape_problem(I, In)
     if why:
         raise ValueError(why)
     if act not in ACTS:
         raise ValueError(f"{TARGET}: activation {act!r} is not one of {sorted(ACTS)}")
-    x, inv = _x_in(x_In, xinv, (1,))
-    out = jax.ShapeDtypeStruct((U, 1, I), jnp.bfloat16)
+    nb = x.shape[0] if x.ndim == 2 else 1
+    if x.ndim == 2 and (xinv is None or not 1 <= nb <= MAX_TOKENS or (rows or nb) < nb or (rows or nb) > MAX_TOKENS):
+        raise ValueError(f"{TARGET}: the wide form takes 1 to {MAX_TOKENS} float16 tokens with their 2^-k and at most "
+                         f"{MAX_TOKENS} output rows, got x {x.shape}, rows {rows}")
+    xs, inv = _x_in(x, xinv, nb)
+    out = jax.ShapeDtypeStruct((U, (rows or nb) if x.ndim == 2 else 1, I), jnp.bfloat16)
     return jax.ffi.ffi_call(TARGET, out)(
-        ids_U.astype(jnp.int32), x, inv, gate.packed, gate.scale, up.packed, up.scale, up_off=np.int64(up_off),
+        ids_U.astype(jnp.int32), xs, inv, gate.packed, gate.scale, up.packed, up.scale, up_off=np.int64(up_off),
         act=np.int64(ACTS[act]), beta=np.float32(beta), linear_beta=np.float32(linear_beta), l2=np.int64(bool(l2)))
 
 
-def down_problem(U: int, I: int, Out: int, parts: int) -> str | None:
-    """Why `down`'s tiling does not divide these experts or its parts' activations do not fit (None: they do)."""
+def down_problem(U: int, I: int, Out: int, parts: int, wide: bool = False) -> str | None:
+    """Why `down`'s tiling does not divide these experts or its parts' activations do not fit (None: they do; the wide
+    form keeps nothing in shared memory)."""
     if I % CHUNK or Out % ROWS or not 1 <= parts <= 65535:
         return (f"{DOWN_TARGET} needs I a multiple of {CHUNK}, Out of {ROWS} and 1 to 65535 slot parts, got I {I}, "
                 f"Out {Out}, {parts} parts")
     per = -(-U // parts)
-    if per * (I * 2 + 4) > DOWN_SMEM:  # (and each slot's 2^-k in the raw form)
+    if not wide and per * (I * 2 + 4) > DOWN_SMEM:  # (and each slot's 2^-k in the raw form)
         return f"{DOWN_TARGET}: a part's {per} slots of {I} activations exceed {DOWN_SMEM} bytes of shared memory"
     return None
 
 
-def down(ids_U: jax.Array, coef_U: jax.Array, a_UI: jax.Array, ainv_U: jax.Array | None, w2, parts: int,
+def down(ids_U: jax.Array, coef: jax.Array, a: jax.Array, ainv: jax.Array | None, w2, parts: int,
          l2: bool = False) -> jax.Array:
     """y [parts, 1, Out] fp32: part p's sum over its slots [p·per, min((p+1)·per, U)) (per = ceil(U / parts)) of coef[u] ·
-    W2[ids[u]] a[u]; `w2` the MXFP4 stack (packed [E, Out, I/2], scale [E, Out, I/32]); a_UI each slot's activations,
-    bf16 as they are with ainv_U None (the kernel scales each slot), or in float16 times 2^k_u with ainv_U = 2^-k_u
-    (their order as it is: permuted here).  `l2`: the weight loads with L2's 256-byte prefetch size."""
-    U, I = a_UI.shape
+    W2[ids[u]] a[u]; `w2` the MXFP4 stack (packed [E, Out, I/2], scale [E, Out, I/32]); a [U, I] each slot's
+    activations, bf16 as they are with ainv None (the kernel scales each slot), or in float16 times 2^k_u with ainv
+    [U] = 2^-k_u (their order as it is: permuted here); coef [U].  The wide form: a [U, nb, I] float16 (1 to 8
+    tokens' rows, each times its 2^k), ainv [U, nb], coef [nb, U] (each token's weight of each slot, 0 where it did
+    not choose it): y [parts, nb, Out].  `l2`: the weight loads with L2's 256-byte prefetch size."""
+    wide = a.ndim == 3
+    U, I = a.shape[0], a.shape[-1]
+    nb = a.shape[1] if wide else 1
     Out = w2.packed.shape[1]
-    why = down_problem(U, I, Out, parts)
+    why = down_problem(U, I, Out, parts, wide)
     if why:
         raise ValueError(why)
-    a, inv = _x_in(a_UI, ainv_U, (U,))
-    out = jax.ShapeDtypeStruct((parts, 1, Out), jnp.float32)
+    if wide and (ainv is None or not 1 <= nb <= MAX_TOKENS):
+        raise ValueError(f"{DOWN_TARGET}: the wide form takes 1 to {MAX_TOKENS} tokens' float16 rows with their "
+                         f"2^-k, got a {a.shape}")
+    xs, inv = _x_in(a, ainv, U * nb)
+    out = jax.ShapeDtypeStruct((parts, nb, Out), jnp.float32)
     return jax.ffi.ffi_call(DOWN_TARGET, out)(
-        ids_U.astype(jnp.int32), jnp.reshape(coef_U, (U,)).astype(jnp.float32), a, inv, w2.packed, w2.scale,
+        ids_U.astype(jnp.int32), jnp.reshape(coef, (nb * U,)).astype(jnp.float32), xs, inv, w2.packed, w2.scale,
         l2=np.int64(bool(l2)))

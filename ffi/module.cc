@@ -167,6 +167,7 @@ NB_MODULE(_ffi, m) {
   m.def("cpu_types", [] { return TypeDict(CpuTypes()); });
   m.def("cuda_targets", [] { return TargetDict(CudaTargets()); });
   m.def("cuda_kernels", [] { return TargetDict(CudaKernels()); });
+  m.attr("cuda_kernels_abi") = JAXK3_CUDA_KERNELS_ABI;
   m.def("build_info", &BuildInfo);
   // Settings (jaxk3/collectives/settings.py sets them all when it loads the extension).
   m.def("set_process_index", &SetProcessIndex);

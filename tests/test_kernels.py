@@ -2069,13 +2069,30 @@ def test_mxfp4_gate_up_lane_layout_is_the_dot():
     assert np.all(d[:, 1:] == 0) and np.abs(ref).max() > 0
 
 
+def _f16_scaled_spec(x64: np.ndarray) -> tuple[int, np.ndarray]:
+    """`f16_scaled`'s rule for one row, in float64 (numpy: no flushing of subnormals): k = clip(15 - e, -126, 126) for
+    the largest magnitude m in [2^(e-1), 2^e), 0 for zeros or a NaN (where(m > 0) is false), 15 for an infinity
+    (frexp's e = 0); the row times 2^k rounded to float16 (to nearest even), in `lanes_order`."""
+    from jaxk3.kernels import mxfp4_cuda as CU
+
+    m = np.abs(x64).max()
+    if np.isnan(m) or m == 0:
+        k = 0
+    else:
+        k = int(np.clip(15 - (0 if np.isinf(m) else np.frexp(m)[1]), -126, 126))
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = (x64 * 2.0 ** k).astype(np.float16)
+    return k, np.asarray(CU.lanes_order(jnp.asarray(v)))
+
+
 def test_mxfp4_cuda_raw_input_is_f16_scaled():
     """The CUDA kernels' raw form makes their float16 input themselves (ffi/cuda_mxfp4.h: MaxMagnitude, ScaleExponent,
     Pow2, ToLanes, host and device code): the header compiled for the CPU by nvcc (tests/native/mxfp4_raw_input.cu)
-    gives, bit for bit, `f16_scaled`'s values and k in `lanes_order` for rows of every scale, zeros, and halves of
-    float16's rounding ties; a NaN row as XLA's (k = 0, the NaN in place), an infinite one (k = 15).  A row whose
-    largest magnitude is subnormal takes k = 126 by frexp's rule (numpy, float64), where XLA on the CPU flushes it to
-    zero (k = 0): the one place the two differ, documented at ScaleExponent."""
+    gives, bit for bit, the k and values of `f16_scaled`'s rule in `lanes_order` (`_f16_scaled_spec`, float64) for
+    rows of every scale, zeros, float16's rounding ties, NaN and infinite rows and a subnormal largest magnitude; and
+    `f16_scaled` itself (XLA on the CPU) agrees on the finite rows with a normal largest magnitude.  (It differs on
+    the subnormal row, which XLA on the CPU flushes to zero, k = 0, and a batched reduction there may drop a row's NaN:
+    documented at ScaleExponent.)"""
     import shutil
     import subprocess
     import tempfile
@@ -2096,11 +2113,12 @@ def test_mxfp4_cuda_raw_input_is_f16_scaled():
     ties[:9] = [2.0 ** 14, 0.5 * 2 ** -24, 1.5 * 2 ** -24, 2.5 * 2 ** -24, -3.5 * 2 ** -24, 1.25 * 2 ** -24,
                 -0.5 * 2 ** -24, 0.75 * 2 ** -24, 2 ** -30]
     rows.append(ties)
-    rows.append(np.full(N, 2.0 ** 14))  # exactly 2^14: k = 0
+    rows.append(np.full(N, -(2.0 ** 14)))  # exactly 2^14 (negative): k = 0
     rows.append(np.where(np.arange(N) % 3 == 0, 1e-39, 0.0) * rng.standard_normal(N))  # largest < 2^-126: subnormal
     nan_row, inf_row = rng.standard_normal(N), rng.standard_normal(N)
     nan_row[5], inf_row[9] = np.nan, -np.inf
     rows += [nan_row, inf_row]
+    rows += [rng.standard_normal(N) * 2.0 ** rng.integers(-100, 100) for _ in range(40)]
     x = jnp.asarray(np.stack(rows), jnp.bfloat16)
     bits = np.asarray(x).view(np.uint16)
     with tempfile.TemporaryDirectory() as d:
@@ -2113,27 +2131,46 @@ def test_mxfp4_cuda_raw_input_is_f16_scaled():
     k = out[:, :4].copy().view(np.int32)[:, 0]
     got = out[:, 4:].copy().view(np.float16)
     x16, inv = ME.f16_scaled(x)
-    want = np.asarray(CU.lanes_order(x16))
-    want_k = -np.log2(np.asarray(inv)[:, 0]).astype(np.int32)
-    sub = len(rows) - 3
+    xla = np.asarray(CU.lanes_order(x16))
+    xla_k = -np.log2(np.asarray(inv)[:, 0]).astype(np.int32)
+    special = {len(rows) - 43: "subnormal", len(rows) - 42: "nan", len(rows) - 41: "inf"}
     for r in range(len(rows)):
-        if r == sub:  # frexp's rule in float64: the largest magnitude in [2^(e-1), 2^e), k = clip(15 - e)
-            x64 = np.asarray(x[r], np.float64)
-            e = np.frexp(np.abs(x64).max())[1]
-            kk = int(np.clip(15 - e, -126, 126))
-            assert kk == 126 and k[r] == kk and want_k[r] == 0  # (XLA on the CPU: the subnormals flushed)
-            w = np.asarray(CU.lanes_order(jnp.asarray((x64 * 2.0 ** kk).astype(np.float16))))
-            np.testing.assert_array_equal(got[r].view(np.uint16), w.view(np.uint16))
-            assert np.abs(w).max() > 0
-            continue
-        assert k[r] == want_k[r], (r, k[r], want_k[r])
-        nan = np.isnan(want[r])
+        x64 = np.asarray(x[r], np.float64)
+        kk, want = _f16_scaled_spec(x64)
+        assert k[r] == kk, (r, k[r], kk)
+        nan = np.isnan(want)
         np.testing.assert_array_equal(np.isnan(got[r]), nan)
-        np.testing.assert_array_equal(got[r][~nan].view(np.uint16), want[r][~nan].view(np.uint16))
-    assert set(k[[-2, -1]]) == {0, 15} and k[len(rows) - 4] == 0  # the NaN row, the infinite one, exactly 2^14
-    t = np.asarray(x16[len(rows) - 5, :9], np.float64) * 2.0 ** 24  # the ties row: rounded to even steps
+        np.testing.assert_array_equal(got[r][~nan].view(np.uint16), want[~nan].view(np.uint16))
+        if r not in special:  # XLA's own f16_scaled on the CPU: the same bits
+            assert xla_k[r] == kk, (r, xla_k[r], kk)
+            np.testing.assert_array_equal(xla[r].view(np.uint16), want.view(np.uint16))
+    assert [k[r] for r in sorted(special)] == [126, 0, 15] and k[len(rows) - 44] == 0  # and exactly 2^14: 0
+    assert np.abs(got[len(rows) - 43]).max() > 0 and np.isinf(got[len(rows) - 41]).any()
+    t = np.asarray(x16[len(rows) - 45, :9], np.float64) * 2.0 ** 24  # the ties row: rounded to even steps
     np.testing.assert_array_equal(t, [2.0 ** 38, 0, 2, 2, -4, 1, -0.0, 1, 0])
-    assert np.isinf(got[-1]).any()
+
+
+def test_mxfp4_cuda_refuses_another_build(monkeypatch):
+    """An extension whose CUDA kernels take another calling convention (`cuda_kernels_abi`: built before or after a
+    change to their operands) is refused by name, not registered to fail its first call; this build's is this code's."""
+    import sys
+    import types
+
+    from jaxk3.kernels import mxfp4_cuda as CU
+
+    try:
+        from jaxk3 import _ffi
+    except ImportError as e:
+        pytest.skip(f"the jaxk3._ffi extension is not built ({e})")
+    if _ffi.cuda_kernels():
+        assert _ffi.cuda_kernels_abi == CU.ABI
+    fake = types.SimpleNamespace(cuda_kernels=lambda: {CU.TARGET: object(), CU.DOWN_TARGET: object()},
+                                 cuda_kernels_abi=CU.ABI - 1)
+    monkeypatch.setitem(sys.modules, "jaxk3._ffi", fake)
+    monkeypatch.setattr(sys.modules["jaxk3"], "_ffi", fake, raising=False)
+    monkeypatch.setattr(CU, "_found", [])
+    for target in (CU.TARGET, CU.DOWN_TARGET):
+        assert f"calling convention {CU.ABI - 1}, this code calls {CU.ABI}" in CU._register(target)
 
 
 def test_moe_experts_cuda_gate_up_refusals():

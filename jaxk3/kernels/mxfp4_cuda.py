@@ -30,11 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+ABI = 2  # the calling convention these wrappers use: ffi/targets.h's JAXK3_CUDA_KERNELS_ABI, which the extension reports
 TARGET = "jaxk3_mxfp4_gate_up"
 DOWN_TARGET = "jaxk3_mxfp4_down"
 PERM = (0, 4, 2, 6, 1, 5, 3, 7)  # the kernel's order of a word's eight codes (and so of each 8 inputs)
 ACTS = {"silu": 0, "situ": 1}
 ROWS, IN_MULTIPLE = 16, 256  # I a multiple of ROWS (a CTA's rows), In of IN_MULTIPLE (two halves of 128-code chunks)
+MAX_IN = 16384  # the token in shared memory (In x 2 bytes: the handler's kMaxIn)
 CHUNK, DOWN_SMEM = 128, 47 * 1024  # `down`: I a multiple of CHUNK; a part's activations (slots x I x 2 bytes) at most
 MAX_TOKENS = 8  # the wide form: the mma's N
 
@@ -56,6 +58,12 @@ def _register(target: str) -> str | None:
                 _found.append({t: why for t in (TARGET, DOWN_TARGET)})
             else:
                 caps = dict(_ffi.cuda_kernels()) if hasattr(_ffi, "cuda_kernels") else {}
+                abi = getattr(_ffi, "cuda_kernels_abi", 1)
+                if caps and abi != ABI:  # a build from before (or after) a change to a kernel's operands
+                    why = (f"the extension's CUDA kernels take calling convention {abi}, this code calls {ABI} (an "
+                           f"extension built from another version)")
+                    _found.append({t: why for t in (TARGET, DOWN_TARGET)})
+                    return _found[0][target]
                 for name, cap in caps.items():
                     jax.ffi.register_ffi_target(name, cap, platform="CUDA")
                 _found.append({t: None if t in caps else "the extension was built without it (no CUDA, or older)"
@@ -73,10 +81,10 @@ def unavailable(target: str = TARGET) -> str | None:
 
 
 def shape_problem(I: int, In: int) -> str | None:
-    """Why the kernel's tiling does not divide these experts (None: it does)."""
-    if I % ROWS or In % IN_MULTIPLE:
-        return (f"{TARGET} needs the experts' I a multiple of {ROWS} and input width a multiple of {IN_MULTIPLE}, "
-                f"got I {I}, In {In}")
+    """Why the kernel's tiling does not divide these experts, or its input does not fit (None: it does)."""
+    if I % ROWS or In % IN_MULTIPLE or In > MAX_IN:
+        return (f"{TARGET} needs the experts' I a multiple of {ROWS} and input width a multiple of {IN_MULTIPLE} up "
+                f"to {MAX_IN}, got I {I}, In {In}")
     return None
 
 

@@ -2069,6 +2069,43 @@ def test_mxfp4_gate_up_lane_layout_is_the_dot():
     assert np.all(d[:, 1:] == 0) and np.abs(ref).max() > 0
 
 
+@pytest.mark.parametrize("nb", [8, 5])
+def test_mxfp4_wide_lane_layout_is_the_dot(nb):
+    """The wide form's data flow for nb tokens, emulated on the host from the PTX ISA's fragment layouts: lane (g, t)'s B
+    registers hold token g's inputs in `lanes_order` (zeros for g >= nb, as the kernels' has_x), its A registers as
+    the one-token kernel's, and the kernels read D back per lane as d0 = D[g][2t], d1 = D[g][2t + 1], d2 = D[g + 8][2t],
+    d3 = D[g + 8][2t + 1] into [row, token] (`wred`): every token's column equals its dot with the dequantised rows,
+    exactly, and the columns past nb are zeros."""
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.kernels import mxfp4_cuda as CU
+
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 256, (16, 64), dtype=np.uint8)  # 16 rows x 128 codes (4 groups of 32)
+    scales = rng.integers(104, 129, (16, 4), dtype=np.uint8)
+    x = rng.standard_normal((nb, 128)).astype(np.float16)
+    ref = np.asarray(ME.dequantize(ME.MXFP4(jnp.asarray(codes), jnp.asarray(scales))), np.float64) @ x.T.astype(np.float64)
+    xw = np.frombuffer(np.asarray(CU.lanes_order(jnp.asarray(x))).tobytes(), np.uint32).reshape(nb, 4, 4, 4)
+    d = np.zeros((16, 8))
+    for j in range(4):
+        a = np.zeros((2, 32, 4), np.uint32)
+        b = np.zeros((2, 32, 2), np.uint32)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            p, q = ([*_decode_word(int(np.frombuffer(codes[r, 16 * t:16 * t + 16].tobytes(), np.uint32)[j]),
+                                   int((((int(scales[r, t]) - 98) << 10) * 0x10001)))] for r in (g, g + 8))
+            a[0, lane], a[1, lane] = (p[0], q[0], p[1], q[1]), (p[2], q[2], p[3], q[3])
+            if g < nb:  # token g's words of group t (the kernels' has_x)
+                b[0, lane], b[1, lane] = xw[g, t, j, 0:2], xw[g, t, j, 2:4]
+        d += _mma_m16n8k16(a[0], b[0]) + _mma_m16n8k16(a[1], b[1])
+    wred = np.full((16, 8), np.nan)
+    for lane in range(32):  # the kernels' per-lane read of D (the PTX ISA's f32 accumulator layout)
+        g, t = lane // 4, lane % 4
+        wred[g, 2 * t], wred[g, 2 * t + 1], wred[g + 8, 2 * t], wred[g + 8, 2 * t + 1] = (
+            d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1])
+    np.testing.assert_array_equal(wred[:, :nb], ref)
+    assert np.all(wred[:, nb:] == 0) and np.abs(ref).min() > 0
+
+
 def _f16_scaled_spec(x64: np.ndarray) -> tuple[int, np.ndarray]:
     """`f16_scaled`'s rule for one row, in float64 (numpy: no flushing of subnormals): k = clip(15 - e, -126, 126) for
     the largest magnitude m in [2^(e-1), 2^e), 0 for zeros or a NaN (where(m > 0) is false), 15 for an infinity

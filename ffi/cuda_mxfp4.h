@@ -4,8 +4,8 @@
 // one E8M0 scale group) of each row at group t, decodes each 32-bit word into four float16 pairs (codes (0, 4),
 // (2, 6), (1, 5), (3, 7)) times the row's scale, and passes them to the mma as they are.  The mma's K order within a
 // step is free, so the token is laid out in that order instead (each 8 inputs permuted [0, 4, 2, 6, 1, 5, 3, 7]:
-// jaxk3/kernels/mxfp4_cuda.py's PERM); only lanes 0-3 carry it (B's column 0), and column 0 of D holds the rows'
-// sums in lanes t = 0 (d[0]: row g, d[2]: row g + 8).
+// jaxk3/kernels/mxfp4_cuda.py's PERM); for one token only lanes 0-3 carry it (B's column 0), and column 0 of D holds
+// the rows' sums in lanes t = 0 (d[0]: row g, d[2]: row g + 8); the wide form puts token g in lanes g (column g).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -121,11 +121,16 @@ __device__ __forceinline__ void Multiply(float (&d)[4], const Tile& T, const uin
   const uint32_t sg = Scale2(T.s0), s8 = Scale2(T.s8);
   const uint32_t w0[4] = {T.c0.x, T.c0.y, T.c0.z, T.c0.w};
   const uint32_t w8[4] = {T.c8.x, T.c8.y, T.c8.z, T.c8.w};
+  uint4 xw[4];  // kWide: the tile's four token octets, all loaded before the first product (L1's latency once a tile)
+  if constexpr ((kFlags & kWide) != 0) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) xw[j] = has_x ? __ldg(xs + code / 8 + j) : make_uint4(0, 0, 0, 0);
+  }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     uint4 xj;
     if constexpr ((kFlags & kWide) != 0) {
-      xj = has_x ? __ldg(xs + code / 8 + j) : make_uint4(0, 0, 0, 0);
+      xj = xw[j];
     } else {
       xj = has_x ? xs[code / 8 + j] : make_uint4(0, 0, 0, 0);
     }
@@ -136,6 +141,16 @@ __device__ __forceinline__ void Multiply(float (&d)[4], const Tile& T, const uin
     Mma(d, p0, q0, p1, q1, xj.x, xj.y);  // codes (0, 4) and (2, 6) of word j
     Mma(d, p2, q2, p3, q3, xj.z, xj.w);  // codes (1, 5) and (3, 7)
   }
+}
+
+// The wide form's D of one warp as [row][token] in shared memory (its 16 rows x 8 tokens): lane (g, t) holds rows g,
+// g + 8 of tokens 2t, 2t + 1 (PTX's f32 accumulator layout of m16n8).
+__device__ __forceinline__ void TokensToShared(float (&red)[16][8], int lane, const float (&d)[4]) {
+  const int g = lane / 4, t = lane % 4;
+  red[g][2 * t] = d[0];
+  red[g][2 * t + 1] = d[1];
+  red[g + 8][2 * t] = d[2];
+  red[g + 8][2 * t + 1] = d[3];
 }
 
 // A lane's first kDepth tiles of its row pair (rows g and g + 8 from row0 / srow0), from code `first` on.

@@ -143,10 +143,7 @@ __global__ void __launch_bounds__(kWarps * 32, kIn == kInWide ? 5 : 6) DownKerne
   }
   if constexpr (kIn == kInWide) {
     __shared__ float wred[kWarps][kRows][kMaxTokens];
-    wred[warp][g][2 * t] = tot[0];
-    wred[warp][g][2 * t + 1] = tot[1];
-    wred[warp][g + 8][2 * t] = tot[2];
-    wred[warp][g + 8][2 * t + 1] = tot[3];
+    mxfp4::TokensToShared(wred[warp], lane, tot);
     __syncthreads();
     for (int q = threadIdx.x; q < kRows * p.nb; q += blockDim.x) {
       const int i = q % kRows, b = q / kRows;

@@ -99,8 +99,10 @@ __device__ __forceinline__ float TokenToShared(const Params& p, uint4* xs) {
   }
 }
 
+// The wide form at least 6 CTAs an SM (80 registers, no spills; its tile's four token loads issued together took 82,
+// 5 CTAs); the others unbounded (0: as measured, 79 registers; a bound of 1 gave 83).
 template <int kIn, bool kHintL2>
-__global__ void __launch_bounds__(kWarps * 32) GateUpKernel(Params p) {
+__global__ void __launch_bounds__(kWarps * 32, kIn == kInWide ? 6 : 0) GateUpKernel(Params p) {
   constexpr int kFlags = (kHintL2 ? mxfp4::kL2 : 0) | (kIn == kInWide ? mxfp4::kWide : 0);
   extern __shared__ uint4 xs[];  // the token's In / 8 permuted float16 octets, read by lanes 0-3 of every warp
   __shared__ float red[kWarps][kRows];
@@ -137,10 +139,7 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(Params p) {
 
   if constexpr (kIn == kInWide) {  // D: rows g, g + 8 x tokens 2t, 2t + 1; the tokens' columns past nb are zeros
     __shared__ float wred[kWarps][kRows][kMaxTokens];
-    wred[warp][g][2 * t] = d[0];
-    wred[warp][g][2 * t + 1] = d[1];
-    wred[warp][g + 8][2 * t] = d[2];
-    wred[warp][g + 8][2 * t + 1] = d[3];
+    mxfp4::TokensToShared(wred[warp], lane, d);
     __syncthreads();
     for (int q = threadIdx.x; q < kRows * p.Bp; q += blockDim.x) {
       const int i = q % kRows, b = q / kRows;

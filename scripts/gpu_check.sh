@@ -24,7 +24,8 @@
 #   `determinism` the 48B step's first greedy tokens in DET_RUNS processes (XLA as it is, autotuning off, deterministic
 #   ops only, in turn), each with its top-2 margins and whether its check steps rerun bitwise (PERF.md, 13th session);
 #   `cudaforms` the MXFP4 CUDA kernels' compiled tests and their forms alone at K3's TP 2 share (B 1 and 8), `cudastep`
-#   the K3 layers 11-14 step at CS_BATCH (1) with them patched in (CS_PATCHES), main before and after.
+#   the K3 layers 11-14 step at CS_BATCH (1) with them patched in (CS_PATCHES), main before and after, and with
+#   CS_CENSUS (a patch list; "-" for none) the step's census.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -390,6 +391,13 @@ if has cudastep; then
   done
   echo "== K3 B = $b step: main again ($(date -u +%T))"
   timeout -k 5 110 $PY -m jaxk3.cli bench decode $K3S --json "$OUT/cudastep_b${b}_main2.json" 2>&1 | grep -E "^ +$b \||rror" | tail -3
+  if [ -n "${CS_CENSUS:-}" ]; then  # where the step's time goes, per block (command buffers off), with CS_CENSUS's patches
+    echo "== K3 B = $b census: ${CS_CENSUS} ($(date -u +%T))"
+    if [ "$CS_CENSUS" = "-" ]; then run="$PY -m jaxk3.cli bench decode"; else run="$PY scripts/gpu/step_with_kernel.py $CS_CENSUS --"; fi
+    # shellcheck disable=SC2086
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout -k 5 150 $run ${K3S/--steps 20 --repeats 5/--steps 10} --census \
+      --json "$OUT/cudastep_b${b}_census.json" 2>&1 | grep -v "^  \.\. " | tee "$OUT/cudastep_b${b}_census.log" | tail -25
+  fi
 fi
 
 if has bench_off; then

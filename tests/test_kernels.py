@@ -2036,57 +2036,28 @@ def _decode_word(w: int, s2: int):
                           np.uint32)[0] for r in rs]
 
 
-def test_mxfp4_gate_up_lane_layout_is_the_dot():
-    """The CUDA gate-up's data flow, emulated on the host from the PTX ISA's fragment layout (not from the kernel's
-    code paths): a warp's 16 rows x one 128-code chunk, each lane decoding its two rows' 16-byte groups word by word,
-    the words' pairs into A registers as the kernel's Multiply passes them, the token's inputs in `lanes_order` into
-    lanes 0-3's B registers.  Column 0 of the summed D equals the rows' dot with the token, dequantised: exactly (every
-    product and partial sum here is exact in float64), so a wrong shift, mask, pair order, register order or input
-    permutation moves it."""
+@pytest.mark.parametrize("nb", [1, 5, 8])
+def test_mxfp4_gate_up_lane_layout_is_the_dot(nb):
+    """The CUDA kernels' data flow, emulated on the host from the PTX ISA's fragment layout (not from the kernel's code
+    paths): a warp's 16 rows x one 128-code chunk, each lane decoding its two rows' 16-byte groups word by word, the
+    words' pairs into A registers as the kernel's Multiply passes them, and lane (g, t)'s B registers token g's inputs
+    of group t in `lanes_order` (zeros for g >= nb: one token, lanes 0-3 only; the wide form, up to 8).  The kernels
+    read D back per lane as d0 = D[g][2t], d1 = D[g][2t + 1], d2 = D[g + 8][2t], d3 = D[g + 8][2t + 1] (the one-token
+    kernels lanes t = 0's d0 and d2): every token's column equals its dot with the dequantised rows, exactly (every
+    product and partial sum here is exact in float64), and the columns past nb are zeros; so a wrong shift, mask, pair
+    order, register order or input permutation moves it."""
     from jaxk3.kernels import moe_experts as ME
     from jaxk3.kernels import mxfp4_cuda as CU
 
     rng = np.random.default_rng(5)
     codes = rng.integers(0, 256, (16, 64), dtype=np.uint8)  # 16 rows x 128 codes (4 groups of 32)
     scales = rng.integers(104, 129, (16, 4), dtype=np.uint8)
-    x = rng.standard_normal(128).astype(np.float16)
-    ref = np.asarray(ME.dequantize(ME.MXFP4(jnp.asarray(codes), jnp.asarray(scales))), np.float64) @ x.astype(np.float64)
-    xp = np.asarray(CU.lanes_order(jnp.asarray(x)))
-    xw = np.frombuffer(xp.tobytes(), np.uint32).reshape(4, 4, 4)  # [lane t, word j, the 4 registers of word j]
-    d = np.zeros((16, 8))
-    for j in range(4):  # word j of each lane's group: mma steps 2j and 2j + 1
-        a = np.zeros((2, 32, 4), np.uint32)
-        b = np.zeros((2, 32, 2), np.uint32)
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            p, q = ([*_decode_word(int(np.frombuffer(codes[r, 16 * t:16 * t + 16].tobytes(), np.uint32)[j]),
-                                   int((((int(scales[r, t]) - 98) << 10) * 0x10001)))] for r in (g, g + 8))
-            a[0, lane], a[1, lane] = (p[0], q[0], p[1], q[1]), (p[2], q[2], p[3], q[3])
-            if g == 0:
-                b[0, lane], b[1, lane] = xw[t, j, 0:2], xw[t, j, 2:4]
-        d += _mma_m16n8k16(a[0], b[0]) + _mma_m16n8k16(a[1], b[1])
-    np.testing.assert_array_equal(d[:, 0], ref)
-    assert np.all(d[:, 1:] == 0) and np.abs(ref).max() > 0
-
-
-@pytest.mark.parametrize("nb", [8, 5])
-def test_mxfp4_wide_lane_layout_is_the_dot(nb):
-    """The wide form's data flow for nb tokens, emulated on the host from the PTX ISA's fragment layouts: lane (g, t)'s B
-    registers hold token g's inputs in `lanes_order` (zeros for g >= nb, as the kernels' has_x), its A registers as
-    the one-token kernel's, and the kernels read D back per lane as d0 = D[g][2t], d1 = D[g][2t + 1], d2 = D[g + 8][2t],
-    d3 = D[g + 8][2t + 1] into [row, token] (`wred`): every token's column equals its dot with the dequantised rows,
-    exactly, and the columns past nb are zeros."""
-    from jaxk3.kernels import moe_experts as ME
-    from jaxk3.kernels import mxfp4_cuda as CU
-
-    rng = np.random.default_rng(7)
-    codes = rng.integers(0, 256, (16, 64), dtype=np.uint8)  # 16 rows x 128 codes (4 groups of 32)
-    scales = rng.integers(104, 129, (16, 4), dtype=np.uint8)
     x = rng.standard_normal((nb, 128)).astype(np.float16)
     ref = np.asarray(ME.dequantize(ME.MXFP4(jnp.asarray(codes), jnp.asarray(scales))), np.float64) @ x.T.astype(np.float64)
+    # [token, lane t, word j, the 4 registers of word j]
     xw = np.frombuffer(np.asarray(CU.lanes_order(jnp.asarray(x))).tobytes(), np.uint32).reshape(nb, 4, 4, 4)
     d = np.zeros((16, 8))
-    for j in range(4):
+    for j in range(4):  # word j of each lane's group: mma steps 2j and 2j + 1
         a = np.zeros((2, 32, 4), np.uint32)
         b = np.zeros((2, 32, 2), np.uint32)
         for lane in range(32):
@@ -2097,13 +2068,13 @@ def test_mxfp4_wide_lane_layout_is_the_dot(nb):
             if g < nb:  # token g's words of group t (the kernels' has_x)
                 b[0, lane], b[1, lane] = xw[g, t, j, 0:2], xw[g, t, j, 2:4]
         d += _mma_m16n8k16(a[0], b[0]) + _mma_m16n8k16(a[1], b[1])
-    wred = np.full((16, 8), np.nan)
-    for lane in range(32):  # the kernels' per-lane read of D (the PTX ISA's f32 accumulator layout)
+    red = np.full((16, 8), np.nan)
+    for lane in range(32):  # the kernels' per-lane read of D (cuda_mxfp4.h's TokensToShared)
         g, t = lane // 4, lane % 4
-        wred[g, 2 * t], wred[g, 2 * t + 1], wred[g + 8, 2 * t], wred[g + 8, 2 * t + 1] = (
+        red[g, 2 * t], red[g, 2 * t + 1], red[g + 8, 2 * t], red[g + 8, 2 * t + 1] = (
             d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1])
-    np.testing.assert_array_equal(wred[:, :nb], ref)
-    assert np.all(wred[:, nb:] == 0) and np.abs(ref).min() > 0
+    np.testing.assert_array_equal(red[:, :nb], ref)
+    assert np.all(red[:, nb:] == 0) and np.abs(ref).max() > 0
 
 
 def _f16_scaled_spec(x64: np.ndarray) -> tuple[int, np.ndarray]:
@@ -2199,7 +2170,7 @@ def test_mxfp4_cuda_refuses_another_build(monkeypatch):
         from jaxk3 import _ffi
     except ImportError as e:
         pytest.skip(f"the jaxk3._ffi extension is not built ({e})")
-    if _ffi.cuda_kernels():
+    if getattr(_ffi, "cuda_kernels", dict)():  # (built with CUDA: this build's convention is this code's)
         assert _ffi.cuda_kernels_abi == CU.ABI
     fake = types.SimpleNamespace(cuda_kernels=lambda: {CU.TARGET: object(), CU.DOWN_TARGET: object()},
                                  cuda_kernels_abi=CU.ABI - 1)
@@ -2273,9 +2244,17 @@ def test_moe_experts_cuda_forms_lowered(monkeypatch, form, B):
             t = "bf16" if form == "raw" else "f16"  # the token [In], each slot's activations [U, I]
             assert f"(tensor<{U}xi32>, tensor<1536x{t}>, " in calls[0], calls[0]
             assert f"(tensor<{U}xi32>, tensor<{U}xf32>, tensor<{U}x768x{t}>, " in calls[1], calls[1]
-    if B > 1:  # the one-token forms are refused at B > 1, with the reason
+    if B > 1:  # the one-token forms are refused at B > 1, and the wide form with tokens padded past 8, with the reasons
         assert "1 to 8 with Config.cuda_wide" in ME.fits(cfg, w, z, wk, ids, config=ME.Config(cuda=True),
                                                           only_where_faster=False)
+        for pad16 in (dict(swap=False), dict(f16=False)):  # the Pallas kernels' 16 rows (mx_dot, or f16 without swap)
+            c = ME.Config(cuda=True, cuda_wide=True, **pad16)
+            assert "at most 8 token rows" in ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False)
+            c = ME.Config(cuda_down=True, cuda_wide=True, **pad16)
+            assert "at most 8 token rows" in ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False)
+            _, I, In, Out, _ = ME._dims(w)  # and `_launch`'s own test of the same (it then takes the Pallas kernels)
+            cf = ME._resolve(ME.Config(cuda_wide=True, **pad16), B, In, I, Out, True, z.dtype, True)
+            assert "at most 8 token rows" in ME._cuda_problem(cf, w, z, None)
 
 
 @pytest.mark.gpu

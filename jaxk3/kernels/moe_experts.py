@@ -146,7 +146,7 @@ class Config:
     # input each slot's activations in float16 times a power of two (one XLA fusion).  None: CUDA_DOWN where it applies
     cuda_raw: bool | None = None  # the CUDA kernels' inputs (the token; each slot's activations) passed as bf16 as they
     # are, each kernel making its float16 copy in shared memory (the same values: `f16_scaled`'s, the lanes' order),
-    # with no XLA fusion before it.  None: CUDA_RAW
+    # with no XLA fusion before it; one token, and not with `cuda_wide` (which takes precedence).  None: CUDA_RAW
     cuda_l2: bool | None = None  # the CUDA kernels' weight loads with L2's 256-byte prefetch size.  None: CUDA_L2
     cuda_wide: bool | None = None  # the CUDA kernels for 1 to 8 tokens (each token one of the mma's 8 columns, its
     # float16 row read through L1, nothing copied to shared memory; the tokens' and activations' float16 copies made by
@@ -809,6 +809,9 @@ def _cuda_problem(cf: Config, w, z_BL: jax.Array, shared, routed: bool = False, 
         return "the CUDA kernels take neither the shared experts nor the router's logits"
     if cf.f16 and B == 1:  # (`f16` at one token: the float16 dot form over 8 padded rows, kept in Pallas)
         return "the CUDA kernels replace the one-token element-wise form, not Config.f16's dot over padded rows"
+    if wide and B > 1 and _rows_padded(w, z_BL, cf) > CU.MAX_TOKENS:  # (the Pallas kernels' rows between them)
+        return (f"the wide CUDA kernels write at most {CU.MAX_TOKENS} token rows, and this config pads the tokens to "
+                f"{_rows_padded(w, z_BL, cf)} (Config.f16 with swap, the default at B > 1, pads them to 8)")
     if down:
         return CU.down_problem(down[0], I, Out, down[1], wide) or CU.unavailable(CU.DOWN_TARGET)
     return CU.shape_problem(I, In) or CU.unavailable(CU.TARGET)
@@ -980,7 +983,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     P = U + (shared is not None)
 
     if (not interpret and _cuda_wanted(cf)
-            and _cuda_problem(cf, w, z_BL, shared, route is not None) is None):  # kernel 1 in CUDA (one token)
+            and _cuda_problem(cf, w, z_BL, shared, route is not None) is None):  # kernel 1 in CUDA
         form, l2 = _cuda_form(cf)
         if form == "wide":  # the B tokens' float16 rows; the output padded to the Bp rows a Pallas kernel 2 reads
             x, xinv = f16_scaled(z_BL.astype(dt))

@@ -106,7 +106,7 @@ def _x_in(x, inv, lead: int) -> tuple[jax.Array, jax.Array]:
 
 def gate_up(ids_U: jax.Array, x: jax.Array, xinv: jax.Array | None, gate, up, up_off: int, I: int, act: str,
             beta: float, linear_beta: float, l2: bool = False, rows: int | None = None) -> jax.Array:
-    """a [U, 1, I] bf16 for one token: `gate` and `up` the MXFP4 stacks (`moe_experts.MXFP4`: packed [E, R, In/2],
+    """a [U, 1, I] bf16 for one token (the wide form: [U, rows, I] for up to 8): `gate` and `up` the MXFP4 stacks (`moe_experts.MXFP4`: packed [E, R, In/2],
     scale [E, R, In/32]) holding the gate rows [0, I) and the up rows [up_off, up_off + I) (the serving layout's
     join: the same stack twice, up_off = I); x the bf16 token [In] as it is with xinv None (the kernel makes its
     float16 copy), or in float16 times 2^k with xinv = 2^-k (its order as it is: permuted here).  x [nb, In] (1 to 8

@@ -381,6 +381,7 @@ if has cudastep; then
   if [ "$b" = 1 ]; then dflt="moe_experts:CUDA_RAW=1;moe_experts:CUDA_RAW=1 moe_experts:CUDA_DOWN=1"
   else dflt="moe_experts:CUDA_WIDE=1;moe_experts:CUDA_WIDE=1 moe_experts:CUDA_DOWN=1"; fi
   IFS=';' read -ra patches <<< "${CS_PATCHES:-$dflt}"
+  [ "${CS_PATCHES:-}" = none ] && patches=()
   echo "== K3 B = $b step: main ($(date -u +%T))"
   timeout -k 5 110 $PY -m jaxk3.cli bench decode $K3S --json "$OUT/cudastep_b${b}_main.json" 2>&1 | grep -E "^ +$b \||rror" | tail -3
   for pt in "${patches[@]}"; do

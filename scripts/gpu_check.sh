@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
-#                        [mxfp4] [moestep] [targets] [mla] [hostcopy] [determinism] [cudaforms] [cudastep]
+#                        [mxfp4] [moestep] [targets] [mla] [hostcopy] [determinism] [cudaforms] [cudastep] [cudancu]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -25,7 +25,7 @@
 #   ops only, in turn), each with its top-2 margins and whether its check steps rerun bitwise (PERF.md, 13th session);
 #   `cudaforms` the MXFP4 CUDA kernels' compiled tests and their forms alone at K3's TP 2 share (B 1 and 8), `cudastep`
 #   the K3 layers 11-14 step at CS_BATCH (1) with them patched in (CS_PATCHES), main before and after, and with
-#   CS_CENSUS (a patch list; "-" for none) the step's census.
+#   CS_CENSUS (a patch list; "-" for none) the step's census; `cudancu` Nsight Compute on them (NCU_BATCH, NCU_CONFIG).
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -399,6 +399,23 @@ if has cudastep; then
     XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout -k 5 150 $run ${K3S/--steps 20 --repeats 5/--steps 10} --census \
       --json "$OUT/cudastep_b${b}_census.json" 2>&1 | grep -v "^  \.\. " | tee "$OUT/cudastep_b${b}_census.log" | tail -25
   fi
+fi
+
+if has cudancu; then
+  # Nsight Compute on the MXFP4 CUDA kernels as the sweep runs them (K3's TP 2 share, NCU_BATCH tokens; the default
+  # config first, then NCU_CONFIG): each launch's template instance is in its name (GateUpKernel<form, l2>).
+  echo "== Nsight Compute: the CUDA MXFP4 kernels, B = ${NCU_BATCH:-1}, ${NCU_CONFIG:-cuda_raw=1,cuda_down=1} ($(date -u +%T))"
+  NCU=$(which ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout -k 5 ${NCU_TIMEOUT:-200} $NCU --clock-control none --target-processes all -k regex:"GateUpKernel|DownKernel" \
+    --launch-skip ${NCU_SKIP:-4} --launch-count ${NCU_COUNT:-8} \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
+    --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
+    $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch ${NCU_BATCH:-1} --formats mxfp4 \
+    --configs "${NCU_CONFIG:-cuda_raw=1,cuda_down=1}" > "$OUT/cudancu.txt" 2>&1
+  echo "ncu rc $?"
+  grep -E "^  [A-Za-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issued Warp|Waves Per SM" \
+    "$OUT/cudancu.txt" | head -60
+  grep -E "stalled_.*ratio" "$OUT/cudancu.txt" | awk '$NF+0 > 0.3' | head -30
 fi
 
 if has bench_off; then

@@ -90,7 +90,10 @@ __global__ void __launch_bounds__(kWarps * 32, kIn == kInWide ? 5 : 6) DownKerne
   const int first_slot = part * p.per, slots = min(p.per, p.U - first_slot);  // <= 0: an empty part, zeros
   const int octets = p.I / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const bool has_x = kIn == kInWide ? g < p.nb : g == 0;
+  // The lanes holding a token: one token, lanes 0-3 (B's column 0; the rest zeros, as measured), but in the raw form
+  // every lane reads token 0 (D's 8 columns all its sums, column 0 the one read: no zeroing of the others' B
+  // registers, 8 instructions a tile); the wide form, lanes of tokens g < nb.
+  const bool has_x = kIn == kInWide ? g < p.nb : (kIn == kInRaw || g == 0);
   const size_t row_bytes = p.I / 2, srow_bytes = p.I / 32;
   const int iters = p.I / kChunk;
 

@@ -126,7 +126,10 @@ __global__ void __launch_bounds__(kWarps * 32, kIn == kInWide ? 6 : 0) GateUpKer
   const uint8_t* srow0 = (up ? p.up_scale : p.gate_scale) + (static_cast<long long>(e) * rows + r) * srow_bytes;
   const int half = p.In / 2, iters = half / kChunk;
   const int first = (warp % 2) * half + 32 * t;  // this lane's first code (its group in the first chunk)
-  const bool has_x = kIn == kInWide ? g < p.nb : g == 0;
+  // The lanes holding a token: one token, lanes 0-3 (B's column 0; the rest zeros, as measured), but in the raw form
+  // every lane reads token 0 (D's 8 columns all its sums, column 0 the one read: no zeroing of the others' B
+  // registers, 8 instructions a tile); the wide form, lanes of tokens g < nb.
+  const bool has_x = kIn == kInWide ? g < p.nb : (kIn == kInRaw || g == 0);
 
   Tile T[kDepth];  // kDepth tiles in flight: each refilled right after its products
   Prefetch<kDepth, kFlags>(T, row0, srow0, row_bytes, srow_bytes, first, iters);

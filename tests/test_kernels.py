@@ -2036,12 +2036,13 @@ def _decode_word(w: int, s2: int):
                           np.uint32)[0] for r in rs]
 
 
-@pytest.mark.parametrize("nb", [1, 5, 8])
-def test_mxfp4_gate_up_lane_layout_is_the_dot(nb):
+@pytest.mark.parametrize("nb,every", [(1, False), (1, True), (5, False), (8, False)])
+def test_mxfp4_gate_up_lane_layout_is_the_dot(nb, every):
     """The CUDA kernels' data flow, emulated on the host from the PTX ISA's fragment layout (not from the kernel's code
     paths): a warp's 16 rows x one 128-code chunk, each lane decoding its two rows' 16-byte groups word by word, the
     words' pairs into A registers as the kernel's Multiply passes them, and lane (g, t)'s B registers token g's inputs
-    of group t in `lanes_order` (zeros for g >= nb: one token, lanes 0-3 only; the wide form, up to 8).  The kernels
+    of group t in `lanes_order` (zeros for g >= nb: one token, lanes 0-3 only; the wide form, up to 8; `every`: the raw
+    form, every lane token 0's, so that every column of D is its sums).  The kernels
     read D back per lane as d0 = D[g][2t], d1 = D[g][2t + 1], d2 = D[g + 8][2t], d3 = D[g + 8][2t + 1] (the one-token
     kernels lanes t = 0's d0 and d2): every token's column equals its dot with the dequantised rows, exactly (every
     product and partial sum here is exact in float64), and the columns past nb are zeros; so a wrong shift, mask, pair
@@ -2065,8 +2066,9 @@ def test_mxfp4_gate_up_lane_layout_is_the_dot(nb):
             p, q = ([*_decode_word(int(np.frombuffer(codes[r, 16 * t:16 * t + 16].tobytes(), np.uint32)[j]),
                                    int((((int(scales[r, t]) - 98) << 10) * 0x10001)))] for r in (g, g + 8))
             a[0, lane], a[1, lane] = (p[0], q[0], p[1], q[1]), (p[2], q[2], p[3], q[3])
-            if g < nb:  # token g's words of group t (the kernels' has_x)
-                b[0, lane], b[1, lane] = xw[g, t, j, 0:2], xw[g, t, j, 2:4]
+            if g < nb or every:  # token g's words of group t (the kernels' has_x; `every`: token 0's)
+                tok = 0 if every else g
+                b[0, lane], b[1, lane] = xw[tok, t, j, 0:2], xw[tok, t, j, 2:4]
         d += _mma_m16n8k16(a[0], b[0]) + _mma_m16n8k16(a[1], b[1])
     red = np.full((16, 8), np.nan)
     for lane in range(32):  # the kernels' per-lane read of D (cuda_mxfp4.h's TokensToShared)
@@ -2074,7 +2076,8 @@ def test_mxfp4_gate_up_lane_layout_is_the_dot(nb):
         red[g, 2 * t], red[g, 2 * t + 1], red[g + 8, 2 * t], red[g + 8, 2 * t + 1] = (
             d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1])
     np.testing.assert_array_equal(red[:, :nb], ref)
-    assert np.all(red[:, nb:] == 0) and np.abs(ref).max() > 0
+    np.testing.assert_array_equal(red[:, nb:], np.repeat(ref, 8 - nb, axis=1) if every else 0)
+    assert np.abs(ref).max() > 0
 
 
 def _f16_scaled_spec(x64: np.ndarray) -> tuple[int, np.ndarray]:

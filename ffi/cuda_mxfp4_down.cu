@@ -130,10 +130,9 @@ __global__ void __launch_bounds__(kWarps * 32, kIn == kInWide ? 5 : 6) DownKerne
     Stream<kDepth, kFlags>(d, T, row0, srow0, row_bytes, srow_bytes, x, 32 * t, iters, has_x);
     if constexpr (kIn == kInWide) {
       const int b0 = 2 * t, b1 = 2 * t + 1;
-      const float c0 = b0 < p.nb ? p.coef[static_cast<size_t>(b0) * p.U + u] * p.ainv[static_cast<size_t>(u) * p.nb + b0]
-                                 : 0.0f;
-      const float c1 = b1 < p.nb ? p.coef[static_cast<size_t>(b1) * p.U + u] * p.ainv[static_cast<size_t>(u) * p.nb + b1]
-                                 : 0.0f;
+      const size_t ua = static_cast<size_t>(u) * p.nb;  // slot u's row of ainv
+      const float c0 = b0 < p.nb ? p.coef[static_cast<size_t>(b0) * p.U + u] * p.ainv[ua + b0] : 0.0f;
+      const float c1 = b1 < p.nb ? p.coef[static_cast<size_t>(b1) * p.U + u] * p.ainv[ua + b1] : 0.0f;
       tot[0] += c0 * d[0];
       tot[1] += c1 * d[1];
       tot[2] += c0 * d[2];

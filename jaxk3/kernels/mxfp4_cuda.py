@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ABI = 2  # the calling convention these wrappers use: ffi/targets.h's JAXK3_CUDA_KERNELS_ABI, which the extension reports
+ABI = 2  # the calling convention these wrappers use: ffi/targets.h's JAXK3_CUDA_KERNELS_ABI (the extension reports it)
 TARGET = "jaxk3_mxfp4_gate_up"
 DOWN_TARGET = "jaxk3_mxfp4_down"
 PERM = (0, 4, 2, 6, 1, 5, 3, 7)  # the kernel's order of a word's eight codes (and so of each 8 inputs)
@@ -106,8 +106,8 @@ def _x_in(x, inv, lead: int) -> tuple[jax.Array, jax.Array]:
 
 def gate_up(ids_U: jax.Array, x: jax.Array, xinv: jax.Array | None, gate, up, up_off: int, I: int, act: str,
             beta: float, linear_beta: float, l2: bool = False, rows: int | None = None) -> jax.Array:
-    """a [U, 1, I] bf16 for one token (the wide form: [U, rows, I] for up to 8): `gate` and `up` the MXFP4 stacks (`moe_experts.MXFP4`: packed [E, R, In/2],
-    scale [E, R, In/32]) holding the gate rows [0, I) and the up rows [up_off, up_off + I) (the serving layout's
+    """a [U, 1, I] bf16 for one token (the wide form: [U, rows, I] for up to 8): `gate` and `up` the MXFP4 stacks
+    (`moe_experts.MXFP4`: packed [E, R, In/2], scale [E, R, In/32]) holding the gate rows [0, I) and the up rows [up_off, up_off + I) (the serving layout's
     join: the same stack twice, up_off = I); x the bf16 token [In] as it is with xinv None (the kernel makes its
     float16 copy), or in float16 times 2^k with xinv = 2^-k (its order as it is: permuted here).  x [nb, In] (1 to 8
     tokens, float16, xinv [nb]: the wide form, each lane g reading token g's row): a [U, rows, I] (rows >= nb, the
@@ -143,8 +143,8 @@ def down_problem(U: int, I: int, Out: int, parts: int, wide: bool = False) -> st
 
 def down(ids_U: jax.Array, coef: jax.Array, a: jax.Array, ainv: jax.Array | None, w2, parts: int,
          l2: bool = False) -> jax.Array:
-    """y [parts, 1, Out] fp32: part p's sum over its slots [p·per, min((p+1)·per, U)) (per = ceil(U / parts)) of coef[u] ·
-    W2[ids[u]] a[u]; `w2` the MXFP4 stack (packed [E, Out, I/2], scale [E, Out, I/32]); a [U, I] each slot's
+    """y [parts, 1, Out] fp32: part p's sum over its slots [p·per, min((p+1)·per, U)) (per = ceil(U / parts)) of
+    coef[u] · W2[ids[u]] a[u]; `w2` the MXFP4 stack (packed [E, Out, I/2], scale [E, Out, I/32]); a [U, I] each slot's
     activations, bf16 as they are with ainv None (the kernel scales each slot), or in float16 times 2^k_u with ainv
     [U] = 2^-k_u (their order as it is: permuted here); coef [U].  The wide form: a [U, nb, I] float16 (1 to 8
     tokens' rows, each times its 2^k), ainv [U, nb], coef [nb, U] (each token's weight of each slot, 0 where it did

@@ -2260,43 +2260,67 @@ def test_moe_experts_cuda_forms_lowered(monkeypatch, form, B):
             assert "at most 8 token rows" in ME._cuda_problem(cf, w, z, None)
 
 
+def _cuda_kernels_or_skip(gate_up: bool = True, down: bool = False):
+    """The CUDA MXFP4 kernels' modules (moe_experts, mxfp4_cuda) where a CUDA GPU and the extension's kernels asked for
+    are there; else the test skips with the reason."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.kernels import mxfp4_cuda as CU
+
+    # (as the gathers' GPU tests do without the extension's CUDA handlers)
+    for target in [CU.TARGET] * gate_up + [CU.DOWN_TARGET] * down:
+        if CU.unavailable(target):
+            pytest.skip(f"{CU.unavailable(target)} (scripts/gpu_check.sh build)")
+    return ME, CU
+
+
+def _cuda_forms_agree(case, configs, targets) -> None:
+    """Each Config of `configs`, compiled (`moe_experts.experts` under jit) on `case` (cfg, w, z, wk, ids): `fits`
+    takes it, the lowered module holds the CUDA targets `targets(c)` says ({target: present}) and the L2 hint as
+    `c.cuda_l2` says, its output is within the float16 forms' tolerance of the jnp reference (2e-5 of max|ref|: float32
+    sums in another order of exact products), and every config's output is the first's, bit for bit."""
+    from jaxk3.kernels import moe_experts as ME
+
+    cfg, w, z, wk, ids = case
+    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
+    first = None
+    for c in configs:
+        assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None, c
+        f = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c))
+        hlo = f.lower(w, z, wk, ids).as_text()
+        assert all((t in hlo) == present for t, present in targets(c).items()), (c, targets(c))
+        assert ("l2 = 1" in hlo) == bool(c.cuda_l2), c
+        got = np.asarray(f(w, z, wk, ids))
+        assert got.shape == ref.shape
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+        if first is None:
+            first = got
+        else:
+            np.testing.assert_array_equal(got, first)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["checkpoint", "joined"])
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_moe_experts_cuda_gate_up_on_gpu(layout, act):
     """The CUDA gate-up (kernel 1 at one token, MXFP4 marked f16) with the Pallas kernel 2, compiled, against the jnp
     reference (a tiny K3 layer widened to an input of 1536 and I 64: the kernel's tiling, 6 iterations a warp, so its
-    loads' refill and a partial last round run), w1 and w3 apart and joined,
-    SiTU and SiLU, in each of its forms (`cuda_raw`: the token converted in the kernel; `cuda_l2`: the loads' L2
-    hint; `cuda_wide`: the token read through L1), bitwise equal to each other.  Tolerance as the float16 form's: float32 sums in another order (tensor-core
-    accumulation) of exact products, then one bf16 rounding of the activations, 2e-5 of max|ref|; and the path ran
-    (its target is traced)."""
-    if jax.default_backend() == "cpu":
-        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
-    from jaxk3.kernels import moe_experts as ME
-    from jaxk3.kernels import mxfp4_cuda as CU
-
-    if CU.unavailable():  # as the gathers' GPU tests do without the extension's CUDA handlers
-        pytest.skip(f"{CU.unavailable()} (scripts/gpu_check.sh build)")
+    loads' refill and a partial last round run), w1 and w3 apart and joined, SiTU and SiLU, in each of its forms
+    (`cuda_raw`: the token converted in the kernel; `cuda_l2`: the loads' L2 hint; `cuda_wide`: the token read
+    through L1), bitwise equal to each other.  Tolerance as the float16 form's: float32 sums in another order
+    (tensor-core accumulation) of exact products, then one bf16 rounding of the activations, 2e-5 of max|ref|; and the
+    path ran (its target is traced)."""
+    ME, CU = _cuda_kernels_or_skip()
     cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, hidden_act=act)
     if layout == "joined":
         w = _joined(w)
-    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
-    first = None
+    # (raw, l2, wide): the kernel's forms.  The raw form's float16 copy is f16_scaled's, the wide form reads the same
+    # values from global memory, the hint changes none: the same bits
     forms = ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
-             (False, False, True), (False, True, True))  # (raw, l2, wide): the kernel's forms
-    for raw, l2, wide in forms:
-        c = ME.Config(cuda=True, cuda_raw=raw, cuda_l2=l2, cuda_wide=wide)
-        assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
-        f = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c))
-        hlo = f.lower(w, z, wk, ids).as_text()
-        assert CU.TARGET in hlo and ("l2 = 1" in hlo) == l2, (raw, l2, wide)
-        got = np.asarray(f(w, z, wk, ids))
-        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
-        if first is None:
-            first = got
-        else:  # the raw form's float16 copy is f16_scaled's, the wide form reads the same values from global memory,
-            np.testing.assert_array_equal(got, first)  # the hint changes none: the same bits
+             (False, False, True), (False, True, True))
+    _cuda_forms_agree((cfg, w, z, wk, ids), [ME.Config(cuda=True, cuda_raw=r, cuda_l2=l2, cuda_wide=wd)
+                                             for r, l2, wd in forms], lambda c: {CU.TARGET: True})
 
 
 @pytest.mark.gpu
@@ -2306,35 +2330,21 @@ def test_moe_experts_cuda_down_on_gpu(layout, k, parts):
     """Kernel 2 at one token in CUDA (`Config(cuda_down=True)`), after either kernel 1, compiled, against the jnp
     reference: an input of 1536 and I 768 (6 iterations a slot: the loads' refill and a partial last round); k = 10
     slots in 1 part (warps taking 3, 3, 2, 2 slots), 3 parts (4, 4, 2) and 4 (3, 3, 3, 1); k = 4 in 3 parts leaves
-    the last part empty (zeros); in its forms (`cuda_raw`, `cuda_l2`, `cuda_wide`), bitwise equal to each other.  Tolerance as the
-    float16 forms': 2e-5 of max|ref| (float32 sums in another order of exact products); and the path ran (its target
-    is in the lowered module)."""
-    if jax.default_backend() == "cpu":
-        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
-    from jaxk3.kernels import moe_experts as ME
-    from jaxk3.kernels import mxfp4_cuda as CU
-
-    if CU.unavailable(CU.DOWN_TARGET):  # as the gathers' GPU tests do without the extension's CUDA handlers
-        pytest.skip(f"{CU.unavailable(CU.DOWN_TARGET)} (scripts/gpu_check.sh build)")
+    the last part empty (zeros); in its forms (`cuda_raw`, `cuda_l2`, `cuda_wide`), bitwise equal to each other.
+    Tolerance as the float16 forms': 2e-5 of max|ref| (float32 sums in another order of exact products); and the path
+    ran (its target is in the lowered module)."""
+    ME, CU = _cuda_kernels_or_skip(gate_up=False, down=True)
     cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, moe_intermediate_size=768,
                                    num_experts_per_token=k)
     assert ids.shape == (1, k)
     if layout == "joined":
         w = _joined(w)
-    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
-    for cuda in (True, False):
-        first = None
-        for raw, l2, wide in ((False, False, False), (True, False, False), (True, True, False), (False, False, True)):
-            c = ME.Config(cuda=cuda, cuda_down=True, slot_splits=parts, cuda_raw=raw, cuda_l2=l2, cuda_wide=wide)
-            assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
-            f = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c))
-            assert CU.DOWN_TARGET in f.lower(w, z, wk, ids).as_text()
-            got = np.asarray(f(w, z, wk, ids))
-            np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
-            if first is None:
-                first = got
-            else:  # each slot's float16 copy made in the kernel is f16_scaled's: the same bits
-                np.testing.assert_array_equal(got, first)
+    for cuda in (True, False):  # each kernel 1; kernel 2's forms (each slot's float16 copy made in the kernel is
+        # f16_scaled's): the same bits
+        forms = ((False, False, False), (True, False, False), (True, True, False), (False, False, True))
+        _cuda_forms_agree((cfg, w, z, wk, ids),
+                          [ME.Config(cuda=cuda, cuda_down=True, slot_splits=parts, cuda_raw=r, cuda_l2=l2, cuda_wide=wd)
+                           for r, l2, wd in forms], lambda c: {CU.DOWN_TARGET: True})
 
 
 @pytest.mark.gpu
@@ -2347,31 +2357,12 @@ def test_moe_experts_cuda_wide_on_gpu(layout, B, parts):
     B zeros; the slots padded with -1, which both kernels skip), 10 choices a token of 16 experts in 1, 3, 4 slot
     parts, an input of 1536 and I 768 (6 iterations a warp), the L2 hint on and off (the same bits).  Tolerance as the
     float16 forms': 2e-5 of max|ref| (float32 sums in another order of exact products)."""
-    if jax.default_backend() == "cpu":
-        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
-    from jaxk3.kernels import moe_experts as ME
-    from jaxk3.kernels import mxfp4_cuda as CU
-
-    for target in (CU.TARGET, CU.DOWN_TARGET):
-        if CU.unavailable(target):
-            pytest.skip(f"{CU.unavailable(target)} (scripts/gpu_check.sh build)")
+    ME, CU = _cuda_kernels_or_skip(gate_up=True, down=True)
     cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B, routed_expert_hidden_size=1536, moe_intermediate_size=768,
                                    num_experts_per_token=10)
     if layout == "joined":
         w = _joined(w)
-    ref = np.asarray(ME.experts_partial(cfg, w, z, wk, ids))
     for cuda, cuda_down in ((True, False), (True, True), (False, True)):
-        first = None
-        for l2 in (False, True):
-            c = ME.Config(cuda=cuda, cuda_down=cuda_down, cuda_wide=True, cuda_l2=l2, slot_splits=parts)
-            assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
-            f = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c))
-            hlo = f.lower(w, z, wk, ids).as_text()
-            assert (CU.TARGET in hlo) == cuda and (CU.DOWN_TARGET in hlo) == cuda_down, (cuda, cuda_down)
-            got = np.asarray(f(w, z, wk, ids))
-            assert got.shape == ref.shape
-            np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
-            if first is None:
-                first = got
-            else:
-                np.testing.assert_array_equal(got, first)
+        _cuda_forms_agree((cfg, w, z, wk, ids),
+                          [ME.Config(cuda=cuda, cuda_down=cuda_down, cuda_wide=True, cuda_l2=l2, slot_splits=parts)
+                           for l2 in (False, True)], lambda c: {CU.TARGET: c.cuda, CU.DOWN_TARGET: c.cuda_down})

@@ -295,6 +295,11 @@ def shared_partial(cfg: KimiK3Config, s: SharedMLP, x_BD: jax.Array) -> jax.Arra
 # ---------------------------------------------------------------- the Pallas kernels
 
 
+def plan_slots(num_experts: int, B: int, k: int) -> int:
+    """`plan`'s slot count U for B tokens of k choices each: min(E, B·k) (k at one token)."""
+    return min(num_experts, B * k)
+
+
 def plan(ids_Bk: jax.Array, w_Bk: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """(uniq_U int32: the distinct selected experts, then -1 padding; coef_UB fp32: token b's routing
     weight for expert uniq[u], 0 where b did not choose it), U = min(E, B·k).  At B = 1 the k choices
@@ -302,7 +307,7 @@ def plan(ids_Bk: jax.Array, w_Bk: jax.Array, num_experts: int) -> tuple[jax.Arra
     B, k = ids_Bk.shape
     if B == 1:
         return ids_Bk[0].astype(jnp.int32), w_Bk.T.astype(F32)
-    U = min(num_experts, B * k)
+    U = plan_slots(num_experts, B, k)
     uniq = jnp.unique(ids_Bk.reshape(-1), size=U, fill_value=-1).astype(jnp.int32)
     hit = ids_Bk[None, :, :] == uniq[:, None, None]  # [U, B, k]
     coef = jnp.sum(jnp.where(hit, w_Bk[None].astype(F32), 0.0), axis=-1)
@@ -809,9 +814,10 @@ def _cuda_problem(cf: Config, w, z_BL: jax.Array, shared, routed: bool = False, 
         return "the CUDA kernels take neither the shared experts nor the router's logits"
     if cf.f16 and B == 1:  # (`f16` at one token: the float16 dot form over 8 padded rows, kept in Pallas)
         return "the CUDA kernels replace the one-token element-wise form, not Config.f16's dot over padded rows"
-    if wide and B > 1 and _rows_padded(w, z_BL, cf) > CU.MAX_TOKENS:  # (the Pallas kernels' rows between them)
+    Bp = _rows_padded(w, z_BL, cf) if wide and B > 1 else 1  # (the Pallas kernels' rows between them)
+    if Bp > CU.MAX_TOKENS:
         return (f"the wide CUDA kernels write at most {CU.MAX_TOKENS} token rows, and this config pads the tokens to "
-                f"{_rows_padded(w, z_BL, cf)} (Config.f16 with swap, the default at B > 1, pads them to 8)")
+                f"{Bp} (Config.f16 with swap, the default at B > 1, pads them to 8)")
     if down:
         return CU.down_problem(down[0], I, Out, down[1], wide) or CU.unavailable(CU.DOWN_TARGET)
     return CU.shape_problem(I, In) or CU.unavailable(CU.TARGET)
@@ -985,14 +991,13 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     if (not interpret and _cuda_wanted(cf)
             and _cuda_problem(cf, w, z_BL, shared, route is not None) is None):  # kernel 1 in CUDA
         form, l2 = _cuda_form(cf)
-        if form == "wide":  # the B tokens' float16 rows; the output padded to the Bp rows a Pallas kernel 2 reads
-            x, xinv = f16_scaled(z_BL.astype(dt))
-            xinv = xinv[:, 0]
-        elif form == "raw":  # the bf16 token as it is: the kernel makes its float16 copy
+        # raw: the bf16 token as it is (the kernel makes its float16 copy); else the tokens' float16 rows, each times
+        # its own 2^k: wide, all B of them (the output padded to the Bp rows a Pallas kernel 2 reads), else the one
+        if form == "raw":
             x, xinv = zp[0], None
         else:
-            x16, xinv = f16_scaled(zp)
-            x = x16[0]
+            x, xinv = f16_scaled(z_BL.astype(dt))
+            x = x if form == "wide" else x[0]
         gate = w.experts_w13 if joined else w.experts_w1
         a, sel = CU.gate_up(sel_up[0], x, xinv, gate, gate if joined else w.experts_w3, I if joined else 0, I,
                             cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta, l2=l2,
@@ -1014,14 +1019,9 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
         _, coef = sel_down if route is None else sel
         ids = sel_up[0]  # (B > 1: -1 for the padding slots, which the kernel skips; `read` re-reads an expert)
         form, l2 = _cuda_form(cf)
-        if form == "wide":  # each slot's Bp rows (past B: zeros, coef 0), each row times its own 2^k
-            a_U, ainv = f16_scaled(a)
-            ainv, c = ainv[..., 0], coef
-        elif form == "raw":  # each slot's bf16 activations as they are: the kernel scales each slot
-            a_U, ainv, c = a[:, 0, :], None, coef[0]
-        else:
-            a_U, ainv = f16_scaled(a[:, 0, :])
-            ainv, c = ainv[:, 0], coef[0]
+        wide = form == "wide"  # each slot's Bp rows (past B: zeros, coef 0) with the tokens' coefficients [Bp, U]
+        a_U, c = (a, coef) if wide else (a[:, 0, :], coef[0])
+        a_U, ainv = (a_U, None) if form == "raw" else f16_scaled(a_U)  # raw: the kernel scales each slot itself
         y = CU.down(ids, c, a_U, ainv, w.experts_w2, G, l2=l2)
         return (y[0] if G == 1 else jnp.sum(y, axis=0))[:B]
     if f16:
@@ -1112,8 +1112,7 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
         if why:
             return f"moe_experts kernel: cuda: {why}"
     if cf.cuda_down and z_BL.ndim == 2:
-        k = ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token
-        U = k if B == 1 else min(_dims(w)[0], B * k)  # (`plan`'s slots)
+        U = plan_slots(_dims(w)[0], B, ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token)
         why = _cuda_problem(cf, w, z_BL, shared, down=(U, _slot_splits(cf, Out, I, B == 1)))
         if why:
             return f"moe_experts kernel: cuda_down: {why}"

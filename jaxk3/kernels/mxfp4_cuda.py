@@ -51,23 +51,22 @@ def _register(target: str) -> str | None:
     cannot run, or None."""
     with _lock:
         if not _found:
+            why, caps = None, {}
             try:
                 from jaxk3 import _ffi  # type: ignore[attr-defined]
             except Exception as e:  # ImportError, or an ABI problem
                 why = f"the jaxk3._ffi extension failed to import ({type(e).__name__}: {e})"
-                _found.append({t: why for t in (TARGET, DOWN_TARGET)})
             else:
                 caps = dict(_ffi.cuda_kernels()) if hasattr(_ffi, "cuda_kernels") else {}
                 abi = getattr(_ffi, "cuda_kernels_abi", 1)
                 if caps and abi != ABI:  # a build from before (or after) a change to a kernel's operands
                     why = (f"the extension's CUDA kernels take calling convention {abi}, this code calls {ABI} (an "
                            f"extension built from another version)")
-                    _found.append({t: why for t in (TARGET, DOWN_TARGET)})
-                    return _found[0][target]
+            if why is None:
                 for name, cap in caps.items():
                     jax.ffi.register_ffi_target(name, cap, platform="CUDA")
-                _found.append({t: None if t in caps else "the extension was built without it (no CUDA, or older)"
-                               for t in (TARGET, DOWN_TARGET)})
+            _found.append({t: why or (None if t in caps else "the extension was built without it (no CUDA, or older)")
+                           for t in (TARGET, DOWN_TARGET)})
         return _found[0][target]
 
 
@@ -107,8 +106,9 @@ def _x_in(x, inv, lead: int) -> tuple[jax.Array, jax.Array]:
 def gate_up(ids_U: jax.Array, x: jax.Array, xinv: jax.Array | None, gate, up, up_off: int, I: int, act: str,
             beta: float, linear_beta: float, l2: bool = False, rows: int | None = None) -> jax.Array:
     """a [U, 1, I] bf16 for one token (the wide form: [U, rows, I] for up to 8): `gate` and `up` the MXFP4 stacks
-    (`moe_experts.MXFP4`: packed [E, R, In/2], scale [E, R, In/32]) holding the gate rows [0, I) and the up rows [up_off, up_off + I) (the serving layout's
-    join: the same stack twice, up_off = I); x the bf16 token [In] as it is with xinv None (the kernel makes its
+    (`moe_experts.MXFP4`: packed [E, R, In/2], scale [E, R, In/32]) holding the gate rows [0, I) and the up rows
+    [up_off, up_off + I) (the serving layout's join: the same stack twice, up_off = I); x the bf16 token [In] as it is
+    with xinv None (the kernel makes its
     float16 copy), or in float16 times 2^k with xinv = 2^-k (its order as it is: permuted here).  x [nb, In] (1 to 8
     tokens, float16, xinv [nb]: the wide form, each lane g reading token g's row): a [U, rows, I] (rows >= nb, the
     rows past nb zeros).  `l2`: the weight loads with L2's 256-byte prefetch size."""
@@ -118,12 +118,14 @@ def gate_up(ids_U: jax.Array, x: jax.Array, xinv: jax.Array | None, gate, up, up
         raise ValueError(why)
     if act not in ACTS:
         raise ValueError(f"{TARGET}: activation {act!r} is not one of {sorted(ACTS)}")
-    nb = x.shape[0] if x.ndim == 2 else 1
-    if x.ndim == 2 and (xinv is None or not 1 <= nb <= MAX_TOKENS or (rows or nb) < nb or (rows or nb) > MAX_TOKENS):
+    wide = x.ndim == 2
+    nb = x.shape[0] if wide else 1
+    R = (rows or nb) if wide else 1  # the output's rows
+    if wide and (xinv is None or not 1 <= nb <= R <= MAX_TOKENS):
         raise ValueError(f"{TARGET}: the wide form takes 1 to {MAX_TOKENS} float16 tokens with their 2^-k and at most "
                          f"{MAX_TOKENS} output rows, got x {x.shape}, rows {rows}")
     xs, inv = _x_in(x, xinv, nb)
-    out = jax.ShapeDtypeStruct((U, (rows or nb) if x.ndim == 2 else 1, I), jnp.bfloat16)
+    out = jax.ShapeDtypeStruct((U, R, I), jnp.bfloat16)
     return jax.ffi.ffi_call(TARGET, out)(
         ids_U.astype(jnp.int32), xs, inv, gate.packed, gate.scale, up.packed, up.scale, up_off=np.int64(up_off),
         act=np.int64(ACTS[act]), beta=np.float32(beta), linear_beta=np.float32(linear_beta), l2=np.int64(bool(l2)))

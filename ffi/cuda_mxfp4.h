@@ -65,6 +65,16 @@ struct Tile {
 // token 0's from shared memory, and the weight loads do not allocate in L1 (L1::no_allocate) so the tokens stay.
 constexpr int kL2 = 1, kWide = 2;
 
+// Where a kernel's input (the gate-up kernel's token, the down kernel's slots' activations) comes from, in float16
+// times 2^k in the lanes' order: kIn16, XLA made it (copied to shared memory); kInRaw, bf16 as it is, made float16 by
+// the CTA in shared memory; kInWide, up to kMaxTokens tokens' rows XLA made, lane g reading token g's from global
+// memory through L1 (nothing in shared memory).
+constexpr int kIn16 = 0, kInRaw = 1, kInWide = 2;
+constexpr int kMaxTokens = 8;  // kInWide: the mma's N
+
+// The load flags of an instance <input form, L2 hint>.
+__host__ __device__ constexpr int LoadFlags(int in, bool hint_l2) { return (hint_l2 ? kL2 : 0) | (in == kInWide ? kWide : 0); }
+
 #define JAXK3_MXFP4_LD(q, t) "ld.global.nc" q "." t
 template <int kFlags>
 __device__ __forceinline__ uint4 Load16(const uint8_t* a) {
@@ -145,7 +155,7 @@ __device__ __forceinline__ void Multiply(float (&d)[4], const Tile& T, const uin
 
 // The wide form's D of one warp as [row][token] in shared memory (its 16 rows x 8 tokens): lane (g, t) holds rows g,
 // g + 8 of tokens 2t, 2t + 1 (PTX's f32 accumulator layout of m16n8).
-__device__ __forceinline__ void TokensToShared(float (&red)[16][8], int lane, const float (&d)[4]) {
+__device__ __forceinline__ void TokensToShared(float (&red)[16][kMaxTokens], int lane, const float (&d)[4]) {
   const int g = lane / 4, t = lane % 4;
   red[g][2 * t] = d[0];
   red[g][2 * t + 1] = d[1];

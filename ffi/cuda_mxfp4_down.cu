@@ -23,6 +23,10 @@ namespace jaxk3 {
 namespace {
 
 using mxfp4::kChunk;
+using mxfp4::kIn16;
+using mxfp4::kInRaw;
+using mxfp4::kInWide;
+using mxfp4::kMaxTokens;
 using mxfp4::Prefetch;
 using mxfp4::Stream;
 using mxfp4::Tile;
@@ -31,12 +35,6 @@ constexpr int kRows = 16;           // output rows per CTA: one m16 tile
 constexpr int kWarps = 4;           // slots of the part in turn
 constexpr int kDepth = 4;           // iterations' loads in flight per lane (as the gate-up kernel)
 constexpr int kMaxSmem = 47 * 1024; // the part's activations (per x I x 2 bytes) beside `red`: under 48 KB
-constexpr int kMaxTokens = 8;       // kInWide: the mma's N
-
-// Where each slot's float16 activations in the lanes' order come from (as the gate-up kernel's token): kIn16, XLA made
-// them (copied to shared memory); kInRaw, bf16 as they are, scaled by the CTA in shared memory; kInWide, up to 8
-// tokens' rows XLA made, lane g reading token g's from global memory through L1.
-constexpr int kIn16 = 0, kInRaw = 1, kInWide = 2;
 
 struct Params {
   const int* ids;        // [U] the slots' experts (< 0 or >= E: the slot adds nothing)
@@ -84,7 +82,7 @@ __device__ __forceinline__ void ScaleSlots(uint4* as, float* sinv, int slots, in
 // The wide form's four token columns of sums need 96 (at 80 it spilled 84 bytes): 5.
 template <int kIn, bool kHintL2>
 __global__ void __launch_bounds__(kWarps * 32, kIn == kInWide ? 5 : 6) DownKernel(Params p) {
-  constexpr int kFlags = (kHintL2 ? mxfp4::kL2 : 0) | (kIn == kInWide ? mxfp4::kWide : 0);
+  constexpr int kFlags = mxfp4::LoadFlags(kIn, kHintL2);
   extern __shared__ uint4 as[];  // the part's slots' activations, [per, I / 8]; kInRaw: then each slot's 2^-k, [per]
   const int part = blockIdx.y, o0 = blockIdx.x * kRows;
   const int first_slot = part * p.per, slots = min(p.per, p.U - first_slot);  // <= 0: an empty part, zeros

@@ -32,6 +32,10 @@ namespace jaxk3 {
 namespace {
 
 using mxfp4::kChunk;
+using mxfp4::kIn16;
+using mxfp4::kInRaw;
+using mxfp4::kInWide;
+using mxfp4::kMaxTokens;
 using mxfp4::Prefetch;
 using mxfp4::Stream;
 using mxfp4::Tile;
@@ -40,12 +44,6 @@ constexpr int kRows = 16;     // rows of I per CTA: one m16 tile of gate rows an
 constexpr int kWarps = 4;     // (gate, up) x (first, second half of the input)
 constexpr int kDepth = 4;     // iterations' loads in flight per lane (79 registers: 6 CTAs an SM; docs/PERF.md)
 constexpr int kMaxIn = 16384; // the token in shared memory: In x 2 bytes (32 KB at most)
-constexpr int kMaxTokens = 8; // kInWide: the mma's N
-
-// Where the token's float16 copy in the lanes' order comes from: kIn16, XLA made it (copied to shared memory);
-// kInRaw, the bf16 token as it is, made by the CTA in shared memory; kInWide, up to 8 tokens XLA made, each lane g
-// reading token g's row from global memory through L1 (nothing in shared memory).
-constexpr int kIn16 = 0, kInRaw = 1, kInWide = 2;
 
 struct Params {
   const int* ids;               // [U] the slots' experts (< 0 or >= E: the slot's outputs are zeros)
@@ -103,7 +101,7 @@ __device__ __forceinline__ float TokenToShared(const Params& p, uint4* xs) {
 // 5 CTAs); the others unbounded (0: as measured, 79 registers; a bound of 1 gave 83).
 template <int kIn, bool kHintL2>
 __global__ void __launch_bounds__(kWarps * 32, kIn == kInWide ? 6 : 0) GateUpKernel(Params p) {
-  constexpr int kFlags = (kHintL2 ? mxfp4::kL2 : 0) | (kIn == kInWide ? mxfp4::kWide : 0);
+  constexpr int kFlags = mxfp4::LoadFlags(kIn, kHintL2);
   extern __shared__ uint4 xs[];  // the token's In / 8 permuted float16 octets, read by lanes 0-3 of every warp
   __shared__ float red[kWarps][kRows];
   const int u = blockIdx.y, i0 = blockIdx.x * kRows;

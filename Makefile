@@ -3,6 +3,9 @@
 #   make test   the test suite (8 fake CPU devices)
 #   make bench  jaxk3 bench gather on 8 CPU devices, JSON in out/
 #   make build  rebuild the C++/CUDA extension after editing ffi/
+#   make aot    .venv-aot: jax $(AOT_JAX) with its CUDA plugin, to compile for an H200 without one
+#               (jaxk3/tools/aot.py: `jaxk3 bench decode --census --target h200`)
+#   make aot-test  the deviceless compile tests (tests/test_aot.py) in .venv-aot
 # Variables: PY (interpreter for the venv), VENV (its folder), ORACLES=1|0 (torch, transformers
 # and fla-core for the reference tests; 0 skips those tests with their reason), JAXK3_CUDA
 # (AUTO|ON|OFF: build the CUDA handlers when nvcc is found / require it / never), PYTEST_ARGS (more
@@ -15,13 +18,21 @@ ORACLES ?= 1
 JAX_SPEC ?= jax
 JAXK3_CUDA ?= AUTO
 TEST_WORKERS ?= 2
+# The deviceless compile's environment: the device image's jax (docs/ARCHITECTURE.md "Versions") with the CUDA
+# plugin alone (no CUDA libraries: nothing runs), on Python 3.12 (PyPI has no jax 0.11 for this machine's 3.11),
+# its extension built apart from .venv312's (build/aot-*).
+AOT_JAX ?= 0.11.2
+AOT_PY ?= env PYENV_VERSION=3.12.1 python3.12
+AOT_VENV ?= .venv-aot
+SKB_ARGS ?=
 export JAXK3_CUDA
 PYBIN := $(VENV)/bin/python
 STAMP := $(VENV)/.jaxk3-installed
 TORCH_WHEEL := $(wildcard /opt/wheels/torch-2.13.0+cpu-cp311-*.whl)
 PIP := $(PYBIN) -m pip install -q --disable-pip-version-check
+EXTRA_SPECS ?=
 
-.PHONY: demo test bench build venv clean
+.PHONY: demo test bench build venv clean aot aot-test
 
 venv: $(STAMP)
 
@@ -29,7 +40,7 @@ $(VENV)/bin/python:
 	$(PY) -m venv $(VENV)
 
 $(VENV)/.deps: $(VENV)/bin/python pyproject.toml
-	$(PIP) "$(JAX_SPEC)" numpy ml_dtypes "scikit-build-core>=0.10" "nanobind>=2.4" cmake "pytest>=8" "pytest-xdist>=3.5" safetensors matplotlib tqdm tiktoken absl-py
+	$(PIP) "$(JAX_SPEC)" $(EXTRA_SPECS) numpy ml_dtypes "scikit-build-core>=0.10" "nanobind>=2.4" cmake "pytest>=8" "pytest-xdist>=3.5" safetensors matplotlib tqdm tiktoken absl-py
 ifeq ($(ORACLES),1)
 	@# torch: the CPU build that lies on local disk (Python 3.11); else PyPI's CPU index is not
 	@# reachable here, so the oracle tests need ORACLES=0 on other Pythons.
@@ -41,11 +52,11 @@ endif
 	touch $@
 
 $(STAMP): $(VENV)/.deps CMakeLists.txt $(wildcard ffi/*)
-	$(PIP) --no-build-isolation --no-deps -e .
+	$(PIP) --no-build-isolation --no-deps $(SKB_ARGS) -e .
 	touch $@
 
 build:
-	$(PIP) --no-build-isolation --no-deps -e .
+	$(PIP) --no-build-isolation --no-deps $(SKB_ARGS) -e .
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -58,5 +69,14 @@ bench: $(STAMP)
 	mkdir -p out
 	$(VENV)/bin/jaxk3 bench gather --cpu-devices 8 --json out/bench_gather_cpu8.json
 
+AOT_MAKE = PY="$(AOT_PY)" VENV=$(AOT_VENV) ORACLES=0 JAX_SPEC="jax==$(AOT_JAX)" \
+	EXTRA_SPECS="jax-cuda13-plugin==$(AOT_JAX)" SKB_ARGS="-C build-dir=build/aot-{wheel_tag}"
+
+aot:
+	$(MAKE) venv $(AOT_MAKE)
+
+aot-test: aot
+	$(AOT_VENV)/bin/python -m pytest -q -rs --disable-warnings tests/test_aot.py $(PYTEST_ARGS)
+
 clean:
-	rm -rf build .venv .venv312 out
+	rm -rf build .venv .venv312 $(AOT_VENV) out

@@ -132,6 +132,13 @@ def abstract_mesh_platform() -> str | None:
     return getattr(device, "platform", None)
 
 
+def device_platform() -> str:
+    """The platform of the devices the code being traced will run on: the abstract mesh's in context (a shard_map
+    body, whose mesh may hold devices of another kind than this process's default: a step compiled for a GPU target on
+    a host without one, `jaxk3 bench decode --census --target`), else the default device's."""
+    return abstract_mesh_platform() or jax.devices()[0].platform
+
+
 def lowering_mesh(ctx):
     """(mesh, manual axes) of the shard_map a lowering rule runs in, or (None, None).  The mesh
     is concrete when shard_map was given one (or one was set with jax.set_mesh)."""

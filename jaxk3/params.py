@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxk3.sharding import COL, LATENT, LATENT_ROW, REP, ROW, TP  # noqa: F401  (re-exported for the block files)
@@ -158,8 +159,6 @@ def random_on_devices(tree, mesh, dtype, hidden: int, shard_latent: bool = True,
     """Random weights generated on the devices in their final sharding (no host copy: real sizes).
     The generator is the "unsafe_rbg" PRNG (the device's own bits generator: many times faster than
     threefry at the ~100 GB of a real-size model; statistical quality is not the point of bench weights)."""
-    from jax.sharding import NamedSharding
-
     root = jax.random.key(seed, impl="unsafe_rbg")
 
     def make(p: Param):
@@ -169,6 +168,14 @@ def random_on_devices(tree, mesh, dtype, hidden: int, shard_latent: bool = True,
             jax.random.fold_in(root, zlib.crc32(p.name.encode()) & 0x7FFFFFFF))
 
     return jax.tree.map(make, tree, is_leaf=is_param)
+
+
+def abstract_on(tree, mesh, dtype, shard_latent: bool = True):
+    """`random_on_devices`' arrays as jax.ShapeDtypeStructs (shape, dtype, NamedSharding): the arguments of a
+    compile for devices this process does not drive (`jaxk3.tools.aot`)."""
+    return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.np_dtype(dtype),
+                                                       sharding=NamedSharding(mesh, p.pspec(shard_latent))),
+                        tree, is_leaf=is_param)
 
 
 @functools.lru_cache(maxsize=None)
@@ -377,6 +384,26 @@ def serve_arrays(weights, mesh, donate: bool = False):
             for a in arrays:
                 a.delete()
         return out
+
+    return serve(weights, _fieldwise(join))
+
+
+def serve_abstract(weights):
+    """`serve_arrays` on abstract weights (jax.ShapeDtypeStruct leaves with a NamedSharding, as a compile for
+    another machine takes them: `jaxk3.tools.aot`): each Fuse's joined shape and sharding, nothing computed.  A
+    rank's joined slice is its members' local slices joined (`_join_local`), and the global shape that slice
+    times the TP size along the joined spec's sharded dimension."""
+    def join(fz: Fuse, members: list):
+        specs = [_spec_of(m) for m in members]
+        spec, mesh = served_spec(fz, specs), members[0].sharding.mesh
+        local = [m.sharding.shard_shape(m.shape) for m in members]
+        if fz.how == "rows":
+            shape = list(local[0])
+            shape[fz.axis] = sum(l[fz.axis] for l in local)
+        else:
+            shape = [len(local), *local[0]]
+        shape = [d * (mesh.shape[TP] if i < len(spec) and spec[i] == TP else 1) for i, d in enumerate(shape)]
+        return jax.ShapeDtypeStruct(tuple(shape), members[0].dtype, sharding=NamedSharding(mesh, spec))
 
     return serve(weights, _fieldwise(join))
 

@@ -706,3 +706,26 @@ def test_init_checkpoint_mxfp4_needs_experts_and_group_widths(tmp_path, capsys):
     rc, _, err = run_cli(["init-checkpoint", "--config", str(odd), str(tmp_path / "b"), "--mxfp4"], capsys)
     assert rc == 2
     one_error_line(err, "experts_format: 'mxfp4': moe_intermediate_size = 48 is not a multiple of the MXFP4 group 32")
+
+
+def test_bench_decode_target_needs_census(capsys):
+    rc, _, err = run_cli(["bench", "decode", "--target", "h200", "--config", "tiny"], capsys)
+    assert rc == 2
+    assert "--target: only with --census" in one_error_line(err, "--target")
+
+
+def test_bench_decode_target_without_the_cuda_plugin_says_how(capsys):
+    """Without jax's CUDA plugin (this suite's venvs) `--census --target h200` fails with one line that names the
+    missing plugin and `make aot`, before compiling anything."""
+    from jaxk3.tools import aot
+
+    try:
+        aot.target_mesh("h200", 1)
+        pytest.skip("this jax can compile for the H200 (its CUDA plugin is here): tests/test_aot.py covers it")
+    except aot.TargetUnavailable:
+        pass
+    rc, _, err = run_cli(["bench", "decode", "--census", "--target", "h200", "--config", "tiny", "--tp", "1",
+                          "--batch", "1", "--context", "1k"], capsys)
+    assert rc == 2
+    line = one_error_line(err, "target h200")
+    assert "CUDA plugin" in line and "make aot" in line, line

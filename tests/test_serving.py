@@ -76,6 +76,31 @@ def test_each_ranks_block_is_its_member_slices(tp):
         jax.tree.structure(jax.tree.map(lambda x: x.sharding.spec, b.weights))
 
 
+@pytest.mark.parametrize("mode, tp, shard_latent", [("kl", 4, True), ("k3", 2, False), ("k3", 8, True)])
+def test_serve_abstract_is_the_placed_serving_layout(mode, tp, shard_latent):
+    """params.serve_abstract (the arguments of a compile for another machine, jaxk3.tools.aot) gives every
+    served array's global shape, dtype and sharding as serve_arrays places them, replicated members included."""
+    cfg = tiny_k3_4l() if mode == "k3" else tiny_kimi_linear_4l()
+    m = jaxk3.init_random_model(cfg, layout="serving", tp=tp, dtype="float32", shard_latent=shard_latent)
+    abstract = params.serve_abstract(params.abstract_on(params_tree(cfg, tp), m.mesh, np.float32, shard_latent))
+    def spec(a):  # trailing unsplit dimensions spelled or not: the same sharding
+        s = list(a.sharding.spec)
+        while s and s[-1] is None:
+            s.pop()
+        return tuple(s)
+
+    want = [(a.shape, a.dtype, spec(a)) for a in jax.tree.leaves(m.weights)]
+    got = [(a.shape, a.dtype, spec(a)) for a in jax.tree.leaves(abstract)]
+    assert got == want
+    assert any(len(s) and s[0] is not None for _, _, s in got)  # some joined weights are split over tp
+
+
+def params_tree(cfg, tp):
+    from jaxk3.model import abstract_weights
+
+    return abstract_weights(cfg, tp)
+
+
 def test_layout_choice_and_errors():
     assert resolve_layout("auto", "cpu") is False and resolve_layout("auto", "gpu") is True
     assert resolve_layout("serving", "cpu") and not resolve_layout("checkpoint", "gpu")

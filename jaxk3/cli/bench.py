@@ -78,6 +78,10 @@ def add_parser(sub) -> None:
     d.add_argument("--census", action="store_true",
                    help="instead of latencies: kernels per block (embed, each layer's attention and ffn, head) by "
                    "kind from the compiled step's HLO, and device time per block from a profile of --steps steps")
+    d.add_argument("--target", default=None, choices=["h200"],
+                   help="with --census: compile each step for --tp devices of this kind, which this machine need not "
+                   "have (XLA's deviceless compile; needs jax's CUDA plugin: `make aot`), and census its kernels; no "
+                   "times. A kernel that does not fit the device fails here as it would there")
     d.add_argument("--json", dest="json_path", default=None, help="write the full result to this JSON file")
     d.add_argument("--plot", default=None, help="write a PNG of latency per strategy and batch (matplotlib)")
     cpu_devices_arg(d)
@@ -132,6 +136,10 @@ def check_args(args) -> str | None:
     if args.bench_cmd == "decode":
         if args.census and args.plot:
             return "--plot: not with --census (the census is a table; --json keeps it)"
+        if args.target and not args.census:
+            return "--target: only with --census (a step compiled for a device this machine lacks cannot be timed)"
+        if args.target and args.coordinator:
+            return "--target: compiles in one process; not with --coordinator"
         if args.hlo_dir is not None and os.path.exists(args.hlo_dir) and not os.path.isdir(args.hlo_dir):
             return f"--hlo-dir {args.hlo_dir}: exists and is not a directory"
     return None
@@ -164,8 +172,13 @@ def decode(args) -> int:
 
     from jaxk3 import distributed
     from jaxk3.kernels import KernelUnavailableError
+    from jaxk3.tools.aot import TargetUnavailable
 
     cmd = "jaxk3 bench decode"
+    if args.target:
+        from jaxk3.tools import aot
+
+        aot.prepare()  # before jax starts its backends
     try:
         distributed.initialize_from_args(args)
     except ValueError as e:
@@ -189,11 +202,12 @@ def decode(args) -> int:
     if args.census:
         try:
             result = bd.census_decode(config=args.config, layers=layers, experts=experts,
-                                      tp=args.tp or jax.local_device_count(), batches=args.batch,
+                                      tp=args.tp or (1 if args.target else jax.local_device_count()),
+                                      batches=args.batch,
                                       contexts=args.context, dtype=args.dtype, steps=args.steps,
                                       strategies=strategies, hlo_dir=args.hlo_dir, progress=progress,
-                                      copy_bytes=args.copy_mb << 20)
-        except (ValueError, OSError, KernelUnavailableError) as e:
+                                      copy_bytes=args.copy_mb << 20, target=args.target)
+        except (ValueError, OSError, KernelUnavailableError, TargetUnavailable) as e:
             return fail(cmd, e)
         if jax.process_index() != 0:
             return 0

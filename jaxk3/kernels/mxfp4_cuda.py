@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxk3 import _compat
+
 ABI = 2  # the calling convention these wrappers use: ffi/targets.h's JAXK3_CUDA_KERNELS_ABI (the extension reports it)
 TARGET = "jaxk3_mxfp4_gate_up"
 DOWN_TARGET = "jaxk3_mxfp4_down"
@@ -71,8 +73,8 @@ def _register(target: str) -> str | None:
 
 
 def unavailable(target: str = TARGET) -> str | None:
-    """Why CUDA kernel `target` (TARGET, DOWN_TARGET) cannot run on this process's default device (None: it can)."""
-    platform = jax.devices()[0].platform
+    """Why CUDA kernel `target` (TARGET, DOWN_TARGET) cannot run on the traced step's devices (None: it can)."""
+    platform = _compat.device_platform()
     if platform != "gpu":
         return f"{target} is a CUDA kernel, the device is {platform!r}"
     why = _register(target)

@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 import jax
 
+from jaxk3 import _compat
+
 MODES = ("auto", "off", "on")
 
 
@@ -60,7 +62,7 @@ def register(kernel: Kernel) -> Kernel:
 
 
 def _platform() -> str:
-    return jax.devices()[0].platform
+    return _compat.device_platform()
 
 
 def explain(name: str, *args, mode: str = "auto", platform: str | None = None, **kwargs) -> str:

@@ -56,9 +56,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxk3 import checkpoint, collectives, params
-from jaxk3.tools import census
+from jaxk3.tools import aot, census
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels import kda_decode
+from jaxk3.kernels.moe_experts import F16_SCALES, with_f16
 from jaxk3.layers.kda import KDACache
 from jaxk3.model import (Cache, StepOptions, Weights, abstract_weights, build_step, cache_abstract, dp_axis,
                          put_batch, resolve_layout, serve_weights, to_host)
@@ -334,13 +335,17 @@ class DecodeRow:
     rerun_equal: bool | None = None
 
 
-def _setup(config: str, layers: str | None, experts: int | None, tp: int, batches, strategies):
-    """(full config, first, last, slice config, mesh) of a bench run; ValueError for a bad option."""
+def _setup(config: str, layers: str | None, experts: int | None, tp: int, batches, strategies,
+           target: str | None = None):
+    """(full config, first, last, slice config, mesh) of a bench run; ValueError for a bad option.  `target`: the
+    mesh is `tp` described devices of that kind (jaxk3.tools.aot), compiled for and never run."""
     full = load_config(config)
     first, last = parse_layers(layers, full)
     cfg = slice_config(full, first, last, experts)
     devs = jax.devices()
-    if jax.process_count() > 1:
+    if target is not None:
+        mesh = aot.target_mesh(target, tp)
+    elif jax.process_count() > 1:
         # jax.distributed: TP over each process's devices, the batch split over dp (processes).
         from jaxk3 import distributed
 
@@ -401,16 +406,58 @@ class _Weights:
         return self.made[key]
 
 
+class _AbstractWeights(_Weights):
+    """`_Weights` as jax.ShapeDtypeStructs on a target mesh (`jaxk3.tools.aot`): the same shapes, dtypes and
+    shardings, the MXFP4 stacks marked as the loader marks the random ones (`random_scales_f16`)."""
+
+    def step_weights(self, s: Strategy) -> Weights:
+        w = self.get(s)
+        return params.serve_abstract(w) if self.serving(s) else w
+
+    def get(self, s: Strategy) -> Weights:
+        key = (s.experts, s.shard_latent)
+        if key not in self.made:
+            self.f16[s.experts] = s.experts == "mxfp4" and random_scales_f16()
+            cfg = self.config(s)
+            w = params.abstract_on(abstract_weights(cfg, self.mesh.shape[TP]), self.mesh, self.dtype, s.shard_latent)
+            self.made[key] = with_f16(w, cfg.experts_f16) if s.experts == "mxfp4" else w
+        return self.made[key]
+
+
+def random_scales_f16() -> bool:
+    """Whether `random_weights`' MXFP4 scale bytes (params.E8M0_RANGE, the upper bound excluded) all lie in the
+    float16-exact range, so that `checkpoint.mark_experts_f16` marks its stacks."""
+    lo, hi = params.E8M0_RANGE["e8m0"]
+    return F16_SCALES[0] <= lo and hi - 1 <= F16_SCALES[1]
+
+
+def abstract_cache(cfg: KimiK3Config, mesh, dtype, batch: int, context: int) -> Cache:
+    """`random_cache`'s arrays as jax.ShapeDtypeStructs on `mesh`."""
+    abstract = cache_abstract(cfg, batch, context)
+    specs = params.buffer_specs(abstract, dp_axis(mesh))
+
+    def one(b: params.Buffer, spec):
+        return jax.ShapeDtypeStruct(b.shape, b.np_dtype(dtype), sharding=NamedSharding(mesh, spec))
+
+    return jax.tree.map(one, abstract, specs, is_leaf=params.is_buffer)
+
+
 def _case(cfg: KimiK3Config, made: _Weights, mesh, dtype, first: int, batch: int, context: int, s: Strategy,
           announce) -> tuple:
     """One (batch, context, strategy) of a run: (the gather impl and its paths, the strategy's weights,
     its jitted step, a random cache, the first token ids, the valid mask).  `announce(gather)` is
-    called once the gather impl is known, before any weights or cache are made."""
+    called once the gather impl is known, before any weights or cache are made.  With `_AbstractWeights`
+    (a target mesh) the weights, cache, ids and mask are jax.ShapeDtypeStructs, to lower and compile only."""
     g, paths = _strategy_gather(cfg, mesh, batch, s.gather, s.shard_latent)
     announce(g)
     weights = made.step_weights(s)
     step = build_step(made.config(s), StepOptions(gather=g, shard_latent=s.shard_latent, layer_offset=first,
                                                   kernels=s.kernels, serving=made.serving(s)), mesh)
+    if isinstance(made, _AbstractWeights):
+        row = NamedSharding(mesh, P(dp_axis(mesh)))
+        return (g, paths, weights, step, abstract_cache(cfg, mesh, dtype, batch, context),
+                jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=row), jax.ShapeDtypeStruct((batch,), jnp.bool_,
+                                                                                           sharding=row))
     cache = random_cache(cfg, mesh, dtype, batch, context)
     ids = put_batch(np.arange(batch, dtype=np.int32) % cfg.vocab_size, mesh)
     valid = put_batch(np.ones((batch,), bool), mesh)
@@ -599,7 +646,7 @@ def _profile(compiled, weights, cache, ids, valid, steps: int, kc: dict) -> tupl
 def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int | None = 32, tp: int = 2,
                   batches=(1,), contexts=(4096,), dtype: str = "bfloat16", steps: int = 10,
                   strategies=STRATEGIES, hlo_dir: str | None = None, profile: bool = True, progress=None,
-                  copy_bytes: int = 1 << 30) -> dict:
+                  copy_bytes: int = 1 << 30, target: str | None = None) -> dict:
     """Kernel census of the decode step (`jaxk3 bench decode --census`), per (batch, context, strategy).
 
     Each row: the compiled step's kernels per block by kind (jaxk3.census.kernel_census of the
@@ -608,16 +655,21 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
     (census.profile_times), or the reason there is none; and each block's bytes (`block_bytes`) beside the
     copy bandwidth measured once with `profile` (`copy_bytes` per device), so that a block's time reads against its
     floor.  Same setup as `bench_decode` (random weights and caches of the real shapes, the same strategies), no
-    latency timing."""
-    full, first, last, cfg, mesh, strategies = _setup(config, layers, experts, tp, batches, strategies)
-    devs = jax.devices()
+    latency timing.
+
+    `target` (jaxk3.tools.aot.TARGETS, e.g. "h200"): the step compiled for `tp` devices of that kind that this
+    machine does not have (XLA's deviceless compile): the census of the kernels as that device compiles them,
+    and a kernel that does not fit it fails here; no profile, weights and caches abstract."""
+    full, first, last, cfg, mesh, strategies = _setup(config, layers, experts, tp, batches, strategies, target)
+    devs = list(np.asarray(mesh.devices).flat) if target else jax.devices()
     say = progress or (lambda m: None)
     bw = None
+    profile = profile and target is None
     if profile:  # only profiled times read against a floor
         say(f"copy bandwidth ({copy_bytes >> 20} MiB per device)")
         bw = copy_bandwidth(mesh, copy_bytes)
-    say("random weights on the devices")
-    made = _Weights(cfg, mesh, dtype)
+    say(f"abstract weights for {tp} x {target}" if target else "random weights on the devices")
+    made = (_AbstractWeights if target else _Weights)(cfg, mesh, dtype)
     blocks = block_names(cfg, first)
     rows = []
     for batch in batches:
@@ -636,7 +688,7 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
                         fh.write(text)
                 kc = census.kernel_census(text, blocks)
                 nbytes = block_bytes(made.config(s), made.get(s), cache, batch, first)
-                times, why = None, "not profiled (profile=False)"
+                times, why = None, (f"compiled for {target}, not run" if target else "not profiled (profile=False)")
                 if profile:
                     for _ in range(2):  # warm-up, finished before the trace starts (else its events count)
                         _, ids, cache = compiled(weights, cache, ids, valid)
@@ -646,12 +698,16 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
                 public = {k: v for k, v in kc.items() if k != "op_block"}
                 rows.append({"strategy": name, "batch": batch, "context": context, "gathers": paths, "census": public,
                              "per_layer": census.layer_summary(kc), "profile": times, "profile_unavailable": why,
-                             "bytes": nbytes})
+                             "bytes": nbytes, "launch_ops": hlo_census(text)["launch_ops"]})
                 say(f"   -> {kc['total']} kernels per step" + (f", {times['total_us']:.1f} us summed over its op events per "
                                                                f"step" if times else f"; profile times unavailable: {why}"))
     platform = devs[0].platform
     notes = []
-    if platform == "cpu":
+    if target:
+        notes.append(f"compiled for {tp} x {target} without one (jaxk3.tools.aot, jax {jax.__version__}): the "
+                     f"device's kernels as its XLA fuses them (launch ops matched the H200's census at jax 0.11.2), "
+                     f"no times; GEMM fusions take XLA's default tiles (no autotuning)")
+    elif platform == "cpu":
         notes.append("CPU: the census counts the CPU HLO's kernels (its ENTRY ops, run as thunks on a thread pool), "
                      "not GPU kernels; the same step fuses differently on GPU")
     elif platform in ("gpu", "cuda", "rocm"):
@@ -661,7 +717,7 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
                      "same either way)")
     return {"kind": "decode_census", "config": config, "slice": describe_slice(cfg, first, last), "layers": [first, last],
             "experts": cfg.num_experts, "tp": tp, "dtype": jnp.dtype(dtype).name, "platform": platform,
-            "device_kind": devs[0].device_kind, "steps": steps, "blocks": blocks, "notes": notes,
+            "device_kind": devs[0].device_kind, "steps": steps, "blocks": blocks, "notes": notes, "target": target,
             "copy_bandwidth_GBps": bw / 1e9 if bw else None, "versions": _versions(), "rows": rows}
 
 
@@ -672,7 +728,7 @@ def census_report(result: dict) -> str:
            f"jax {result['versions']['jax']}"]
     for r in result["rows"]:
         title = (f"\n== {result['config']}, B={r['batch']}, context {r['context']}, {r['strategy']} "
-                 f"(module {r['census']['module']})")
+                 f"(module {r['census']['module']}; {r['launch_ops']} launch ops, as `bench decode` counts them)")
         out.append(census.census_table(r["census"], r["profile"], title, r["profile_unavailable"], r.get("bytes"),
                                        result.get("copy_bandwidth_GBps")))
     out += [f"note: {n}" for n in result["notes"]]

@@ -1,0 +1,113 @@
+"""Compiling for a GPU this machine does not have: XLA's deviceless compile through jax's CUDA plugin.
+
+The plugin compiles a jitted function for a described device without a driver or a GPU
+(`jax.experimental.topologies`): the same HLO passes, fusion decisions, Triton lowering of the Pallas
+kernels and PTX assembly as on the device, given the same XLA version and device description. What it
+gives without a device:
+
+- the kernel census of a step (`jaxk3 bench decode --census --target h200`): the launch ops and each
+  block's kernels by kind, as the H200 compiles them;
+- whether every kernel fits the target: a Pallas kernel asking for more shared memory than the device
+  has fails its compile here ("Shared memory size limit exceeded"), as it would on the device.
+
+What it does not give: times (nothing runs), and autotuning (XLA's GEMM fusions take their default tiles;
+the kernel count is the same).
+
+Checked against the device (docs/PERF.md, twenty-first session): at jax 0.11.2, the device image's, the
+Kimi-Linear-48B step's launch ops at B = 1 and 8 and the K3 packed step's at B = 1 are those the H200's
+census counted (281, 832, 192).
+
+Needs the jax CUDA plugin of the device's jax (`make aot` makes `.venv-aot` with jax 0.11.2,
+jax-cuda13-plugin and the extension's CUDA kernels) and `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1` before jax
+starts its backends (`prepare()`): the plugin's check of the CUDA libraries' versions needs a driver,
+and without the variable the plugin is not registered at all.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxk3.sharding import TP
+
+SKIP_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+
+# XLA's GpuTargetConfig (text proto) of one H200 SXM as the compile reads it. Measured on the lent H200s
+# (docs/PERF.md): 132 SMs, 232,448 B of shared memory a block can opt into (the limit the first compiled
+# MLA kernel hit), sm_90. Vendor figures: 4.8 TB/s HBM3e, 141 GB, 50 MB of L2, 1.98 GHz boost clock.
+# The CUDA runtime is the device image's (CUDA 13, docs/ARCHITECTURE.md "Versions"). XLA's cost model
+# reads the bandwidth, clock and core count when it fuses; the others bound what a kernel may ask for.
+H200 = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 150754820096
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability {
+    major: 9
+  }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info {
+  major: 9
+  minor: 10
+}
+runtime_version {
+  major: 13
+  minor: 0
+}
+device_description_str: "NVIDIA H200"
+"""
+
+TARGETS = {"h200": H200}
+
+
+class TargetUnavailable(RuntimeError):
+    """This process cannot compile for the target (no jax CUDA plugin, or it did not register)."""
+
+
+def prepare() -> None:
+    """Let the CUDA plugin register without a driver: call before jax starts its backends (the CLI does
+    before its first jax call; `tests/test_aot.py` at import)."""
+    os.environ.setdefault(SKIP_CHECK, "1")
+
+
+def check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"--target {target!r}: the known targets are {sorted(TARGETS)}")
+
+
+def target_mesh(target: str, tp: int) -> Mesh:
+    """A ("tp",) mesh of `tp` devices of `target`, described, not present: a jitted step lowered with
+    abstract arguments on it (`jax.ShapeDtypeStruct`s with its shardings) compiles for that device."""
+    check_target(target)
+    if tp < 1:
+        raise ValueError(f"--tp {tp}: must be at least 1")
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=TARGETS[target], topology=f"1x1x{tp}")
+    except Exception as e:  # NotImplementedError (no plugin) or the plugin's own error, by jax version
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        set_ = "set" if os.environ.get(SKIP_CHECK) else "not set"
+        raise TargetUnavailable(
+            f"target {target}: this jax ({jax.__version__}) cannot compile for CUDA without a GPU ({why}). It needs "
+            f"jax's CUDA plugin (`make aot` makes .venv-aot with it) and {SKIP_CHECK}=1 before jax starts "
+            f"(here {set_})") from None
+    return Mesh(np.asarray(topo.devices[:tp]), (TP,))
+

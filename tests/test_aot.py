@@ -1,0 +1,125 @@
+"""The decode step compiled for an H200 on a machine without one (jaxk3.tools.aot, XLA's deviceless compile).
+
+- Every device kernel, forced on (`kernels="on"`), compiles for the H200 at the presets' real dimensions:
+  K3 layers 11-14 at TP 1, 2 and 8 and Kimi-Linear-48B, B = 1 and 8, bf16 and MXFP4 experts. A kernel
+  that asks for more shared memory than the H200 has fails its compile here, as on the device (the
+  first test shows the check has teeth).
+- The 48B B = 1 step's launches per block stay within what the H200 census measured (docs/PERF.md).
+
+These run where jax has its CUDA plugin: `make aot-test` (.venv-aot: jax 0.11.2, the device image's, and
+jax-cuda13-plugin; no GPU or driver needed). Elsewhere every test skips, saying so.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from jaxk3.tools import aot
+
+aot.prepare()  # before jax starts its backends (this file runs in a process of its own under `make aot-test`)
+
+def _has_cuda_plugin() -> bool:
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    except ModuleNotFoundError:  # no jax_plugins namespace at all
+        return False
+
+
+if not _has_cuda_plugin():
+    pytest.skip("the deviceless compile needs jax's CUDA plugin (jax-cuda13-plugin): `make aot-test` runs these "
+                "in .venv-aot", allow_module_level=True)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxk3.tools import bench_decode as bd  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def h200():
+    try:
+        return aot.target_mesh("h200", 1)
+    except aot.TargetUnavailable as e:  # the plugin is installed but did not register (backends started first)
+        pytest.fail(str(e))
+
+
+def test_a_kernel_too_large_for_the_h200_fails_its_compile(h200):
+    """A Pallas kernel whose block needs 256 KiB of shared memory (the H200 allows a block 227 KiB) does not
+    compile for the H200, and the same kernel at 64 KiB does: the check the tests below rely on."""
+    from jax.experimental import pallas as pl
+
+    from jaxk3._compat import call_shard_map
+
+    def compiled(n: int):
+        def kernel(a_ref, b_ref, o_ref):
+            o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
+
+        def f(a, b):
+            return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n, n), jnp.float32))(a, b)
+
+        g = call_shard_map(f, mesh=h200, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+        a = jax.ShapeDtypeStruct((n, n), jnp.float32, sharding=NamedSharding(h200, P()))
+        return jax.jit(g).lower(a, a).compile()
+
+    assert "__gpu$xla.gpu.triton" in compiled(128).as_text()
+    with pytest.raises(Exception, match="Shared memory size limit exceeded"):
+        compiled(256)
+
+
+def _census(config: str, tp: int, batches, contexts, strategies, kernels: str) -> dict:
+    k3 = config == "k3"
+    names = set(strategies)
+    chosen = bd.with_kernels(tuple(s for s in bd.STRATEGIES if s.name in names), (kernels,))
+    return bd.census_decode(config=config, layers="11-14" if k3 else None, experts=32 if k3 else 64, tp=tp,
+                            batches=batches, contexts=contexts, strategies=chosen, target="h200")
+
+
+def _triton_calls(row: dict) -> int:
+    """The step's Pallas (Triton) kernels: custom calls to XLA's Triton target, over every block."""
+    return sum(n for d in row["census"]["details"].values() for t, n in d.items() if "gpu.triton" in t)
+
+
+BOTH = ("stock", "packed+sharded+one-shot")
+FIT_CASES = [("k3", 1, (4096,), BOTH), ("k3", 2, (4096,), BOTH), ("k3", 8, (4096,), BOTH),
+             ("kimi-linear-48b", 1, (4096, 32768), ("stock",)),
+             ("kimi-linear-48b", 1, (4096,), ("packed+sharded+one-shot",))]
+
+
+@pytest.mark.parametrize("config,tp,contexts,strategies", FIT_CASES,
+                         ids=[f"{c}-tp{t}-{'+'.join(str(x // 1024) + 'k' for x in ctx)}-{'+'.join(s)}"
+                              for c, t, ctx, s in FIT_CASES])
+def test_every_kernel_compiles_for_the_h200_at_real_dims(config, tp, contexts, strategies):
+    """`kernels="on"` at the preset's real dimensions compiles for the H200 in every case (no kernel asks for
+    more than the device has), and the kernels are in the compiled step: more Pallas calls than with them off,
+    which is the reference path everywhere."""
+    on = _census(config, tp, (1, 8), contexts, strategies, "on")
+    off = _census(config, tp, (1, 8), contexts, strategies, "off")
+    assert len(on["rows"]) == len(off["rows"]) == 2 * len(contexts) * len(strategies)
+    for r_on, r_off in zip(on["rows"], off["rows"]):
+        case = f"{config} TP {tp} B={r_on['batch']} S={r_on['context']} {r_on['strategy']}"
+        assert r_on["profile_unavailable"] == "compiled for h200, not run", case
+        assert _triton_calls(r_on) > _triton_calls(r_off), (case, _triton_calls(r_on), _triton_calls(r_off))
+
+
+# Launches per block of the 48B B = 1 step (`auto`, the serving layout) as the H200 census counted them
+# (docs/PERF.md: 281 launch ops, nineteenth session): a change that adds a launch to a block fails here first.
+# Layer 0's KDA block also holds the embedding row's conversion for its first kernel (4 launches there).
+LAUNCH_BUDGET_48B_B1 = {"embed": 1, "kda": 3, "mla": 5, "mlp": 5, "moe": 7, "head": 5, "layer0_kda": 4}
+LAUNCH_OPS_48B_B1 = 281
+
+
+def test_48b_step_launches_within_the_measured_budget():
+    res = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")
+    (row,) = res["rows"]
+    assert row["launch_ops"] <= LAUNCH_OPS_48B_B1, row["launch_ops"]
+    over = {}
+    for block, n in row["census"]["totals"].items():
+        kind = block if block in LAUNCH_BUDGET_48B_B1 or not block.startswith("layer") else block.rsplit("_", 1)[-1]
+        if n > LAUNCH_BUDGET_48B_B1[kind]:
+            over[block] = n
+    assert not over, f"blocks over their launch budget {LAUNCH_BUDGET_48B_B1}: {over}"
+    kda = [n for b, n in row["census"]["totals"].items() if b.endswith("_kda") and b != "layer0_kda"]
+    assert len(kda) == 19 and set(kda) == {3}, kda  # every later KDA block: norm+projections, the step, o_proj

@@ -4,6 +4,8 @@
   K3 layers 11-14 at TP 1, 2 and 8 and Kimi-Linear-48B, B = 1 and 8, bf16 and MXFP4 experts. A kernel
   that asks for more shared memory than the H200 has fails its compile here, as on the device (the
   first test shows the check has teeth).
+- So do the prefill's kernels (one chunk of `Model.generate`'s prefill: the grouped-GEMM MoE, KDA's chunked
+  form, MLA's flash attention).
 - The 48B B = 1 step's launches per block stay within what the H200 census measured (docs/PERF.md).
 
 These run where jax has its CUDA plugin: `make aot-test` (.venv-aot: jax 0.11.2, the device image's, and
@@ -11,6 +13,8 @@ jax-cuda13-plugin; no GPU or driver needed). Elsewhere every test skips, saying 
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
 
 import pytest
@@ -69,6 +73,30 @@ def test_a_kernel_too_large_for_the_h200_fails_its_compile(h200):
         compiled(256)
 
 
+@contextlib.contextmanager
+def _device_kernels():
+    """The names of the kernels whose device path is traced inside the block (every registry entry's `device`
+    wrapped to record its name; jax's caches cleared first, so that nothing is reused untraced)."""
+    from jaxk3.kernels import registry
+
+    seen: set[str] = set()
+    saved = dict(registry.REGISTRY)
+
+    def recording(k):
+        def device(*a, **kw):
+            seen.add(k.name)
+            return k.device(*a, **kw)
+        return dataclasses.replace(k, device=device)
+
+    jax.clear_caches()
+    registry.REGISTRY.update({n: recording(k) for n, k in saved.items()})
+    try:
+        yield seen
+    finally:
+        registry.REGISTRY.clear()
+        registry.REGISTRY.update(saved)
+
+
 def _census(config: str, tp: int, batches, contexts, strategies, kernels: str) -> dict:
     k3 = config == "k3"
     names = set(strategies)
@@ -83,7 +111,7 @@ def _triton_calls(row: dict) -> int:
 
 
 BOTH = ("stock", "packed+sharded+one-shot")
-FIT_CASES = [("k3", 1, (4096,), BOTH), ("k3", 2, (4096,), BOTH), ("k3", 8, (4096,), BOTH),
+FIT_CASES = [("k3", 1, (4096, 32768), BOTH), ("k3", 2, (4096,), BOTH), ("k3", 8, (4096,), BOTH),
              ("kimi-linear-48b", 1, (4096, 32768), ("stock",)),
              ("kimi-linear-48b", 1, (4096,), ("packed+sharded+one-shot",))]
 
@@ -93,15 +121,56 @@ FIT_CASES = [("k3", 1, (4096,), BOTH), ("k3", 2, (4096,), BOTH), ("k3", 8, (4096
                               for c, t, ctx, s in FIT_CASES])
 def test_every_kernel_compiles_for_the_h200_at_real_dims(config, tp, contexts, strategies):
     """`kernels="on"` at the preset's real dimensions compiles for the H200 in every case (no kernel asks for
-    more than the device has), and the kernels are in the compiled step: more Pallas calls than with them off,
-    which is the reference path everywhere."""
-    on = _census(config, tp, (1, 8), contexts, strategies, "on")
-    off = _census(config, tp, (1, 8), contexts, strategies, "off")
-    assert len(on["rows"]) == len(off["rows"]) == 2 * len(contexts) * len(strategies)
-    for r_on, r_off in zip(on["rows"], off["rows"]):
-        case = f"{config} TP {tp} B={r_on['batch']} S={r_on['context']} {r_on['strategy']}"
-        assert r_on["profile_unavailable"] == "compiled for h200, not run", case
-        assert _triton_calls(r_on) > _triton_calls(r_off), (case, _triton_calls(r_on), _triton_calls(r_off))
+    more than the device has), and the blocks' kernels are in it: each block's decode kernel was traced on its
+    device path, and the compiled step holds Pallas calls (XLA emits none of its own under this target: with
+    the kernels off the step has none)."""
+    with _device_kernels() as seen:
+        on = _census(config, tp, (1, 8), contexts, strategies, "on")
+    assert len(on["rows"]) == 2 * len(contexts) * len(strategies)
+    for r in on["rows"]:
+        case = f"{config} TP {tp} B={r['batch']} S={r['context']} {r['strategy']}"
+        assert r["profile_unavailable"] == "compiled for h200, not run", case
+        assert _triton_calls(r) > 0, case
+    blocks = ({"kda_decode", "kda_decode_in"}, {"mla_decode", "mla_decode_uv"}, {"moe_experts", "moe_experts_routed"})
+    for block in blocks:
+        assert seen & block, (block, sorted(seen))
+
+
+def _prefill_triton_calls(config: str, tp: int, batch: int, tokens: int, kernels: str = "on") -> int:
+    """The prefill of one chunk (`generation.build_prefill`, as `Model.generate` runs it) compiled for `tp` H200s
+    with abstract weights and a cache of 8192 positions: its Pallas (Triton) kernels."""
+    from jax.sharding import NamedSharding
+
+    from jaxk3 import generation
+    from jaxk3.model import StepOptions
+
+    k3 = config == "k3"
+    s = bd.Strategy("stock", False, "lax", kernels=kernels)
+    # Kimi-Linear's layers 0-3 hold every kind of its layer (KDA + dense MLP, KDA + MoE, MLA + MoE), all 256 experts
+    _, first, _, cfg, mesh, _ = bd._setup(config, "11-14" if k3 else "0-3", 32 if k3 else 256, tp, (batch,), (s,),
+                                          "h200")
+    made = bd.AbstractWeights(cfg, mesh, "bfloat16")
+    fn = generation.build_prefill(made.config(s), StepOptions(gather="lax", shard_latent=False, layer_offset=first,
+                                                              kernels=kernels, serving=True), mesh, False, None)
+    rows = NamedSharding(mesh, P())
+    text = fn.lower(made.step_weights(s), bd.abstract_cache(cfg, mesh, "bfloat16", batch, 8192),
+                    jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=rows),
+                    jax.ShapeDtypeStruct((batch, tokens), jnp.bool_, sharding=rows), jnp.int32(0)).compile().as_text()
+    return bd.hlo_census(text)["custom_call_targets"].get("__gpu$xla.gpu.triton", 0)
+
+
+PREFILL_CASES = [("kimi-linear-48b", 1, 1, 4096), ("kimi-linear-48b", 1, 8, 1024), ("k3", 1, 1, 2048),
+                 ("k3", 8, 1, 2048)]
+
+
+@pytest.mark.parametrize("config,tp,batch,tokens", PREFILL_CASES,
+                         ids=[f"{c}-tp{t}-B{b}-T{n}" for c, t, b, n in PREFILL_CASES])
+def test_every_prefill_kernel_compiles_for_the_h200_at_real_dims(config, tp, batch, tokens):
+    """The prefill's kernels (the grouped-GEMM MoE, KDA's chunked form, MLA's flash attention) forced on compile for
+    the H200 at the presets' dimensions, and are there: traced on their device paths, Pallas calls compiled."""
+    with _device_kernels() as seen:
+        assert _prefill_triton_calls(config, tp, batch, tokens) > 0
+    assert {"moe_grouped", "kda_prefill", "mla_prefill"} <= seen, sorted(seen)
 
 
 # Launches per block of the 48B B = 1 step (`auto`, the serving layout) as the H200 census counted them

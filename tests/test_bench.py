@@ -417,3 +417,31 @@ def test_prefill_work_counts_the_active_weights_and_the_causal_pairs():
     assert eight[-1]["flops"] - eight[-2]["flops"] > 2 * 2 * head * 0.99  # the head, and later positions' pairs
     short = bg.prefill_work(cfg, 1, 700, 512, bytes_of_chunk=lambda n: 10 * n)
     assert [c["tokens"] for c in short] == [512, 188] and [c["bytes"] for c in short] == [5120, 1880]
+
+
+def test_aot_launches_read_xla_thunk_sequence(tmp_path):
+    """aot.launches joins XLA's thunk sequence (each kernel's grid, threads, shared memory) to the HLO names of
+    its thunk metadata; launch_summary counts the launches of fewer CTAs than the SMs by block kind and kernel."""
+    from jaxk3.tools import aot
+    from jaxk3.tools.bench_decode import launch_summary
+
+    (tmp_path / "module_0001.jit_step.thunk_sequence.txt").write_text(
+        "001: kCustomKernel [source       | next=002 (1)] loop_add_fusion grid: [18, 1, 1] threads: [128, 1, 1]  "
+        "shared_memory: 0 bytes\n"
+        "002: kCustomKernel [prev=001 (1) | next=003 (1)] _kernel__1 grid: [1, 32, 4] threads: [128, 1, 1]  "
+        "shared_memory: 512 bytes\n"
+        "003: kCopy [prev=002 (1)] copy.1\n"
+        "004: kCustomKernel [prev=002 (1) | next=005 (1)] _gate_up_kernel grid: [9, 64, 1] threads: [256, 1, 1]  "
+        "shared_memory: 1024 bytes\n")
+    (tmp_path / "module_0001.jit_step.thunk_metadata.txt").write_text("".join(
+        f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{n}"\n    thunk_id: {i}\n  }}\n'
+        f'  thunk_kind: "kCustomKernel"\n}}\n' for i, n in ((1, "loop_add_fusion"), (2, "pallas_call.7"),
+                                                         (4, "pallas_call.9"))))
+    got = aot.launches(str(tmp_path))
+    assert [(x["name"], x["ctas"], x["threads"], x["shared_memory"]) for x in got] == [
+        ("loop_add_fusion", 18, 128, 0), ("pallas_call.7", 128, 128, 512), ("pallas_call.9", 576, 256, 1024)]
+    assert got[1]["grid"] == [1, 32, 4]
+    assert aot.launches(str(tmp_path / "none")) == []
+    text = launch_summary([dict(x, block=b) for x, b in zip(got, ("layer1_moe", "layer2_kda", "layer2_kda"))], 132)
+    assert "3 kernels" in text and "1024 B" in text and "2 of fewer CTAs than its 132 SMs" in text
+    assert "moe:loop_add_fusion(18x128) x1" in text and "kda:_kernel(128x128) x1" in text and "gate_up" not in text

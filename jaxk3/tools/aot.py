@@ -24,7 +24,9 @@ and without the variable the plugin is not registered at all.
 """
 from __future__ import annotations
 
+import glob
 import os
+import re
 
 import jax
 import numpy as np
@@ -111,3 +113,38 @@ def target_mesh(target: str, tp: int) -> Mesh:
             f"(here {set_})") from None
     return Mesh(np.asarray(topo.devices[:tp]), (TP,))
 
+
+
+def dump_options(directory: str) -> dict[str, str]:
+    """`compile(compiler_options=...)` that has XLA write this compile's files to `directory` (among them its thunk
+    sequence: every kernel's launch as the device would run it, `launches`)."""
+    return {"xla_dump_to": directory}
+
+
+_KERNEL = re.compile(r"^(\d+): kCustomKernel .*?\] (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]"
+                     r"\s+shared_memory: (\d+) bytes")
+_ANNOTATION = re.compile(r'profile_annotation: "([^"]+)"\s*thunk_id: (\d+)')
+
+
+def launches(directory: str) -> list[dict]:
+    """Each kernel launch of the one module XLA dumped to `directory` (`dump_options`), in order: the HLO
+    instruction it runs (`name`, as the census names kernels), its kernel's name, grid (CTAs), threads a CTA and
+    static shared memory, from XLA's thunk sequence. [] where the directory holds no thunk sequence."""
+    seqs = sorted(glob.glob(os.path.join(directory, "*.thunk_sequence.txt")))
+    if not seqs:
+        return []
+    meta = seqs[-1].replace(".thunk_sequence.txt", ".thunk_metadata.txt")
+    names = {}
+    if os.path.exists(meta):
+        with open(meta) as fh:
+            names = {int(i): n for n, i in _ANNOTATION.findall(fh.read())}
+    out = []
+    with open(seqs[-1]) as fh:
+        for line in fh:
+            m = _KERNEL.match(line.strip())
+            if m:
+                g = [int(x) for x in m.group(1, 3, 4, 5)]
+                t = [int(x) for x in m.group(6, 7, 8)]
+                out.append({"name": names.get(g[0], m.group(2)), "kernel": m.group(2), "ctas": g[1] * g[2] * g[3],
+                            "grid": g[1:], "threads": t[0] * t[1] * t[2], "shared_memory": int(m.group(9))})
+    return out

@@ -45,6 +45,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from typing import Any, NamedTuple
@@ -406,7 +407,7 @@ class _Weights:
         return self.made[key]
 
 
-class _AbstractWeights(_Weights):
+class AbstractWeights(_Weights):
     """`_Weights` as jax.ShapeDtypeStructs on a target mesh (`jaxk3.tools.aot`): the same shapes, dtypes and
     shardings, the MXFP4 stacks marked as the loader marks the random ones (`random_scales_f16`)."""
 
@@ -446,14 +447,14 @@ def _case(cfg: KimiK3Config, made: _Weights, mesh, dtype, first: int, batch: int
           announce) -> tuple:
     """One (batch, context, strategy) of a run: (the gather impl and its paths, the strategy's weights,
     its jitted step, a random cache, the first token ids, the valid mask).  `announce(gather)` is
-    called once the gather impl is known, before any weights or cache are made.  With `_AbstractWeights`
+    called once the gather impl is known, before any weights or cache are made.  With `AbstractWeights`
     (a target mesh) the weights, cache, ids and mask are jax.ShapeDtypeStructs, to lower and compile only."""
     g, paths = _strategy_gather(cfg, mesh, batch, s.gather, s.shard_latent)
     announce(g)
     weights = made.step_weights(s)
     step = build_step(made.config(s), StepOptions(gather=g, shard_latent=s.shard_latent, layer_offset=first,
                                                   kernels=s.kernels, serving=made.serving(s)), mesh)
-    if isinstance(made, _AbstractWeights):
+    if isinstance(made, AbstractWeights):
         row = NamedSharding(mesh, P(dp_axis(mesh)))
         return (g, paths, weights, step, abstract_cache(cfg, mesh, dtype, batch, context),
                 jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=row), jax.ShapeDtypeStruct((batch,), jnp.bool_,
@@ -624,7 +625,6 @@ def block_names(cfg: KimiK3Config, first: int = 0) -> list[str]:
 def _profile(compiled, weights, cache, ids, valid, steps: int, kc: dict) -> tuple[dict | None, str | None, Any]:
     """(times per block, None) or (None, why not) from `steps` steps under jax.profiler.trace, and the cache."""
     import shutil
-    import tempfile
 
     trace_dir = tempfile.mkdtemp(prefix="jaxk3_census_")
     try:
@@ -669,7 +669,7 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
         say(f"copy bandwidth ({copy_bytes >> 20} MiB per device)")
         bw = copy_bandwidth(mesh, copy_bytes)
     say(f"abstract weights for {tp} x {target}" if target else "random weights on the devices")
-    made = (_AbstractWeights if target else _Weights)(cfg, mesh, dtype)
+    made = (AbstractWeights if target else _Weights)(cfg, mesh, dtype)
     blocks = block_names(cfg, first)
     rows = []
     for batch in batches:
@@ -679,7 +679,10 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
                 g, paths, weights, step, cache, ids, valid = _case(cfg, made, mesh, dtype, first, batch, context, s,
                                                                    lambda g: say(f"census B={batch} S={context} "
                                                                                  f"{name} (gather={g})"))
-                compiled = step.lower(weights, cache, ids, valid).compile()
+                with tempfile.TemporaryDirectory(prefix="jaxk3_aot_") as dump:
+                    compiled = step.lower(weights, cache, ids, valid).compile(
+                        compiler_options=aot.dump_options(dump) if target else None)
+                    launch = aot.launches(dump) if target else None
                 text = compiled.as_text()
                 if hlo_dir:
                     os.makedirs(hlo_dir, exist_ok=True)
@@ -699,6 +702,8 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
                 rows.append({"strategy": name, "batch": batch, "context": context, "gathers": paths, "census": public,
                              "per_layer": census.layer_summary(kc), "profile": times, "profile_unavailable": why,
                              "bytes": nbytes, "launch_ops": hlo_census(text)["launch_ops"]})
+                if launch is not None:  # each kernel's launch as the target runs it, with its census block
+                    rows[-1]["launches"] = [dict(x, block=kc["kernel_names"].get(x["name"])) for x in launch]
                 say(f"   -> {kc['total']} kernels per step" + (f", {times['total_us']:.1f} us summed over its op events per "
                                                                f"step" if times else f"; profile times unavailable: {why}"))
     platform = devs[0].platform
@@ -718,6 +723,7 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
     return {"kind": "decode_census", "config": config, "slice": describe_slice(cfg, first, last), "layers": [first, last],
             "experts": cfg.num_experts, "tp": tp, "dtype": jnp.dtype(dtype).name, "platform": platform,
             "device_kind": devs[0].device_kind, "steps": steps, "blocks": blocks, "notes": notes, "target": target,
+            "sm_count": getattr(devs[0], "core_count", None),
             "copy_bandwidth_GBps": bw / 1e9 if bw else None, "versions": _versions(), "rows": rows}
 
 
@@ -731,8 +737,24 @@ def census_report(result: dict) -> str:
                  f"(module {r['census']['module']}; {r['launch_ops']} launch ops, as `bench decode` counts them)")
         out.append(census.census_table(r["census"], r["profile"], title, r["profile_unavailable"], r.get("bytes"),
                                        result.get("copy_bandwidth_GBps")))
+        if r.get("launches"):
+            out.append(launch_summary(r["launches"], result.get("sm_count")))
     out += [f"note: {n}" for n in result["notes"]]
     return "\n".join(out)
+
+
+def launch_summary(launches: list[dict], sms: int | None) -> str:
+    """One paragraph on a target census's launches (aot.launches): how many, and those of fewer CTAs than the
+    device has SMs (they leave SMs idle: latency-bound unless each CTA is long), grouped by kernel and CTAs."""
+    sms = sms or 132
+    small = Counter((x["block"] or "?").split("_")[-1] + ":" + re.sub(r"(_+\d+)+$", "", x["kernel"])
+                    + f"({x['ctas']}x{x['threads']})" for x in launches if x["ctas"] < sms)
+    smem = max((x["shared_memory"] for x in launches), default=0)
+    top = small.most_common(12)
+    more = f", and {len(small) - len(top)} more kinds" if len(small) > len(top) else ""
+    return (f"launches (XLA's thunk sequence for the target): {len(launches)} kernels, the most static shared memory "
+            f"{smem} B; {sum(small.values())} of fewer CTAs than its {sms} SMs, by block kind:kernel(CTAs x threads): "
+            + ", ".join(f"{k} x{n}" for k, n in top) + more)
 
 
 def _versions() -> dict:

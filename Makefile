@@ -19,8 +19,9 @@ JAX_SPEC ?= jax
 JAXK3_CUDA ?= AUTO
 TEST_WORKERS ?= 2
 # The deviceless compile's environment: the device image's jax (docs/ARCHITECTURE.md "Versions") with the CUDA
-# plugin alone (no CUDA libraries: nothing runs), on Python 3.12 (PyPI has no jax 0.11 for this machine's 3.11),
-# its extension built apart from .venv312's (build/aot-*).
+# plugin alone (no CUDA libraries: nothing runs; XLA assembles PTX with the host's ptxas, CUDA 13 here as on the
+# device), on Python 3.12 (PyPI has no jax 0.11 for this machine's 3.11), its extension built apart from
+# .venv312's (build/aot-*).
 AOT_JAX ?= 0.11.2
 AOT_PY ?= env PYENV_VERSION=3.12.1 python3.12
 AOT_VENV ?= .venv-aot
@@ -32,15 +33,19 @@ TORCH_WHEEL := $(wildcard /opt/wheels/torch-2.13.0+cpu-cp311-*.whl)
 PIP := $(PYBIN) -m pip install -q --disable-pip-version-check
 EXTRA_SPECS ?=
 
-.PHONY: demo test bench build venv clean aot aot-test
+.PHONY: demo test bench build venv clean aot aot-test FORCE
 
 venv: $(STAMP)
 
 $(VENV)/bin/python:
 	$(PY) -m venv $(VENV)
 
-$(VENV)/.deps: $(VENV)/bin/python pyproject.toml
-	$(PIP) "$(JAX_SPEC)" $(EXTRA_SPECS) numpy ml_dtypes "scikit-build-core>=0.10" "nanobind>=2.4" cmake "pytest>=8" "pytest-xdist>=3.5" safetensors matplotlib tqdm tiktoken absl-py
+# The requirement specs this venv was made with: a change to them (AOT_JAX, JAX_SPEC) remakes .deps.
+$(VENV)/.specs: FORCE | $(VENV)/bin/python
+	@echo '$(JAX_SPEC) $(EXTRA_SPECS)' | cmp -s - $@ || echo '$(JAX_SPEC) $(EXTRA_SPECS)' > $@
+
+$(VENV)/.deps: $(VENV)/bin/python pyproject.toml $(VENV)/.specs
+	$(PIP) "$(JAX_SPEC)" $(foreach s,$(EXTRA_SPECS),"$(s)") numpy ml_dtypes "scikit-build-core>=0.10" "nanobind>=2.4" cmake "pytest>=8" "pytest-xdist>=3.5" safetensors matplotlib tqdm tiktoken absl-py
 ifeq ($(ORACLES),1)
 	@# torch: the CPU build that lies on local disk (Python 3.11); else PyPI's CPU index is not
 	@# reachable here, so the oracle tests need ORACLES=0 on other Pythons.
@@ -76,7 +81,7 @@ aot:
 	$(MAKE) venv $(AOT_MAKE)
 
 aot-test: aot
-	$(AOT_VENV)/bin/python -m pytest -q -rs --disable-warnings tests/test_aot.py $(PYTEST_ARGS)
+	JAXK3_AOT_REQUIRED=1 $(AOT_VENV)/bin/python -m pytest -q -rs --disable-warnings tests/test_aot.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf build .venv .venv312 $(AOT_VENV) out

@@ -16,12 +16,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import os
 
 import pytest
 
 from jaxk3.tools import aot
 
 aot.prepare()  # before jax starts its backends (this file runs in a process of its own under `make aot-test`)
+
 
 def _has_cuda_plugin() -> bool:
     try:
@@ -31,6 +33,8 @@ def _has_cuda_plugin() -> bool:
 
 
 if not _has_cuda_plugin():
+    if os.environ.get("JAXK3_AOT_REQUIRED"):  # `make aot-test`: a .venv-aot without the plugin is a failure
+        raise RuntimeError("JAXK3_AOT_REQUIRED is set and this jax has no CUDA plugin (jax-cuda13-plugin)")
     pytest.skip("the deviceless compile needs jax's CUDA plugin (jax-cuda13-plugin): `make aot-test` runs these "
                 "in .venv-aot", allow_module_level=True)
 
@@ -184,6 +188,8 @@ def test_48b_step_launches_within_the_measured_budget():
     res = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")
     (row,) = res["rows"]
     assert row["launch_ops"] <= LAUNCH_OPS_48B_B1, row["launch_ops"]
+    # the thunk sequence read back (aot.launches): one kernel launch per launch op here (no copies or FFI calls)
+    assert len(row["launches"]) == row["launch_ops"] and all("ctas" in x for x in row["launches"])
     over = {}
     for block, n in row["census"]["totals"].items():
         kind = block if block in LAUNCH_BUDGET_48B_B1 or not block.startswith("layer") else block.rsplit("_", 1)[-1]

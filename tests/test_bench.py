@@ -431,17 +431,22 @@ def test_aot_launches_read_xla_thunk_sequence(tmp_path):
         "002: kCustomKernel [prev=001 (1) | next=003 (1)] _kernel__1 grid: [1, 32, 4] threads: [128, 1, 1]  "
         "shared_memory: 512 bytes\n"
         "003: kCopy [prev=002 (1)] copy.1\n"
-        "004: kCustomKernel [prev=002 (1) | next=005 (1)] _gate_up_kernel grid: [9, 64, 1] threads: [256, 1, 1]  "
-        "shared_memory: 1024 bytes\n")
+        "004: kCustomKernel [prev=002 (1) | next=005 (1)] _gate_up_kernel grid: [9, 64, 1] threads: [256, 1, 1] "
+        "cluster: [1, 1, 1] shared_memory: 1024 bytes\n")
     (tmp_path / "module_0001.jit_step.thunk_metadata.txt").write_text("".join(
         f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{n}"\n    thunk_id: {i}\n  }}\n'
         f'  thunk_kind: "kCustomKernel"\n}}\n' for i, n in ((1, "loop_add_fusion"), (2, "pallas_call.7"),
                                                          (4, "pallas_call.9"))))
     got = aot.launches(str(tmp_path))
+    assert got.pop(2) == {"name": "copy.1", "kind": "kCopy"}  # not a kernel XLA launches: its kind alone
     assert [(x["name"], x["ctas"], x["threads"], x["shared_memory"]) for x in got] == [
         ("loop_add_fusion", 18, 128, 0), ("pallas_call.7", 128, 128, 512), ("pallas_call.9", 576, 256, 1024)]
     assert got[1]["grid"] == [1, 32, 4]
     assert aot.launches(str(tmp_path / "none")) == []
     text = launch_summary([dict(x, block=b) for x, b in zip(got, ("layer1_moe", "layer2_kda", "layer2_kda"))], 132)
-    assert "3 kernels" in text and "1024 B" in text and "2 of fewer CTAs than its 132 SMs" in text
+    assert "3 kernels" in text and "1024 B" in text and "2 kernels of fewer CTAs than its 132 SMs" in text
     assert "moe:loop_add_fusion(18x128) x1" in text and "kda:_kernel(128x128) x1" in text and "gate_up" not in text
+    with open(tmp_path / "module_0001.jit_step.thunk_sequence.txt", "a") as fh:  # a launch it cannot read: named
+        fh.write("005: kCustomKernel [prev=004 (1)] _k grid: [2, 1] threads: [1, 1, 1]\n")
+    with pytest.raises(ValueError, match="unknown form"):
+        aot.launches(str(tmp_path))

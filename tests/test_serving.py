@@ -83,6 +83,7 @@ def test_serve_abstract_is_the_placed_serving_layout(mode, tp, shard_latent):
     cfg = tiny_k3_4l() if mode == "k3" else tiny_kimi_linear_4l()
     m = jaxk3.init_random_model(cfg, layout="serving", tp=tp, dtype="float32", shard_latent=shard_latent)
     abstract = params.serve_abstract(params.abstract_on(params_tree(cfg, tp), m.mesh, np.float32, shard_latent))
+
     def spec(a):  # trailing unsplit dimensions spelled or not: the same sharding
         s = list(a.sharding.spec)
         while s and s[-1] is None:

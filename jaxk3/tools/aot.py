@@ -114,7 +114,6 @@ def target_mesh(target: str, tp: int) -> Mesh:
     return Mesh(np.asarray(topo.devices[:tp]), (TP,))
 
 
-
 def dump_options(directory: str) -> dict[str, str]:
     """`compile(compiler_options=...)` that has XLA write this compile's files to `directory` (among them its thunk
     sequence: every kernel's launch as the device would run it, `launches`)."""
@@ -122,17 +121,22 @@ def dump_options(directory: str) -> dict[str, str]:
 
 
 _KERNEL = re.compile(r"^(\d+): kCustomKernel .*?\] (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]"
-                     r"\s+shared_memory: (\d+) bytes")
+                     r".*?shared_memory: (\d+) bytes")  # (a cluster shape, where there is one, before shared_memory)
+_THUNK = re.compile(r"^(\d+): (k\w+)\s+(?:\[[^]]*\]\s*)?(\S+)")
 _ANNOTATION = re.compile(r'profile_annotation: "([^"]+)"\s*thunk_id: (\d+)')
 
 
 def launches(directory: str) -> list[dict]:
-    """Each kernel launch of the one module XLA dumped to `directory` (`dump_options`), in order: the HLO
-    instruction it runs (`name`, as the census names kernels), its kernel's name, grid (CTAs), threads a CTA and
-    static shared memory, from XLA's thunk sequence. [] where the directory holds no thunk sequence."""
+    """Each thunk of the one module XLA dumped to `directory` (`dump_options`), in order, from XLA's thunk sequence:
+    for a kernel XLA launches itself (its fusions, the Pallas kernels), the HLO instruction it runs (`name`, as the
+    census names kernels), its kernel's name, grid (CTAs), threads a CTA and shared memory at launch; for any other
+    thunk (a custom call through the FFI such as the MXFP4 CUDA kernels, a copy, a collective) its `kind` and name
+    alone. A while loop's body appears once. [] where the directory holds no thunk sequence."""
     seqs = sorted(glob.glob(os.path.join(directory, "*.thunk_sequence.txt")))
     if not seqs:
         return []
+    if len(seqs) > 1:
+        raise ValueError(f"{directory}: {len(seqs)} modules' thunk sequences; dump one compile a directory")
     meta = seqs[-1].replace(".thunk_sequence.txt", ".thunk_metadata.txt")
     names = {}
     if os.path.exists(meta):
@@ -145,6 +149,11 @@ def launches(directory: str) -> list[dict]:
             if m:
                 g = [int(x) for x in m.group(1, 3, 4, 5)]
                 t = [int(x) for x in m.group(6, 7, 8)]
-                out.append({"name": names.get(g[0], m.group(2)), "kernel": m.group(2), "ctas": g[1] * g[2] * g[3],
-                            "grid": g[1:], "threads": t[0] * t[1] * t[2], "shared_memory": int(m.group(9))})
+                out.append({"name": names.get(g[0], m.group(2)), "kind": "kCustomKernel", "kernel": m.group(2),
+                            "ctas": g[1] * g[2] * g[3], "grid": g[1:], "threads": t[0] * t[1] * t[2],
+                            "shared_memory": int(m.group(9))})
+            elif (o := _THUNK.match(line.strip())) and o.group(2) not in ("kSequential", "kCommandBuffer"):
+                if o.group(2) == "kCustomKernel":
+                    raise ValueError(f"{seqs[-1]}: a kernel's launch in an unknown form: {line.strip()}")
+                out.append({"name": names.get(int(o.group(1)), o.group(3)), "kind": o.group(2)})
     return out

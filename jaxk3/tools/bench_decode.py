@@ -679,10 +679,14 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
                 g, paths, weights, step, cache, ids, valid = _case(cfg, made, mesh, dtype, first, batch, context, s,
                                                                    lambda g: say(f"census B={batch} S={context} "
                                                                                  f"{name} (gather={g})"))
-                with tempfile.TemporaryDirectory(prefix="jaxk3_aot_") as dump:
-                    compiled = step.lower(weights, cache, ids, valid).compile(
-                        compiler_options=aot.dump_options(dump) if target else None)
-                    launch = aot.launches(dump) if target else None
+                launch = None
+                if target:  # the thunk sequence too: each kernel's launch as the device would run it
+                    with tempfile.TemporaryDirectory(prefix="jaxk3_aot_") as dump:
+                        compiled = step.lower(weights, cache, ids, valid).compile(
+                            compiler_options=aot.dump_options(dump))
+                        launch = aot.launches(dump)
+                else:
+                    compiled = step.lower(weights, cache, ids, valid).compile()
                 text = compiled.as_text()
                 if hlo_dir:
                     os.makedirs(hlo_dir, exist_ok=True)
@@ -747,14 +751,17 @@ def launch_summary(launches: list[dict], sms: int | None) -> str:
     """One paragraph on a target census's launches (aot.launches): how many, and those of fewer CTAs than the
     device has SMs (they leave SMs idle: latency-bound unless each CTA is long), grouped by kernel and CTAs."""
     sms = sms or 132
+    kernels = [x for x in launches if "ctas" in x]
+    others = Counter(x["kind"] for x in launches if "ctas" not in x)
     small = Counter((x["block"] or "?").split("_")[-1] + ":" + re.sub(r"(_+\d+)+$", "", x["kernel"])
-                    + f"({x['ctas']}x{x['threads']})" for x in launches if x["ctas"] < sms)
-    smem = max((x["shared_memory"] for x in launches), default=0)
+                    + f"({x['ctas']}x{x['threads']})" for x in kernels if x["ctas"] < sms)
+    smem = max((x["shared_memory"] for x in kernels), default=0)
     top = small.most_common(12)
     more = f", and {len(small) - len(top)} more kinds" if len(small) > len(top) else ""
-    return (f"launches (XLA's thunk sequence for the target): {len(launches)} kernels, the most static shared memory "
-            f"{smem} B; {sum(small.values())} of fewer CTAs than its {sms} SMs, by block kind:kernel(CTAs x threads): "
-            + ", ".join(f"{k} x{n}" for k, n in top) + more)
+    rest = (" and " + ", ".join(f"{n} {k}" for k, n in others.most_common())) if others else ""
+    return (f"launches (XLA's thunk sequence for the target): {len(kernels)} kernels XLA launches{rest}; the most "
+            f"shared memory at launch {smem} B; {sum(small.values())} kernels of fewer CTAs than its {sms} SMs, by "
+            f"block kind:kernel(CTAs x threads): " + ", ".join(f"{k} x{n}" for k, n in top) + more)
 
 
 def _versions() -> dict:

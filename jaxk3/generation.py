@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxk3.model import local_forward
+from jaxk3.model import compiler_options, local_forward
 
 
 F32 = jnp.float32
@@ -118,7 +118,8 @@ def build_prefill(cfg, opt, mesh: Mesh, all_logits: bool, sampling: Sampling | N
         return logits, first, jnp.all(jnp.isfinite(last), axis=-1), cache
 
     return jax.jit(run, donate_argnames=("cache",), in_shardings=(w_sh, c_sh, b_sh, b_sh, None),
-                   out_shardings=(b_sh, b_sh if sampling is not None else None, b_sh, c_sh))
+                   out_shardings=(b_sh, b_sh if sampling is not None else None, b_sh, c_sh),
+                   compiler_options=compiler_options())
 
 
 @functools.lru_cache(maxsize=64)
@@ -153,4 +154,5 @@ def build_decode_loop(cfg, opt, mesh: Mesh, steps: int, sampling: Sampling, stop
         return out_t, out_l, cache, tok, done, bad
 
     return jax.jit(run, donate_argnames=("cache",), in_shardings=(w_sh, c_sh, b_sh, b_sh, None),
-                   out_shardings=(b_sh, b_sh if return_logits else None, c_sh, b_sh, b_sh, b_sh))
+                   out_shardings=(b_sh, b_sh if return_logits else None, c_sh, b_sh, b_sh, b_sh),
+                   compiler_options=compiler_options())

@@ -46,6 +46,19 @@ from jaxk3.sharding import DP, TP as TP_AXIS
 
 IMPLS = ("auto", "ffi", "lax")  # collective implementations (jaxk3.collectives.IMPLS)
 
+# The model's functions compile the arithmetic as written: every rounding to the compute dtype stays. XLA's
+# default (`xla_allow_excess_precision`) lets its GPU compiler drop a bf16 round trip between two float32 values,
+# so on a GPU the residual stream was carried in float32 across blocks where the model (and the CPU path, and the
+# bf16 reference models) rounds it after each block. Off here (docs/PERF.md, twenty-first session): on the CPU the logits are
+# bitwise as before; compiled for an H200, the 48B B = 1 step takes 262 launches instead of 281 (each MoE block's
+# residual add, a kernel of its own, goes into its consumers). `True` restores XLA's default.
+EXCESS_PRECISION = False
+
+
+def compiler_options() -> dict[str, Any]:
+    """The `jax.jit(compiler_options=...)` of the step, the prefill and the decode loop (EXCESS_PRECISION)."""
+    return {"xla_allow_excess_precision": bool(EXCESS_PRECISION)}
+
 
 # ----------------------------------------------------------------------------- pytrees
 @jax.tree_util.register_dataclass
@@ -284,7 +297,7 @@ def build_step(cfg: KimiK3Config, opt: StepOptions, mesh: Mesh):
         logits_BV, cache = local(weights, cache, tokens_B, valid_B)
         return logits_BV, jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), cache
 
-    return jax.jit(step, donate_argnames=("cache",))
+    return jax.jit(step, donate_argnames=("cache",), compiler_options=compiler_options())
 
 
 def put_rows(a_BT: np.ndarray, mesh: Mesh) -> jax.Array:

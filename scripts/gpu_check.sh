@@ -7,6 +7,7 @@
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
 #                        [mxfp4] [moestep] [targets] [mla] [hostcopy] [determinism] [cudaforms] [cudastep] [cudancu]
+#                        [exactstep]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -25,7 +26,9 @@
 #   ops only, in turn), each with its top-2 margins and whether its check steps rerun bitwise (PERF.md, 13th session);
 #   `cudaforms` the MXFP4 CUDA kernels' compiled tests and their forms alone at K3's TP 2 share (B 1 and 8), `cudastep`
 #   the K3 layers 11-14 step at CS_BATCH (1) with them patched in (CS_PATCHES), main before and after, and with
-#   CS_CENSUS (a patch list; "-" for none) the step's census; `cudancu` Nsight Compute on them (NCU_BATCH, NCU_CONFIG).
+#   CS_CENSUS (a patch list; "-" for none) the step's census; `cudancu` Nsight Compute on them (NCU_BATCH, NCU_CONFIG);
+#   `exactstep` the 48B B = 1 step as main compiles it (the bf16 roundings kept) against XLA's default precision
+#   (`jaxk3.model:EXCESS_PRECISION=1`), main again after (one process each).
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -399,6 +402,19 @@ if has cudastep; then
     XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout -k 5 150 $run ${K3S/--steps 20 --repeats 5/--steps 10} --census \
       --json "$OUT/cudastep_b${b}_census.json" 2>&1 | grep -v "^  \.\. " | tee "$OUT/cudastep_b${b}_census.log" | tail -25
   fi
+fi
+
+if has exactstep; then
+  # The 48B B = 1 step: main (model.EXCESS_PRECISION False, 262 launches compiled for the H200 offline) against XLA's
+  # default precision (281), then main again: each its own process (docs/PERF.md, twenty-first session).
+  S48="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants serving/auto --steps 20 --repeats 5"
+  for run in main excess main2; do
+    echo "== 48B B = 1 step: $run ($(date -u +%T))"
+    if [ "$run" = excess ]; then cmd="$PY scripts/gpu/step_with_kernel.py jaxk3.model:EXCESS_PRECISION=1 --"
+    else cmd="$PY -m jaxk3.cli bench decode"; fi
+    # shellcheck disable=SC2086
+    timeout -k 5 ${ES_TIMEOUT:-150} $cmd $S48 --json "$OUT/exactstep_$run.json" 2>&1 | grep -E "^ +1 \||rror" | tail -3
+  done
 fi
 
 if has cudancu; then

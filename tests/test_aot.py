@@ -177,11 +177,14 @@ def test_every_prefill_kernel_compiles_for_the_h200_at_real_dims(config, tp, bat
     assert {"moe_grouped", "kda_prefill", "mla_prefill"} <= seen, sorted(seen)
 
 
-# Launches per block of the 48B B = 1 step (`auto`, the serving layout) as the H200 census counted them
-# (docs/PERF.md: 281 launch ops, nineteenth session): a change that adds a launch to a block fails here first.
-# Layer 0's KDA block also holds the embedding row's conversion for its first kernel (4 launches there).
+# Launches per block of the 48B B = 1 step (`auto`, the serving layout). The H200's census counted 281 (docs/PERF.md,
+# nineteenth session), as this compile does with XLA's default precision; with the model's own roundings
+# (model.EXCESS_PRECISION False, twenty-first session) each MoE block after a KDA block takes 6, 262 in all. Layer 0's
+# KDA block also holds the embedding row's conversion for its first kernel (4 there). A change that adds a launch to
+# a block fails here first.
 LAUNCH_BUDGET_48B_B1 = {"embed": 1, "kda": 3, "mla": 5, "mlp": 5, "moe": 7, "head": 5, "layer0_kda": 4}
-LAUNCH_OPS_48B_B1 = 281
+LAUNCH_OPS_48B_B1 = 262
+MOE_AFTER_KDA = 6
 
 
 def test_48b_step_launches_within_the_measured_budget():
@@ -198,3 +201,33 @@ def test_48b_step_launches_within_the_measured_budget():
     assert not over, f"blocks over their launch budget {LAUNCH_BUDGET_48B_B1}: {over}"
     kda = [n for b, n in row["census"]["totals"].items() if b.endswith("_kda") and b != "layer0_kda"]
     assert len(kda) == 19 and set(kda) == {3}, kda  # every later KDA block: norm+projections, the step, o_proj
+    after_kda = [row["census"]["totals"][f"layer{l}_moe"] for l in range(1, 27)
+                 if f"layer{l}_kda" in row["census"]["totals"]]
+    assert len(after_kda) == 19 and set(after_kda) == {MOE_AFTER_KDA}, after_kda
+
+
+def test_the_step_keeps_its_bf16_roundings_on_the_h200(monkeypatch):
+    """model.EXCESS_PRECISION False (the default): the residual stream is rounded to bf16 after each block on the
+    H200 as written (and as on the CPU), not carried in float32 by XLA's excess precision. Read in the compiled
+    48B layers 0-3 step: every fusion that adds a block's partial sums (f32[4, 1, 2304]) to the stream rounds
+    through bf16; with XLA's default precision some do not."""
+    import re
+
+    from jaxk3 import model
+
+    def fusions(excess: bool) -> list[str]:
+        monkeypatch.setattr(model, "EXCESS_PRECISION", excess)
+        s = bd.STRATEGIES[0]
+        _, first, _, cfg, mesh, _ = bd._setup("kimi-linear-48b", "0-3", 64, 1, (1,), (s,), "h200")
+        made = bd.AbstractWeights(cfg, mesh, "bfloat16")
+        _, _, w, step, cache, ids, valid = bd._case(cfg, made, mesh, "bfloat16", first, 1, 4096, s, lambda g: None)
+        text = step.lower(w, cache, ids, valid).compile().as_text()
+        bodies = re.findall(r"\n(%fused_[\w.]* \([^\n]*\{\n.*?\n\})", text, re.S)
+        return [b for b in bodies if "f32[4,1,2304]" in b.split("\n")[0]]
+
+    def rounds(body: str) -> bool:  # f32 -> bf16 -> f32 on a row inside the fusion
+        return bool(re.search(r"bf16\[1,2304\]\{1,0\} convert\(", body)) and body.count("convert(") >= 2
+
+    exact, loose = fusions(False), fusions(True)
+    assert exact and all(rounds(b) for b in exact), [b.split("\n")[0] for b in exact if not rounds(b)]
+    assert not all(rounds(b) for b in loose)

@@ -14,7 +14,9 @@ or nothing: `bench decode`).
 
 An argument MODULE:CLASS.FIELD=VALUE (e.g. `moe_experts:Config.bn=8`, a module of jaxk3.kernels) sets the default of
 a kernel's config dataclass in this process: the step with another tiling than the one its sweep chose;
-MODULE:NAME=VALUE sets a module constant the kernel reads at each call (`mla_decode:MERGE_STAGES=2`).
+MODULE:NAME=VALUE sets a module constant the kernel reads at each call (`mla_decode:MERGE_STAGES=2`); a MODULE
+spelled from `jaxk3.` is that module (`jaxk3.model:EXCESS_PRECISION=1`: the step as XLA's default precision compiles
+it).
 """
 from __future__ import annotations
 
@@ -37,11 +39,11 @@ def set_default(arg: str) -> None:
 
     where, value = arg.split("=", 1)
     mod_name, attr = where.split(":")
-    mod = importlib.import_module(f"jaxk3.kernels.{mod_name}")
+    mod = importlib.import_module(mod_name if mod_name.startswith("jaxk3.") else f"jaxk3.kernels.{mod_name}")
     v = int(value) if value.lstrip("-").isdigit() else value
     if "." not in attr:
         if not hasattr(mod, attr):
-            raise SystemExit(f"jaxk3.kernels.{mod_name} has no constant {attr}")
+            raise SystemExit(f"{mod.__name__} has no constant {attr}")
         setattr(mod, attr, v)
         print(f"patched: {mod_name}.{attr} = {v!r} (this process only)", flush=True)
         return

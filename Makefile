@@ -18,7 +18,7 @@ ORACLES ?= 1
 JAX_SPEC ?= jax
 JAXK3_CUDA ?= AUTO
 TEST_WORKERS ?= 2
-# The deviceless compile's environment: the device image's jax (docs/ARCHITECTURE.md "Versions") with the CUDA
+# The deviceless compile's environment: the device image's jax (docs/PERF.md records it with every figure) with the CUDA
 # plugin alone (no CUDA libraries: nothing runs; XLA assembles PTX with the host's ptxas, CUDA 13 here as on the
 # device), on Python 3.12 (PyPI has no jax 0.11 for this machine's 3.11), its extension built apart from
 # .venv312's (build/aot-*).

@@ -1,9 +1,9 @@
 """Compiling for a GPU this machine does not have: XLA's deviceless compile through jax's CUDA plugin.
 
 The plugin compiles a jitted function for a described device without a driver or a GPU
-(`jax.experimental.topologies`): the same HLO passes, fusion decisions, Triton lowering of the Pallas
-kernels and PTX assembly as on the device, given the same XLA version and device description. What it
-gives without a device:
+(`jax.experimental.topologies`): the same HLO passes, fusion decisions and Triton lowering of the Pallas
+kernels as on the device, given the same XLA version and device description; the PTX is assembled by the
+host's ptxas (the CUDA toolkit's, 13.0 here; the device image has CUDA 13). What it gives without a device:
 
 - the kernel census of a step (`jaxk3 bench decode --census --target h200`): the launch ops and each
   block's kernels by kind, as the H200 compiles them;
@@ -18,7 +18,8 @@ Kimi-Linear-48B step's launch ops at B = 1 and 8 and the K3 packed step's at B =
 census counted (281, 832, 192).
 
 Needs the jax CUDA plugin of the device's jax (`make aot` makes `.venv-aot` with jax 0.11.2,
-jax-cuda13-plugin and the extension's CUDA kernels) and `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1` before jax
+jax-cuda13-plugin and the extension's CUDA kernels), a ptxas on the PATH or in /usr/local/cuda, and
+`JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1` before jax
 starts its backends (`prepare()`): the plugin's check of the CUDA libraries' versions needs a driver,
 and without the variable the plugin is not registered at all.
 """
@@ -39,7 +40,7 @@ SKIP_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 # XLA's GpuTargetConfig (text proto) of one H200 SXM as the compile reads it. Measured on the lent H200s
 # (docs/PERF.md): 132 SMs, 232,448 B of shared memory a block can opt into (the limit the first compiled
 # MLA kernel hit), sm_90. Vendor figures: 4.8 TB/s HBM3e, 141 GB, 50 MB of L2, 1.98 GHz boost clock.
-# The CUDA runtime is the device image's (CUDA 13, docs/ARCHITECTURE.md "Versions"). XLA's cost model
+# The CUDA runtime is the device image's (CUDA 13, as docs/PERF.md records). XLA's cost model
 # reads the bandwidth, clock and core count when it fuses; the others bound what a kernel may ask for.
 H200 = """
 gpu_device_info {

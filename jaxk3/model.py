@@ -49,9 +49,9 @@ IMPLS = ("auto", "ffi", "lax")  # collective implementations (jaxk3.collectives.
 # The model's functions compile the arithmetic as written: every rounding to the compute dtype stays. XLA's
 # default (`xla_allow_excess_precision`) lets its GPU compiler drop a bf16 round trip between two float32 values,
 # so on a GPU the residual stream was carried in float32 across blocks where the model (and the CPU path, and the
-# bf16 reference models) rounds it after each block. Off here (docs/PERF.md, twenty-first session): on the CPU the logits are
-# bitwise as before; compiled for an H200, the 48B B = 1 step takes 262 launches instead of 281 (each MoE block's
-# residual add, a kernel of its own, goes into its consumers). `True` restores XLA's default.
+# bf16 reference models) rounds it after each block. Off here (docs/PERF.md, twenty-first session): on the CPU
+# the logits are bitwise as before; compiled for an H200, the 48B B = 1 step takes 262 launches instead of 281
+# (each MoE block's residual add, a kernel of its own, goes into its consumers). `True` restores XLA's default.
 EXCESS_PRECISION = False
 
 

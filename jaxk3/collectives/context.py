@@ -100,7 +100,7 @@ def where_traced(mesh=None) -> Where:
     m = current_mesh()
     if m is not None and not all(a in m.axis_names for a in axes.sizes):
         m = None  # a mesh recorded or set outside that is not this shard_map's
-    platform = platform_of(m) if m is not None else (_compat.abstract_mesh_platform() or jax.default_backend())
+    platform = platform_of(m) if m is not None else _compat.device_platform()
     return Where(axes, m, platform, lowering=False)
 
 

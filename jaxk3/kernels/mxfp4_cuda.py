@@ -110,8 +110,8 @@ def gate_up(ids_U: jax.Array, x: jax.Array, xinv: jax.Array | None, gate, up, up
     """a [U, 1, I] bf16 for one token (the wide form: [U, rows, I] for up to 8): `gate` and `up` the MXFP4 stacks
     (`moe_experts.MXFP4`: packed [E, R, In/2], scale [E, R, In/32]) holding the gate rows [0, I) and the up rows
     [up_off, up_off + I) (the serving layout's join: the same stack twice, up_off = I); x the bf16 token [In] as it is
-    with xinv None (the kernel makes its
-    float16 copy), or in float16 times 2^k with xinv = 2^-k (its order as it is: permuted here).  x [nb, In] (1 to 8
+    with xinv None (the kernel makes its float16 copy), or in float16 times 2^k with xinv = 2^-k (its order as it is:
+    permuted here).  x [nb, In] (1 to 8
     tokens, float16, xinv [nb]: the wide form, each lane g reading token g's row): a [U, rows, I] (rows >= nb, the
     rows past nb zeros).  `l2`: the weight loads with L2's 256-byte prefetch size."""
     U, In = ids_U.shape[0], x.shape[-1]

@@ -381,8 +381,9 @@ if has cudastep; then
   # (CS_PATCHES: ';'-separated step_with_kernel.py patch lists), main again at the end.
   b=${CS_BATCH:-1}
   K3S="--config k3 --layers 11-14 --experts 32 --tp 1 --context 4k --steps 20 --repeats 5 --strategies packed+sharded+one-shot --batch $b"
-  if [ "$b" = 1 ]; then dflt="moe_experts:CUDA_RAW=1;moe_experts:CUDA_RAW=1 moe_experts:CUDA_DOWN=1"
-  else dflt="moe_experts:CUDA_WIDE=1;moe_experts:CUDA_WIDE=1 moe_experts:CUDA_DOWN=1"; fi
+  # (default patches: the forms main had before the twenty-second session, against main's defaults)
+  if [ "$b" = 1 ]; then dflt="moe_experts:CUDA_L2=0"
+  else dflt="moe_experts:CUDA_WIDE=0 moe_experts:CUDA_L2=0"; fi
   IFS=';' read -ra patches <<< "${CS_PATCHES:-$dflt}"
   [ "${CS_PATCHES:-}" = none ] && patches=()
   echo "== K3 B = $b step: main ($(date -u +%T))"

@@ -70,20 +70,26 @@ MAX_B = 8  # decode rows; more take the reference (prefill has jaxk3.kernels.moe
 # both kernels against the Pallas kernel 1's 105.5 and XLA's 182.0; the K3 layers 11-14 B = 1 step 2524.5/2529.7 us
 # against 2588.5/2591.6 in the same call; compiled at K3's TP 1, 2, 8 shares and the 48B's, docs/PERF.md)
 CUDA_GATE_UP = True
-# Config.cuda_down None: kernel 2 at one token in CUDA (jaxk3.kernels.mxfp4_cuda.down).  Off: built after the nineteenth
-# session's device time ran out, not yet run on a GPU (its compiled test is queued: test_moe_experts_cuda_down_on_gpu)
+# Config.cuda_down None: kernel 2 in CUDA (jaxk3.kernels.mxfp4_cuda.down).  Off: its compiled tests pass on an H200, and
+# alone it is faster than the Pallas kernel 2 at B = 8 (K3's TP 2 share, wide: 278.9 us against 299.1) but not at one
+# token (102.2 against 97.6), and the K3 layers 11-14 packed steps were slower with it at both (B = 1: 2611.2 us against
+# 2567.4 and 2572.3; B = 8, wide and L2: 3347.1 against 3259.9 without it; twenty-second session, docs/PERF.md)
 CUDA_DOWN = False
-# Config.cuda_raw / cuda_l2 None: the CUDA kernels' forms (ffi/cuda_mxfp4.h).  Both off: built after the twentieth
-# session found no device lent (their compiled tests and timing are queued: docs/PERF.md).  raw: each kernel takes its
-# bf16 input as it is and makes the float16 copy itself (cp.async into shared memory, the largest magnitude, scaled and
-# permuted in place), in place of `f16_scaled` and `lanes_order` as XLA fusions before it (two a kernel); l2: the weight
-# loads ask L2 for the whole 256-byte block around each (PTX's L2::256B prefetch size)
+# Config.cuda_raw / cuda_l2 None: the CUDA kernels' forms (ffi/cuda_mxfp4.h).  raw: each kernel takes its bf16 input as
+# it is and makes the float16 copy itself (cp.async into shared memory, the largest magnitude, scaled and permuted in
+# place), in place of `f16_scaled` and `lanes_order` as XLA fusions before it; off: even with the measured form on an
+# H200 (K3's TP 2 share at B = 1: 99.0 us against 97.6; the K3 layers 11-14 step 2570.5 us against 2567.4 and 2572.3,
+# twenty-second session).  l2: the weight loads ask L2 for the whole 256-byte block around each (PTX's L2::256B
+# prefetch size); on: K3's TP 2 share 91.1 us against 97.6 at B = 1 and 259.8 against 278.9 at B = 8 (wide, CUDA
+# kernel 2), the same bits; the K3 B = 1 step 2514.9 us against 2533.5 and 2518.7 in the same call (docs/PERF.md)
 CUDA_RAW = False
-CUDA_L2 = False
-# Config.cuda_wide None: the CUDA kernels for 1 to 8 tokens (the same products with each token a column of the mma's
-# N = 8: lane g reads token g's float16 row through L1), in place of the Pallas float16 forms at B > 1.  Off: built
-# after the twentieth session found no device lent (tests and timing queued)
-CUDA_WIDE = False
+CUDA_L2 = True
+# Config.cuda_wide None: the CUDA kernels for 2 to 8 tokens (the same products with each token a column of the mma's
+# N = 8: lane g reads token g's float16 row through L1), in place of the Pallas float16 forms at B > 1.  On there (K3's
+# TP 2 share at B = 8: 299.1 us against the Pallas kernels' 329.2; the K3 layers 11-14 packed B = 8 step 3304.0 us
+# against 3390.6 and 3389.8, and with the L2 hint 3259.9 against 3350.3 and 3353.6, twenty-second session); not at one
+# token, where the shared-memory copy is faster (97.6 us against 107.6).  Config.cuda_wide=True takes it at one token
+CUDA_WIDE = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -803,7 +809,7 @@ def _cuda_problem(cf: Config, w, z_BL: jax.Array, shared, routed: bool = False, 
                   ) -> str | None:
     """Why kernel 1 (or with `down` = (U, parts), kernel 2) cannot be the CUDA kernel for this call (None: it can)."""
     B, (_, I, In, Out, _) = z_BL.shape[0], _dims(w)
-    wide = _cuda_form(cf)[0] == "wide"
+    wide = _cuda_form(cf, B)[0] == "wide"
     if (B > (MAX_B if wide else 1) or not isinstance(w.experts_w2, MXFP4) or not _f16_marked(w)
             or z_BL.dtype != jnp.bfloat16):
         return (f"the CUDA kernels take one token (1 to {MAX_B} with Config.cuda_wide) of bf16 activations and MXFP4 "
@@ -829,11 +835,12 @@ def _cuda_wanted(cf: Config, down: bool = False) -> bool:
     return CUDA_GATE_UP if cf.cuda is None else bool(cf.cuda)
 
 
-def _cuda_form(cf: Config) -> tuple[str, bool]:
-    """(input form, l2): the CUDA kernels' inputs, "wide" (Config.cuda_wide: 1 to 8 tokens' float16 rows read through
-    L1), "raw" (Config.cuda_raw: bf16 as it is, the float16 copy made in shared memory) or "f16" (the float16 copy XLA
-    made, in shared memory: the measured form); and the weight loads' L2 hint (Config.cuda_l2).  None: the defaults."""
-    wide = CUDA_WIDE if cf.cuda_wide is None else bool(cf.cuda_wide)
+def _cuda_form(cf: Config, B: int) -> tuple[str, bool]:
+    """(input form, l2) of the CUDA kernels at B tokens: their inputs "wide" (Config.cuda_wide: 1 to 8 tokens' float16
+    rows read through L1; None: CUDA_WIDE at B > 1), "raw" (Config.cuda_raw: bf16 as it is, the float16 copy made in
+    shared memory) or "f16" (the float16 copy XLA made, in shared memory: the one-token default); and the weight
+    loads' L2 hint (Config.cuda_l2).  None: the defaults."""
+    wide = (CUDA_WIDE and B > 1) if cf.cuda_wide is None else bool(cf.cuda_wide)
     raw = CUDA_RAW if cf.cuda_raw is None else bool(cf.cuda_raw)
     return ("wide" if wide else "raw" if raw else "f16"), (CUDA_L2 if cf.cuda_l2 is None else bool(cf.cuda_l2))
 
@@ -990,7 +997,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
 
     if (not interpret and _cuda_wanted(cf)
             and _cuda_problem(cf, w, z_BL, shared, route is not None) is None):  # kernel 1 in CUDA
-        form, l2 = _cuda_form(cf)
+        form, l2 = _cuda_form(cf, B)
         # raw: the bf16 token as it is (the kernel makes its float16 copy); else the tokens' float16 rows, each times
         # its own 2^k: wide, all B of them (the output padded to the Bp rows a Pallas kernel 2 reads), else the one
         if form == "raw":
@@ -1018,7 +1025,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
             and _cuda_problem(cf, w, z_BL, shared, route is not None, down=(U, G)) is None):  # kernel 2 in CUDA
         _, coef = sel_down if route is None else sel
         ids = sel_up[0]  # (B > 1: -1 for the padding slots, which the kernel skips; `read` re-reads an expert)
-        form, l2 = _cuda_form(cf)
+        form, l2 = _cuda_form(cf, B)
         wide = form == "wide"  # each slot's Bp rows (past B: zeros, coef 0) with the tokens' coefficients [Bp, U]
         a_U, c = (a, coef) if wide else (a[:, 0, :], coef[0])
         a_U, ainv = (a_U, None) if form == "raw" else f16_scaled(a_U)  # raw: the kernel scales each slot itself
@@ -1176,10 +1183,12 @@ register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits
                          "at K3 TP 2 B=8, 0.95x at K3 TP 2 B=1 (auto keeps XLA; B=8 with 64 experts kept); MXFP4 "
                          "(the \"asm\" decode): 2.04x at K3 TP 2 B=1 with kernel 1 in CUDA (tensor cores, "
                          "jaxk3.kernels.mxfp4_cuda; the Pallas form 1.73x; K3 layers 11-14 at TP 1, packed: the "
-                         "step 2524.5 us against 2588.5 with the Pallas kernel 1 and XLA's 3252.3); 2.94x at K3 TP 2 B=8 on float16 tensor "
-                         "cores (f16; mx_dot 2.04x); K3 layers 11-14 at TP 1, B=8: the step 4212.7 us against 9839.8 "
-                         "(bf16) and 3811.6 against 12066.2 (MXFP4; mx_dot 4454.9) (H200, jax 0.11.2; MEASURED, "
-                         "STEP_MEASURED)"))
+                         "step 2524.5 us against 2588.5 with the Pallas kernel 1 and XLA's 3252.3; with the L2 hint "
+                         "2.03x at K3 TP 2 B=1); 2.94x at K3 TP 2 B=8 on float16 tensor cores (f16; mx_dot 2.04x), "
+                         "4.07x with kernel 1 in CUDA (wide; the K3 layers 11-14 packed B=8 step 3259.9 us with the L2 "
+                         "hint against 3350.3 with the Pallas kernel 1); K3 layers 11-14 at TP 1, B=8: the step 4212.7 "
+                         "us against 9839.8 (bf16) and 3811.6 against 12066.2 (MXFP4; mx_dot 4454.9) (H200, jax "
+                         "0.11.2; MEASURED, STEP_MEASURED)"))
 
 
 def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,

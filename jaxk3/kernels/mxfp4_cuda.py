@@ -2,7 +2,7 @@
 tensor cores (mma.sync m16n8k16, float16 in, float32 sums; the shared warp products in ffi/cuda_mxfp4.h):
   `gate_up` (ffi/cuda_mxfp4_gate_up.cu, `jaxk3_mxfp4_gate_up`): a[u, 0, :] = act(W1[ids[u]] x, W3[ids[u]] x), bf16;
   `down` (ffi/cuda_mxfp4_down.cu, `jaxk3_mxfp4_down`): y[p, 0, :] = Σ over part p's slots of coef[u] W2[ids[u]] a[u],
-  fp32 partial sums (built after the nineteenth session's device time: off, `moe_experts.CUDA_DOWN`).
+  fp32 partial sums (off: `moe_experts.CUDA_DOWN` says why).
 
 Why CUDA: at one token the Pallas kernel multiplies element-wise on the CUDA cores, ~5.7 instructions a weight
 (offline SASS count, `scripts/sass_loop.sh`), and its tensor-core forms lose there, because Triton's layouts for
@@ -18,7 +18,9 @@ takes the bf16 input as it is and makes the same copy in shared memory (ffi/cuda
 tests/test_kernels.py's `test_mxfp4_cuda_raw_input_is_f16_scaled` runs that code on the CPU).  `l2` asks L2 for the
 whole 256-byte block around each weight load (PTX's L2::256B); values unchanged.  The wide form takes 1 to 8 tokens
 (`moe_experts.Config.cuda_wide`): the mma's N is 8, so lane g of the B fragment reads token g's float16 row (from
-global memory, kept in L1; the weight loads skip L1), for the same MMAs and weight bytes as one token.
+global memory, kept in L1; the weight loads skip L1), for the same MMAs and weight bytes as one token.  The defaults
+(measured on an H200, `moe_experts.CUDA_*`): kernel 1 in CUDA, from XLA's float16 copy at one token and the wide form
+at 2 to 8, with the L2 hint; kernel 2 in Pallas.
 
 jnp has no such kernels: the CPU path and the oracle are `moe_experts.experts_partial`, as for the Pallas kernels.
 """

@@ -230,3 +230,37 @@ def test_the_step_keeps_its_bf16_roundings_on_the_h200(monkeypatch):
     exact, loose = fusions(False), fusions(True)
     assert exact and all(rounds(b) for b in exact), [b.split("\n")[0] for b in exact if not rounds(b)]
     assert not all(rounds(b) for b in loose)
+
+
+def test_the_cuda_kernels_run_inside_the_steps_command_buffer(monkeypatch, tmp_path):
+    """The K3 layers 11-14 packed B = 1 step, compiled for the H200 with the MXFP4 CUDA kernels (the jaxk3 FFI
+    targets, command-buffer compatible): XLA's thunk passes put the whole step, those custom calls included, in one
+    command buffer, as on the device. The target's driver version (aot.H200's `driver_version`) is what lets them in:
+    described without one, XLA takes the driver for 0.0.0, drops custom calls from its command buffers, and the step
+    splits into a command buffer between each two calls."""
+    import glob
+    import re
+
+    from jaxk3.kernels import mxfp4_cuda as CU
+
+    def structure(target_config: str, d) -> tuple[int, int, int]:
+        monkeypatch.setitem(aot.TARGETS, "h200", target_config)
+        s = next(x for x in bd.STRATEGIES if x.name == "packed+sharded+one-shot")
+        _, first, _, cfg, mesh, _ = bd._setup("k3", "11-14", 32, 1, (1,), (s,), "h200")
+        made = bd.AbstractWeights(cfg, mesh, "bfloat16")
+        _, _, w, step, cache, ids, valid = bd._case(cfg, made, mesh, "bfloat16", first, 1, 4096, s, lambda g: None)
+        if (why := CU._register(CU.TARGET)) is not None:  # the extension's build (the traced platform is the H200's)
+            pytest.skip(f"the MXFP4 CUDA kernels are not in this build: {why} (`make aot` builds them)")
+        step.lower(w, cache, ids, valid).compile(compiler_options=aot.dump_options(str(d)))
+        (seq,) = glob.glob(str(d / "*jit_step*thunk_sequence_after_thunk_passes.txt"))
+        text = open(seq).read()
+        top = re.findall(r"^\d+: (k\w+)", text, re.M)  # top-level thunks (a command buffer's own are indented)
+        inner = re.findall(r"^ +\d+: kCustomCall", text, re.M)
+        return top.count("kCommandBuffer"), top.count("kCustomCall"), len(inner)
+
+    buffers, outside, inside = structure(aot.H200, tmp_path / "driver")
+    assert (buffers, outside) == (1, 0) and inside >= 4, (buffers, outside, inside)  # 4 layers' kernel 1
+    no_driver = aot.H200.replace('  driver_version: "13.0.0"\n', "")
+    assert no_driver != aot.H200
+    buffers, outside, inside = structure(no_driver, tmp_path / "none")
+    assert buffers > 1 and outside >= 4 and inside == 0, (buffers, outside, inside)

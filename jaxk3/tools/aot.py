@@ -40,7 +40,9 @@ SKIP_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 # XLA's GpuTargetConfig (text proto) of one H200 SXM as the compile reads it. Measured on the lent H200s
 # (docs/PERF.md): 132 SMs, 232,448 B of shared memory a block can opt into (the limit the first compiled
 # MLA kernel hit), sm_90. Vendor figures: 4.8 TB/s HBM3e, 141 GB, 50 MB of L2, 1.98 GHz boost clock.
-# The CUDA runtime is the device image's (CUDA 13, as docs/PERF.md records). XLA's cost model
+# The CUDA runtime is the device image's (CUDA 13, as docs/PERF.md records), and so is the driver's CUDA version
+# (driver 580, CUDA 13.0): without one, XLA takes the driver for 0.0.0 and keeps custom calls (the jaxk3 CUDA
+# kernels), cuBLAS and cuDNN out of its command buffers, which the device puts in them. XLA's cost model
 # reads the bandwidth, clock and core count when it fuses; the others bound what a kernel may ask for.
 H200 = """
 gpu_device_info {
@@ -64,6 +66,7 @@ gpu_device_info {
   }
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
+  driver_version: "13.0.0"
 }
 platform_name: "CUDA"
 dnn_version_info {

@@ -115,6 +115,16 @@ def _triton_calls(row: dict) -> int:
     return sum(n for d in row["census"]["details"].values() for t, n in d.items() if "gpu.triton" in t)
 
 
+def _abstract_step(config: str, layers: str, experts: int, strategy: str, **compile_options):
+    """One decode step (B = 1, 4K context) of `config`'s `layers` with `strategy`, lowered on abstract weights and
+    cache for one H200 and compiled (`compile_options`: XLA's, e.g. `aot.dump_options`)."""
+    s = next(x for x in bd.STRATEGIES if x.name == strategy)
+    _, first, _, cfg, mesh, _ = bd._setup(config, layers, experts, 1, (1,), (s,), "h200")
+    made = bd.AbstractWeights(cfg, mesh, "bfloat16")
+    _, _, w, step, cache, ids, valid = bd._case(cfg, made, mesh, "bfloat16", first, 1, 4096, s, lambda g: None)
+    return step.lower(w, cache, ids, valid).compile(compiler_options=compile_options or None)
+
+
 BOTH = ("stock", "packed+sharded+one-shot")
 FIT_CASES = [("k3", 1, (4096, 32768), BOTH), ("k3", 2, (4096,), BOTH), ("k3", 8, (4096,), BOTH),
              ("kimi-linear-48b", 1, (4096, 32768), ("stock",)),
@@ -216,11 +226,7 @@ def test_the_step_keeps_its_bf16_roundings_on_the_h200(monkeypatch):
 
     def fusions(excess: bool) -> list[str]:
         monkeypatch.setattr(model, "EXCESS_PRECISION", excess)
-        s = bd.STRATEGIES[0]
-        _, first, _, cfg, mesh, _ = bd._setup("kimi-linear-48b", "0-3", 64, 1, (1,), (s,), "h200")
-        made = bd.AbstractWeights(cfg, mesh, "bfloat16")
-        _, _, w, step, cache, ids, valid = bd._case(cfg, made, mesh, "bfloat16", first, 1, 4096, s, lambda g: None)
-        text = step.lower(w, cache, ids, valid).compile().as_text()
+        text = _abstract_step("kimi-linear-48b", "0-3", 64, "stock").as_text()
         bodies = re.findall(r"\n(%fused_[\w.]* \([^\n]*\{\n.*?\n\})", text, re.S)
         return [b for b in bodies if "f32[4,1,2304]" in b.split("\n")[0]]
 
@@ -243,15 +249,12 @@ def test_the_cuda_kernels_run_inside_the_steps_command_buffer(monkeypatch, tmp_p
 
     from jaxk3.kernels import mxfp4_cuda as CU
 
+    if (why := CU._register(CU.TARGET)) is not None:  # the extension's build (the traced platform is the H200's)
+        pytest.skip(f"the MXFP4 CUDA kernels are not in this build: {why} (`make aot` builds them)")
+
     def structure(target_config: str, d) -> tuple[int, int, int]:
         monkeypatch.setitem(aot.TARGETS, "h200", target_config)
-        s = next(x for x in bd.STRATEGIES if x.name == "packed+sharded+one-shot")
-        _, first, _, cfg, mesh, _ = bd._setup("k3", "11-14", 32, 1, (1,), (s,), "h200")
-        made = bd.AbstractWeights(cfg, mesh, "bfloat16")
-        _, _, w, step, cache, ids, valid = bd._case(cfg, made, mesh, "bfloat16", first, 1, 4096, s, lambda g: None)
-        if (why := CU._register(CU.TARGET)) is not None:  # the extension's build (the traced platform is the H200's)
-            pytest.skip(f"the MXFP4 CUDA kernels are not in this build: {why} (`make aot` builds them)")
-        step.lower(w, cache, ids, valid).compile(compiler_options=aot.dump_options(str(d)))
+        _abstract_step("k3", "11-14", 32, "packed+sharded+one-shot", **aot.dump_options(str(d)))
         (seq,) = glob.glob(str(d / "*jit_step*thunk_sequence_after_thunk_passes.txt"))
         text = open(seq).read()
         top = re.findall(r"^\d+: (k\w+)", text, re.M)  # top-level thunks (a command buffer's own are indented)

@@ -190,6 +190,79 @@ __device__ __forceinline__ void Stream(float (&d)[4], Tile (&T)[kDepth], const u
   }
 }
 
+// ---- The streaming form (the gate-up kernel's `stages` > 0): a warp's weight loads go through a ring of kStages
+// iterations in shared memory by cp.async, so no register is held while they are in flight (the register form holds
+// kDepth = 4 tiles, 79 registers, and so 6 CTAs an SM).  Each lane copies, and reads back, only its own bytes: its two
+// rows' 16 code bytes and the aligned 4-byte word holding its scale byte of each row (the four lanes t of a row copy
+// the same word, each into its own slot), so a lane never waits for another's copies and no barrier is needed.
+
+template <int kStages>
+struct Ring {
+  uint4 c[kStages][2][32];     // [stage][row g, row g + 8][lane]: conflict-free 16-byte reads of a warp
+  uint32_t s[kStages][2][32];  // the scale word of the lane's group (byte t of it)
+};
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// One lane's 16-byte (codes, .cg: L2 only) or 4-byte (a scale word, .ca) asynchronous copy to shared address `s`,
+// asking L2 for the whole 256-byte block around it (the register form's `kL2`).
+__device__ __forceinline__ void CopyAsync16L2(uint32_t s, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void CopyAsync4L2(uint32_t s, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void CommitGroup() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Until at most n of this thread's committed groups are still in flight (so all but the newest n have landed).
+template <int n>
+__device__ __forceinline__ void WaitGroup() { asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory"); }
+
+__device__ __forceinline__ uint4 LoadShared16(uint32_t s) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(s));
+  return v;
+}
+__device__ __forceinline__ uint32_t LoadShared4(uint32_t s) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(s));
+  return v;
+}
+
+// A lane's place in its warp's ring: shared addresses of its stage-0 slots, each stage `kCodeStage` / `kScaleStage`
+// bytes on (rows g + 8: half a stage on).
+template <int kStages>
+struct RingLane {
+  static constexpr uint32_t kCodeStage = 2 * 32 * sizeof(uint4), kScaleStage = 2 * 32 * sizeof(uint32_t);
+  uint32_t c, s;
+  __device__ __forceinline__ RingLane(Ring<kStages>& R, int lane)
+      : c(SharedAddress(&R.c[0][0][lane])), s(SharedAddress(&R.s[0][0][lane])) {}
+
+  // One iteration's copies into `stage`: the row pair's 16 code bytes at `codes` (row g; row g + 8 `row8` bytes on)
+  // and the scale words at `scales` (the word holding group t's byte: 4-byte aligned while In is a multiple of 256,
+  // and the handler checks the scale buffers are).
+  __device__ __forceinline__ void Load(int stage, const uint8_t* codes, size_t row8, const uint8_t* scales,
+                                       size_t srow8) const {
+    const uint32_t cs = c + stage * kCodeStage, ss = s + stage * kScaleStage;
+    CopyAsync16L2(cs, codes);
+    CopyAsync16L2(cs + kCodeStage / 2, codes + row8);
+    CopyAsync4L2(ss, scales);
+    CopyAsync4L2(ss + kScaleStage / 2, scales + srow8);
+  }
+
+  // The tile this lane copied into `stage`, once its group has landed (WaitGroup).
+  __device__ __forceinline__ Tile Read(int stage, int t) const {
+    const uint32_t cs = c + stage * kCodeStage, ss = s + stage * kScaleStage;
+    Tile T;
+    T.c0 = LoadShared16(cs);
+    T.c8 = LoadShared16(cs + kCodeStage / 2);
+    T.s0 = static_cast<uint8_t>(LoadShared4(ss) >> (8 * t));
+    T.s8 = static_cast<uint8_t>(LoadShared4(ss + kScaleStage / 2) >> (8 * t));
+    return T;
+  }
+};
+
 // ---- A kernel's bf16 input (the token, or each slot's activations) made float16 in the lanes' order by the kernel
 // itself (the "raw" form: no XLA fusions before it), as `moe_experts.f16_scaled` and `mxfp4_cuda.lanes_order` make it.
 

@@ -16,10 +16,12 @@
 // XLA, or in the raw form (x bf16) by the CTA itself in shared memory (cuda_mxfp4.h).  The K dimension's order
 // inside an mma is free, so no data moves between lanes.  Template instances <input form, l2> (kIn16, kInRaw,
 // kInWide: up to 8 tokens, each lane g token g's B column; l2: the weight loads with L2's 256-byte prefetch size);
-// <kIn16, false> is the one measured (docs/PERF.md, nineteenth session).
+// <kIn16, false> is the one measured (docs/PERF.md, nineteenth session).  The streaming form (`stages` 4, 6, 8:
+// GateUpStreamKernel below) does the same products in persistent CTAs with the weights through shared memory.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -59,6 +61,7 @@ struct Params {
   int E, I, In, act;
   float beta, linear_beta;
   int nb, Bp;                   // kInWide: the tokens given, the output's rows (nb <= Bp <= 8)
+  int U;                        // slots (the register form's grid.y)
 };
 
 __device__ __forceinline__ float Act(float a, float b, int act, float beta, float linear_beta) {
@@ -164,10 +167,156 @@ __global__ void __launch_bounds__(kWarps * 32, kIn == kInWide ? 6 : 0) GateUpKer
   }
 }
 
+// ---- The streaming form (`stages` > 0; the products and the epilogue are the register form's, bit for bit).  Where
+// the time of the register form goes (nineteenth session, Nsight Compute, K3's TP 2 share): 46.2 us at 43% of DRAM's
+// throughput with 35% of the warps resident (79 registers), stalled on its global loads; and each CTA streams only 14
+// iterations a warp, so it starts cold (the slot's expert read, then the first loads) and drains its last loads with
+// nothing behind them, 1.94 waves of CTAs.  Here the CTAs are persistent, one grid of as many as fit (occupancy x SMs),
+// each taking the items (slot u, 16-row block) c, c + grid, ...; each warp's loads go through a ring of kStages
+// iterations in shared memory (cp.async: no registers held in flight) that runs on across the CTA's items, so the
+// next item's first loads are in flight while this one's last products and its epilogue run; the slots' experts are
+// read once a CTA, into shared memory.  The copies ask L2 for 256-byte blocks, as the `l2` form's loads.
+constexpr int kMaxStreamSlots = 512;  // the slots' experts in shared memory (2 KB)
+
+template <int kIn, int kStages>
+__global__ void __launch_bounds__(kWarps * 32) GateUpStreamKernel(Params p) {
+  static_assert(kIn == kIn16 || kIn == kInWide, "the streaming form takes XLA's float16 copies");
+  using Ring = mxfp4::Ring<kStages>;
+  constexpr int kCols = kIn == kInWide ? kMaxTokens : 1;  // D's columns the epilogue reads
+  extern __shared__ uint4 dyn[];
+  Ring& R = reinterpret_cast<Ring*>(dyn)[threadIdx.x / 32];
+  uint4* xs = reinterpret_cast<uint4*>(reinterpret_cast<Ring*>(dyn) + kWarps);  // kIn16: the token, In / 8 octets
+  __shared__ int sid[kMaxStreamSlots];
+  __shared__ float red[2][kWarps][kRows][kCols];  // by item parity: one barrier an item
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int i = threadIdx.x; i < p.U; i += blockDim.x) sid[i] = p.ids[i];
+  __syncthreads();
+
+  const int nblk = p.I / kRows, items = nblk * p.U;
+  const int mine = items > static_cast<int>(blockIdx.x) ? (items - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1 : 0;
+  const bool up = warp >= 2;
+  const size_t row_bytes = p.In / 2, srow_bytes = p.In / 32;
+  const long long rows = up ? p.up_rows : p.gate_rows, off = up ? p.up_off : 0;
+  const uint8_t* packed = up ? p.up_packed : p.gate_packed;
+  const uint8_t* scale = up ? p.up_scale : p.gate_scale;
+  const int iters = p.In / 2 / kChunk;
+  const int first = (warp % 2) * (p.In / 2) + 32 * t;  // this lane's first code of an item
+  const size_t row8 = 8 * row_bytes, srow8 = 8 * srow_bytes;
+  // Item k of this CTA: its slot, first row, and this lane's first code and scale word (false: an empty slot,
+  // nothing loaded, zeros out).
+  auto at = [&](int k, int& u, int& i0, const uint8_t*& codes, const uint8_t*& scales) {
+    const int item = static_cast<int>(blockIdx.x) + k * static_cast<int>(gridDim.x);
+    u = item / nblk;
+    i0 = (item - u * nblk) * kRows;
+    const int e = sid[u];
+    if (e < 0 || e >= p.E) return false;
+    const long long r = static_cast<long long>(e) * rows + off + i0 + g;
+    codes = packed + r * row_bytes + first / 2;
+    scales = scale + r * srow_bytes + (first / 32 - t);
+    return true;
+  };
+  const mxfp4::RingLane<kStages> ring(R, lane);
+
+  // The issuing cursor, kStages - 1 iterations ahead of the products, its pointers advanced a chunk a step; a group
+  // is committed each step (empty past the CTA's last item), so that WaitGroup<kStages - 1> always means "the
+  // oldest group has landed".
+  int ik = 0, iit = 0, istage = 0, iu, ii0;
+  const uint8_t *icodes = nullptr, *iscales = nullptr;
+  bool ilive = mine > 0 && at(0, iu, ii0, icodes, iscales);
+  auto issue = [&]() {
+    if (ik < mine) {
+      if (ilive) {
+        ring.Load(istage, icodes, row8, iscales, srow8);
+        icodes += kChunk / 2;
+        iscales += kChunk / 32;
+      }
+      if (++iit == iters) {
+        iit = 0;
+        if (++ik < mine) ilive = at(ik, iu, ii0, icodes, iscales);
+      }
+      istage = istage + 1 == kStages ? 0 : istage + 1;
+    }
+    mxfp4::CommitGroup();
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue();
+  if constexpr (kIn == kIn16) {  // the token, once a CTA (XLA's float16 copy, as the register form's)
+    for (int i = threadIdx.x; i < p.In / 8; i += blockDim.x) xs[i] = p.x[i];
+    __syncthreads();
+  }
+  const bool has_x = kIn == kInWide ? g < p.nb : g == 0;
+  const uint4* x = (kIn == kInWide ? p.x + static_cast<size_t>(has_x ? g : 0) * (p.In / 8) : xs) + first / 8;
+  constexpr int kMul = kIn == kInWide ? mxfp4::kWide : 0;  // Multiply's token loads (global through L1, or shared)
+
+  int stage = 0;
+  for (int k = 0; k < mine; ++k) {
+    int u, i0;
+    const uint8_t *codes, *scales;
+    const bool live = at(k, u, i0, codes, scales);
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const uint4* xk = x;  // the token's octets of this lane's chunk, kChunk / 8 on an iteration
+    for (int it = 0; it < iters; ++it) {
+      issue();
+      mxfp4::WaitGroup<kStages - 1>();
+      if (live) mxfp4::Multiply<kMul>(d, ring.Read(stage, t), xk, 0, has_x);
+      xk += kChunk / 8;
+      stage = stage + 1 == kStages ? 0 : stage + 1;
+    }
+    float(&rd)[kWarps][kRows][kCols] = red[k & 1];
+    if constexpr (kIn == kInWide) {
+      mxfp4::TokensToShared(rd[warp], lane, d);
+    } else if (t == 0) {  // column 0 of D: rows g (d[0]) and g + 8 (d[2])
+      rd[warp][g][0] = d[0];
+      rd[warp][g + 8][0] = d[2];
+    }
+    __syncthreads();
+    const int cols = kIn == kInWide ? p.Bp : 1;
+    for (int q = threadIdx.x; q < kRows * cols; q += blockDim.x) {
+      const int i = q % kRows, b = q / kRows;
+      const float inv = kIn == kInWide ? (b < p.nb ? p.xinv[b] : 0.0f) : *p.xinv;
+      const float h1 = (rd[0][i][b] + rd[1][i][b]) * inv, h3 = (rd[2][i][b] + rd[3][i][b]) * inv;
+      p.out[(static_cast<size_t>(u) * cols + b) * p.I + i0 + i] =  // an empty slot: zeros, as the register form
+          __float2bfloat16(live ? Act(h1, h3, p.act, p.beta, p.linear_beta) : 0.0f);
+    }
+  }
+}
+
+// The streaming form's instance, launch and grid: as many CTAs as fit at once, at most one an item and at most `ctas`
+// (> 0: the tests' cap, so that each CTA takes many items).
+template <int kIn>
+ffi::Error LaunchStream(cudaStream_t stream, const Params& p, int stages, long long ctas, const char* name) {
+  auto* kernel = stages == 4 ? GateUpStreamKernel<kIn, 4> : stages == 6 ? GateUpStreamKernel<kIn, 6>
+                                                                         : GateUpStreamKernel<kIn, 8>;
+  const size_t ring = stages == 4 ? sizeof(mxfp4::Ring<4>) : stages == 6 ? sizeof(mxfp4::Ring<6>) : sizeof(mxfp4::Ring<8>);
+  const size_t smem = kWarps * ring + (kIn == kIn16 ? static_cast<size_t>(p.In) * 2 : 0);
+  // Dynamic shared memory past 48 KB with the static (the slots' experts, `red`) needs the opt-in: set to the
+  // instance's largest (the token at kMaxIn), the same every call, so that no call lowers it under another's launch.
+  const int most = static_cast<int>(kWarps * ring + (kIn == kIn16 ? 2 * kMaxIn : 0));
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+  int device = 0, sms = 0, per_sm = 0;
+  // (the launch's device is the current one; cudaStreamGetDevice is refused under stream capture on the device's
+  // driver 580, and XLA captures this call into its command buffers)
+  if (e == cudaSuccess) e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem);
+  if (e != cudaSuccess) return Internal(std::string(name) + ": the streaming form's launch setup: " + cudaGetErrorString(e));
+  if (per_sm < 1)
+    return InvalidArgument(std::string(name) + ": the streaming form with " + std::to_string(stages) + " stages (" +
+                           std::to_string(smem) + " bytes of shared memory a CTA) does not fit an SM");
+  const long long items = static_cast<long long>(p.I / kRows) * p.U;
+  long long n = std::min<long long>(items, static_cast<long long>(per_sm) * sms);
+  if (ctas > 0) n = std::min(n, ctas);
+  const unsigned grid = static_cast<unsigned>(n);
+  kernel<<<grid, kWarps * 32, smem, stream>>>(p);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer x, ffi::AnyBuffer xinv,
                            ffi::AnyBuffer gate_packed, ffi::AnyBuffer gate_scale, ffi::AnyBuffer up_packed,
                            ffi::AnyBuffer up_scale, ffi::Result<ffi::AnyBuffer> out, int64_t up_off, int64_t act,
-                           float beta, float linear_beta, int64_t l2) {
+                           float beta, float linear_beta, int64_t l2, int64_t stages, int64_t ctas) {
   const char* name = "jaxk3_mxfp4_gate_up";
   const auto gp = gate_packed.dimensions(), gs = gate_scale.dimensions(), upk = up_packed.dimensions(),
              us = up_scale.dimensions(), od = out->dimensions();
@@ -213,6 +362,16 @@ ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuff
                            std::to_string(upk[1]) + " rows");
   if (act != 0 && act != 1) return InvalidArgument(std::string(name) + ": act must be 0 (silu) or 1 (situ)");
   if (l2 != 0 && l2 != 1) return InvalidArgument(std::string(name) + ": l2 must be 0 or 1");
+  if (ctas < 0) return InvalidArgument(std::string(name) + ": ctas must be 0 (as many as fit) or a cap, got " +
+                                      std::to_string(ctas));
+  if (stages != 0 && stages != 4 && stages != 6 && stages != 8)
+    return InvalidArgument(std::string(name) + ": stages must be 0 (the register form) or 4, 6 or 8, got " +
+                           std::to_string(stages));
+  if (stages != 0 && (raw || U > kMaxStreamSlots || reinterpret_cast<uintptr_t>(gate_scale.untyped_data()) % 4 ||
+                      reinterpret_cast<uintptr_t>(up_scale.untyped_data()) % 4))
+    return InvalidArgument(std::string(name) + ": the streaming form (stages " + std::to_string(stages) + ") takes " +
+                           "float16 inputs, at most " + std::to_string(kMaxStreamSlots) + " slots (got " +
+                           std::to_string(U) + ") and 4-byte aligned scales");
   if (reinterpret_cast<uintptr_t>(gate_packed.untyped_data()) % 16 || reinterpret_cast<uintptr_t>(up_packed.untyped_data()) % 16 ||
       reinterpret_cast<uintptr_t>(x.untyped_data()) % 16)
     return InvalidArgument(std::string(name) + ": the codes and the input must be 16-byte aligned");
@@ -221,7 +380,10 @@ ffi::Error CudaMxfp4GateUp(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuff
            static_cast<const uint8_t*>(gate_scale.untyped_data()), static_cast<const uint8_t*>(up_packed.untyped_data()),
            static_cast<const uint8_t*>(up_scale.untyped_data()), static_cast<__nv_bfloat16*>(out->untyped_data()),
            gp[1], upk[1], up_off, static_cast<int>(E), static_cast<int>(I), static_cast<int>(In),
-           static_cast<int>(act), beta, linear_beta, static_cast<int>(nb), static_cast<int>(Bp)};
+           static_cast<int>(act), beta, linear_beta, static_cast<int>(nb), static_cast<int>(Bp), static_cast<int>(U)};
+  if (stages != 0)
+    return wide ? LaunchStream<kInWide>(stream, p, static_cast<int>(stages), ctas, name)
+                : LaunchStream<kIn16>(stream, p, static_cast<int>(stages), ctas, name);
   const dim3 grid(static_cast<unsigned>(I / kRows), static_cast<unsigned>(U));
   const size_t smem = wide ? 0 : static_cast<size_t>(In) * 2;
   auto* kernel = wide ? (l2 ? GateUpKernel<kInWide, true> : GateUpKernel<kInWide, false>)
@@ -250,7 +412,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_mxfp4_gate_up, CudaMxfp4GateUp,
                                   .Attr<int64_t>("act")
                                   .Attr<float>("beta")
                                   .Attr<float>("linear_beta")
-                                  .Attr<int64_t>("l2"),
+                                  .Attr<int64_t>("l2")
+                                  .Attr<int64_t>("stages")
+                                  .Attr<int64_t>("ctas"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxk3

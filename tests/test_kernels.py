@@ -2266,6 +2266,41 @@ def test_moe_experts_cuda_forms_lowered(monkeypatch, form, B):
             assert "at most 8 token rows" in ME._cuda_problem(cf, w, z, None)
 
 
+def test_moe_experts_cuda_stream_lowered_and_refused(monkeypatch):
+    """Kernel 1's streaming form (`Config.cuda_stages`) as `moe_experts` lowers it (on the CPU, the kernels'
+    availability patched in): the ring depth reaches the call's `stages` attribute (0, the register form, by default:
+    CUDA_STAGES), at one token and in the wide form; `fits` refuses a depth the kernel has no instance of, the raw
+    form, and more slots than its shared-memory table holds, each with the reason, before anything compiles; and
+    `mxfp4_cuda.gate_up` refuses them itself (a direct call)."""
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.kernels import mxfp4_cuda as CU
+
+    monkeypatch.setattr(CU, "unavailable", lambda target=CU.TARGET: None)
+    for B in (1, 5):
+        cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B, routed_expert_hidden_size=1536,
+                                       moe_intermediate_size=768)
+        for stages, want in ((None, ME.CUDA_STAGES), (0, 0), (4, 4), (6, 6), (8, 8)):
+            c = ME.Config(cuda=True, cuda_down=True, cuda_stages=stages)  # (kernel 2 in CUDA too: no Pallas call to
+            # lower on the CPU)
+            assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
+            hlo = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c)).lower(w, z, wk, ids).as_text()
+            calls = [ln for ln in hlo.splitlines() if "stablehlo.custom_call" in ln and CU.TARGET in ln]
+            assert len(calls) == 1 and f"stages = {want} : i64" in calls[0] and "ctas = 0 : i64" in calls[0], calls
+        for bad, why in ((ME.Config(cuda=True, cuda_stages=5), "stages must be one of"),
+                         (ME.Config(cuda=True, cuda_stages=4, cuda_raw=True, cuda_wide=False), "not the raw form")):
+            if B == 1 or bad.cuda_raw is None:
+                assert why in ME.fits(cfg, w, z, wk, ids, config=bad, only_where_faster=False), bad
+    assert "at most 512 slots" in CU.stream_problem(4, 513, False) and CU.stream_problem(4, 512, False) is None
+    assert CU.stream_problem(0, 10_000, True) is None  # the register form takes any
+    _, w, z, _, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, moe_intermediate_size=768)
+    x16, inv = ME.f16_scaled(z)
+    for kw, why in ((dict(stages=2), "stages must be one of"), (dict(stages=4, raw=True), "not the raw form")):
+        raw = kw.pop("raw", False)
+        with pytest.raises(ValueError, match=why):
+            CU.gate_up(ids[0], z[0] if raw else x16[0], None if raw else inv[0], w.experts_w1, w.experts_w3, 0, 768,
+                       "situ", 4.0, 25.0, **kw)
+
+
 def _cuda_kernels_or_skip(gate_up: bool = True, down: bool = False):
     """The CUDA MXFP4 kernels' modules (moe_experts, mxfp4_cuda) where a CUDA GPU and the extension's kernels asked for
     are there; else the test skips with the reason."""
@@ -2383,6 +2418,60 @@ def test_moe_experts_cuda_gate_up_on_gpu(layout, act):
              (False, False, True), (False, True, True))
     _cuda_forms_agree((cfg, w, z, wk, ids), [ME.Config(cuda=True, cuda_raw=r, cuda_l2=l2, cuda_wide=wd)
                                              for r, l2, wd in forms], lambda c: {CU.TARGET: True})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["checkpoint", "joined"])
+@pytest.mark.parametrize("B", [1, 2, 5, 8])
+def test_moe_experts_cuda_stream_on_gpu(layout, B):
+    """Kernel 1's streaming form (`Config.cuda_stages` 4, 6, 8: persistent CTAs, the weights through a ring in shared
+    memory) in `moe_experts`, compiled, with the Pallas kernel 2: an input of 1536 (6 iterations a warp, so the 8-deep
+    ring spans two items) and I 768, 10 choices a token of 16 experts, one token (XLA's float16 copy in shared memory)
+    and 2, 5, 8 (the wide form); bitwise equal to the register form, within the float16 forms' tolerance of the jnp
+    reference (2e-5 of max|ref| plus `_flip_atol`), and its call carries the depth."""
+    ME, CU = _cuda_kernels_or_skip()
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B, routed_expert_hidden_size=1536, moe_intermediate_size=768,
+                                   num_experts_per_token=10)
+    if layout == "joined":
+        w = _joined(w)
+    configs = [ME.Config(cuda=True, cuda_l2=True, cuda_stages=s) for s in (0, 4, 6, 8)]
+    _cuda_forms_agree((cfg, w, z, wk, ids), configs,
+                      lambda c: {CU.TARGET: True, f"stages = {c.cuda_stages} : i64": True})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nb,In", [(0, 1536), (1, 1536), (3, 1536), (8, 1536), (0, 3584), (5, 3584)])
+def test_mxfp4_gate_up_stream_items_on_gpu(nb, In):
+    """The streaming form's persistent CTAs taking many items each (`ctas` caps the grid at 1, 3, 7 and 131 CTAs, so
+    that items fall unevenly and each CTA's ring runs on across items and slots, an empty slot's (-1, and one past E)
+    among them), called directly (`mxfp4_cuda.gate_up`) on 16 slots x 48 row blocks: each depth and cap gives the
+    register form's output bit for bit (bf16 bits: -0 is not 0), one token (nb 0: XLA's float16 copy in shared memory)
+    and the wide form's 1, 3, 5, 8 tokens (3 and 5 into 8 output rows: the rows past them zeros); at K3's routed input
+    width (3584) too, where one token's 8-deep ring and token take 48,128 bytes of dynamic shared memory, past the 48 KB
+    a kernel gets without opting in."""
+    ME, CU = _cuda_kernels_or_skip()
+    cfg, w, z, _, _ = _moe_case("mxfp4", jnp.bfloat16, max(nb, 1), routed_expert_hidden_size=In,
+                                moe_intermediate_size=768)
+    E, I = w.experts_w1.packed.shape[0], w.experts_w1.packed.shape[1]
+    ids = jnp.asarray(np.random.default_rng(nb).permutation(E)[:16], jnp.int32).at[3].set(-1).at[11].set(E)
+    x16, inv = ME.f16_scaled(z)
+    x16, inv = (x16[0], inv[0]) if nb == 0 else (x16, inv)
+    rows = 8 if nb in (3, 5) else None
+
+    def call(stages, ctas):
+        f = jax.jit(lambda i, x, v, g, u: CU.gate_up(i, x, v, g, u, 0, I, cfg.hidden_act, cfg.activation_situ_beta,
+                                                     cfg.activation_situ_linear_beta, l2=True, rows=rows,
+                                                     stages=stages, ctas=ctas))
+        return np.asarray(f(ids, x16, inv, w.experts_w1, w.experts_w3)).view(np.uint16)
+
+    ref = call(0, 0)
+    assert ref.shape == (16, rows or max(nb, 1), I) and (ref[[0, 1, 2, 4]] & 0x7FFF).any()
+    assert not ref[[3, 11]].any()  # the empty slots' rows are zeros (+0)
+    if rows:
+        assert not ref[:, nb:].any()
+    for stages in (4, 6, 8):
+        for ctas in (0, 1, 3, 7, 131):
+            np.testing.assert_array_equal(call(stages, ctas), ref, err_msg=f"stages {stages}, ctas {ctas}")
 
 
 @pytest.mark.gpu

@@ -90,6 +90,10 @@ CUDA_L2 = True
 # against 3390.6 and 3389.8, and with the L2 hint 3259.9 against 3350.3 and 3353.6, twenty-second session); not at one
 # token, where the shared-memory copy is faster (97.6 us against 107.6).  Config.cuda_wide=True takes it at one token
 CUDA_WIDE = True
+# Config.cuda_stages None: kernel 1's streaming form (jaxk3.kernels.mxfp4_cuda.gate_up's `stages`: persistent CTAs, the
+# weights through a ring of that many iterations in shared memory, the same bits).  0 (the register form) until it has
+# run on a GPU: built without one (twenty-third session), to be timed against the register form (docs/PERF.md)
+CUDA_STAGES = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,8 @@ class Config:
     # float16 row read through L1, nothing copied to shared memory; the tokens' and activations' float16 copies made by
     # XLA): at B > 1 in place of the Pallas kernels' float16 form, at one token in place of the shared-memory copy.
     # None: CUDA_WIDE
+    cuda_stages: int | None = None  # kernel 1 in CUDA streaming its weights through a ring of 4, 6 or 8 iterations in
+    # shared memory (persistent CTAs; 0: the register form); not with cuda_raw.  None: CUDA_STAGES
 
 
 @jax.tree_util.register_dataclass
@@ -845,6 +851,15 @@ def _cuda_form(cf: Config, B: int) -> tuple[str, bool]:
     return ("wide" if wide else "raw" if raw else "f16"), (CUDA_L2 if cf.cuda_l2 is None else bool(cf.cuda_l2))
 
 
+def _cuda_stages(cf: Config, form: str, U: int) -> int:
+    """Kernel 1's ring depth (0: the register form): Config.cuda_stages, or CUDA_STAGES where the streaming form
+    applies (not the raw form; at most CU.MAX_STREAM_SLOTS slots).  An explicit depth it cannot take is `fits`'s
+    refusal, not this."""
+    if cf.cuda_stages is not None:
+        return int(cf.cuda_stages)
+    return CUDA_STAGES if CU.stream_problem(CUDA_STAGES, U, form == "raw") is None else 0
+
+
 def _dims(w) -> tuple[int, int, int, int, bool]:
     """(E, I, In, Out, joined) of the block's experts, from w1 | w3 (or their join) and w2."""
     joined = getattr(w, "experts_w13", None) is not None
@@ -1008,7 +1023,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
         gate = w.experts_w13 if joined else w.experts_w1
         a, sel = CU.gate_up(sel_up[0], x, xinv, gate, gate if joined else w.experts_w3, I if joined else 0, I,
                             cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta, l2=l2,
-                            rows=Bp if form == "wide" else None), []
+                            rows=Bp if form == "wide" else None, stages=_cuda_stages(cf, form, U)), []
     else:
         ins = [*sel_up, *xs, *w13v, *w3v, *s13]
         outs = [jax.ShapeDtypeStruct((P, Bp, I), dt)]
@@ -1116,6 +1131,9 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
     cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype, _f16_marked(w))
     if cf.cuda and z_BL.ndim == 2:
         why = _cuda_problem(cf, w, z_BL, shared)
+        if why is None and cf.cuda_stages:
+            U = plan_slots(_dims(w)[0], B, ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token)
+            why = CU.stream_problem(cf.cuda_stages, U, _cuda_form(cf, B)[0] == "raw")
         if why:
             return f"moe_experts kernel: cuda: {why}"
     if cf.cuda_down and z_BL.ndim == 2:

@@ -16,7 +16,10 @@ in their lanes' order: within each 8, [0, 4, 2, 6, 1, 5, 3, 7] (`PERM`: a 32-bit
 Either XLA makes that copy (float16 in, with 2^-k), or, in the raw form (`moe_experts.Config.cuda_raw`), the kernel
 takes the bf16 input as it is and makes the same copy in shared memory (ffi/cuda_mxfp4.h; the same bits:
 tests/test_kernels.py's `test_mxfp4_cuda_raw_input_is_f16_scaled` runs that code on the CPU).  `l2` asks L2 for the
-whole 256-byte block around each weight load (PTX's L2::256B); values unchanged.  The wide form takes 1 to 8 tokens
+whole 256-byte block around each weight load (PTX's L2::256B); values unchanged.  `stages` (kernel 1; 0: the register
+form) streams the weights through a ring of that many iterations in shared memory (cp.async) in persistent CTAs, each
+taking several (slot, 16-row block) items with its loads running on across them: the same products in the same order,
+so the same bits (ffi/cuda_mxfp4_gate_up.cu says why; off: `moe_experts.CUDA_STAGES`).  The wide form takes 1 to 8 tokens
 (`moe_experts.Config.cuda_wide`): the mma's N is 8, so lane g of the B fragment reads token g's float16 row (from
 global memory, kept in L1; the weight loads skip L1), for the same MMAs and weight bytes as one token.  The defaults
 (measured on an H200, `moe_experts.CUDA_*`): kernel 1 in CUDA, from XLA's float16 copy at one token and the wide form
@@ -34,7 +37,7 @@ import numpy as np
 
 from jaxk3 import _compat
 
-ABI = 2  # the calling convention these wrappers use: ffi/targets.h's JAXK3_CUDA_KERNELS_ABI (the extension reports it)
+ABI = 3  # the calling convention these wrappers use: ffi/targets.h's JAXK3_CUDA_KERNELS_ABI (the extension reports it)
 TARGET = "jaxk3_mxfp4_gate_up"
 DOWN_TARGET = "jaxk3_mxfp4_down"
 PERM = (0, 4, 2, 6, 1, 5, 3, 7)  # the kernel's order of a word's eight codes (and so of each 8 inputs)
@@ -43,6 +46,8 @@ ROWS, IN_MULTIPLE = 16, 256  # I a multiple of ROWS (a CTA's rows), In of IN_MUL
 MAX_IN = 16384  # the token in shared memory (In x 2 bytes: the handler's kMaxIn)
 CHUNK, DOWN_SMEM = 128, 47 * 1024  # `down`: I a multiple of CHUNK; a part's activations (slots x I x 2 bytes) at most
 MAX_TOKENS = 8  # the wide form: the mma's N
+STAGES = (0, 4, 6, 8)  # gate_up's `stages`: 0 the register form, else the streaming form's ring depth (its instances)
+MAX_STREAM_SLOTS = 512  # the streaming form keeps the slots' experts in shared memory (the handler's kMaxStreamSlots)
 
 
 _lock = threading.Lock()
@@ -91,6 +96,16 @@ def shape_problem(I: int, In: int) -> str | None:
     return None
 
 
+def stream_problem(stages: int, U: int, raw: bool) -> str | None:
+    """Why `gate_up` cannot take `stages` for U slots (None: it can; 0 always can)."""
+    if stages not in STAGES:
+        return f"{TARGET}: stages must be one of {STAGES} (0: the register form), got {stages}"
+    if stages and (raw or U > MAX_STREAM_SLOTS):
+        return (f"{TARGET}: the streaming form (stages {stages}) takes XLA's float16 copies (not the raw form) and at "
+                f"most {MAX_STREAM_SLOTS} slots, got {U} slots{', raw' if raw else ''}")
+    return None
+
+
 def lanes_order(x16: jax.Array) -> jax.Array:
     """Float16 inputs [..., In] (a token, or each slot's activations) in the kernels' order: each 8 permuted by PERM."""
     return x16.reshape(*x16.shape[:-1], -1, 8)[..., np.asarray(PERM)].reshape(x16.shape)
@@ -108,16 +123,19 @@ def _x_in(x, inv, lead: int) -> tuple[jax.Array, jax.Array]:
 
 
 def gate_up(ids_U: jax.Array, x: jax.Array, xinv: jax.Array | None, gate, up, up_off: int, I: int, act: str,
-            beta: float, linear_beta: float, l2: bool = False, rows: int | None = None) -> jax.Array:
+            beta: float, linear_beta: float, l2: bool = False, rows: int | None = None, stages: int = 0,
+            ctas: int = 0) -> jax.Array:
     """a [U, 1, I] bf16 for one token (the wide form: [U, rows, I] for up to 8): `gate` and `up` the MXFP4 stacks
     (`moe_experts.MXFP4`: packed [E, R, In/2], scale [E, R, In/32]) holding the gate rows [0, I) and the up rows
     [up_off, up_off + I) (the serving layout's join: the same stack twice, up_off = I); x the bf16 token [In] as it is
     with xinv None (the kernel makes its float16 copy), or in float16 times 2^k with xinv = 2^-k (its order as it is:
     permuted here).  x [nb, In] (1 to 8
     tokens, float16, xinv [nb]: the wide form, each lane g reading token g's row): a [U, rows, I] (rows >= nb, the
-    rows past nb zeros).  `l2`: the weight loads with L2's 256-byte prefetch size."""
+    rows past nb zeros).  `l2`: the weight loads with L2's 256-byte prefetch size.  `stages` (4, 6, 8): the streaming
+    form (its copies always ask for the 256-byte blocks), not with the raw form; 0 the register form; `ctas` > 0 caps
+    its grid (the tests', so that each CTA takes many items; 0: as many as fit the GPU at once)."""
     U, In = ids_U.shape[0], x.shape[-1]
-    why = shape_problem(I, In)
+    why = shape_problem(I, In) or stream_problem(stages, U, xinv is None)
     if why:
         raise ValueError(why)
     if act not in ACTS:
@@ -132,7 +150,8 @@ def gate_up(ids_U: jax.Array, x: jax.Array, xinv: jax.Array | None, gate, up, up
     out = jax.ShapeDtypeStruct((U, R, I), jnp.bfloat16)
     return jax.ffi.ffi_call(TARGET, out)(
         ids_U.astype(jnp.int32), xs, inv, gate.packed, gate.scale, up.packed, up.scale, up_off=np.int64(up_off),
-        act=np.int64(ACTS[act]), beta=np.float32(beta), linear_beta=np.float32(linear_beta), l2=np.int64(bool(l2)))
+        act=np.int64(ACTS[act]), beta=np.float32(beta), linear_beta=np.float32(linear_beta), l2=np.int64(bool(l2)),
+        stages=np.int64(stages), ctas=np.int64(ctas))
 
 
 def down_problem(U: int, I: int, Out: int, parts: int, wide: bool = False) -> str | None:

@@ -7,7 +7,7 @@
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
 #                        [mxfp4] [moestep] [targets] [mla] [hostcopy] [determinism] [cudaforms] [cudastep] [cudancu]
-#                        [exactstep]
+#                        [exactstep] [cudastream]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -28,7 +28,9 @@
 #   the K3 layers 11-14 step at CS_BATCH (1) with them patched in (CS_PATCHES), main before and after, and with
 #   CS_CENSUS (a patch list; "-" for none) the step's census; `cudancu` Nsight Compute on them (NCU_BATCH, NCU_CONFIG);
 #   `exactstep` the 48B B = 1 step as main compiles it (the bf16 roundings kept) against XLA's default precision
-#   (`jaxk3.model:EXCESS_PRECISION=1`), main again after (one process each).
+#   (`jaxk3.model:EXCESS_PRECISION=1`), main again after (one process each); `cudastream` the MXFP4 CUDA kernel 1's
+#   streaming form (`cuda_stages`, twenty-third session): its compiled tests, alone at K3's TP 2 share (B 1 and 8)
+#   against the register form, then the K3 B = 1 step with each depth patched in (then `cudastep` with CS_PATCHES).
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -403,6 +405,25 @@ if has cudastep; then
     XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout -k 5 150 $run ${K3S/--steps 20 --repeats 5/--steps 10} --census \
       --json "$OUT/cudastep_b${b}_census.json" 2>&1 | grep -v "^  \.\. " | tee "$OUT/cudastep_b${b}_census.log" | tail -25
   fi
+fi
+
+if has cudastream; then
+  # Kernel 1's streaming form (moe_experts.Config.cuda_stages 4, 6, 8): the compiled tests (bitwise against the register
+  # form, the persistent CTAs capped to take many items), then alone at K3's TP 2 share against main's register form
+  # and XLA, one token (also read through L1: the wide instance) and 8; then the K3 layers 11-14 B = 1 step.
+  echo "== CUDA kernel 1's streaming form: compiled tests, then alone ($(date -u +%T))"
+  timeout -k 10 ${SF_TEST_TIMEOUT:-200} $PY -m pytest tests/test_kernels.py -m gpu -k "cuda_stream or stream_items" \
+    -q -rfEs -p no:cacheprovider > "$OUT/cudastream_tests.log" 2>&1
+  rc=$?; [ $rc -eq 0 ] || status=1
+  echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch" "$OUT/cudastream_tests.log" | cut -c1-300 | tail -12
+  timeout -k 10 ${SF_SWEEP_TIMEOUT:-150} $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch 1 --formats mxfp4 \
+    --configs "${SF_CONFIGS:-cuda_stages=4;cuda_stages=6;cuda_stages=8;cuda_wide=1,cuda_stages=4}" \
+    --json "$OUT/cudastream_sweep_b1.json" 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  timeout -k 10 ${SF_SWEEP_TIMEOUT:-150} $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch 8 --formats mxfp4 \
+    --configs "${SF_CONFIGS8:-cuda_stages=4;cuda_stages=6;cuda_stages=8}" \
+    --json "$OUT/cudastream_sweep_b8.json" 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if has exactstep; then

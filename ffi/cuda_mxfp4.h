@@ -123,6 +123,17 @@ __device__ __forceinline__ void Load(Tile& T, const uint8_t* row0, const uint8_t
   T.s8 = Load1<kFlags>(srow0 + 8 * srow_bytes + code / 32);
 }
 
+// Word j of a tile: rows g's and g + 8's 32-bit words (times their scale pairs sg, s8) against the token's octet xj,
+// two mma steps.
+__device__ __forceinline__ void Step(float (&d)[4], uint32_t w0, uint32_t w8, uint32_t sg, uint32_t s8, uint4 xj) {
+  uint32_t p0, p1, p2, p3, q0, q1, q2, q3;
+  Decode(w0, sg, p0, p1, p2, p3);
+  Decode(w8, s8, q0, q1, q2, q3);
+  // A = {row g k(2t, 2t+1), row g+8 k(2t, 2t+1), row g k(2t+8, 2t+9), row g+8 k(2t+8, 2t+9)}
+  Mma(d, p0, q0, p1, q1, xj.x, xj.y);  // codes (0, 4) and (2, 6) of the word
+  Mma(d, p2, q2, p3, q3, xj.z, xj.w);  // codes (1, 5) and (3, 7)
+}
+
 // The tile's 8 mma steps.  The B registers of lane (g, t): token g's 32 permuted inputs of group t, from `xs` (shared
 // memory, token 0's row, lanes 0-3) or with kWide from `xs` in global memory (token g's row, through L1); lanes
 // without a token (has_x false) hold zeros, so their columns of D stay 0.
@@ -144,13 +155,17 @@ __device__ __forceinline__ void Multiply(float (&d)[4], const Tile& T, const uin
     } else {
       xj = has_x ? xs[code / 8 + j] : make_uint4(0, 0, 0, 0);
     }
-    uint32_t p0, p1, p2, p3, q0, q1, q2, q3;
-    Decode(w0[j], sg, p0, p1, p2, p3);
-    Decode(w8[j], s8, q0, q1, q2, q3);
-    // A = {row g k(2t, 2t+1), row g+8 k(2t, 2t+1), row g k(2t+8, 2t+9), row g+8 k(2t+8, 2t+9)}
-    Mma(d, p0, q0, p1, q1, xj.x, xj.y);  // codes (0, 4) and (2, 6) of word j
-    Mma(d, p2, q2, p3, q3, xj.z, xj.w);  // codes (1, 5) and (3, 7)
+    Step(d, w0[j], w8[j], sg, s8, xj);
   }
+}
+
+// A tile's 8 mma steps with the token's four octets already in registers (the streaming kernel 2's, from its ring).
+__device__ __forceinline__ void MultiplyRegs(float (&d)[4], const Tile& T, const uint4 (&xw)[4]) {
+  const uint32_t sg = Scale2(T.s0), s8 = Scale2(T.s8);
+  const uint32_t w0[4] = {T.c0.x, T.c0.y, T.c0.z, T.c0.w};
+  const uint32_t w8[4] = {T.c8.x, T.c8.y, T.c8.z, T.c8.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) Step(d, w0[j], w8[j], sg, s8, xw[j]);
 }
 
 // The wide form's D of one warp as [row][token] in shared memory (its 16 rows x 8 tokens): lane (g, t) holds rows g,
@@ -190,7 +205,7 @@ __device__ __forceinline__ void Stream(float (&d)[4], Tile (&T)[kDepth], const u
   }
 }
 
-// ---- The streaming form (the gate-up kernel's `stages` > 0): a warp's weight loads go through a ring of kStages
+// ---- The streaming form (the kernels' `stages` > 0): a warp's weight loads go through a ring of kStages
 // iterations in shared memory by cp.async, so no register is held while they are in flight (the register form holds
 // kDepth = 4 tiles, 79 registers, and so 6 CTAs an SM).  Each lane copies, and reads back, only its own bytes: its two
 // rows' 16 code bytes and the aligned 4-byte word holding its scale byte of each row (the four lanes t of a row copy
@@ -240,8 +255,9 @@ struct RingLane {
       : c(SharedAddress(&R.c[0][0][lane])), s(SharedAddress(&R.s[0][0][lane])) {}
 
   // One iteration's copies into `stage`: the row pair's 16 code bytes at `codes` (row g; row g + 8 `row8` bytes on)
-  // and the scale words at `scales` (the word holding group t's byte: 4-byte aligned while In is a multiple of 256,
-  // and the handler checks the scale buffers are).
+  // and the scale words at `scales` (the word holding group t's byte: 4-byte aligned while a row's scale bytes,
+  // input / 32, are a multiple of 4 and the word starts at a multiple of 4 groups, as both kernels' chunks do; the
+  // handlers check the scale buffers are).
   __device__ __forceinline__ void Load(int stage, const uint8_t* codes, size_t row8, const uint8_t* scales,
                                        size_t srow8) const {
     const uint32_t cs = c + stage * kCodeStage, ss = s + stage * kScaleStage;

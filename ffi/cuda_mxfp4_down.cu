@@ -8,9 +8,12 @@
 // w, w + 4, ...), each slot over its whole I, and sum in shared memory.  The part's activations sit in shared memory:
 // float16 copies XLA made, or in the raw form (a bf16) copied by cp.async and scaled there, each warp its own slots;
 // or, for up to 8 tokens (kInWide), nowhere: lane g reads token g's activations from global memory through L1, and
-// D's columns are the tokens.  Template instances <input form, l2> as the gate-up kernel's.
+// D's columns are the tokens.  Template instances <input form, l2> as the gate-up kernel's.  The streaming form
+// (`stages` 4, 6, 8, one token: DownStreamKernel below) takes (part, 16-row block) items in persistent CTAs, its
+// warps splitting each slot's I, the codes and activations through a ring in shared memory.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -47,6 +50,7 @@ struct Params {
   float* out;            // [G, nb, Out]
   int E, U, I, Out, per; // per: slots a part
   int nb;                // tokens (1 but for kInWide)
+  int G;                 // parts (the output's first dim; the register form's grid.y)
 };
 
 // A warp's slot: its rows' code and scale pointers, or false for an empty slot (an expert out of [0, E)).
@@ -164,9 +168,160 @@ __global__ void __launch_bounds__(kWarps * 32, kIn == kInWide ? 5 : 6) DownKerne
   }
 }
 
+// ---- The streaming form at one token (`stages` 4, 6, 8; moe_experts.Config.cuda_stages with cuda_down): persistent
+// CTAs taking the items (part, 16-row block) c, c + grid, ...; the CTA's 4 warps split each slot's I by 128-code chunks
+// (warp w: chunks w, w + 4, ...), so that a part of one slot keeps all four busy and the items are many (the register
+// form's 4 parts of 4 slots made 896 CTAs at K3's shapes: 1.13 waves of 6 an SM).  Each warp's codes, scale words and
+// its slot's activation octets (lanes 0-3, the B column) go through a ring in shared memory (cuda_mxfp4.h's, plus the
+// octets), running on across slots and items as kernel 1's; nothing is staged per part.  Sums: each warp its chunks
+// of a slot, times the slot's coef · 2^-k, then the 4 warps' in shared memory: another order than the register
+// form's (a slot's whole I in one warp), within the float16 forms' tolerance.
+constexpr int kMaxStreamSlots = 512;  // the slots' experts in shared memory (2 KB)
+
+template <int kStages>
+struct DownRing {
+  mxfp4::Ring<kStages> w;    // the row pair's codes and scale words
+  uint4 x[kStages][4][4];    // [stage][octet q][lane t = 0..3 (g = 0)]: the slot's 4 activation octets of group t,
+                             // a q's four lanes 64 contiguous bytes (no bank conflict)
+};
+
+template <int kStages>
+__global__ void __launch_bounds__(kWarps * 32) DownStreamKernel(Params p) {
+  extern __shared__ uint4 dyn[];
+  DownRing<kStages>& R = reinterpret_cast<DownRing<kStages>*>(dyn)[threadIdx.x / 32];
+  __shared__ int sid[kMaxStreamSlots];
+  __shared__ float red[2][kWarps][kRows];  // by item parity: one barrier an item
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int i = threadIdx.x; i < p.U; i += blockDim.x) sid[i] = p.ids[i];
+  __syncthreads();
+
+  const int nblk = p.Out / kRows, items = nblk * p.G;
+  const int mine = items > static_cast<int>(blockIdx.x) ? (items - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1 : 0;
+  const int iters = p.I / kChunk, octets = p.I / 8;
+  const int nw = iters > warp ? (iters - 1 - warp) / kWarps + 1 : 0;  // this warp's chunks of a slot
+  const size_t row_bytes = p.I / 2, srow_bytes = p.I / 32, row8 = 8 * row_bytes, srow8 = 8 * srow_bytes;
+  const bool has_x = g == 0;
+  const mxfp4::RingLane<kStages> ring(R.w, lane);
+  const uint32_t xs = mxfp4::SharedAddress(&R.x[0][0][t]);  // (lanes g = 0 use it)
+  constexpr uint32_t kXStage = 4 * 4 * sizeof(uint4), kXOctet = 4 * sizeof(uint4);
+  // Item k of this CTA: its part, the part's first slot and slot count (0: an empty part), its first row.
+  auto at = [&](int k, int& first, int& o0) {
+    const int item = static_cast<int>(blockIdx.x) + k * static_cast<int>(gridDim.x);
+    const int part = item / nblk;
+    o0 = (item - part * nblk) * kRows;
+    first = part * p.per;
+    return max(0, min(p.per, p.U - first));
+  };
+  auto live = [&](int u) { return sid[u] >= 0 && sid[u] < p.E; };
+
+  // The issuing cursor over this warp's steps (live slots of each item's part x its chunks), kStages - 1 ahead of the
+  // products; one group committed a step, empty past the last.
+  int ik = 0, is = 0, ij = 0, istage = 0;
+  const uint8_t *icodes = nullptr, *iscales = nullptr;
+  const uint4* iact = nullptr;
+  auto seek = [&]() {  // (ik, is) on to the next live slot, its pointers at the warp's first chunk; ik = mine: none
+    if (nw == 0) ik = mine;
+    for (; ik < mine; ++ik, is = 0) {
+      int first, o0;
+      const int ns = at(ik, first, o0);
+      for (; is < ns; ++is) {
+        const int u = first + is;
+        if (!live(u)) continue;
+        const long long r = static_cast<long long>(sid[u]) * p.Out + o0 + g;
+        icodes = p.packed + r * row_bytes + warp * (kChunk / 2) + 16 * t;
+        iscales = p.scale + r * srow_bytes + warp * (kChunk / 32);
+        iact = p.a + static_cast<size_t>(u) * octets + warp * (kChunk / 8) + 4 * t;
+        ij = 0;
+        return;
+      }
+    }
+  };
+  seek();
+  auto issue = [&]() {
+    if (ik < mine) {
+      ring.Load(istage, icodes, row8, iscales, srow8);
+      if (has_x) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) mxfp4::CopyAsync16L2(xs + istage * kXStage + q * kXOctet, iact + q);
+      }
+      icodes += kWarps * kChunk / 2;
+      iscales += kWarps * kChunk / 32;
+      iact += kWarps * kChunk / 8;
+      if (++ij == nw) {
+        ++is;
+        seek();
+      }
+      istage = istage + 1 == kStages ? 0 : istage + 1;
+    }
+    mxfp4::CommitGroup();
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue();
+
+  int stage = 0;
+  for (int k = 0; k < mine; ++k) {
+    int first, o0;
+    const int ns = nw > 0 ? at(k, first, o0) : (at(k, first, o0), 0);
+    float tot[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // rows g (tot[0]) and g + 8 (tot[2]) of D's column 0
+    for (int s = 0; s < ns; ++s) {
+      const int u = first + s;
+      if (!live(u)) continue;
+      const float c = __ldg(p.coef + u) * __ldg(p.ainv + u);  // (in flight over the slot's products)
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int j = 0; j < nw; ++j) {
+        issue();
+        mxfp4::WaitGroup<kStages - 1>();
+        uint4 xw[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          xw[q] = has_x ? mxfp4::LoadShared16(xs + stage * kXStage + q * kXOctet) : make_uint4(0, 0, 0, 0);
+        mxfp4::MultiplyRegs(d, ring.Read(stage, t), xw);
+        stage = stage + 1 == kStages ? 0 : stage + 1;
+      }
+      tot[0] += c * d[0];
+      tot[2] += c * d[2];
+    }
+    float(&rd)[kWarps][kRows] = red[k & 1];
+    if (t == 0) {
+      rd[warp][g] = tot[0];
+      rd[warp][g + 8] = tot[2];
+    }
+    __syncthreads();
+    if (threadIdx.x < kRows) {
+      const int i = threadIdx.x, part = (static_cast<int>(blockIdx.x) + k * static_cast<int>(gridDim.x)) / nblk;
+      p.out[static_cast<size_t>(part) * p.Out + o0 + i] = rd[0][i] + rd[1][i] + rd[2][i] + rd[3][i];
+    }
+  }
+}
+
+// The streaming form's instance, launch and grid: as many CTAs as fit at once, at most one an item and at most `ctas`
+// (> 0: the tests' cap).
+ffi::Error LaunchDownStream(cudaStream_t stream, const Params& p, int stages, long long ctas, const std::string& name) {
+  auto* kernel = stages == 4 ? DownStreamKernel<4> : stages == 6 ? DownStreamKernel<6> : DownStreamKernel<8>;
+  const size_t smem = kWarps * (stages == 4 ? sizeof(DownRing<4>) : stages == 6 ? sizeof(DownRing<6>)
+                                                                                : sizeof(DownRing<8>));
+  // (past 48 KB with the static: the opt-in, the same value every call)
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  int device = 0, sms = 0, per_sm = 0;
+  // (the current device is the launch's; cudaStreamGetDevice is refused under stream capture on driver 580)
+  if (e == cudaSuccess) e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem);
+  if (e != cudaSuccess) return Internal(name + ": the streaming form's launch setup: " + cudaGetErrorString(e));
+  if (per_sm < 1)
+    return InvalidArgument(name + ": the streaming form with " + std::to_string(stages) + " stages (" +
+                           std::to_string(smem) + " bytes of shared memory a CTA) does not fit an SM");
+  long long n = std::min<long long>(static_cast<long long>(p.Out / kRows) * p.G, static_cast<long long>(per_sm) * sms);
+  if (ctas > 0) n = std::min(n, ctas);
+  kernel<<<static_cast<unsigned>(n), kWarps * 32, smem, stream>>>(p);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return Internal(name + ": launch: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 ffi::Error CudaMxfp4Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer coef, ffi::AnyBuffer a,
                          ffi::AnyBuffer ainv, ffi::AnyBuffer packed, ffi::AnyBuffer scale,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t l2) {
+                         ffi::Result<ffi::AnyBuffer> out, int64_t l2, int64_t stages, int64_t ctas) {
   const std::string name = "jaxk3_mxfp4_down";
   if (ids.element_type() != ffi::DataType::S32 || ids.dimensions().size() != 1)
     return InvalidArgument(name + ": ids must be int32 [U], got " + DimsText(ids.dimensions()));
@@ -203,7 +358,14 @@ ffi::Error CudaMxfp4Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer
     return InvalidArgument(name + ": I " + std::to_string(I) + " must be a positive multiple of " +
                            std::to_string(kChunk) + ", Out " + std::to_string(Out) + " of " + std::to_string(kRows) +
                            ", and the parts " + std::to_string(G) + " at most 65535");
-  if (!wide && per * I * 2 + per * 4 > kMaxSmem)
+  if (stages != 0 && stages != 4 && stages != 6 && stages != 8)
+    return InvalidArgument(name + ": stages must be 0 (the register form) or 4, 6 or 8, got " + std::to_string(stages));
+  if (ctas < 0) return InvalidArgument(name + ": ctas must be 0 (as many as fit) or a cap, got " + std::to_string(ctas));
+  if (stages != 0 && (raw || wide || U > kMaxStreamSlots || reinterpret_cast<uintptr_t>(scale.untyped_data()) % 4))
+    return InvalidArgument(name + ": the streaming form (stages " + std::to_string(stages) + ") takes one token's " +
+                           "float16 activations [U, I], at most " + std::to_string(kMaxStreamSlots) + " slots (got " +
+                           std::to_string(U) + ") and 4-byte aligned scales");
+  if (stages == 0 && !wide && per * I * 2 + per * 4 > kMaxSmem)
     return InvalidArgument(name + ": a part's " + std::to_string(per) + " slots of I " + std::to_string(I) +
                            " activations do not fit " + std::to_string(kMaxSmem) + " bytes of shared memory");
   if (reinterpret_cast<uintptr_t>(packed.untyped_data()) % 16 || reinterpret_cast<uintptr_t>(a.untyped_data()) % 16)
@@ -212,7 +374,8 @@ ffi::Error CudaMxfp4Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer
            static_cast<const uint4*>(a.untyped_data()), static_cast<const float*>(ainv.untyped_data()),
            static_cast<const uint8_t*>(packed.untyped_data()), static_cast<const uint8_t*>(scale.untyped_data()),
            static_cast<float*>(out->untyped_data()), static_cast<int>(E), static_cast<int>(U), static_cast<int>(I),
-           static_cast<int>(Out), static_cast<int>(per), static_cast<int>(nb)};
+           static_cast<int>(Out), static_cast<int>(per), static_cast<int>(nb), static_cast<int>(G)};
+  if (stages != 0) return LaunchDownStream(stream, p, static_cast<int>(stages), ctas, name);
   const dim3 grid(static_cast<unsigned>(Out / kRows), static_cast<unsigned>(G));
   const size_t smem = wide ? 0 : static_cast<size_t>(per * I * 2 + (raw ? per * 4 : 0));
   auto* kernel = wide ? (l2 ? DownKernel<kInWide, true> : DownKernel<kInWide, false>)
@@ -236,7 +399,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_mxfp4_down, CudaMxfp4Down,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("l2"),
+                                  .Attr<int64_t>("l2")
+                                  .Attr<int64_t>("stages")
+                                  .Attr<int64_t>("ctas"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxk3

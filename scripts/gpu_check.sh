@@ -28,9 +28,9 @@
 #   the K3 layers 11-14 step at CS_BATCH (1) with them patched in (CS_PATCHES), main before and after, and with
 #   CS_CENSUS (a patch list; "-" for none) the step's census; `cudancu` Nsight Compute on them (NCU_BATCH, NCU_CONFIG);
 #   `exactstep` the 48B B = 1 step as main compiles it (the bf16 roundings kept) against XLA's default precision
-#   (`jaxk3.model:EXCESS_PRECISION=1`), main again after (one process each); `cudastream` the MXFP4 CUDA kernel 1's
+#   (`jaxk3.model:EXCESS_PRECISION=1`), main again after (one process each); `cudastream` the MXFP4 CUDA kernels'
 #   streaming form (`cuda_stages`, twenty-third session): its compiled tests, alone at K3's TP 2 share (B 1 and 8)
-#   against the register form, then the K3 B = 1 step with each depth patched in (then `cudastep` with CS_PATCHES).
+#   against the register form (then the steps: `cudastep` with CS_PATCHES).
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -408,16 +408,17 @@ if has cudastep; then
 fi
 
 if has cudastream; then
-  # Kernel 1's streaming form (moe_experts.Config.cuda_stages 4, 6, 8): the compiled tests (bitwise against the register
-  # form, the persistent CTAs capped to take many items), then alone at K3's TP 2 share against main's register form
-  # and XLA, one token (also read through L1: the wide instance) and 8; then the K3 layers 11-14 B = 1 step.
+  # The CUDA kernels' streaming form (moe_experts.Config.cuda_stages 4, 6, 8; kernel 2 with cuda_down, one token): the
+  # compiled tests (kernel 1 bitwise against the register form, the persistent CTAs capped to take many items), then
+  # alone at K3's TP 2 share against main's register form and XLA, one token (kernel 1 alone, also read through L1:
+  # the wide instance; both kernels, and the register CUDA kernel 2) and 8 (kernel 1).
   echo "== CUDA kernel 1's streaming form: compiled tests, then alone ($(date -u +%T))"
   timeout -k 10 ${SF_TEST_TIMEOUT:-200} $PY -m pytest tests/test_kernels.py -m gpu -k "cuda_stream or stream_items" \
     -q -rfEs -p no:cacheprovider > "$OUT/cudastream_tests.log" 2>&1
   rc=$?; [ $rc -eq 0 ] || status=1
   echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch" "$OUT/cudastream_tests.log" | cut -c1-300 | tail -12
   timeout -k 10 ${SF_SWEEP_TIMEOUT:-150} $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch 1 --formats mxfp4 \
-    --configs "${SF_CONFIGS:-cuda_stages=4;cuda_stages=6;cuda_stages=8;cuda_wide=1,cuda_stages=4}" \
+    --configs "${SF_CONFIGS:-cuda_stages=4;cuda_stages=6;cuda_stages=8;cuda_wide=1,cuda_stages=4;cuda_down=1;cuda_down=1,cuda_stages=4;cuda_down=1,cuda_stages=6;cuda_down=1,cuda_stages=8}" \
     --json "$OUT/cudastream_sweep_b1.json" 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   timeout -k 10 ${SF_SWEEP_TIMEOUT:-150} $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch 8 --formats mxfp4 \

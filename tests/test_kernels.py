@@ -2267,11 +2267,13 @@ def test_moe_experts_cuda_forms_lowered(monkeypatch, form, B):
 
 
 def test_moe_experts_cuda_stream_lowered_and_refused(monkeypatch):
-    """Kernel 1's streaming form (`Config.cuda_stages`) as `moe_experts` lowers it (on the CPU, the kernels'
-    availability patched in): the ring depth reaches the call's `stages` attribute (0, the register form, by default:
-    CUDA_STAGES), at one token and in the wide form; `fits` refuses a depth the kernel has no instance of, the raw
-    form, and more slots than its shared-memory table holds, each with the reason, before anything compiles; and
-    `mxfp4_cuda.gate_up` refuses them itself (a direct call)."""
+    """The CUDA kernels' streaming form (`Config.cuda_stages`) as `moe_experts` lowers it (on the CPU, the kernels'
+    availability patched in): the ring depth reaches kernel 1's `stages` attribute (0, the register form, by default:
+    CUDA_STAGES), at one token and in the wide form, and kernel 2's at one token only, where it takes one slot a
+    part (its partial sums [U, 1, Out]; the wide form keeps its register kernel 2); `fits` refuses a depth neither
+    kernel has an instance of and kernel 1's raw form, with the reason, before anything compiles; and
+    `mxfp4_cuda.gate_up` and `down` refuse those, the wide kernel 2 and more slots than their shared-memory table
+    holds themselves (direct calls)."""
     from jaxk3.kernels import moe_experts as ME
     from jaxk3.kernels import mxfp4_cuda as CU
 
@@ -2286,10 +2288,21 @@ def test_moe_experts_cuda_stream_lowered_and_refused(monkeypatch):
             hlo = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c)).lower(w, z, wk, ids).as_text()
             calls = [ln for ln in hlo.splitlines() if "stablehlo.custom_call" in ln and CU.TARGET in ln]
             assert len(calls) == 1 and f"stages = {want} : i64" in calls[0] and "ctas = 0 : i64" in calls[0], calls
+            # kernel 2: the streaming form at one token only, one slot a part (its output [U, 1, Out]); else 4 parts
+            down = [ln for ln in hlo.splitlines() if "stablehlo.custom_call" in ln and CU.DOWN_TARGET in ln]
+            dwant = want if B == 1 else 0
+            U = ids.shape[1] if B == 1 else None
+            assert len(down) == 1 and f"stages = {dwant} : i64" in down[0], down
+            if B == 1:
+                assert f"-> tensor<{U if dwant else 4}x1x1536xf32>" in down[0], down[0]
         for bad, why in ((ME.Config(cuda=True, cuda_stages=5), "stages must be one of"),
                          (ME.Config(cuda=True, cuda_stages=4, cuda_raw=True, cuda_wide=False), "not the raw form")):
             if B == 1 or bad.cuda_raw is None:
                 assert why in ME.fits(cfg, w, z, wk, ids, config=bad, only_where_faster=False), bad
+        if B == 1:  # kernel 2's own refusal (kernel 1 in Pallas)
+            bad = ME.Config(cuda=False, cuda_down=True, cuda_stages=5)
+            assert "jaxk3_mxfp4_down: stages must be one of" in ME.fits(cfg, w, z, wk, ids, config=bad,
+                                                                         only_where_faster=False)
     assert "at most 512 slots" in CU.stream_problem(4, 513, False) and CU.stream_problem(4, 512, False) is None
     assert CU.stream_problem(0, 10_000, True) is None  # the register form takes any
     _, w, z, _, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, moe_intermediate_size=768)
@@ -2299,6 +2312,16 @@ def test_moe_experts_cuda_stream_lowered_and_refused(monkeypatch):
         with pytest.raises(ValueError, match=why):
             CU.gate_up(ids[0], z[0] if raw else x16[0], None if raw else inv[0], w.experts_w1, w.experts_w3, 0, 768,
                        "situ", 4.0, 25.0, **kw)
+    # kernel 2 (direct calls): a depth it has no instance of, the raw and wide forms, more slots than its table
+    a = jnp.ones((16, 768), jnp.bfloat16)
+    a16, ainv = ME.f16_scaled(a)
+    c16 = jnp.ones((16,), jnp.float32)
+    for args, why in (((a16, ainv[:, 0]), "stages must be one of"), ((a, None), "not the raw form"),
+                      ((a16[:, None], ainv), "one token's activations")):
+        with pytest.raises(ValueError, match=why):
+            CU.down(jnp.arange(16, dtype=jnp.int32), c16 if args[0].ndim == 2 else c16[None], *args, w.experts_w2,
+                    16, stages=5 if why.startswith("stages") else 4)
+    assert "at most 512 slots" in CU.stream_problem(4, 513, False, CU.DOWN_TARGET)
 
 
 def _cuda_kernels_or_skip(gate_up: bool = True, down: bool = False):
@@ -2428,7 +2451,8 @@ def test_moe_experts_cuda_stream_on_gpu(layout, B):
     memory) in `moe_experts`, compiled, with the Pallas kernel 2: an input of 1536 (6 iterations a warp, so the 8-deep
     ring spans two items) and I 768, 10 choices a token of 16 experts, one token (XLA's float16 copy in shared memory)
     and 2, 5, 8 (the wide form); bitwise equal to the register form, within the float16 forms' tolerance of the jnp
-    reference (2e-5 of max|ref| plus `_flip_atol`), and its call carries the depth."""
+    reference (2e-5 of max|ref| plus `_flip_atol`), and its call carries the depth.  At one token also with kernel 2
+    streaming (`cuda_down`): the depths bitwise equal to each other and within the same tolerance."""
     ME, CU = _cuda_kernels_or_skip()
     cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B, routed_expert_hidden_size=1536, moe_intermediate_size=768,
                                    num_experts_per_token=10)
@@ -2437,6 +2461,15 @@ def test_moe_experts_cuda_stream_on_gpu(layout, B):
     configs = [ME.Config(cuda=True, cuda_l2=True, cuda_stages=s) for s in (0, 4, 6, 8)]
     _cuda_forms_agree((cfg, w, z, wk, ids), configs,
                       lambda c: {CU.TARGET: True, f"stages = {c.cuda_stages} : i64": True})
+    if B == 1:  # kernel 2 streaming too (its own sum order: the depths agree with each other, not with the above)
+        _, CU2 = _cuda_kernels_or_skip(down=True)
+        configs = [ME.Config(cuda=True, cuda_down=True, cuda_l2=True, cuda_stages=s) for s in (4, 6, 8)]
+        for c in configs:  # kernel 2's call streams, one slot a part (10 slots: partial sums [10, 1, 1536])
+            hlo = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c)).lower(w, z, wk, ids).as_text()
+            down = [ln for ln in hlo.splitlines() if "stablehlo.custom_call" in ln and CU2.DOWN_TARGET in ln]
+            assert len(down) == 1 and f"stages = {c.cuda_stages} : i64" in down[0], down
+            assert "-> tensor<10x1x1536xf32>" in down[0], down[0]
+        _cuda_forms_agree((cfg, w, z, wk, ids), configs, lambda c: {CU2.DOWN_TARGET: True})
 
 
 @pytest.mark.gpu
@@ -2472,6 +2505,42 @@ def test_mxfp4_gate_up_stream_items_on_gpu(nb, In):
     for stages in (4, 6, 8):
         for ctas in (0, 1, 3, 7, 131):
             np.testing.assert_array_equal(call(stages, ctas), ref, err_msg=f"stages {stages}, ctas {ctas}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parts", [16, 5, 1])
+@pytest.mark.parametrize("I", [768, 640, 384, 256])
+def test_mxfp4_down_stream_items_on_gpu(parts, I):
+    """Kernel 2's streaming form at one token called directly (`mxfp4_cuda.down`): 16 slots (two empty: -1 and one
+    past E) in 16 parts (one slot each, as `moe_experts` takes it), 5 (4 a part, the last part empty: zeros) and 1,
+    over 112 row blocks of a 1792-wide output, I 768 (6 chunks: the 4 warps take 2, 2, 1, 1), 640 (5: 2, 1, 1, 1), 384
+    (3: warp 3 takes none) and 256 (2: warps 2 and 3 none, committing empty groups); the grid capped at 1, 3, 7 and
+    131 CTAs and not: every depth and cap gives the same bits (one sum order whatever the grid), within 2e-5 of
+    max|ref| of the register form's (float32 sums of the same exact products in another order), and an empty part's
+    rows are zeros.  (The 4 warps' sums meet in shared memory behind one barrier an item; warp 0, whose threads read
+    them, never has fewer chunks than the others, so a missing barrier would show only by scheduling chance here.)"""
+    ME, CU = _cuda_kernels_or_skip(gate_up=False, down=True)
+    cfg, w, _, _, _ = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1792, moe_intermediate_size=I)
+    E = w.experts_w2.packed.shape[0]
+    rng = np.random.default_rng(parts + I)
+    ids = jnp.asarray(rng.permutation(E)[:16], jnp.int32).at[5].set(-1).at[9].set(E)
+    a16, ainv = ME.f16_scaled(jnp.asarray(rng.standard_normal((16, I)), jnp.bfloat16))
+    coef = jnp.asarray(rng.uniform(0.1, 1.0, 16), jnp.float32)
+
+    def call(stages, ctas):
+        f = jax.jit(lambda i, c, x, v, m: CU.down(i, c, x, v, m, parts, l2=True, stages=stages, ctas=ctas))
+        return np.asarray(f(ids, coef, a16, ainv[:, 0], w.experts_w2))
+
+    first = call(4, 0)
+    assert first.shape == (parts, 1, 1792) and np.abs(first).max() > 0
+    if parts == 5:
+        assert not first[4].any()  # per = 4: the fifth part has no slot
+    for stages in (4, 6, 8):
+        for ctas in (0, 1, 3, 7, 131):
+            np.testing.assert_array_equal(call(stages, ctas).view(np.uint32), first.view(np.uint32),
+                                          err_msg=f"stages {stages}, ctas {ctas}")
+    reg = call(0, 0)  # the register form (a part's activations in shared memory: at most 30 slots of 768 here)
+    np.testing.assert_allclose(first, reg, rtol=0, atol=2e-5 * np.abs(reg).max())
 
 
 @pytest.mark.gpu

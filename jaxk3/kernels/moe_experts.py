@@ -90,9 +90,10 @@ CUDA_L2 = True
 # against 3390.6 and 3389.8, and with the L2 hint 3259.9 against 3350.3 and 3353.6, twenty-second session); not at one
 # token, where the shared-memory copy is faster (97.6 us against 107.6).  Config.cuda_wide=True takes it at one token
 CUDA_WIDE = True
-# Config.cuda_stages None: kernel 1's streaming form (jaxk3.kernels.mxfp4_cuda.gate_up's `stages`: persistent CTAs, the
-# weights through a ring of that many iterations in shared memory, the same bits).  0 (the register form) until it has
-# run on a GPU: built without one (twenty-third session), to be timed against the register form (docs/PERF.md)
+# Config.cuda_stages None: the CUDA kernels' streaming form (jaxk3.kernels.mxfp4_cuda's `stages`: persistent CTAs, the
+# weights through a ring of that many iterations in shared memory; kernel 1 the same bits, kernel 2 at one token).
+# 0 (the register form) until it has run on a GPU: built without one (twenty-third session), to be timed against the
+# register form (docs/PERF.md)
 CUDA_STAGES = 0
 
 
@@ -162,8 +163,9 @@ class Config:
     # float16 row read through L1, nothing copied to shared memory; the tokens' and activations' float16 copies made by
     # XLA): at B > 1 in place of the Pallas kernels' float16 form, at one token in place of the shared-memory copy.
     # None: CUDA_WIDE
-    cuda_stages: int | None = None  # kernel 1 in CUDA streaming its weights through a ring of 4, 6 or 8 iterations in
-    # shared memory (persistent CTAs; 0: the register form); not with cuda_raw.  None: CUDA_STAGES
+    cuda_stages: int | None = None  # the CUDA kernels streaming their weights through a ring of 4, 6 or 8 iterations in
+    # shared memory (persistent CTAs; 0: the register form): kernel 1 in every form but cuda_raw, kernel 2 (with
+    # cuda_down) at one token from XLA's float16 copies, one slot a part.  None: CUDA_STAGES
 
 
 @jax.tree_util.register_dataclass
@@ -813,7 +815,8 @@ def _f16_views(x: jax.Array) -> tuple[list[jax.Array], jax.Array]:
 
 def _cuda_problem(cf: Config, w, z_BL: jax.Array, shared, routed: bool = False, down: tuple | None = None
                   ) -> str | None:
-    """Why kernel 1 (or with `down` = (U, parts), kernel 2) cannot be the CUDA kernel for this call (None: it can)."""
+    """Why kernel 1 (or with `down` = (U, parts[, streaming depth]), kernel 2) cannot be the CUDA kernel for this call
+    (None: it can)."""
     B, (_, I, In, Out, _) = z_BL.shape[0], _dims(w)
     wide = _cuda_form(cf, B)[0] == "wide"
     if (B > (MAX_B if wide else 1) or not isinstance(w.experts_w2, MXFP4) or not _f16_marked(w)
@@ -831,7 +834,8 @@ def _cuda_problem(cf: Config, w, z_BL: jax.Array, shared, routed: bool = False, 
         return (f"the wide CUDA kernels write at most {CU.MAX_TOKENS} token rows, and this config pads the tokens to "
                 f"{Bp} (Config.f16 with swap, the default at B > 1, pads them to 8)")
     if down:
-        return CU.down_problem(down[0], I, Out, down[1], wide) or CU.unavailable(CU.DOWN_TARGET)
+        stream = len(down) > 2 and bool(down[2])
+        return CU.down_problem(down[0], I, Out, down[1], wide, stream) or CU.unavailable(CU.DOWN_TARGET)
     return CU.shape_problem(I, In) or CU.unavailable(CU.TARGET)
 
 
@@ -858,6 +862,13 @@ def _cuda_stages(cf: Config, form: str, U: int) -> int:
     if cf.cuda_stages is not None:
         return int(cf.cuda_stages)
     return CUDA_STAGES if CU.stream_problem(CUDA_STAGES, U, form == "raw") is None else 0
+
+
+def _cuda_down_stages(cf: Config, B: int, U: int) -> int:
+    """Kernel 2's ring depth in CUDA (0: the register form): the streaming form is one token's, from XLA's float16
+    copies (not the wide or raw forms, where it is 0)."""
+    form = _cuda_form(cf, B)[0]
+    return _cuda_stages(cf, form, U) if form == "f16" else 0
 
 
 def _dims(w) -> tuple[int, int, int, int, bool]:
@@ -1036,16 +1047,18 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
             out_shape=tuple(outs), interpret=interpret, **kw)(*ins)
 
     S, G = _splits(cf, Out, I), _slot_splits(cf, Out, I, packed and B == 1)
+    dstages = _cuda_down_stages(cf, B, U)
+    Gc = U if dstages else G  # the streaming kernel 2: one slot a part (its items many; the warps split each slot's I)
     if (not interpret and _cuda_wanted(cf, down=True)
-            and _cuda_problem(cf, w, z_BL, shared, route is not None, down=(U, G)) is None):  # kernel 2 in CUDA
+            and _cuda_problem(cf, w, z_BL, shared, route is not None, down=(U, Gc, dstages)) is None):  # kernel 2
         _, coef = sel_down if route is None else sel
         ids = sel_up[0]  # (B > 1: -1 for the padding slots, which the kernel skips; `read` re-reads an expert)
         form, l2 = _cuda_form(cf, B)
         wide = form == "wide"  # each slot's Bp rows (past B: zeros, coef 0) with the tokens' coefficients [Bp, U]
         a_U, c = (a, coef) if wide else (a[:, 0, :], coef[0])
         a_U, ainv = (a_U, None) if form == "raw" else f16_scaled(a_U)  # raw: the kernel scales each slot itself
-        y = CU.down(ids, c, a_U, ainv, w.experts_w2, G, l2=l2)
-        return (y[0] if G == 1 else jnp.sum(y, axis=0))[:B]
+        y = CU.down(ids, c, a_U, ainv, w.experts_w2, Gc, l2=l2, stages=dstages)
+        return (y[0] if Gc == 1 else jnp.sum(y, axis=0))[:B]
     if f16:
         av, ainv = _f16_views(a)
         av = [*av, ainv]
@@ -1138,7 +1151,10 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
             return f"moe_experts kernel: cuda: {why}"
     if cf.cuda_down and z_BL.ndim == 2:
         U = plan_slots(_dims(w)[0], B, ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token)
-        why = _cuda_problem(cf, w, z_BL, shared, down=(U, _slot_splits(cf, Out, I, B == 1)))
+        ds = _cuda_down_stages(cf, B, U)
+        why = _cuda_problem(cf, w, z_BL, shared, down=(U, U if ds else _slot_splits(cf, Out, I, B == 1), ds))
+        if why is None and ds:
+            why = CU.stream_problem(ds, U, False, CU.DOWN_TARGET)
         if why:
             return f"moe_experts kernel: cuda_down: {why}"
     if cf.f16 and not _f16_marked(w):

@@ -16,10 +16,12 @@ in their lanes' order: within each 8, [0, 4, 2, 6, 1, 5, 3, 7] (`PERM`: a 32-bit
 Either XLA makes that copy (float16 in, with 2^-k), or, in the raw form (`moe_experts.Config.cuda_raw`), the kernel
 takes the bf16 input as it is and makes the same copy in shared memory (ffi/cuda_mxfp4.h; the same bits:
 tests/test_kernels.py's `test_mxfp4_cuda_raw_input_is_f16_scaled` runs that code on the CPU).  `l2` asks L2 for the
-whole 256-byte block around each weight load (PTX's L2::256B); values unchanged.  `stages` (kernel 1; 0: the register
-form) streams the weights through a ring of that many iterations in shared memory (cp.async) in persistent CTAs, each
-taking several (slot, 16-row block) items with its loads running on across them: the same products in the same order,
-so the same bits (ffi/cuda_mxfp4_gate_up.cu says why; off: `moe_experts.CUDA_STAGES`).  The wide form takes 1 to 8 tokens
+whole 256-byte block around each weight load (PTX's L2::256B); values unchanged.  `stages` (0: the register form)
+streams the weights through a ring of that many iterations in shared memory (cp.async) in persistent CTAs, each taking
+several items with its loads running on across them: kernel 1's items (slot, 16-row block) with the same products in
+the same order (the same bits), kernel 2's (part, 16-row block) at one token with the 4 warps splitting each slot's I
+(another sum order; one slot a part in `moe_experts`, so the items are many); ffi/cuda_mxfp4_gate_up.cu and
+cuda_mxfp4_down.cu say why; off: `moe_experts.CUDA_STAGES`.  The wide form takes 1 to 8 tokens
 (`moe_experts.Config.cuda_wide`): the mma's N is 8, so lane g of the B fragment reads token g's float16 row (from
 global memory, kept in L1; the weight loads skip L1), for the same MMAs and weight bytes as one token.  The defaults
 (measured on an H200, `moe_experts.CUDA_*`): kernel 1 in CUDA, from XLA's float16 copy at one token and the wide form
@@ -37,7 +39,7 @@ import numpy as np
 
 from jaxk3 import _compat
 
-ABI = 3  # the calling convention these wrappers use: ffi/targets.h's JAXK3_CUDA_KERNELS_ABI (the extension reports it)
+ABI = 4  # the calling convention these wrappers use: ffi/targets.h's JAXK3_CUDA_KERNELS_ABI (the extension reports it)
 TARGET = "jaxk3_mxfp4_gate_up"
 DOWN_TARGET = "jaxk3_mxfp4_down"
 PERM = (0, 4, 2, 6, 1, 5, 3, 7)  # the kernel's order of a word's eight codes (and so of each 8 inputs)
@@ -46,7 +48,7 @@ ROWS, IN_MULTIPLE = 16, 256  # I a multiple of ROWS (a CTA's rows), In of IN_MUL
 MAX_IN = 16384  # the token in shared memory (In x 2 bytes: the handler's kMaxIn)
 CHUNK, DOWN_SMEM = 128, 47 * 1024  # `down`: I a multiple of CHUNK; a part's activations (slots x I x 2 bytes) at most
 MAX_TOKENS = 8  # the wide form: the mma's N
-STAGES = (0, 4, 6, 8)  # gate_up's `stages`: 0 the register form, else the streaming form's ring depth (its instances)
+STAGES = (0, 4, 6, 8)  # the kernels' `stages`: 0 the register form, else the streaming form's ring depth (its instances)
 MAX_STREAM_SLOTS = 512  # the streaming form keeps the slots' experts in shared memory (the handler's kMaxStreamSlots)
 
 
@@ -96,12 +98,12 @@ def shape_problem(I: int, In: int) -> str | None:
     return None
 
 
-def stream_problem(stages: int, U: int, raw: bool) -> str | None:
-    """Why `gate_up` cannot take `stages` for U slots (None: it can; 0 always can)."""
+def stream_problem(stages: int, U: int, raw: bool, target: str = TARGET) -> str | None:
+    """Why kernel `target` (TARGET, DOWN_TARGET) cannot take `stages` for U slots (None: it can; 0 always can)."""
     if stages not in STAGES:
-        return f"{TARGET}: stages must be one of {STAGES} (0: the register form), got {stages}"
+        return f"{target}: stages must be one of {STAGES} (0: the register form), got {stages}"
     if stages and (raw or U > MAX_STREAM_SLOTS):
-        return (f"{TARGET}: the streaming form (stages {stages}) takes XLA's float16 copies (not the raw form) and at "
+        return (f"{target}: the streaming form (stages {stages}) takes XLA's float16 copies (not the raw form) and at "
                 f"most {MAX_STREAM_SLOTS} slots, got {U} slots{', raw' if raw else ''}")
     return None
 
@@ -154,31 +156,37 @@ def gate_up(ids_U: jax.Array, x: jax.Array, xinv: jax.Array | None, gate, up, up
         stages=np.int64(stages), ctas=np.int64(ctas))
 
 
-def down_problem(U: int, I: int, Out: int, parts: int, wide: bool = False) -> str | None:
+def down_problem(U: int, I: int, Out: int, parts: int, wide: bool = False, stream: bool = False) -> str | None:
     """Why `down`'s tiling does not divide these experts or its parts' activations do not fit (None: they do; the wide
-    form keeps nothing in shared memory)."""
+    and streaming forms keep no part's activations in shared memory)."""
     if I % CHUNK or Out % ROWS or not 1 <= parts <= 65535:
         return (f"{DOWN_TARGET} needs I a multiple of {CHUNK}, Out of {ROWS} and 1 to 65535 slot parts, got I {I}, "
                 f"Out {Out}, {parts} parts")
     per = -(-U // parts)
-    if not wide and per * (I * 2 + 4) > DOWN_SMEM:  # (and each slot's 2^-k in the raw form)
+    if not wide and not stream and per * (I * 2 + 4) > DOWN_SMEM:  # (and each slot's 2^-k in the raw form)
         return f"{DOWN_TARGET}: a part's {per} slots of {I} activations exceed {DOWN_SMEM} bytes of shared memory"
     return None
 
 
 def down(ids_U: jax.Array, coef: jax.Array, a: jax.Array, ainv: jax.Array | None, w2, parts: int,
-         l2: bool = False) -> jax.Array:
+         l2: bool = False, stages: int = 0, ctas: int = 0) -> jax.Array:
     """y [parts, 1, Out] fp32: part p's sum over its slots [p·per, min((p+1)·per, U)) (per = ceil(U / parts)) of
     coef[u] · W2[ids[u]] a[u]; `w2` the MXFP4 stack (packed [E, Out, I/2], scale [E, Out, I/32]); a [U, I] each slot's
     activations, bf16 as they are with ainv None (the kernel scales each slot), or in float16 times 2^k_u with ainv
     [U] = 2^-k_u (their order as it is: permuted here); coef [U].  The wide form: a [U, nb, I] float16 (1 to 8
     tokens' rows, each times its 2^k), ainv [U, nb], coef [nb, U] (each token's weight of each slot, 0 where it did
-    not choose it): y [parts, nb, Out].  `l2`: the weight loads with L2's 256-byte prefetch size."""
+    not choose it): y [parts, nb, Out].  `l2`: the weight loads with L2's 256-byte prefetch size.  `stages` (4, 6, 8):
+    the streaming form at one token (persistent CTAs over (part, 16-row block) items, the 4 warps splitting each slot's
+    I, the codes and activations through a ring in shared memory; its sums in another order than the register
+    form's), float16 activations only; `ctas` > 0 caps its grid (the tests')."""
     wide = a.ndim == 3
     U, I = a.shape[0], a.shape[-1]
     nb = a.shape[1] if wide else 1
     Out = w2.packed.shape[1]
-    why = down_problem(U, I, Out, parts, wide)
+    why = (down_problem(U, I, Out, parts, wide, stream=bool(stages))
+           or stream_problem(stages, U, ainv is None, DOWN_TARGET) or (
+               f"{DOWN_TARGET}: the streaming form takes one token's activations, got a {a.shape}"
+               if stages and wide else None))
     if why:
         raise ValueError(why)
     if wide and (ainv is None or not 1 <= nb <= MAX_TOKENS):
@@ -188,4 +196,4 @@ def down(ids_U: jax.Array, coef: jax.Array, a: jax.Array, ainv: jax.Array | None
     out = jax.ShapeDtypeStruct((parts, nb, Out), jnp.float32)
     return jax.ffi.ffi_call(DOWN_TARGET, out)(
         ids_U.astype(jnp.int32), jnp.reshape(coef, (nb * U,)).astype(jnp.float32), xs, inv, w2.packed, w2.scale,
-        l2=np.int64(bool(l2)))
+        l2=np.int64(bool(l2)), stages=np.int64(stages), ctas=np.int64(ctas))

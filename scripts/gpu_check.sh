@@ -359,23 +359,30 @@ if has census48; then
   tar -C /tmp -czf "$OUT/census48_hlo.tgz" jaxk3_census_hlo 2>/dev/null || true
 fi
 
+# An MXFP4 CUDA kernel form's compiled tests (pytest -k $2, within $3 s), then its configurations alone at K3's TP 2
+# share against main's defaults and XLA, at one token ($5) and at 8 ($6), each sweep within $4 s; logs named $1.
+mxfp4_forms() {
+  local name=$1 tk=$2 tt=$3 st=$4 c1=$5 c8=$6
+  timeout -k 10 "$tt" $PY -m pytest tests/test_kernels.py -m gpu -k "$tk" -q -rfEs -p no:cacheprovider \
+    > "$OUT/${name}_tests.log" 2>&1
+  rc=$?; [ $rc -eq 0 ] || status=1
+  echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch" "$OUT/${name}_tests.log" | cut -c1-300 | tail -12
+  for b in 1 8; do
+    local cf=$c1; [ $b = 8 ] && cf=$c8
+    timeout -k 10 "$st" $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch $b --formats mxfp4 --configs "$cf" \
+      --json "$OUT/${name}_sweep_b$b.json" 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+}
+
 if has cudaforms; then
   # The MXFP4 CUDA kernels' forms (issue 22; queued since the twentieth session, docs/PERF.md): the compiled tests
   # (kernel 2 in CUDA, the raw, L2 and wide forms bitwise against the measured one, the wide form at 2, 5, 8 tokens),
   # then K3's TP 2 share alone in each form against the defaults and XLA, at one token and at 8 (`build` first).
   echo "== CUDA MXFP4 kernels: compiled tests, then their forms alone ($(date -u +%T))"
-  timeout -k 10 ${CF_TEST_TIMEOUT:-240} $PY -m pytest tests/test_kernels.py -m gpu -k "cuda_down or cuda_gate_up or cuda_wide" \
-    -q -rfEs -p no:cacheprovider > "$OUT/cudaforms_tests.log" 2>&1
-  rc=$?; [ $rc -eq 0 ] || status=1
-  echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch" "$OUT/cudaforms_tests.log" | cut -c1-300 | tail -12
-  timeout -k 10 ${CF_SWEEP_TIMEOUT:-200} $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch 1 --formats mxfp4 \
-    --configs "${CF_CONFIGS:-cuda=0;cuda_raw=1;cuda_l2=1;cuda_wide=1;cuda_down=1;cuda_down=1,cuda_raw=1;cuda_down=1,cuda_wide=1;cuda_down=1,cuda_raw=1,cuda_l2=1}" \
-    --json "$OUT/cudaforms_sweep_b1.json" 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  timeout -k 10 ${CF_SWEEP_TIMEOUT:-200} $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch 8 --formats mxfp4 \
-    --configs "${CF_CONFIGS8:-cuda_wide=1;cuda_wide=1,cuda_down=1;cuda_wide=1,cuda_down=1,cuda_l2=1;cuda=0,cuda_wide=1,cuda_down=1}" \
-    --json "$OUT/cudaforms_sweep_b8.json" 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  mxfp4_forms cudaforms "cuda_down or cuda_gate_up or cuda_wide" "${CF_TEST_TIMEOUT:-240}" "${CF_SWEEP_TIMEOUT:-200}" \
+    "${CF_CONFIGS:-cuda=0;cuda_raw=1;cuda_l2=1;cuda_wide=1;cuda_down=1;cuda_down=1,cuda_raw=1;cuda_down=1,cuda_wide=1;cuda_down=1,cuda_raw=1,cuda_l2=1}" \
+    "${CF_CONFIGS8:-cuda_wide=1;cuda_wide=1,cuda_down=1;cuda_wide=1,cuda_down=1,cuda_l2=1;cuda=0,cuda_wide=1,cuda_down=1}"
 fi
 
 if has cudastep; then
@@ -412,19 +419,10 @@ if has cudastream; then
   # compiled tests (kernel 1 bitwise against the register form, the persistent CTAs capped to take many items), then
   # alone at K3's TP 2 share against main's register form and XLA, one token (kernel 1 alone, also read through L1:
   # the wide instance; both kernels, and the register CUDA kernel 2) and 8 (kernel 1).
-  echo "== CUDA kernel 1's streaming form: compiled tests, then alone ($(date -u +%T))"
-  timeout -k 10 ${SF_TEST_TIMEOUT:-200} $PY -m pytest tests/test_kernels.py -m gpu -k "cuda_stream or stream_items" \
-    -q -rfEs -p no:cacheprovider > "$OUT/cudastream_tests.log" 2>&1
-  rc=$?; [ $rc -eq 0 ] || status=1
-  echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch" "$OUT/cudastream_tests.log" | cut -c1-300 | tail -12
-  timeout -k 10 ${SF_SWEEP_TIMEOUT:-150} $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch 1 --formats mxfp4 \
-    --configs "${SF_CONFIGS:-cuda_stages=4;cuda_stages=6;cuda_stages=8;cuda_wide=1,cuda_stages=4;cuda_down=1;cuda_down=1,cuda_stages=4;cuda_down=1,cuda_stages=6;cuda_down=1,cuda_stages=8}" \
-    --json "$OUT/cudastream_sweep_b1.json" 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  timeout -k 10 ${SF_SWEEP_TIMEOUT:-150} $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch 8 --formats mxfp4 \
-    --configs "${SF_CONFIGS8:-cuda_stages=4;cuda_stages=6;cuda_stages=8}" \
-    --json "$OUT/cudastream_sweep_b8.json" 2>&1 | grep -v "does not fit\|needs bn" | cut -c1-200
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "== the CUDA kernels' streaming form: compiled tests, then alone ($(date -u +%T))"
+  mxfp4_forms cudastream "cuda_stream or stream_items" "${SF_TEST_TIMEOUT:-200}" "${SF_SWEEP_TIMEOUT:-150}" \
+    "${SF_CONFIGS:-cuda_stages=4;cuda_stages=6;cuda_stages=8;cuda_wide=1,cuda_stages=4;cuda_down=1;cuda_down=1,cuda_stages=4;cuda_down=1,cuda_stages=6;cuda_down=1,cuda_stages=8}" \
+    "${SF_CONFIGS8:-cuda_stages=4;cuda_stages=6;cuda_stages=8}"
 fi
 
 if has exactstep; then

@@ -279,6 +279,18 @@ struct RingLane {
   }
 };
 
+// The streaming kernels' grid for `items` items where `fit` CTAs fit the GPU at once (occupancy x SMs) and `cap` > 0
+// caps it (the tests'): the rounds of items a CTA takes that many CTAs need, then the fewest CTAs taking that many
+// rounds, so that every CTA takes the same number of items, or one fewer (1536 items over 924 CTAs would leave 312 of
+// them one item and the rest two; 768 CTAs take two each).
+inline long long StreamGrid(long long items, long long fit, long long cap) {
+  long long n = items < fit ? items : fit;
+  if (cap > 0 && cap < n) n = cap;
+  if (n < 1) return 1;
+  const long long rounds = (items + n - 1) / n;
+  return (items + rounds - 1) / rounds;
+}
+
 // ---- A kernel's bf16 input (the token, or each slot's activations) made float16 in the lanes' order by the kernel
 // itself (the "raw" form: no XLA fusions before it), as `moe_experts.f16_scaled` and `mxfp4_cuda.lanes_order` make it.
 

@@ -13,7 +13,6 @@
 // warps splitting each slot's I, the codes and activations through a ring in shared memory.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -294,8 +293,7 @@ __global__ void __launch_bounds__(kWarps * 32) DownStreamKernel(Params p) {
   }
 }
 
-// The streaming form's instance, launch and grid: as many CTAs as fit at once, at most one an item and at most `ctas`
-// (> 0: the tests' cap).
+// The streaming form's instance, launch and grid (mxfp4::StreamGrid, as kernel 1's; `ctas` > 0 the tests' cap).
 ffi::Error LaunchDownStream(cudaStream_t stream, const Params& p, int stages, long long ctas, const std::string& name) {
   auto* kernel = stages == 4 ? DownStreamKernel<4> : stages == 6 ? DownStreamKernel<6> : DownStreamKernel<8>;
   const size_t smem = kWarps * (stages == 4 ? sizeof(DownRing<4>) : stages == 6 ? sizeof(DownRing<6>)
@@ -311,8 +309,8 @@ ffi::Error LaunchDownStream(cudaStream_t stream, const Params& p, int stages, lo
   if (per_sm < 1)
     return InvalidArgument(name + ": the streaming form with " + std::to_string(stages) + " stages (" +
                            std::to_string(smem) + " bytes of shared memory a CTA) does not fit an SM");
-  long long n = std::min<long long>(static_cast<long long>(p.Out / kRows) * p.G, static_cast<long long>(per_sm) * sms);
-  if (ctas > 0) n = std::min(n, ctas);
+  const long long n = mxfp4::StreamGrid(static_cast<long long>(p.Out / kRows) * p.G,
+                                        static_cast<long long>(per_sm) * sms, ctas);
   kernel<<<static_cast<unsigned>(n), kWarps * 32, smem, stream>>>(p);
   e = cudaGetLastError();
   if (e != cudaSuccess) return Internal(name + ": launch: " + cudaGetErrorString(e));

@@ -21,7 +21,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -281,8 +280,8 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpStreamKernel(Params p) {
   }
 }
 
-// The streaming form's instance, launch and grid: as many CTAs as fit at once, at most one an item and at most `ctas`
-// (> 0: the tests' cap, so that each CTA takes many items).
+// The streaming form's instance, launch and grid (mxfp4::StreamGrid: at most as many CTAs as fit at once, each taking
+// the same number of items or one fewer; `ctas` > 0 the tests' cap, so that each CTA takes many items).
 template <int kIn>
 ffi::Error LaunchStream(cudaStream_t stream, const Params& p, int stages, long long ctas, const char* name) {
   auto* kernel = stages == 4 ? GateUpStreamKernel<kIn, 4> : stages == 6 ? GateUpStreamKernel<kIn, 6>
@@ -304,9 +303,7 @@ ffi::Error LaunchStream(cudaStream_t stream, const Params& p, int stages, long l
     return InvalidArgument(std::string(name) + ": the streaming form with " + std::to_string(stages) + " stages (" +
                            std::to_string(smem) + " bytes of shared memory a CTA) does not fit an SM");
   const long long items = static_cast<long long>(p.I / kRows) * p.U;
-  long long n = std::min<long long>(items, static_cast<long long>(per_sm) * sms);
-  if (ctas > 0) n = std::min(n, ctas);
-  const unsigned grid = static_cast<unsigned>(n);
+  const unsigned grid = static_cast<unsigned>(mxfp4::StreamGrid(items, static_cast<long long>(per_sm) * sms, ctas));
   kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   e = cudaGetLastError();
   if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));

@@ -2096,6 +2096,40 @@ def _f16_scaled_spec(x64: np.ndarray) -> tuple[int, np.ndarray]:
     return k, np.asarray(CU.lanes_order(jnp.asarray(v)))
 
 
+def test_mxfp4_stream_grid_balances_the_items():
+    """The streaming kernels' persistent grid (ffi/cuda_mxfp4.h's StreamGrid, compiled for the CPU by nvcc:
+    tests/native/mxfp4_stream_grid.cu): never more CTAs than items, than fit the GPU at once, or than the tests' cap;
+    no more rounds of items than the most CTAs would take; and every CTA (taking items c, c + grid, ...) the same number
+    of items or one fewer.  K3's TP 2 share at one token: 1536 items where 924 CTAs fit run as 768 CTAs of two."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc to compile ffi/cuda_mxfp4.h's StreamGrid for the CPU")
+    root = Path(__file__).resolve().parents[1]
+    rng = np.random.default_rng(5)
+    cases = [(1536, 924, 0), (3584, 1056, 0), (3072, 924, 0), (768, 1056, 0), (768, 1056, 7), (1, 924, 0),
+             (5, 1, 0), (1000, 1000, 0), (1001, 1000, 0)]
+    cases += [(int(rng.integers(1, 20000)), int(rng.integers(1, 1500)), int(rng.choice([0, 1, 3, 131])))
+              for _ in range(300)]
+    with tempfile.TemporaryDirectory() as d:
+        exe = Path(d) / "grid"
+        subprocess.run([nvcc, "-std=c++17", f"-I{root / 'ffi'}", "-o", str(exe),
+                        str(root / "tests/native/mxfp4_stream_grid.cu")], check=True, capture_output=True, timeout=300)
+        got = subprocess.run([str(exe)], input="\n".join(f"{i} {f} {c}" for i, f, c in cases), text=True,
+                             check=True, capture_output=True, timeout=60).stdout.split()
+    assert len(got) == len(cases)
+    for (items, fit, cap), n in zip(cases, map(int, got)):
+        most = min(items, fit, cap or items)
+        per = [-(-(items - c) // n) for c in range(n)]  # items a CTA takes: c, c + n, ...
+        assert 1 <= n <= most and sum(per) == items and max(per) - min(per) <= 1, (items, fit, cap, n)
+        assert max(per) == -(-items // most), (items, fit, cap, n)  # no more rounds than the most CTAs take
+    assert int(got[0]) == 768 and int(got[1]) == 896 and int(got[2]) == 768
+
+
 def test_mxfp4_cuda_raw_input_is_f16_scaled():
     """The CUDA kernels' raw form makes their float16 input themselves (ffi/cuda_mxfp4.h: MaxMagnitude, ScaleExponent,
     Pow2, ToLanes, host and device code): the header compiled for the CPU by nvcc (tests/native/mxfp4_raw_input.cu)

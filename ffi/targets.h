@@ -27,7 +27,9 @@
 #define JAXK3_CUDA_KERNELS_ABI 4
 #define JAXK3_CUDA_KERNELS(X) \
   X("jaxk3_mxfp4_gate_up", jaxk3_cuda_mxfp4_gate_up) /* moe_experts' kernel 1, 1 to 8 tokens */ \
-  X("jaxk3_mxfp4_down", jaxk3_cuda_mxfp4_down)       /* moe_experts' kernel 2, 1 to 8 tokens */
+  X("jaxk3_mxfp4_down", jaxk3_cuda_mxfp4_down)       /* moe_experts' kernel 2, 1 to 8 tokens */ \
+  X("jaxk3_bf16_gate_up", jaxk3_cuda_bf16_gate_up)   /* moe_experts' kernel 1, bf16 experts, one token */ \
+  X("jaxk3_bf16_down", jaxk3_cuda_bf16_down)         /* moe_experts' kernel 2, the same */
 
 namespace jaxk3 {
 

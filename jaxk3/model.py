@@ -186,12 +186,15 @@ def attention_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: KDAWeights |
 
 
 def ffn_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: MLPWeights | MoEWeights, xn_ND: jax.Array,
-              many: bool = False) -> jax.Array:
+              many: bool = False, residual: jax.Array | None = None) -> jax.Array:
     """Layer `l`'s dense MLP or MoE on N normed tokens: out_ND fp32 summed over TP (`many`: the MoE's
-    grouped-GEMM form, for prefill)."""
+    grouped-GEMM form, for prefill); with `residual` (a MoE layer at decode) the new residual stream bf16(residual +
+    out), which the experts' kernel may add in its epilogue (jaxk3.layers.moe.moe)."""
     if cfg.layer_ffn[l] == "mlp":
+        if residual is not None:
+            raise ValueError("ffn_block: the dense MLP does not add the residual (ffn_done does)")
         return mlp(cfg, w, xn_ND, opt.tp)
-    return moe(cfg, w, xn_ND, opt.tp, grouped=many)
+    return moe(cfg, w, xn_ND, opt.tp, grouped=many, residual=residual)
 
 
 def _block_input(sources, res_norm, res_proj, ln_w, eps: float, dt, shape, decode: bool) -> jax.Array | Normed:
@@ -232,8 +235,11 @@ def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache,
             srcs, st = res.ffn_sources(st, a.reshape(B * T, -1), g, Bs)
             xn = _block_input(srcs, lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attention_layernorm, eps, dt,
                               (B * T, -1), not prefill)
-            f = ffn_block(cfg, opt, l, lw.ffn, xn, prefill)
-            st = res.ffn_done(st, f, Bs)
+            if not prefill and Bs is None and cfg.layer_ffn[l] == "moe":  # Kimi-Linear decode: the MoE adds the
+                # residual itself (its experts' kernel may, in its epilogue), the stream's add and rounding exactly
+                st = res.Stream(p=ffn_block(cfg, opt, l, lw.ffn, xn, prefill, residual=st.p))
+            else:
+                st = res.ffn_done(st, ffn_block(cfg, opt, l, lw.ffn, xn, prefill), Bs)
     with jax.named_scope("head"):
         final = res.stream_final(st, Bs, w.output_attn_res_norm, w.output_attn_res_proj, eps)
         if prefill and not all_logits:

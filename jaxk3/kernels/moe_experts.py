@@ -58,6 +58,7 @@ from jax import lax
 
 from jaxk3.config import MXFP4_GROUP as G32
 from jaxk3.config import KimiK3Config
+from jaxk3.kernels import bf16_cuda as BC
 from jaxk3.kernels import mxfp4_cuda as CU
 from jaxk3.kernels.registry import Kernel, dot_nt, pow2, register, triton_params
 
@@ -95,6 +96,11 @@ CUDA_WIDE = True
 # 0 (the register form) until it has run on a GPU: built without one (twenty-third session), to be timed against the
 # register form (docs/PERF.md)
 CUDA_STAGES = 0
+# Config.cuda_bf16 None: bf16 experts at one token as two CUDA kernels (jaxk3.kernels.bf16_cuda: a warp an output, all of
+# its row's loads in flight, persistent CTAs; the router's ranking inside kernel 1 in the routed form, kernel 2's sum
+# whole).  Off until it has run on a GPU: built without one (twenty-fourth session), to be timed against the Pallas
+# kernels in the Kimi-Linear-48B B = 1 step (docs/PERF.md)
+CUDA_BF16 = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +172,9 @@ class Config:
     cuda_stages: int | None = None  # the CUDA kernels streaming their weights through a ring of 4, 6 or 8 iterations in
     # shared memory (persistent CTAs; 0: the register form): kernel 1 in every form but cuda_raw, kernel 2 (with
     # cuda_down) at one token from XLA's float16 copies, one slot a part.  None: CUDA_STAGES
+    cuda_bf16: bool | None = None  # bf16 experts at one token: both kernels in CUDA (jaxk3.kernels.bf16_cuda), the
+    # shared experts' slot and, in the routed form, the router's ranking with them.  None: CUDA_BF16 where it applies;
+    # True: `fits` refuses a call where it cannot run (saying why)
 
 
 @jax.tree_util.register_dataclass
@@ -871,6 +880,44 @@ def _cuda_down_stages(cf: Config, B: int, U: int) -> int:
     return _cuda_stages(cf, form, U) if form == "f16" else 0
 
 
+def _bf16_wanted(cf: Config) -> bool:
+    return CUDA_BF16 if cf.cuda_bf16 is None else bool(cf.cuda_bf16)
+
+
+def _bf16_problem(w, z_BL: jax.Array, shared, routed: bool, U: int, residual: jax.Array | None = None) -> str | None:
+    """Why the bf16 CUDA kernels (jaxk3.kernels.bf16_cuda) cannot take this call (None: they can)."""
+    E, I, In, _, _ = _dims(w)
+    if residual is not None and residual.dtype != jnp.bfloat16:
+        return f"the bf16 CUDA kernel 2 adds a bf16 residual stream in its epilogue, got {residual.dtype}"
+    if (z_BL.ndim != 2 or z_BL.shape[0] != 1 or z_BL.dtype != jnp.bfloat16 or isinstance(w.experts_w2, MXFP4)
+            or w.experts_w2.dtype != jnp.bfloat16):
+        return (f"the bf16 CUDA kernels take one bf16 token and bf16 experts, got z {z_BL.shape} {z_BL.dtype}, "
+                f"{'MXFP4' if isinstance(w.experts_w2, MXFP4) else w.experts_w2.dtype} experts")
+    return BC.problem(E, U, I, In, shared is not None, routed) or BC.unavailable()
+
+
+def _bf16_launch(cfg, w, z_BL: jax.Array, sel_up: list, sel_down: list | None, U: int, route: "_Route | None",
+                 shared, residual: jax.Array | None) -> jax.Array:
+    """Both kernels in CUDA for one token of bf16 experts: fp32 [1, Out], or with `residual` bf16(residual + it) from
+    kernel 2's epilogue."""
+    _, I, _, _, joined = _dims(w)
+    gate = w.experts_w13 if joined else w.experts_w1
+    if route is None:  # the slots' experts and weights as `experts` planned them (one token: the router's order)
+        sel0, sel1, rt = sel_up[0], sel_down[1][0], None
+    else:  # the router's logits and bias (unpadded: the kernel ranks E of them)
+        sel0, sel1, rt = sel_up[0][0, :route.E], sel_up[1][:route.E], (route.k, route.renorm, route.scale)
+    a, ids, coef = BC.gate_up(sel0, sel1, z_BL[0], gate, gate if joined else w.experts_w3, I if joined else 0, I,
+                              None if shared is None else shared.gate_up, cfg.hidden_act, cfg.activation_situ_beta,
+                              cfg.activation_situ_linear_beta, route=rt)
+    return BC.down(ids, coef, a, w.experts_w2, None if shared is None else shared.down, residual=residual)
+
+
+def _plus(y: jax.Array, residual: jax.Array | None) -> jax.Array:
+    """The experts' fp32 output, or with `residual` the new residual stream bf16(residual + y) (the decode step's add
+    and rounding, as `attn_res.ffn_done` does them)."""
+    return y if residual is None else (residual + y).astype(residual.dtype)
+
+
 def _dims(w) -> tuple[int, int, int, int, bool]:
     """(E, I, In, Out, joined) of the block's experts, from w1 | w3 (or their join) and w2."""
     joined = getattr(w, "experts_w13", None) is not None
@@ -940,9 +987,11 @@ def _splits(cf: Config, Out: int, I: int, sms: int = 132) -> int:
 
 
 def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared: SharedMLP | None = None,
-            interpret: bool = False, config: Config | None = None, only_where_faster: bool = True) -> jax.Array:
+            interpret: bool = False, config: Config | None = None, only_where_faster: bool = True,
+            residual: jax.Array | None = None) -> jax.Array:
     """The same function as the reference: fp32 [B, Out] = Σ_k w_k · W2_k act(W1_k z, W3_k z) over the
-    local intermediate shard (+ the shared experts' partial)."""
+    local intermediate shard (+ the shared experts' partial); with `residual` [B, Out] (one rank's whole sum: no psum
+    after it), bf16(residual + that), which the bf16 CUDA kernel 2 computes in its epilogue."""
     B = z_BL.shape[0]
     E, *_ = _dims(w)
     uniq, coef = plan(ids_Bk, w_Bk, E)
@@ -950,12 +999,12 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared:
     # padded slots (B > 1) re-read the last expert (just read by the same program: cached), times 0
     read = uniq if B == 1 else jnp.where(uniq < 0, jnp.max(uniq), uniq)
     coef = w_Bk.astype(F32) if B == 1 else jnp.pad(coef.T, ((0, Bp - B), (0, 0)))  # [Bp, U]: B = 1 as routed
-    return _launch(cfg, w, z_BL, [uniq], [read, coef], uniq.shape[0], None, shared, interpret, config)
+    return _launch(cfg, w, z_BL, [uniq], [read, coef], uniq.shape[0], None, shared, interpret, config, residual)
 
 
 def experts_routed(cfg, w, z_BL: jax.Array, logits_BE: jax.Array, bias_E: jax.Array,
                    shared: SharedMLP | None = None, interpret: bool = False, config: Config | None = None,
-                   only_where_faster: bool = True) -> jax.Array:
+                   only_where_faster: bool = True, residual: jax.Array | None = None) -> jax.Array:
     """`experts` with the router's selection done by the kernels, for one token: the same function as
     `select_experts` (sigmoid, + bias, top-k, renormalise, scale) then `experts_partial`, without XLA's selection
     chain (the sigmoid and add, the TopK sort, the slice, the renormalising sum and product).  Every program of
@@ -970,7 +1019,7 @@ def experts_routed(cfg, w, z_BL: jax.Array, logits_BE: jax.Array, bias_E: jax.Ar
     logits, bias = logits_BE.astype(F32), bias_E.astype(F32)
     if Ep != E:  # masked in the kernels
         logits, bias = jnp.pad(logits, ((0, 0), (0, Ep - E))), jnp.pad(bias, (0, Ep - E))
-    return _launch(cfg, w, z_BL, [logits, bias], None, rt.k, rt, shared, interpret, config)
+    return _launch(cfg, w, z_BL, [logits, bias], None, rt.k, rt, shared, interpret, config, residual)
 
 
 def _rows_padded(w, z_BL: jax.Array, config: Config | None = None) -> int:
@@ -990,10 +1039,13 @@ def _rows_padded(w, z_BL: jax.Array, config: Config | None = None) -> int:
 
 
 def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _Route | None, shared,
-            interpret: bool, config: Config | None) -> jax.Array:
+            interpret: bool, config: Config | None, residual: jax.Array | None = None) -> jax.Array:
     """The two pallas_calls over U selected slots (+ the shared experts' slot), the selection given to kernel 1
     as `sel_up` (the ids, or with `route` the logits and bias) and to kernel 2 as `sel_down` (the experts to read
     and their coefficients; with `route`, kernel 1 writes them)."""
+    if (not interpret and _bf16_wanted(config or Config())
+            and _bf16_problem(w, z_BL, shared, route is not None, U, residual) is None):  # both kernels in CUDA (bf16 experts)
+        return _bf16_launch(cfg, w, z_BL, sel_up, sel_down, U, route, shared, residual)
     pl = _pl()
     B = z_BL.shape[0]
     E, I, In, Out, joined = _dims(w)
@@ -1058,7 +1110,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
         a_U, c = (a, coef) if wide else (a[:, 0, :], coef[0])
         a_U, ainv = (a_U, None) if form == "raw" else f16_scaled(a_U)  # raw: the kernel scales each slot itself
         y = CU.down(ids, c, a_U, ainv, w.experts_w2, Gc, l2=l2, stages=dstages)
-        return (y[0] if Gc == 1 else jnp.sum(y, axis=0))[:B]
+        return _plus((y[0] if Gc == 1 else jnp.sum(y, axis=0))[:B], residual)
     if f16:
         av, ainv = _f16_views(a)
         av = [*av, ainv]
@@ -1070,12 +1122,12 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
                           steps=I // S // cf.bk, parts=G),
         grid=(Out // cf.bn, S, G), in_specs=[any_] * len(ins), out_specs=any_,
         out_shape=jax.ShapeDtypeStruct((S * G, Bp, Out), F32), interpret=interpret, **kw)(*ins)
-    return (y[0] if S * G == 1 else jnp.sum(y, axis=0))[:B]
+    return _plus((y[0] if S * G == 1 else jnp.sum(y, axis=0))[:B], residual)
 
 
 def reference(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Config | None = None,
-              only_where_faster: bool = True) -> jax.Array:
-    return experts_partial(cfg, w, z_BL, w_Bk, ids_Bk, shared)
+              only_where_faster: bool = True, residual: jax.Array | None = None) -> jax.Array:
+    return _plus(experts_partial(cfg, w, z_BL, w_Bk, ids_Bk, shared), residual)
 
 
 # (format, B bucket (1 or 8), E (B > 1 only), I, In, Out, shared) -> (kernel us, XLA us), the default Config
@@ -1137,9 +1189,12 @@ def _key(w, B: int, shared) -> tuple:
 
 
 def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Config | None = None,
-         only_where_faster: bool = True, **_) -> str | None:
+         only_where_faster: bool = True, residual: jax.Array | None = None, **_) -> str | None:
     _, I, In, Out, _ = _dims(w)
     B = z_BL.shape[0] if z_BL.ndim == 2 else 1
+    if residual is not None and (residual.shape != (B, Out) or residual.dtype not in (jnp.bfloat16, jnp.float32)):
+        return (f"moe_experts kernel: the residual must be the stream [B, Out] = [{B}, {Out}] in bf16 or float32, got "
+                f"{residual.shape} {residual.dtype}")
     packed = isinstance(w.experts_w2, MXFP4)
     cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype, _f16_marked(w))
     if cf.cuda and z_BL.ndim == 2:
@@ -1157,6 +1212,11 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
             why = CU.stream_problem(ds, U, False, CU.DOWN_TARGET)
         if why:
             return f"moe_experts kernel: cuda_down: {why}"
+    if cf.cuda_bf16 and z_BL.ndim == 2:
+        U = plan_slots(_dims(w)[0], B, ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token)
+        why = _bf16_problem(w, z_BL, shared, ids_Bk is None, U, residual)
+        if why:
+            return f"moe_experts kernel: cuda_bf16: {why}"
     if cf.f16 and not _f16_marked(w):
         return (f"moe_experts kernel: f16 needs MXFP4 stacks whose scales all lie in {list(F16_SCALES)} (MXFP4.f16: "
                 f"the config's experts_f16, set at load; these are not marked)")
@@ -1226,12 +1286,12 @@ register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits
 
 
 def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,
-                     only_where_faster: bool = True) -> jax.Array:
-    """`experts_routed`'s function in jnp: the router's `select_experts`, then `experts_partial`."""
+                     only_where_faster: bool = True, residual: jax.Array | None = None) -> jax.Array:
+    """`experts_routed`'s function in jnp: the router's `select_experts`, then `experts_partial` (and the residual)."""
     from jaxk3.kernels.router import select_experts
 
     w_Bk, ids_Bk = select_experts(cfg, logits_BE, bias_E)
-    return experts_partial(cfg, w, z_BL, w_Bk, ids_Bk, shared)
+    return _plus(experts_partial(cfg, w, z_BL, w_Bk, ids_Bk, shared), residual)
 
 
 MAX_ROUTED_EXPERTS = 256  # the ranks compare every pair of the Ep logits: [Ep, 32] tiles per program
@@ -1248,7 +1308,7 @@ ROUTED_MEASURED: set[tuple] = {("bf16", 1, 64, 1024, 2304, 2304, True)}
 
 
 def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,
-                only_where_faster: bool = True, **_) -> str | None:
+                only_where_faster: bool = True, residual: jax.Array | None = None, **_) -> str | None:
     """Why this call does not suit `experts_routed` (None: it does): `moe_experts`' own conditions, one token, an
     ungrouped top-k over at most MAX_ROUTED_EXPERTS logits of this block's experts; `auto` takes it only where the
     step was measured faster with it (`ROUTED_MEASURED`)."""
@@ -1257,7 +1317,7 @@ def routed_fits(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None
     E = _dims(w)[0]
     if config is not None and (config.cuda or config.cuda_down):
         return "moe_experts routed form: its kernel 1 ranks the router's logits; the CUDA kernels (cuda, cuda_down) do not"
-    why = fits(cfg, w, z_BL, None, None, shared=shared, config=config, only_where_faster=False)
+    why = fits(cfg, w, z_BL, None, None, shared=shared, config=config, only_where_faster=False, residual=residual)
     if why:
         return why
     B = z_BL.shape[0]

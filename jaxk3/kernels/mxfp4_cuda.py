@@ -53,7 +53,7 @@ MAX_STREAM_SLOTS = 512  # the streaming form keeps the slots' experts in shared 
 
 
 _lock = threading.Lock()
-_found: list[dict] = []  # once: {target: None registered, or why not}
+_found: list[dict] = []  # once: {target: None} for each registered, or {"": why none can run}
 
 
 def _register(target: str) -> str | None:
@@ -76,13 +76,13 @@ def _register(target: str) -> str | None:
             if why is None:
                 for name, cap in caps.items():
                     jax.ffi.register_ffi_target(name, cap, platform="CUDA")
-            _found.append({t: why or (None if t in caps else "the extension was built without it (no CUDA, or older)")
-                           for t in (TARGET, DOWN_TARGET)})
-        return _found[0][target]
+            _found.append({t: why for t in caps} if why is None else {"": why})
+        got = _found[0]
+        return got[target] if target in got else got.get("", "the extension was built without it (no CUDA, or older)")
 
 
 def unavailable(target: str = TARGET) -> str | None:
-    """Why CUDA kernel `target` (TARGET, DOWN_TARGET) cannot run on the traced step's devices (None: it can)."""
+    """Why CUDA kernel `target` (TARGET, DOWN_TARGET, jaxk3.kernels.bf16_cuda's) cannot run on the traced step's devices (None: it can)."""
     platform = _compat.device_platform()
     if platform != "gpu":
         return f"{target} is a CUDA kernel, the device is {platform!r}"

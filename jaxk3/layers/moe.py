@@ -31,7 +31,7 @@ from jax import lax
 
 from jax.sharding import PartitionSpec as P
 
-from jaxk3 import collectives, kernels
+from jaxk3 import _compat, collectives, kernels
 from jaxk3.config import MXFP4_GROUP, KimiK3Config
 from jaxk3.kernels import moe_experts
 from jaxk3.kernels.moe_experts import (MXFP4, SharedMLP, act, compute_dtype, dequantize,  # noqa: F401
@@ -170,21 +170,29 @@ def _shared_in_kernel(cfg, w: MoEWeights, x_BD, w_Bk, ids_Bk, mode: str) -> Shar
     return shared if how.startswith("device") else None
 
 
-def _experts_routed(cfg, w: MoEWeights, x_BD: jax.Array, logits_BE: jax.Array, mode: str, tp) -> jax.Array | None:
-    """The routed and shared experts' partial of one token with the router's selection inside the `moe_experts`
-    kernels (`moe_experts_routed`: no selection kernels of XLA's in the step), where that form runs; else None.
-    The shared experts go into the kernels too where they can (their gate | up in the serving layout, the routed
-    experts' shapes), else through `mlp_partial`."""
+def _experts_routed(cfg, w: MoEWeights, x_BD: jax.Array, logits_BE: jax.Array, mode: str, tp,
+                    residual: jax.Array | None = None) -> tuple[jax.Array, bool] | None:
+    """(the routed and shared experts' partial of one token, False) with the router's selection inside the
+    `moe_experts` kernels (`moe_experts_routed`: no selection kernels of XLA's in the step), where that form runs; else
+    None.  The shared experts go into the kernels too where they can (their gate | up in the serving layout, the routed
+    experts' shapes), else through `mlp_partial`.  With `residual` (one rank) and the shared experts in the kernels:
+    (bf16(residual + that partial), True), the kernels adding it."""
     args = (cfg, w, x_BD, logits_BE, w.e_score_correction_bias)
     shared = _shared_mlp(w)
     if shared is not None and kernels.explain("moe_experts_routed", *args, shared=shared,
                                               mode=mode).startswith("device"):
-        return kernels.call("moe_experts_routed", *args, shared=shared, mode=mode)
+        return kernels.call("moe_experts_routed", *args, shared=shared, mode=mode, residual=residual), residual is not None
     if not kernels.explain("moe_experts_routed", *args, mode=mode).startswith("device"):
         return None
     out = kernels.call("moe_experts_routed", *args, mode=mode)
     s = w.shared_experts
-    return out if s is None else out + mlp_partial(cfg, s, x_BD, tp)
+    return (out if s is None else out + mlp_partial(cfg, s, x_BD, tp)), False
+
+
+def _one_rank(tp) -> bool:
+    """Whether this block's sum is this rank's alone (no TP axis, or one of size 1): no psum after the experts."""
+    tp = as_tp(tp)
+    return tp is None or (_compat.axis_bound(tp.axis) and lax.axis_size(tp.axis) == 1)
 
 
 def _experts_prefill(cfg, w, z_NL, w_Nk, ids_Nk, mode: str) -> jax.Array:
@@ -211,15 +219,24 @@ def _route_normed(cfg, w: MoEWeights, x: Normed, mode: str) -> tuple[jax.Array, 
 
 
 def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str | None,
-        grouped: bool = False) -> jax.Array:
+        grouped: bool = False, residual: jax.Array | None = None) -> jax.Array:
     """The MoE block on B tokens: fp32 [B, D], summed over TP.  `grouped` (prefill): the experts
     over all tokens at once (dense GEMMs over the local experts, in token blocks) instead of
     per-token GEMVs (decode): jaxk3.kernels.moe_grouped has the forms (dense GEMMs over the local
     experts in token blocks, today's path; the grouped-GEMM kernel; `experts_grouped`, ragged_dot).
     A `Normed` input (decode) is normed by the routing kernels (`_route_normed`) where they run; at decode the
-    Kimi-Linear experts may also take the router's logits and select inside their kernels (`_experts_routed`)."""
+    Kimi-Linear experts may also take the router's logits and select inside their kernels (`_experts_routed`).
+    `residual` (decode: the residual stream h [B, D] this block adds to): the new stream bf16(h + out) instead of out,
+    added by the experts' kernel in its epilogue where one rank holds the whole sum and the kernel takes it (the bf16
+    CUDA kernels: no XLA kernel for the add), else by XLA after the psum, as `attn_res.ffn_done` adds it: the same
+    bits either way."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
+    fold = residual if residual is not None and not grouped and _one_rank(tp) else None
+
+    def done(out: jax.Array) -> jax.Array:
+        return out if residual is None else (residual + out).astype(residual.dtype)
+
     experts = functools.partial(_experts_prefill if grouped else _experts_decode, mode=mode)
     routed = _route_normed(cfg, w, x_BD, mode) if isinstance(x_BD, Normed) else None
     if routed is not None:
@@ -228,17 +245,18 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
         x_BD = value(x_BD)
         logits_BE = router_logits(w.gate, x_BD)
         if w.routed_expert_down_proj is None and not grouped:  # Kimi-Linear decode: the selection in the kernels?
-            out = _experts_routed(cfg, w, x_BD, logits_BE, mode, tp)
-            if out is not None:
-                return psum(out, tp)
+            got = _experts_routed(cfg, w, x_BD, logits_BE, mode, tp, fold)
+            if got is not None:
+                return got[0] if got[1] else done(psum(got[0], tp))
         w_Bk, ids_Bk = kernels.call("router_topk", cfg, logits_BE, w.e_score_correction_bias, mode=mode)
     if w.routed_expert_down_proj is None and not grouped:  # Kimi-Linear decode: shared experts in the kernel?
         fused = _shared_in_kernel(cfg, w, x_BD, w_Bk, ids_Bk, mode)
         if fused is not None:
-            return psum(kernels.call("moe_experts", cfg, w, x_BD, w_Bk, ids_Bk, shared=fused, mode=mode), tp)
+            out = kernels.call("moe_experts", cfg, w, x_BD, w_Bk, ids_Bk, shared=fused, mode=mode, residual=fold)
+            return out if fold is not None else done(psum(out, tp))
     shared_BD = mlp_partial(cfg, w.shared_experts, x_BD, tp) if w.shared_experts is not None else 0.0
     if w.routed_expert_down_proj is None:  # Kimi-Linear: experts on x, one psum for both partials
-        return psum(experts(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp)
+        return done(psum(experts(cfg, w, x_BD, w_Bk, ids_Bk) + shared_BD, tp))
     L, tp = cfg.moe_hidden, as_tp(tp)
     sharded = w.routed_expert_down_proj.shape[0] != L  # shard_latent: this rank holds L/tp rows
     if sharded != (w.routed_expert_up_proj.shape[1] != L):
@@ -252,7 +270,7 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
         y_BL = rms_norm(y_BL, w.routed_expert_norm, cfg.rms_norm_eps)
     y_BL = y_BL.astype(dt)
     if not sharded:
-        return linear(y_BL, w.routed_expert_up_proj, tp) + psum(shared_BD, tp)
+        return done(linear(y_BL, w.routed_expert_up_proj, tp) + psum(shared_BD, tp))
     n = w.routed_expert_up_proj.shape[1]  # this rank's L/tp input columns of the up projection
     y_local = lax.dynamic_slice_in_dim(y_BL, lax.axis_index(tp.axis) * n, n, axis=-1)
-    return psum(linear(y_local, w.routed_expert_up_proj, tp) + shared_BD, tp)
+    return done(psum(linear(y_local, w.routed_expert_up_proj, tp) + shared_BD, tp))

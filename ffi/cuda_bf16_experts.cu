@@ -205,9 +205,11 @@ struct DownParams {
   int E, U, I, Out, has_shared, has_residual;
 };
 
-// kMv = I / 256 vectors per lane and row; kSlots slots' rows in flight at once (16 loads a lane).
+// kMv = I / 256 vectors per lane and row; kSlots slots' rows in flight at once (16 loads a lane).  At most 80 registers
+// (3 CTAs an SM): the 48B's 2304 output rows are then one row a warp, all resident at once (2 CTAs an SM would leave
+// 192 warps a second row; the I = 256 and 512 instances spill 12-20 bytes for it).
 template <int kMv>
-__global__ void __launch_bounds__(kThreads) Bf16DownKernel(DownParams p) {
+__global__ void __launch_bounds__(kThreads, 3) Bf16DownKernel(DownParams p) {
   constexpr int kSlots = kMv >= 16 ? 1 : 16 / kMv;
   extern __shared__ uint4 as[];  // [P, I / 8]
   __shared__ int ids[kMaxSlots];

@@ -2678,6 +2678,9 @@ def test_moe_experts_cuda_bf16_lowered_and_refused(monkeypatch):
     cfg3, w3, z3, wk3, ids3 = _moe_case("dense", jnp.bfloat16, 1, routed_expert_hidden_size=512,
                                         moe_intermediate_size=384)
     assert "I must be one of" in ME.fits(cfg3, w3, z3, wk3, ids3, config=on, only_where_faster=False)
+    bad_shared = _shared(_joined(w), jnp.bfloat16)
+    bad_shared = ME.SharedMLP(bad_shared.gate_up[:256], bad_shared.down)  # the shared experts' I not the routed's
+    assert "shared experts of the routed experts' shapes" in ME._bf16_problem(_joined(w), z, bad_shared, False, 4)
     with pytest.raises(ValueError, match="I must be one of"):
         BC.down(ids3[0], wk3[0], jnp.zeros((ids3.shape[1], 1, 384), jnp.bfloat16), w3.experts_w2, None)
     with pytest.raises(ValueError, match="slots"):

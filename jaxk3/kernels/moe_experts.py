@@ -893,6 +893,11 @@ def _bf16_problem(w, z_BL: jax.Array, shared, routed: bool, U: int, residual: ja
             or w.experts_w2.dtype != jnp.bfloat16):
         return (f"the bf16 CUDA kernels take one bf16 token and bf16 experts, got z {z_BL.shape} {z_BL.dtype}, "
                 f"{'MXFP4' if isinstance(w.experts_w2, MXFP4) else w.experts_w2.dtype} experts")
+    if shared is not None and (shared.gate_up.shape != (2 * I, In) or shared.down.shape != (_dims(w)[3], I)
+                               or shared.gate_up.dtype != jnp.bfloat16 or shared.down.dtype != jnp.bfloat16):
+        return (f"the bf16 CUDA kernels take shared experts of the routed experts' shapes in bf16 (gate_up [{2 * I}, "
+                f"{In}], down [{_dims(w)[3]}, {I}]), got {shared.gate_up.shape} {shared.gate_up.dtype}, "
+                f"{shared.down.shape} {shared.down.dtype}")
     return BC.problem(E, U, I, In, shared is not None, routed) or BC.unavailable()
 
 

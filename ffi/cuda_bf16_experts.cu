@@ -26,6 +26,7 @@
 #include <string>
 
 #include "common.h"
+#include "cuda_bf16_route.h"
 
 namespace ffi = xla::ffi;
 
@@ -107,31 +108,18 @@ __device__ void Slots(const GateUpParams& p, int* ids, float* coef, float* scrat
   float* c = scratch + p.E;       // [E] the selection score s + bias
   const float* logits = static_cast<const float*>(p.sel0);
   for (int j = t; j < p.E; j += kThreads) {
-    const float sj = 1.0f / (1.0f + expf(-logits[j]));
+    const float sj = bf16route::Sigmoid(logits[j]);
     s[j] = sj;
     c[j] = sj + p.sel1[j];
   }
   for (int u = t; u < p.U; u += kThreads) ids[u] = INT_MAX;
   __syncthreads();
-  // rank_j = the experts before j in lax.top_k's order (larger first, the lower index first among equal scores)
-  for (int j = t; j < p.E; j += kThreads) {
-    const float cj = c[j];
-    int rank = 0;
-    for (int i = 0; i < p.E; ++i) {
-      const float ci = c[i];
-      rank += (ci > cj) | ((ci == cj) & (i < j));
-    }
+  for (int j = t; j < p.E; j += kThreads) {  // each expert offers itself to the slot of its rank
+    const int rank = bf16route::Rank(c, p.E, j);
     if (rank < p.U) atomicMin(&ids[rank], j);  // NaN scores can share a rank: the lowest index, deterministically
   }
   __syncthreads();
-  if (t == 0) {
-    float sum = 0.0f;
-    for (int u = 0; u < p.U; ++u) {
-      if (ids[u] == INT_MAX) ids[u] = 0;  // (a rank no expert took: NaN scores)
-      sum += s[ids[u]];
-    }
-    for (int u = 0; u < p.U; ++u) coef[u] = (p.renorm ? s[ids[u]] / (sum + 1e-20f) : s[ids[u]]) * p.scale;
-  }
+  if (t == 0) bf16route::Settle(ids, coef, s, p.U, p.renorm != 0, p.scale);
   __syncthreads();
 }
 

@@ -2814,3 +2814,64 @@ def test_moe_residual_is_the_stream_add():
     g = jax.jit(lambda x, h: moe.moe(cfg, w, x, None, residual=h))(x, hx)
     np.testing.assert_array_equal(np.asarray(g).view(np.uint16),
                                   np.asarray((hx + f).astype(jnp.bfloat16)).view(np.uint16))
+
+
+def test_bf16_cuda_routing_is_select_experts():
+    """The bf16 CUDA kernel 1's routing (ffi/cuda_bf16_route.h, compiled for the CPU by nvcc: tests/native/bf16_route.cu,
+    the kernel's sequence with its atomicMin as a min) against `router.select_experts`: the same experts in the same
+    slots, ties broken as lax.top_k breaks them (two experts with equal scores at the k-th place and at the top), and
+    weights within 2e-6 relative (the host's expf against XLA's logistic; one ulp of the renormalising sum's order);
+    with NaN logits, experts in [0, E) and NaN weights: the NaN reaches the block's output rather than being dropped
+    (select_experts on the CPU drops them: XLA's TopK orders floats totally, and the CPU's NaN from the sigmoid is
+    negative, so last; a GPU's is positive, so first: its weights are NaN too)."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from jaxk3.config import KimiK3Config
+    from jaxk3.kernels.router import select_experts
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc to compile ffi/cuda_bf16_route.h for the CPU")
+    root = Path(__file__).resolve().parents[1]
+    rng = np.random.default_rng(11)
+    cases = []
+    for E, k in ((12, 4), (64, 8), (256, 8), (64, 16), (256, 1), (33, 33)):
+        for renorm, scale in ((True, 1.0), (False, 2.5), (True, 2.446)):
+            lg = rng.standard_normal(E).astype(np.float32)
+            bias = (0.1 * rng.standard_normal(E)).astype(np.float32)
+            if E > 4 and k < E:  # ties: two at the top, two at the k-th place
+                order = np.argsort(-(1 / (1 + np.exp(-lg.astype(np.float64))) + bias))
+                top, kth = sorted(order[:2]), sorted(order[k - 1:k + 1])
+                lg[top[1]], bias[top[1]] = lg[top[0]], bias[top[0]]
+                lg[kth[1]], bias[kth[1]] = lg[kth[0]], bias[kth[0]]
+            cases.append((E, k, renorm, scale, lg, bias))
+    nan = cases[4][4].copy()
+    nan[[3, 7, 9]] = np.nan
+    cases.append((64, 8, True, 1.0, nan, cases[4][5]))
+
+    def hexes(a):
+        return " ".join(f"{int(v):08x}" for v in np.asarray(a, np.float32).view(np.uint32))
+
+    text = "\n".join(f"{E} {k} {int(r)} {hexes([s])} {hexes(lg)} {hexes(b)}" for E, k, r, s, lg, b in cases)
+    with tempfile.TemporaryDirectory() as d:
+        exe = Path(d) / "route"
+        subprocess.run([nvcc, "-std=c++17", f"-I{root / 'ffi'}", "-o", str(exe), str(root / "tests/native/bf16_route.cu")],
+                       check=True, capture_output=True, timeout=300)
+        lines = subprocess.run([str(exe)], input=text, text=True, check=True, capture_output=True,
+                               timeout=60).stdout.splitlines()
+    assert len(lines) == len(cases)
+    for (E, k, renorm, scale, lg, bias), line in zip(cases, lines):
+        f = line.split()
+        ids = np.asarray([int(v) for v in f[:k]])
+        coef = np.asarray([int(v, 16) for v in f[k:]], np.uint32).view(np.float32)
+        cfg = dataclasses.replace(KimiK3Config.tiny_kimi_linear(), num_experts=E, num_experts_per_token=k,
+                                  moe_renormalize=renorm, routed_scaling_factor=scale, use_grouped_topk=False)
+        wk, want = select_experts(cfg, jnp.asarray(lg[None]), jnp.asarray(bias))
+        if np.isnan(lg).any():
+            assert ((0 <= ids) & (ids < E)).all() and np.isnan(coef).all(), line
+            continue
+        np.testing.assert_array_equal(ids, np.asarray(want[0]), err_msg=f"E {E}, k {k}")
+        np.testing.assert_allclose(coef, np.asarray(wk[0]), rtol=2e-6, atol=0, err_msg=f"E {E}, k {k}")

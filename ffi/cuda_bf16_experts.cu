@@ -26,6 +26,7 @@
 #include <string>
 
 #include "common.h"
+#include "cuda_bf16_rows.h"
 #include "cuda_bf16_route.h"
 
 namespace ffi = xla::ffi;
@@ -35,41 +36,10 @@ namespace {
 
 constexpr int kWarps = 8;        // warps per CTA
 constexpr int kThreads = kWarps * 32;
-constexpr int kChunk = 10;       // gate_up: 16-byte vectors per lane and row in flight (2 rows: 20 loads, 80 registers;
-                                 // Kimi-Linear's 2304-wide input is 9 a lane: one round trip an output)
 constexpr int kMaxSlots = 64;    // U + 1
 constexpr int kMaxExperts = 1024;  // route: the logits ranked in shared memory
 constexpr int kMaxIn = 16384;    // gate_up: the token in shared memory (32 KB)
 constexpr int kMaxDownSmem = 96 * 1024;  // down: the slots' activations in shared memory
-
-// One 16-byte weight load that skips L1 (each weight byte is read once) and asks L2 for the 256-byte block around it.
-__device__ __forceinline__ uint4 Stream16(const uint4* a) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
-  return v;
-}
-
-__device__ __forceinline__ float Lo(uint32_t w) { return __uint_as_float(w << 16); }          // bf16 -> float32
-__device__ __forceinline__ float Hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
-// acc += the 8 products of a weight vector and an input vector (8 bf16 each), in order.
-__device__ __forceinline__ float Dot8(float acc, uint4 w, uint4 x) {
-  acc = fmaf(Lo(w.x), Lo(x.x), acc);
-  acc = fmaf(Hi(w.x), Hi(x.x), acc);
-  acc = fmaf(Lo(w.y), Lo(x.y), acc);
-  acc = fmaf(Hi(w.y), Hi(x.y), acc);
-  acc = fmaf(Lo(w.z), Lo(x.z), acc);
-  acc = fmaf(Hi(w.z), Hi(x.z), acc);
-  acc = fmaf(Lo(w.w), Lo(x.w), acc);
-  return fmaf(Hi(w.w), Hi(x.w), acc);
-}
-
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 __device__ __forceinline__ float Act(float a, float b, int act, float beta, float linear_beta) {
   const float sig = 1.0f / (1.0f + expf(-a));
@@ -155,28 +125,8 @@ __global__ void __launch_bounds__(kThreads) Bf16GateUpKernel(GateUpParams p) {
       g = p.shared + static_cast<long long>(i) * n8;
       up = p.shared + static_cast<long long>(p.I + i) * n8;
     }
-    float ag = 0.0f, au = 0.0f;
-    for (int base = 0; base < M; base += kChunk) {
-      uint4 wg[kChunk], wu[kChunk];
-#pragma unroll
-      for (int c = 0; c < kChunk; ++c) {
-        if (base + c < M) {
-          const int j = (base + c) * 32 + lane;
-          wg[c] = Stream16(g + j);
-          wu[c] = Stream16(up + j);
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < kChunk; ++c) {
-        if (base + c < M) {
-          const uint4 xv = xs[(base + c) * 32 + lane];
-          ag = Dot8(ag, wg[c], xv);
-          au = Dot8(au, wu[c], xv);
-        }
-      }
-    }
-    ag = WarpSum(ag);
-    au = WarpSum(au);
+    float ag, au;
+    bf16::DotRows2(g, up, xs, M, lane, ag, au);
     if (lane == 0) p.out[it] = __float2bfloat16_rn(Act(ag, au, p.act, p.beta, p.linear_beta));
   }
 }
@@ -223,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 3) Bf16DownKernel(DownParams p) {
           const uint4* row = ids[u] == INT_MAX ? p.shared + static_cast<long long>(o) * n8
                                                : p.w2 + (static_cast<long long>(ids[u]) * p.Out + o) * n8;
 #pragma unroll
-          for (int m = 0; m < kMv; ++m) w[s][m] = Stream16(row + m * 32 + lane);
+          for (int m = 0; m < kMv; ++m) w[s][m] = bf16::Stream16(row + m * 32 + lane);
         }
       }
 #pragma unroll
@@ -232,12 +182,12 @@ __global__ void __launch_bounds__(kThreads, 3) Bf16DownKernel(DownParams p) {
         if (u < P && ids[u] >= 0) {
           float d = 0.0f;
 #pragma unroll
-          for (int m = 0; m < kMv; ++m) d = Dot8(d, w[s][m], as[u * n8 + m * 32 + lane]);
+          for (int m = 0; m < kMv; ++m) d = bf16::Dot8(d, w[s][m], as[u * n8 + m * 32 + lane]);
           acc = fmaf(coef[u], d, acc);  // each lane's share of coef[u] · (W2[e_u] a[u])[o]
         }
       }
     }
-    acc = WarpSum(acc);
+    acc = bf16::WarpSum(acc);
     if (lane == 0) {
       if (p.has_residual)
         static_cast<__nv_bfloat16*>(p.out)[o] = __float2bfloat16_rn(__bfloat162float(p.residual[o]) + acc);

@@ -7,7 +7,7 @@
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
 #                        [mxfp4] [moestep] [targets] [mla] [hostcopy] [determinism] [cudaforms] [cudastep] [cudancu]
-#                        [exactstep] [cudastream] [bf16cuda]
+#                        [exactstep] [cudastream] [bf16cuda] [bf16step]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -30,8 +30,9 @@
 #   `exactstep` the 48B B = 1 step as main compiles it (the bf16 roundings kept) against XLA's default precision
 #   (`jaxk3.model:EXCESS_PRECISION=1`), main again after (one process each); `cudastream` the MXFP4 CUDA kernels'
 #   streaming form (`cuda_stages`, twenty-third session): its compiled tests, alone at K3's TP 2 share (B 1 and 8)
-#   against the register form (then the steps: `cudastep` with CS_PATCHES); `bf16cuda` the bf16 experts' CUDA kernels
-#   at one token (`cuda_bf16`, twenty-fourth session): compiled tests, alone at the 48B's dims, the 48B B = 1 step A/B/A.
+#   against the register form (then the steps: `cudastep` with CS_PATCHES); `bf16cuda` the bf16 CUDA kernels at one token
+#   (the experts' `cuda_bf16`, `gemv.CUDA`; twenty-fourth session): compiled tests, the experts alone at the 48B's dims;
+#   `bf16step` the 48B B = 1 step, main / BS_PATCHES / main again.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -440,25 +441,31 @@ if has exactstep; then
 fi
 
 if has bf16cuda; then
-  # The bf16 experts' CUDA kernels at one token (moe_experts.Config.cuda_bf16, jaxk3.kernels.bf16_cuda; twenty-fourth
-  # session, off): their compiled tests at the 48B's dims, then alone against the Pallas kernels and XLA (the 48B's
-  # serving layout with the shared experts), then the 48B B = 1 step: main, with them (the residual added in kernel 2's
-  # epilogue: 237 launches compiled offline against 262), main again, one process each.
-  echo "== the bf16 CUDA experts: compiled tests, then alone ($(date -u +%T))"
-  timeout -k 10 "${BC_TEST_TIMEOUT:-150}" $PY -m pytest tests/test_kernels.py -m gpu -k "cuda_bf16 or bf16_cuda" -q -rfEs \
-    -p no:cacheprovider > "$OUT/bf16cuda_tests.log" 2>&1
+  # The bf16 CUDA kernels at one token (twenty-fourth session, off): moe_experts' two (`cuda_bf16`) and the decode GEMV
+  # (`gemv.CUDA`): their compiled tests at the 48B's dims, then the experts alone against the Pallas kernels and XLA
+  # (the 48B's serving layout with the shared experts).
+  echo "== the bf16 CUDA kernels: compiled tests, then the experts alone ($(date -u +%T))"
+  timeout -k 10 "${BC_TEST_TIMEOUT:-180}" $PY -m pytest tests/test_kernels.py tests/test_gemv.py -m gpu \
+    -k "cuda_bf16 or bf16_cuda or gemv_cuda" -q -rfEs -p no:cacheprovider > "$OUT/bf16cuda_tests.log" 2>&1
   rc=$?; [ $rc -eq 0 ] || status=1
   echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch" "$OUT/bf16cuda_tests.log" | cut -c1-300 | tail -12
   timeout -k 10 "${BC_SWEEP_TIMEOUT:-120}" $PY scripts/gpu/moe_experts_sweep.py --preset kl --batch 1 --formats bf16 \
     --configs "${BC_CONFIGS:-cuda_bf16=1}" --json "$OUT/bf16cuda_sweep.json" 2>&1 | cut -c1-200
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has bf16step; then
+  # The 48B B = 1 step: main, then each BS_PATCHES entry (';'-separated step_with_kernel.py patch lists; by default the
+  # bf16 CUDA experts, with the residual added in kernel 2's epilogue: 237 launches compiled offline against 262; then
+  # with the CUDA GEMV too), main again: one process each.
   S48="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants serving/auto --steps 20 --repeats 5"
-  for run in main bf16 main2; do
+  IFS=';' read -ra patches <<< "${BS_PATCHES:-moe_experts:CUDA_BF16=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1}"
+  for run in main "${patches[@]}" main2; do
     echo "== 48B B = 1 step: $run ($(date -u +%T))"
-    if [ "$run" = bf16 ]; then cmd="$PY scripts/gpu/step_with_kernel.py moe_experts:CUDA_BF16=1 --"
-    else cmd="$PY -m jaxk3.cli bench decode"; fi
+    if [ "$run" = main ] || [ "$run" = main2 ]; then cmd="$PY -m jaxk3.cli bench decode"
+    else cmd="$PY scripts/gpu/step_with_kernel.py $run --"; fi
     # shellcheck disable=SC2086
-    timeout -k 5 ${ES_TIMEOUT:-150} $cmd $S48 --json "$OUT/bf16cuda_step_$run.json" 2>&1 | grep -E "^ +1 \||rror" | tail -3
+    timeout -k 5 ${BS_TIMEOUT:-130} $cmd $S48 --json "$OUT/bf16step_${run//[^A-Za-z0-9]/_}.json" 2>&1 | grep -E "^ +1 \||rror" | tail -3
   done
 fi
 

@@ -215,20 +215,24 @@ def test_48b_step_launches_within_the_measured_budget():
     assert len(after_kda) == 19 and set(after_kda) == {MOE_AFTER_KDA}, after_kda
 
 
-def test_48b_step_with_the_bf16_cuda_experts_within_issue_22s_launches(monkeypatch):
+def test_48b_step_with_the_bf16_cuda_kernels_within_issue_22s_launches(monkeypatch):
     """The 48B B = 1 step with the bf16 experts' CUDA kernels (`moe_experts.CUDA_BF16`, off until timed), compiled for
     the H200: both kernels in every MoE block (kernel 1 ranking the router's logits, the routed form), and the residual
     add in kernel 2's epilogue, so that each MoE block is 5 launches (6 on main: the add's fusion) and the step within
-    issue 22's 250 (237 when written, 2026-12-05)."""
+    issue 22's 250 (237 when written, 2026-12-05); with the CUDA GEMV too (`gemv.CUDA`), taken by the 28 projections
+    the Pallas GEMV runs at one token (KDA's and MLA's normed in_proj, the dense MLP's gate | up), launches unchanged."""
+    from jaxk3.kernels import gemv as G
     from jaxk3.kernels import moe_experts as ME
 
     monkeypatch.setattr(ME, "CUDA_BF16", True)
+    monkeypatch.setattr(G, "CUDA", True)
     (row,) = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")["rows"]
     calls = {}
     for d in row["census"]["details"].values():
         for t, n in d.items():
             calls[t] = calls.get(t, 0) + n
     assert calls.get("jaxk3_bf16_gate_up") == 26 and calls.get("jaxk3_bf16_down") == 26, calls
+    assert calls.get("jaxk3_bf16_gemv") == 28, calls
     assert row["launch_ops"] <= 250 and row["launch_ops"] < LAUNCH_OPS_48B_B1, row["launch_ops"]
     moe = [n for b, n in row["census"]["totals"].items() if b.endswith("_moe")]
     assert len(moe) == 26 and max(moe) <= MOE_AFTER_KDA - 1, moe

@@ -264,3 +264,82 @@ def test_gemv_gnorm_on_gpu(N, H, d):
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * scale)
     assert np.mean(np.abs(got - ref) <= 1e-5 * scale) > 0.9
+
+
+# ---------------------------------------------------------------- one token in CUDA (gemv.CUDA, bf16_cuda.gemv)
+def test_gemv_cuda_lowered_and_refused(monkeypatch):
+    """`gemv.CUDA` (off until timed on a GPU): where the Pallas kernel would run at one token on [N, K] weights, the
+    plain and the normed GEMV lower to the CUDA kernel (on the CPU, its availability patched in), one partial sum
+    [1, 1, N] (`sums`) with the norm weight and eps as attributes; an explicit Config keeps the Pallas kernel (the
+    sweeps'); and the wrapper refuses what it cannot take, by name: two rows, K not a multiple of 256, float32 weights,
+    a normed float32 token."""
+    from jaxk3.kernels import bf16_cuda as BC
+
+    monkeypatch.setattr(G, "CUDA", True)
+    monkeypatch.setattr(BC.CU, "unavailable", lambda target=None: None)
+    x, w = _xw(1, 96, 512)
+    g = jnp.ones((512,), jnp.bfloat16)
+
+    def calls(f):
+        text = jax.jit(f).lower(x, w, g).as_text()
+        return [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
+
+    plain = calls(lambda x, w, g: G.gemv(x, w, sums=True))
+    assert len(plain) == 1 and BC.GEMV in plain[0] and "norm = 0 : i64" in plain[0], plain
+    assert "-> tensor<1x1x96xf32>" in plain[0], plain[0]
+    normed = calls(lambda x, w, g: G._norm_device(x, w, g, 1e-5))
+    assert len(normed) == 1 and "norm = 1 : i64" in normed[0] and "eps = 9.99999974E-6 : f32" in normed[0], normed
+    class Pallas(Exception):
+        pass
+
+    def pallas(*a, **k):
+        raise Pallas
+
+    monkeypatch.setattr(G, "partials", pallas)  # the Pallas kernel's call (it lowers on a GPU only)
+    with pytest.raises(Pallas):
+        calls(lambda x, w, g: G.gemv(x, w, config=G.Config(bn=16, bk=128)))
+    monkeypatch.setattr(G, "CUDA", False)
+    with pytest.raises(Pallas):
+        calls(lambda x, w, g: G.gemv(x, w))
+    x2, w2 = _xw(2, 96, 512)
+    assert "one row" in BC.gemv_problem(x2, w2)
+    assert "multiple of 256" in BC.gemv_problem(*_xw(1, 96, 384))
+    assert "bf16 weights" in BC.gemv_problem(x, w.astype(jnp.float32))
+    assert "bf16 token" in BC.gemv_problem(x.astype(jnp.float32), w, g)
+    with pytest.raises(ValueError, match="one row"):
+        BC.gemv(x2, w2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K,norm", [(12576, 2304, True), (6720, 2304, True), (18432, 2304, True),
+                                      (12577, 2304, True), (2304, 4096, False), (4608, 7168, False), (96, 512, False)])
+def test_gemv_cuda_on_gpu(N, K, norm, monkeypatch):
+    """The CUDA GEMV compiled at the 48B's normed input projections (KDA's fused in_proj, MLA's, the dense MLP's gate |
+    up), an odd N (the last row pair reads its row twice and writes it once), plain o_proj-like and K3 shapes, and a
+    tiny one: against XLA's (norm then) dot, the Pallas kernel's bounds (1e-5 of max|y| plain; 4e-3 with the norm,
+    most outputs to 1e-5), rows of different scale; and grids capped at 1, 3 and 131 CTAs give the same bits."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
+    from jaxk3.kernels import bf16_cuda as BC
+
+    if BC.CU.unavailable(BC.GEMV):
+        pytest.skip(f"{BC.CU.unavailable(BC.GEMV)} (scripts/gpu_check.sh build)")
+    x, w = _xw(1, N, K)
+    r = np.random.default_rng(3)
+    w = (w.astype(jnp.float32) * jnp.asarray(10.0 ** r.uniform(-1, 1, (N, 1)), jnp.float32)).astype(jnp.bfloat16)
+    g = jnp.asarray(r.uniform(0.5, 1.5, K), jnp.bfloat16) if norm else None
+    monkeypatch.setattr(G, "CUDA", True)
+    f = jax.jit(lambda x, w, g: G._norm_device(x, w, g, 1e-5) if norm else G.gemv(x, w))
+    text = f.lower(x, w, g).as_text()
+    assert BC.GEMV in text  # the CUDA kernel, not the Pallas one
+    got = np.asarray(f(x, w, g))
+    ref = np.asarray(G.reference(x, w, norm_w=g, eps=1e-5))
+    assert got.shape == ref.shape == (1, N) and np.isfinite(got).all()
+    if norm:
+        np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+        assert np.mean(np.abs(got - ref) <= 1e-5 * np.abs(ref).max()) > 0.9
+    else:
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    for ctas in (1, 3, 131):
+        capped = np.asarray(jax.jit(lambda x, w, g: BC.gemv(x, w, g, 1e-5, ctas=ctas))(x, w, g))[0]
+        np.testing.assert_array_equal(capped.view(np.uint32), got.view(np.uint32), err_msg=f"ctas {ctas}")

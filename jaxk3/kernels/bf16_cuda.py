@@ -1,4 +1,6 @@
-"""`moe_experts`' two kernels at one token for bf16 experts as CUDA kernels through the FFI (ffi/cuda_bf16_experts.cu):
+"""One token's bf16 GEMVs as CUDA kernels through the FFI: `gemv` (ffi/cuda_bf16_gemv.cu, `jaxk3_bf16_gemv`: the decode
+GEMV with its optional RMSNorm prologue, `jaxk3.kernels.gemv.CUDA`), and `moe_experts`' two kernels for bf16 experts
+(ffi/cuda_bf16_experts.cu):
   `gate_up` (`jaxk3_bf16_gate_up`): a[u, 0, :] = act(W1[e_u] x, W3[e_u] x) in bf16 for the slots' experts e_u, and
             with the shared experts one more slot of theirs; the experts given (ids and weights), or ranked from the
             router's logits in every CTA (`route`: sigmoid, + bias, top-k in lax.top_k's order, renormalised, scaled,
@@ -26,6 +28,7 @@ from jaxk3.kernels import mxfp4_cuda as CU
 
 GATE_UP = "jaxk3_bf16_gate_up"
 DOWN = "jaxk3_bf16_down"
+GEMV = "jaxk3_bf16_gemv"  # (ffi/cuda_bf16_gemv.cu) the decode GEMV at one token, `gemv.CUDA`
 MAX_SLOTS = 64  # routed slots + the shared experts' (the handlers' kMaxSlots)
 MAX_EXPERTS = 1024  # ranked in shared memory (kMaxExperts)
 MAX_IN = 16384  # the token in shared memory (kMaxIn)
@@ -103,3 +106,29 @@ def down(ids: jax.Array, coef: jax.Array, a: jax.Array, w2: jax.Array, shared: j
         ids.astype(jnp.int32), jnp.reshape(coef, (U,)).astype(jnp.float32), a, w2, w2 if shared is None else shared,
         w2 if residual is None else jnp.reshape(residual, (Out,)), shared=np.int64(shared is not None),
         residual=np.int64(residual is not None), ctas=np.int64(ctas))
+
+
+def gemv_problem(x: jax.Array, w: jax.Array, norm_w: jax.Array | None = None) -> str | None:
+    """Why `gemv` does not take this call (None: it does): one row, bf16 weights [N, K] with K a multiple of 256 up to
+    MAX_IN, the token bf16 where it is normed."""
+    if x.ndim != 2 or x.shape[0] != 1 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        return f"{GEMV}: one row x [1, K] and weights [N, K], got x {x.shape}, w {w.shape}"
+    if w.dtype != jnp.bfloat16 or (norm_w is not None and (x.dtype != jnp.bfloat16 or norm_w.shape != (w.shape[1],))):
+        return (f"{GEMV}: bf16 weights, and with the norm a bf16 token and a [K] norm weight, got w {w.dtype}, x {x.dtype}"
+                f"{'' if norm_w is None else f', norm {norm_w.shape}'}")
+    if w.shape[1] % 256 or w.shape[1] > MAX_IN:
+        return f"{GEMV}: K must be a multiple of 256 up to {MAX_IN}, got {w.shape[1]}"
+    return None
+
+
+def gemv(x: jax.Array, w: jax.Array, norm_w: jax.Array | None = None, eps: float = 0.0, ctas: int = 0) -> jax.Array:
+    """fp32 [1, 1, N] = xn @ W^T for one token x [1, K] and bf16 W [N, K] (the one partial sum `gemv.partials` gives):
+    xn = x in bf16, or with `norm_w` RMSNorm(x; norm_w, eps) in bf16 (`rms_norm_as`), made by every CTA in its
+    prologue.  `ctas` > 0 caps the grid (the tests')."""
+    why = gemv_problem(x, w, norm_w)
+    if why:
+        raise ValueError(why)
+    N, K = w.shape
+    g = w[0] if norm_w is None else norm_w.astype(jnp.bfloat16)  # (not read without the norm)
+    return jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((1, 1, N), jnp.float32))(
+        x.astype(jnp.bfloat16), w, g, norm=np.int64(norm_w is not None), eps=np.float32(eps), ctas=np.int64(ctas))

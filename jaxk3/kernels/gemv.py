@@ -40,6 +40,10 @@ from jaxk3.kernels.rms_norm import gated_rms_norm, rms_norm_as
 
 F32 = jnp.float32
 MAX_B = 8
+# One token in CUDA (jaxk3.kernels.bf16_cuda.gemv: a warp a row pair with all of its loads in flight, persistent CTAs,
+# the norm prologue made while the first loads fly) wherever the Pallas kernel would run at B = 1 on [N, K] weights.
+# Off until it has run on a GPU: built without one (twenty-fourth session), to be timed in the Kimi-Linear-48B step
+CUDA = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,11 +250,23 @@ def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | Non
          eps: float = 0.0, sums: bool = False) -> jax.Array:
     """The same function as the reference: fp32 [B, N] = x @ W^T (W [N, K] for "nk", [K, N] for "kn"),
     x first normed (RMSNorm(x; norm_w, eps) in x's dtype) where `norm_w` is given.  `sums`: the partial sums
-    over the K splits [splits, B, N] instead, for a consumer that adds them itself."""
+    over the K splits [splits, B, N] instead, for a consumer that adds them itself.  One token in CUDA (`CUDA`, "nk"
+    weights, no `config` given): one partial sum."""
+    if CUDA and not interpret and layout == "nk" and config is None and _cuda_takes(x_BK, w, norm_w):
+        from jaxk3.kernels import bf16_cuda
+
+        p = bf16_cuda.gemv(x_BK, w, norm_w, eps)
+        return p if sums else p[0]
     p = partials(x_BK, w, layout, config, interpret, norm_w, eps)
     if sums:
         return p[:, : x_BK.shape[0]]
     return add_splits(p)[: x_BK.shape[0]]
+
+
+def _cuda_takes(x_BK: jax.Array, w: jax.Array, norm_w: jax.Array | None) -> bool:
+    from jaxk3.kernels import bf16_cuda
+
+    return bf16_cuda.gemv_problem(x_BK, w, norm_w) is None and bf16_cuda.CU.unavailable(bf16_cuda.GEMV) is None
 
 
 def reference(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
@@ -336,7 +352,8 @@ def _norm_reference(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Con
 
 def _norm_device(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
                  interpret: bool = False, only_where_faster: bool = True, sums: bool = False) -> jax.Array:
-    c = config or norm_config_for(x_BK.shape[0], _rows(w, layout), x_BK.shape[1], layout)
+    cuda = CUDA and not interpret and layout == "nk" and config is None and _cuda_takes(x_BK, w, norm_w)
+    c = None if cuda else config or norm_config_for(x_BK.shape[0], _rows(w, layout), x_BK.shape[1], layout)
     return gemv(x_BK, w, layout, c, interpret, norm_w=norm_w, eps=eps, sums=sums)
 
 

@@ -1,0 +1,169 @@
+// jaxk3_bf16_gemv (platform "CUDA"): the decode GEMV y[0, 0, n] = W[n, :] · xn for one bf16 token, W [N, K] bf16
+// (the checkpoint's and the serving layout's [out, in]), fp32 out; xn = x, or with `norm` the block's input RMSNorm
+// RMSNorm(x; g, eps) in bf16 made by every CTA in shared memory (`gemv_norm`'s prologue: the sum of squares in
+// float32, rsqrt(mean + eps), (g · x) · r rounded to bf16).  jaxk3/kernels/gemv.py calls it (`gemv.CUDA`, off until
+// timed) where its Pallas kernel would run at one token.
+//
+// Why: the Pallas GEMV streams Kimi-Linear-48B's projections at 2.3-3.4 TB/s at one token (docs/PERF.md: KDA's fused
+// in_proj 58 MB in 17.2 us with its norm, MLA's 31 MB in 11.6).  Here a warp owns a row pair, issues all of its
+// 16-byte loads (a 2304-wide row is 9 a lane) before its first product (ffi/cuda_bf16_rows.h), the CTAs are persistent
+// (as many as fit, each warp striding over the row pairs), and a CTA's first row pair is loaded before its prologue
+// (the token's copy and norm), so the norm's latency hides under the loads.  No state: command-buffer compatible.
+//
+// Sums are float32 in the lanes' order: the reference's (XLA's dot) to float32 rounding; the normed input agrees with
+// `rms_norm_as` to one bf16 rounding at most (another sum order of the squares, the device's rsqrt).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+#include "cuda_bf16_rows.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxk3 {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxK = 16384;  // the token in shared memory (32 KB)
+constexpr int kFirst = 5;     // vectors a lane and row loaded before the prologue (10 loads: more spill at 128 registers,
+                              // and a spilled register waits for its load)
+
+struct Params {
+  const uint4* x;       // [K / 8] the token, bf16
+  const uint4* g;       // [K / 8] the norm weight, bf16 (read with norm)
+  const uint4* w;       // [N, K / 8]
+  float* out;           // [N]
+  int N, K, norm;
+  float eps;
+};
+
+__device__ __forceinline__ uint32_t Pack(float lo, float hi) {  // two float32 -> a bf16 pair, round to nearest even
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float Squares(uint32_t u) { return bf16::Lo(u) * bf16::Lo(u) + bf16::Hi(u) * bf16::Hi(u); }
+
+__device__ __forceinline__ uint32_t NormPair(uint32_t x, uint32_t g, float r) {
+  return Pack((bf16::Lo(g) * bf16::Lo(x)) * r, (bf16::Hi(g) * bf16::Hi(x)) * r);
+}
+
+__global__ void __launch_bounds__(kThreads) Bf16GemvKernel(Params p) {
+  extern __shared__ uint4 xs[];  // [K / 8]
+  __shared__ float red[kWarps];
+  const int n8 = p.K / 8, M = p.K / 256, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long pairs = (p.N + 1) / 2, stride = static_cast<long long>(gridDim.x) * kWarps;
+  long long it = static_cast<long long>(blockIdx.x) * kWarps + warp;
+  auto rows = [&](long long i, const uint4*& r0, const uint4*& r1, int& n0, int& n1) {
+    n0 = static_cast<int>(2 * i);
+    n1 = n0 + 1 < p.N ? n0 + 1 : n0;  // an odd N's last pair reads its row twice and writes it once
+    r0 = p.w + static_cast<long long>(n0) * n8;
+    r1 = p.w + static_cast<long long>(n1) * n8;
+  };
+  bf16::Rows2<kFirst> first;
+  const uint4 *r0 = nullptr, *r1 = nullptr;
+  int n0 = 0, n1 = 0;
+  if (it < pairs) {  // the first row pair's loads in flight before the prologue
+    rows(it, r0, r1, n0, n1);
+    bf16::Load2(first, r0, r1, 0, M, lane);
+  }
+  for (int i = threadIdx.x; i < n8; i += kThreads) xs[i] = p.x[i];
+  __syncthreads();
+  if (p.norm) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n8; i += kThreads) {
+      const uint4 v = xs[i];
+      ss += Squares(v.x) + Squares(v.y) + Squares(v.z) + Squares(v.w);
+    }
+    ss = bf16::WarpSum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float total = 0.0f;
+    for (int i = 0; i < kWarps; ++i) total += red[i];  // the same order in every thread
+    const float r = rsqrtf(total / static_cast<float>(p.K) + p.eps);
+    for (int i = threadIdx.x; i < n8; i += kThreads) {
+      const uint4 v = xs[i], g = p.g[i];
+      xs[i] = make_uint4(NormPair(v.x, g.x, r), NormPair(v.y, g.y, r), NormPair(v.z, g.z, r), NormPair(v.w, g.w, r));
+    }
+    __syncthreads();
+  }
+  auto store = [&](float d0, float d1) {
+    if (lane == 0) {
+      p.out[n0] = d0;
+      if (n1 != n0) p.out[n1] = d1;
+    }
+  };
+  if (it < pairs) {  // the first row pair, its first chunk loaded before the prologue
+    float d0, d1;
+    bf16::FinishRows2(first, r0, r1, xs, M, lane, d0, d1);
+    store(d0, d1);
+  }
+  for (it += stride; it < pairs; it += stride) {
+    float d0, d1;
+    rows(it, r0, r1, n0, n1);
+    bf16::DotRows2(r0, r1, xs, M, lane, d0, d1);
+    store(d0, d1);
+  }
+}
+
+ffi::Error CudaBf16Gemv(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer g,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t norm, float eps, int64_t ctas) {
+  const char* name = "jaxk3_bf16_gemv";
+  const auto wd = w.dimensions();
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 || wd.size() != 2 ||
+      out->element_type() != ffi::DataType::F32)
+    return InvalidArgument(std::string(name) + ": one bf16 token, bf16 weights [N, K] and a float32 output, got x " +
+                           DimsText(x.dimensions()) + ", w " + DimsText(wd));
+  const int64_t N = wd[0], K = wd[1];
+  if (x.element_count() != K || K < 256 || K % 256 || K > kMaxK || N < 1 || out->element_count() != N)
+    return InvalidArgument(std::string(name) + ": x [1, K] and the output [1, 1, N] for w " + DimsText(wd) +
+                           ", K a multiple of 256 up to " + std::to_string(kMaxK) + ", got x " +
+                           DimsText(x.dimensions()) + ", out " + DimsText(out->dimensions()));
+  if (norm != 0 && norm != 1) return InvalidArgument(std::string(name) + ": norm must be 0 or 1");
+  if (norm && (g.element_type() != ffi::DataType::BF16 || g.element_count() != K))
+    return InvalidArgument(std::string(name) + ": the norm weight must be bf16 [" + std::to_string(K) + "], got " +
+                           DimsText(g.dimensions()));
+  if (ctas < 0) return InvalidArgument(std::string(name) + ": ctas must be 0 (as many as fit) or a cap");
+  for (const void* a : {x.untyped_data(), w.untyped_data(), g.untyped_data()})
+    if (reinterpret_cast<uintptr_t>(a) % 16)
+      return InvalidArgument(std::string(name) + ": the token, the weights and the norm weight must be 16-byte aligned");
+  Params p{static_cast<const uint4*>(x.untyped_data()), static_cast<const uint4*>(g.untyped_data()),
+           static_cast<const uint4*>(w.untyped_data()), static_cast<float*>(out->untyped_data()), static_cast<int>(N),
+           static_cast<int>(K), static_cast<int>(norm), eps};
+  const size_t smem = static_cast<size_t>(K) * 2;
+  cudaError_t e = cudaFuncSetAttribute(Bf16GemvKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * kMaxK);
+  int device = 0, sms = 0, per_sm = 0;
+  // (the current device: cudaStreamGetDevice is refused under stream capture on the device's driver 580)
+  if (e == cudaSuccess) e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Bf16GemvKernel, kThreads, smem);
+  if (e != cudaSuccess) return Internal(std::string(name) + ": launch setup: " + cudaGetErrorString(e));
+  if (per_sm < 1) return InvalidArgument(std::string(name) + ": a CTA does not fit an SM");
+  long long n = static_cast<long long>(per_sm) * sms, need = ((N + 1) / 2 + kWarps - 1) / kWarps;
+  if (need < n) n = need;
+  if (ctas > 0 && ctas < n) n = ctas;
+  Bf16GemvKernel<<<static_cast<unsigned>(n), kThreads, smem, stream>>>(p);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv, CudaBf16Gemv,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("norm")
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("ctas"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jaxk3

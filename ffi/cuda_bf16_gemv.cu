@@ -52,7 +52,7 @@ __device__ __forceinline__ uint32_t NormPair(uint32_t x, uint32_t g, float r) {
   return Pack((bf16::Lo(g) * bf16::Lo(x)) * r, (bf16::Hi(g) * bf16::Hi(x)) * r);
 }
 
-__global__ void __launch_bounds__(kThreads) Bf16GemvKernel(Params p) {
+__global__ void __launch_bounds__(kThreads, 2) Bf16GemvKernel(Params p) {
   extern __shared__ uint4 xs[];  // [K / 8]
   __shared__ float red[kWarps];
   const int n8 = p.K / 8, M = p.K / 256, warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -306,6 +306,7 @@ def test_gemv_cuda_lowered_and_refused(monkeypatch):
     assert "multiple of 256" in BC.gemv_problem(*_xw(1, 96, 384))
     assert "bf16 weights" in BC.gemv_problem(x, w.astype(jnp.float32))
     assert "bf16 token" in BC.gemv_problem(x.astype(jnp.float32), w, g)
+    assert "bf16 [K] norm weight" in BC.gemv_problem(x, w, g.astype(jnp.float32))
     with pytest.raises(ValueError, match="one row"):
         BC.gemv(x2, w2)
 

@@ -113,9 +113,10 @@ def gemv_problem(x: jax.Array, w: jax.Array, norm_w: jax.Array | None = None) ->
     MAX_IN, the token bf16 where it is normed."""
     if x.ndim != 2 or x.shape[0] != 1 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         return f"{GEMV}: one row x [1, K] and weights [N, K], got x {x.shape}, w {w.shape}"
-    if w.dtype != jnp.bfloat16 or (norm_w is not None and (x.dtype != jnp.bfloat16 or norm_w.shape != (w.shape[1],))):
-        return (f"{GEMV}: bf16 weights, and with the norm a bf16 token and a [K] norm weight, got w {w.dtype}, x {x.dtype}"
-                f"{'' if norm_w is None else f', norm {norm_w.shape}'}")
+    if w.shape[0] < 1 or w.dtype != jnp.bfloat16 or (norm_w is not None and (
+            x.dtype != jnp.bfloat16 or norm_w.shape != (w.shape[1],) or norm_w.dtype != jnp.bfloat16)):
+        return (f"{GEMV}: bf16 weights [N >= 1, K], and with the norm a bf16 token and a bf16 [K] norm weight, got w "
+                f"{w.shape} {w.dtype}, x {x.dtype}{'' if norm_w is None else f', norm {norm_w.shape} {norm_w.dtype}'}")
     if w.shape[1] % 256 or w.shape[1] > MAX_IN:
         return f"{GEMV}: K must be a multiple of 256 up to {MAX_IN}, got {w.shape[1]}"
     return None
@@ -129,6 +130,7 @@ def gemv(x: jax.Array, w: jax.Array, norm_w: jax.Array | None = None, eps: float
     if why:
         raise ValueError(why)
     N, K = w.shape
-    g = w[0] if norm_w is None else norm_w.astype(jnp.bfloat16)  # (not read without the norm)
+    # (not read without the norm: x itself, not a slice of w, which XLA would wrap the call in a slicing fusion for)
+    g = x.astype(jnp.bfloat16) if norm_w is None else norm_w
     return jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((1, 1, N), jnp.float32))(
         x.astype(jnp.bfloat16), w, g, norm=np.int64(norm_w is not None), eps=np.float32(eps), ctas=np.int64(ctas))

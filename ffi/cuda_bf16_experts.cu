@@ -28,6 +28,7 @@
 #include "common.h"
 #include "cuda_bf16_rows.h"
 #include "cuda_bf16_route.h"
+#include "cuda_persistent_grid.h"
 
 namespace ffi = xla::ffi;
 
@@ -197,26 +198,6 @@ __global__ void __launch_bounds__(kThreads, 3) Bf16DownKernel(DownParams p) {
   }
 }
 
-// As many CTAs as fit the GPU at once (each warp then strides over the outputs), at most one per 8 outputs, or `cap`.
-template <typename K>
-ffi::Error Grid(K kernel, size_t smem, long long items, long long cap, const char* name, unsigned& grid) {
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDownSmem);
-  int device = 0, sms = 0, per_sm = 0;
-  // (the current device: cudaStreamGetDevice is refused under stream capture on the device's driver 580)
-  if (e == cudaSuccess) e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
-  if (e != cudaSuccess) return Internal(std::string(name) + ": launch setup: " + cudaGetErrorString(e));
-  if (per_sm < 1)
-    return InvalidArgument(std::string(name) + ": a CTA with " + std::to_string(smem) +
-                           " bytes of shared memory does not fit an SM");
-  long long n = static_cast<long long>(per_sm) * sms, need = (items + kWarps - 1) / kWarps;
-  if (need < n) n = need;
-  if (cap > 0 && cap < n) n = cap;
-  grid = static_cast<unsigned>(n < 1 ? 1 : n);
-  return ffi::Error::Success();
-}
-
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 bool Bf16(const ffi::AnyBuffer& b, size_t rank) {
@@ -278,7 +259,9 @@ ffi::Error CudaBf16GateUp(cudaStream_t stream, ffi::AnyBuffer sel0, ffi::AnyBuff
                  scale};
   const size_t smem = static_cast<size_t>(In) * 2 + (route_k > 0 ? static_cast<size_t>(E) * 8 : 0);
   unsigned grid = 0;
-  if (ffi::Error e = Grid(Bf16GateUpKernel, smem, P * I, ctas, name, grid); e.failure()) return e;
+  if (ffi::Error e = PersistentGrid(Bf16GateUpKernel, kThreads, smem, kMaxDownSmem, kWarps, P * I, ctas, name, grid);
+      e.failure())
+    return e;
   Bf16GateUpKernel<<<grid, kThreads, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
@@ -330,7 +313,8 @@ ffi::Error CudaBf16Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer 
   auto* kernel = mv == 1 ? Bf16DownKernel<1> : mv == 2 ? Bf16DownKernel<2> : mv == 4 ? Bf16DownKernel<4>
                                                                                     : Bf16DownKernel<8>;
   unsigned grid = 0;
-  if (ffi::Error e = Grid(kernel, smem, Out, ctas, name, grid); e.failure()) return e;
+  if (ffi::Error e = PersistentGrid(kernel, kThreads, smem, kMaxDownSmem, kWarps, Out, ctas, name, grid); e.failure())
+    return e;
   kernel<<<grid, kThreads, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));

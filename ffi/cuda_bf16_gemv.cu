@@ -20,6 +20,7 @@
 
 #include "common.h"
 #include "cuda_bf16_rows.h"
+#include "cuda_persistent_grid.h"
 
 namespace ffi = xla::ffi;
 
@@ -135,19 +136,12 @@ ffi::Error CudaBf16Gemv(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
            static_cast<const uint4*>(w.untyped_data()), static_cast<float*>(out->untyped_data()), static_cast<int>(N),
            static_cast<int>(K), static_cast<int>(norm), eps};
   const size_t smem = static_cast<size_t>(K) * 2;
-  cudaError_t e = cudaFuncSetAttribute(Bf16GemvKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * kMaxK);
-  int device = 0, sms = 0, per_sm = 0;
-  // (the current device: cudaStreamGetDevice is refused under stream capture on the device's driver 580)
-  if (e == cudaSuccess) e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Bf16GemvKernel, kThreads, smem);
-  if (e != cudaSuccess) return Internal(std::string(name) + ": launch setup: " + cudaGetErrorString(e));
-  if (per_sm < 1) return InvalidArgument(std::string(name) + ": a CTA does not fit an SM");
-  long long n = static_cast<long long>(per_sm) * sms, need = ((N + 1) / 2 + kWarps - 1) / kWarps;
-  if (need < n) n = need;
-  if (ctas > 0 && ctas < n) n = ctas;
-  Bf16GemvKernel<<<static_cast<unsigned>(n), kThreads, smem, stream>>>(p);
-  e = cudaGetLastError();
+  unsigned grid = 0;
+  if (ffi::Error e = PersistentGrid(Bf16GemvKernel, kThreads, smem, 2 * kMaxK, kWarps, (N + 1) / 2, ctas, name, grid);
+      e.failure())
+    return e;
+  Bf16GemvKernel<<<grid, kThreads, smem, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
   return ffi::Error::Success();
 }

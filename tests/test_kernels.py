@@ -2721,31 +2721,31 @@ def test_moe_experts_cuda_bf16_on_gpu(E, routed, layout):
         shared = None
     wk, ids = select_experts(cfg, logits, bias)
     on, off = ME.Config(cuda_bf16=True), ME.Config(cuda_bf16=False)
+    # (every array a jit argument: a closed-over weight becomes a constant of the executable, slow to compile and cache)
     if routed:
         assert ME.routed_fits(cfg, w, z, logits, bias, shared=shared, config=on, only_where_faster=False) is None
-        run = lambda c: jax.jit(lambda *a: ME.experts_routed(cfg, *a, shared=shared, config=c))(w, z, logits, bias)  # noqa: E731
+        run = lambda c, h=None: jax.jit(lambda s, h, *a: ME.experts_routed(cfg, *a, shared=s, config=c, residual=h))(  # noqa: E731
+            shared, h, w, z, logits, bias)
     else:
         assert ME.fits(cfg, w, z, wk, ids, shared=shared, config=on, only_where_faster=False) is None
-        run = lambda c: jax.jit(lambda *a: ME.experts(cfg, *a, shared=shared, config=c))(w, z, wk, ids)  # noqa: E731
+        run = lambda c, h=None: jax.jit(lambda s, h, *a: ME.experts(cfg, *a, shared=s, config=c, residual=h))(  # noqa: E731
+            shared, h, w, z, wk, ids)
     got, pallas = np.asarray(run(on)), np.asarray(run(off))
-    ref = np.asarray(jax.jit(lambda *a: ME.experts_partial(cfg, *a, shared=shared))(w, z, wk, ids))
+    ref = np.asarray(jax.jit(lambda s, *a: ME.experts_partial(cfg, *a, shared=s))(shared, w, z, wk, ids))
     # the residual add in kernel 2's epilogue: XLA's add and rounding of the same sum, bit for bit
     h = jnp.asarray(np.random.default_rng(E).standard_normal((1, cfg.hidden_size)), jnp.bfloat16)
-    if routed:
-        added = jax.jit(lambda *a: ME.experts_routed(cfg, *a, shared=shared, config=on, residual=h))(w, z, logits, bias)
-    else:
-        added = jax.jit(lambda *a: ME.experts(cfg, *a, shared=shared, config=on, residual=h))(w, z, wk, ids)
+    added = run(on, h)
     want = np.asarray((h + jnp.asarray(got)).astype(jnp.bfloat16))
     np.testing.assert_array_equal(np.asarray(added).view(np.uint16), want.view(np.uint16))
     assert got.shape == ref.shape == (1, cfg.hidden_size) and np.isfinite(got).all() and np.abs(ref).max() > 0
     np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
     np.testing.assert_allclose(got, pallas, rtol=0, atol=4e-3 * np.abs(ref).max())
     if routed:  # kernel 1's choices as the router's
-        gate = w.experts_w13
-        _, rid, rcoef = jax.jit(lambda l, b, x: BC.gate_up(
-            l[0], b, x[0], gate, gate, cfg.moe_intermediate_size, cfg.moe_intermediate_size, shared.gate_up,
+        _, rid, rcoef = jax.jit(lambda l, b, x, gate, sg: BC.gate_up(
+            l[0], b, x[0], gate, gate, cfg.moe_intermediate_size, cfg.moe_intermediate_size, sg,
             cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta,
-            route=(cfg.num_experts_per_token, cfg.moe_renormalize, float(cfg.routed_scaling_factor))))(logits, bias, z)
+            route=(cfg.num_experts_per_token, cfg.moe_renormalize, float(cfg.routed_scaling_factor))))(
+            logits, bias, z, w.experts_w13, shared.gate_up)
         np.testing.assert_array_equal(np.asarray(rid), np.asarray(ids[0]))
         np.testing.assert_allclose(np.asarray(rcoef), np.asarray(wk[0]), rtol=1e-6, atol=0)
 
@@ -2764,13 +2764,14 @@ def test_bf16_cuda_kernels_direct_on_gpu():
     coef = jnp.asarray(np.random.default_rng(2).uniform(0.1, 1.0, 8), jnp.float32)
     gate = w.experts_w13
 
-    def k1(ctas):
-        return jax.jit(lambda i, c, x: BC.gate_up(i, c, x[0], gate, gate, I, I, shared.gate_up, cfg.hidden_act,
-                                                  cfg.activation_situ_beta, cfg.activation_situ_linear_beta,
-                                                  ctas=ctas))(ids, coef, z)
+    def k1(ctas):  # (the weights as jit arguments, not constants of the executable)
+        return jax.jit(lambda i, c, x, g, sg: BC.gate_up(i, c, x[0], g, g, I, I, sg, cfg.hidden_act,
+                                                         cfg.activation_situ_beta, cfg.activation_situ_linear_beta,
+                                                         ctas=ctas))(ids, coef, z, gate, shared.gate_up)
 
     def k2(i, c, a, ctas):
-        return np.asarray(jax.jit(lambda *t: BC.down(*t, w.experts_w2, shared.down, ctas=ctas))(i, c, a))
+        return np.asarray(jax.jit(lambda i, c, a, w2, sd: BC.down(i, c, a, w2, sd, ctas=ctas))(
+            i, c, a, w.experts_w2, shared.down))
 
     a, rid, rcoef = k1(0)
     np.testing.assert_array_equal(np.asarray(rid), np.asarray(ids))

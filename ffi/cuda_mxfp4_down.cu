@@ -18,6 +18,7 @@
 
 #include "common.h"
 #include "cuda_mxfp4.h"
+#include "cuda_persistent_grid.h"
 
 namespace ffi = xla::ffi;
 
@@ -298,19 +299,13 @@ ffi::Error LaunchDownStream(cudaStream_t stream, const Params& p, int stages, lo
   auto* kernel = stages == 4 ? DownStreamKernel<4> : stages == 6 ? DownStreamKernel<6> : DownStreamKernel<8>;
   const size_t smem = kWarps * (stages == 4 ? sizeof(DownRing<4>) : stages == 6 ? sizeof(DownRing<6>)
                                                                                 : sizeof(DownRing<8>));
-  // (past 48 KB with the static: the opt-in, the same value every call)
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  int device = 0, sms = 0, per_sm = 0;
-  // (the current device is the launch's; cudaStreamGetDevice is refused under stream capture on driver 580)
-  if (e == cudaSuccess) e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem);
+  long long fit = 0;  // (past 48 KB with the static: the opt-in, the same value every call)
+  cudaError_t e = ResidentCtas(kernel, kWarps * 32, smem, static_cast<int>(smem), fit);
   if (e != cudaSuccess) return Internal(name + ": the streaming form's launch setup: " + cudaGetErrorString(e));
-  if (per_sm < 1)
+  if (fit < 1)
     return InvalidArgument(name + ": the streaming form with " + std::to_string(stages) + " stages (" +
                            std::to_string(smem) + " bytes of shared memory a CTA) does not fit an SM");
-  const long long n = mxfp4::StreamGrid(static_cast<long long>(p.Out / kRows) * p.G,
-                                        static_cast<long long>(per_sm) * sms, ctas);
+  const long long n = mxfp4::StreamGrid(static_cast<long long>(p.Out / kRows) * p.G, fit, ctas);
   kernel<<<static_cast<unsigned>(n), kWarps * 32, smem, stream>>>(p);
   e = cudaGetLastError();
   if (e != cudaSuccess) return Internal(name + ": launch: " + cudaGetErrorString(e));

@@ -26,6 +26,7 @@
 
 #include "common.h"
 #include "cuda_mxfp4.h"
+#include "cuda_persistent_grid.h"
 
 namespace ffi = xla::ffi;
 
@@ -291,19 +292,14 @@ ffi::Error LaunchStream(cudaStream_t stream, const Params& p, int stages, long l
   // Dynamic shared memory past 48 KB with the static (the slots' experts, `red`) needs the opt-in: set to the
   // instance's largest (the token at kMaxIn), the same every call, so that no call lowers it under another's launch.
   const int most = static_cast<int>(kWarps * ring + (kIn == kIn16 ? 2 * kMaxIn : 0));
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
-  int device = 0, sms = 0, per_sm = 0;
-  // (the launch's device is the current one; cudaStreamGetDevice is refused under stream capture on the device's
-  // driver 580, and XLA captures this call into its command buffers)
-  if (e == cudaSuccess) e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem);
+  long long fit = 0;
+  cudaError_t e = ResidentCtas(kernel, kWarps * 32, smem, most, fit);
   if (e != cudaSuccess) return Internal(std::string(name) + ": the streaming form's launch setup: " + cudaGetErrorString(e));
-  if (per_sm < 1)
+  if (fit < 1)
     return InvalidArgument(std::string(name) + ": the streaming form with " + std::to_string(stages) + " stages (" +
                            std::to_string(smem) + " bytes of shared memory a CTA) does not fit an SM");
   const long long items = static_cast<long long>(p.I / kRows) * p.U;
-  const unsigned grid = static_cast<unsigned>(mxfp4::StreamGrid(items, static_cast<long long>(per_sm) * sms, ctas));
+  const unsigned grid = static_cast<unsigned>(mxfp4::StreamGrid(items, fit, ctas));
   kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   e = cudaGetLastError();
   if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));

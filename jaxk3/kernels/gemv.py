@@ -252,7 +252,7 @@ def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | Non
     x first normed (RMSNorm(x; norm_w, eps) in x's dtype) where `norm_w` is given.  `sums`: the partial sums
     over the K splits [splits, B, N] instead, for a consumer that adds them itself.  One token in CUDA (`CUDA`, "nk"
     weights, no `config` given): one partial sum."""
-    if CUDA and not interpret and layout == "nk" and config is None and _cuda_takes(x_BK, w, norm_w):
+    if _cuda_takes(x_BK, w, norm_w, layout, config, interpret):
         from jaxk3.kernels import bf16_cuda
 
         p = bf16_cuda.gemv(x_BK, w, norm_w, eps)
@@ -263,7 +263,12 @@ def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | Non
     return add_splits(p)[: x_BK.shape[0]]
 
 
-def _cuda_takes(x_BK: jax.Array, w: jax.Array, norm_w: jax.Array | None) -> bool:
+def _cuda_takes(x_BK: jax.Array, w: jax.Array, norm_w: jax.Array | None, layout: str, config: Config | None,
+                interpret: bool) -> bool:
+    """Whether this call runs in CUDA: `CUDA` on, compiled, "nk" weights, no Config asked for (the sweeps' Pallas
+    tilings), and a shape and device the kernel takes."""
+    if not CUDA or interpret or layout != "nk" or config is not None:
+        return False
     from jaxk3.kernels import bf16_cuda
 
     return bf16_cuda.gemv_problem(x_BK, w, norm_w) is None and bf16_cuda.CU.unavailable(bf16_cuda.GEMV) is None
@@ -352,7 +357,7 @@ def _norm_reference(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Con
 
 def _norm_device(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
                  interpret: bool = False, only_where_faster: bool = True, sums: bool = False) -> jax.Array:
-    cuda = CUDA and not interpret and layout == "nk" and config is None and _cuda_takes(x_BK, w, norm_w)
+    cuda = _cuda_takes(x_BK, w, norm_w, layout, config, interpret)  # (then no Config: gemv takes the same path)
     c = None if cuda else config or norm_config_for(x_BK.shape[0], _rows(w, layout), x_BK.shape[1], layout)
     return gemv(x_BK, w, layout, c, interpret, norm_w=norm_w, eps=eps, sums=sums)
 

@@ -886,17 +886,17 @@ def _bf16_wanted(cf: Config) -> bool:
 
 def _bf16_problem(w, z_BL: jax.Array, shared, routed: bool, U: int, residual: jax.Array | None = None) -> str | None:
     """Why the bf16 CUDA kernels (jaxk3.kernels.bf16_cuda) cannot take this call (None: they can)."""
-    E, I, In, _, _ = _dims(w)
+    E, I, In, Out, _ = _dims(w)
     if residual is not None and residual.dtype != jnp.bfloat16:
         return f"the bf16 CUDA kernel 2 adds a bf16 residual stream in its epilogue, got {residual.dtype}"
     if (z_BL.ndim != 2 or z_BL.shape[0] != 1 or z_BL.dtype != jnp.bfloat16 or isinstance(w.experts_w2, MXFP4)
             or w.experts_w2.dtype != jnp.bfloat16):
         return (f"the bf16 CUDA kernels take one bf16 token and bf16 experts, got z {z_BL.shape} {z_BL.dtype}, "
                 f"{'MXFP4' if isinstance(w.experts_w2, MXFP4) else w.experts_w2.dtype} experts")
-    if shared is not None and (shared.gate_up.shape != (2 * I, In) or shared.down.shape != (_dims(w)[3], I)
+    if shared is not None and (shared.gate_up.shape != (2 * I, In) or shared.down.shape != (Out, I)
                                or shared.gate_up.dtype != jnp.bfloat16 or shared.down.dtype != jnp.bfloat16):
         return (f"the bf16 CUDA kernels take shared experts of the routed experts' shapes in bf16 (gate_up [{2 * I}, "
-                f"{In}], down [{_dims(w)[3]}, {I}]), got {shared.gate_up.shape} {shared.gate_up.dtype}, "
+                f"{In}], down [{Out}, {I}]), got {shared.gate_up.shape} {shared.gate_up.dtype}, "
                 f"{shared.down.shape} {shared.down.dtype}")
     return BC.problem(E, U, I, In, shared is not None, routed) or BC.unavailable()
 
@@ -917,9 +917,9 @@ def _bf16_launch(cfg, w, z_BL: jax.Array, sel_up: list, sel_down: list | None, U
     return BC.down(ids, coef, a, w.experts_w2, None if shared is None else shared.down, residual=residual)
 
 
-def _plus(y: jax.Array, residual: jax.Array | None) -> jax.Array:
-    """The experts' fp32 output, or with `residual` the new residual stream bf16(residual + y) (the decode step's add
-    and rounding, as `attn_res.ffn_done` does them)."""
+def add_residual(y: jax.Array, residual: jax.Array | None) -> jax.Array:
+    """The block's fp32 output, or with `residual` the new residual stream bf16(residual + y) (the decode step's add
+    and rounding, as `attn_res.ffn_done` does them): the kernels' paths and `layers.moe.moe` alike."""
     return y if residual is None else (residual + y).astype(residual.dtype)
 
 
@@ -1115,7 +1115,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
         a_U, c = (a, coef) if wide else (a[:, 0, :], coef[0])
         a_U, ainv = (a_U, None) if form == "raw" else f16_scaled(a_U)  # raw: the kernel scales each slot itself
         y = CU.down(ids, c, a_U, ainv, w.experts_w2, Gc, l2=l2, stages=dstages)
-        return _plus((y[0] if Gc == 1 else jnp.sum(y, axis=0))[:B], residual)
+        return add_residual((y[0] if Gc == 1 else jnp.sum(y, axis=0))[:B], residual)
     if f16:
         av, ainv = _f16_views(a)
         av = [*av, ainv]
@@ -1127,12 +1127,12 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
                           steps=I // S // cf.bk, parts=G),
         grid=(Out // cf.bn, S, G), in_specs=[any_] * len(ins), out_specs=any_,
         out_shape=jax.ShapeDtypeStruct((S * G, Bp, Out), F32), interpret=interpret, **kw)(*ins)
-    return _plus((y[0] if S * G == 1 else jnp.sum(y, axis=0))[:B], residual)
+    return add_residual((y[0] if S * G == 1 else jnp.sum(y, axis=0))[:B], residual)
 
 
 def reference(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Config | None = None,
               only_where_faster: bool = True, residual: jax.Array | None = None) -> jax.Array:
-    return _plus(experts_partial(cfg, w, z_BL, w_Bk, ids_Bk, shared), residual)
+    return add_residual(experts_partial(cfg, w, z_BL, w_Bk, ids_Bk, shared), residual)
 
 
 # (format, B bucket (1 or 8), E (B > 1 only), I, In, Out, shared) -> (kernel us, XLA us), the default Config
@@ -1195,22 +1195,21 @@ def _key(w, B: int, shared) -> tuple:
 
 def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Config | None = None,
          only_where_faster: bool = True, residual: jax.Array | None = None, **_) -> str | None:
-    _, I, In, Out, _ = _dims(w)
+    E, I, In, Out, _ = _dims(w)
     B = z_BL.shape[0] if z_BL.ndim == 2 else 1
     if residual is not None and (residual.shape != (B, Out) or residual.dtype not in (jnp.bfloat16, jnp.float32)):
         return (f"moe_experts kernel: the residual must be the stream [B, Out] = [{B}, {Out}] in bf16 or float32, got "
                 f"{residual.shape} {residual.dtype}")
     packed = isinstance(w.experts_w2, MXFP4)
     cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype, _f16_marked(w))
+    U = plan_slots(E, B, ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token)
     if cf.cuda and z_BL.ndim == 2:
         why = _cuda_problem(cf, w, z_BL, shared)
         if why is None and cf.cuda_stages:
-            U = plan_slots(_dims(w)[0], B, ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token)
             why = CU.stream_problem(cf.cuda_stages, U, _cuda_form(cf, B)[0] == "raw")
         if why:
             return f"moe_experts kernel: cuda: {why}"
     if cf.cuda_down and z_BL.ndim == 2:
-        U = plan_slots(_dims(w)[0], B, ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token)
         ds = _cuda_down_stages(cf, B, U)
         why = _cuda_problem(cf, w, z_BL, shared, down=(U, U if ds else _slot_splits(cf, Out, I, B == 1), ds))
         if why is None and ds:
@@ -1218,7 +1217,6 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
         if why:
             return f"moe_experts kernel: cuda_down: {why}"
     if cf.cuda_bf16 and z_BL.ndim == 2:
-        U = plan_slots(_dims(w)[0], B, ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token)
         why = _bf16_problem(w, z_BL, shared, ids_Bk is None, U, residual)
         if why:
             return f"moe_experts kernel: cuda_bf16: {why}"
@@ -1296,7 +1294,7 @@ def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None =
     from jaxk3.kernels.router import select_experts
 
     w_Bk, ids_Bk = select_experts(cfg, logits_BE, bias_E)
-    return _plus(experts_partial(cfg, w, z_BL, w_Bk, ids_Bk, shared), residual)
+    return add_residual(experts_partial(cfg, w, z_BL, w_Bk, ids_Bk, shared), residual)
 
 
 MAX_ROUTED_EXPERTS = 256  # the ranks compare every pair of the Ep logits: [Ep, 32] tiles per program

@@ -233,9 +233,7 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     dt = x_BD.dtype
     mode = kernel_mode(tp)
     fold = residual if residual is not None and not grouped and _one_rank(tp) else None
-
-    def done(out: jax.Array) -> jax.Array:
-        return out if residual is None else (residual + out).astype(residual.dtype)
+    done = functools.partial(moe_experts.add_residual, residual=residual)  # (after the psum)
 
     experts = functools.partial(_experts_prefill if grouped else _experts_decode, mode=mode)
     routed = _route_normed(cfg, w, x_BD, mode) if isinstance(x_BD, Normed) else None

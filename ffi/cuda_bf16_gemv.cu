@@ -12,6 +12,10 @@
 //
 // Sums are float32 in the lanes' order: the reference's (XLA's dot) to float32 rounding; the normed input agrees with
 // `rms_norm_as` to one bf16 rounding at most (another sum order of the squares, the device's rsqrt).
+//
+// jaxk3_bf16_gemv_gnorm: the same GEMV with KDA's gated per-head norm as its prologue (`gemv_gnorm`'s function: KDA's
+// o_proj at decode): xn = bf16(RMSNorm(x_h; g, eps) * sigmoid(z_h)) for each head h of d values, x and z the core's
+// float32 output and gate [K], g float32 [d]; the Pallas kernel streams the 48B's o_proj (19 MB) at 2.3 TB/s.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -33,12 +37,17 @@ constexpr int kMaxK = 16384;  // the token in shared memory (32 KB)
 constexpr int kFirst = 5;     // vectors a lane and row loaded before the prologue (10 loads: more spill at 128 registers,
                               // and a spilled register waits for its load)
 
+enum Prologue { kPlain = 0, kRmsNorm = 1, kGatedHeads = 2 };
+
 struct Params {
-  const uint4* x;       // [K / 8] the token, bf16
-  const uint4* g;       // [K / 8] the norm weight, bf16 (read with norm)
+  const uint4* x;       // [K / 8] the token, bf16 (kPlain, kRmsNorm)
+  const uint4* g;       // [K / 8] the norm weight, bf16 (kRmsNorm)
+  const float* xf;      // [K] the core's output, float32 (kGatedHeads)
+  const float* zf;      // [K] its gate, float32 (kGatedHeads)
+  const float* gf;      // [d] the per-head norm weight, float32 (kGatedHeads)
   const uint4* w;       // [N, K / 8]
   float* out;           // [N]
-  int N, K, norm;
+  int N, K, norm, d;    // norm: a Prologue; d: the head size (kGatedHeads)
   float eps;
 };
 
@@ -72,9 +81,22 @@ __global__ void __launch_bounds__(kThreads, 2) Bf16GemvKernel(Params p) {
     rows(it, r0, r1, n0, n1);
     bf16::Load2(first, r0, r1, 0, M, lane);
   }
-  for (int i = threadIdx.x; i < n8; i += kThreads) xs[i] = p.x[i];
-  __syncthreads();
-  if (p.norm) {
+  if (p.norm == kGatedHeads) {  // a warp a head: its squares' sum in the lanes, then (g x) r sigmoid(z) in bf16
+    __nv_bfloat16* xb = reinterpret_cast<__nv_bfloat16*>(xs);
+    for (int h = warp; h < p.K / p.d; h += kWarps) {
+      const float *xh = p.xf + h * p.d, *zh = p.zf + h * p.d;
+      float ss = 0.0f;
+      for (int j = lane; j < p.d; j += 32) ss = fmaf(xh[j], xh[j], ss);
+      const float r = rsqrtf(bf16::WarpSum(ss) / static_cast<float>(p.d) + p.eps);
+      for (int j = lane; j < p.d; j += 32)
+        xb[h * p.d + j] = __float2bfloat16_rn((p.gf[j] * xh[j]) * r * (1.0f / (1.0f + expf(-zh[j]))));
+    }
+    __syncthreads();
+  } else {
+    for (int i = threadIdx.x; i < n8; i += kThreads) xs[i] = p.x[i];
+    __syncthreads();
+  }
+  if (p.norm == kRmsNorm) {
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n8; i += kThreads) {
       const uint4 v = xs[i];
@@ -111,6 +133,18 @@ __global__ void __launch_bounds__(kThreads, 2) Bf16GemvKernel(Params p) {
   }
 }
 
+ffi::Error Launch(cudaStream_t stream, const Params& p, int64_t ctas, const char* name) {
+  const size_t smem = static_cast<size_t>(p.K) * 2;
+  unsigned grid = 0;
+  if (ffi::Error e = PersistentGrid(Bf16GemvKernel, kThreads, smem, 2 * kMaxK, kWarps, (p.N + 1) / 2, ctas, name, grid);
+      e.failure())
+    return e;
+  Bf16GemvKernel<<<grid, kThreads, smem, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 ffi::Error CudaBf16Gemv(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer g,
                         ffi::Result<ffi::AnyBuffer> out, int64_t norm, float eps, int64_t ctas) {
   const char* name = "jaxk3_bf16_gemv";
@@ -132,18 +166,39 @@ ffi::Error CudaBf16Gemv(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
   for (const void* a : {x.untyped_data(), w.untyped_data(), g.untyped_data()})
     if (reinterpret_cast<uintptr_t>(a) % 16)
       return InvalidArgument(std::string(name) + ": the token, the weights and the norm weight must be 16-byte aligned");
-  Params p{static_cast<const uint4*>(x.untyped_data()), static_cast<const uint4*>(g.untyped_data()),
-           static_cast<const uint4*>(w.untyped_data()), static_cast<float*>(out->untyped_data()), static_cast<int>(N),
-           static_cast<int>(K), static_cast<int>(norm), eps};
-  const size_t smem = static_cast<size_t>(K) * 2;
-  unsigned grid = 0;
-  if (ffi::Error e = PersistentGrid(Bf16GemvKernel, kThreads, smem, 2 * kMaxK, kWarps, (N + 1) / 2, ctas, name, grid);
-      e.failure())
-    return e;
-  Bf16GemvKernel<<<grid, kThreads, smem, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  Params p{static_cast<const uint4*>(x.untyped_data()), static_cast<const uint4*>(g.untyped_data()), nullptr, nullptr,
+           nullptr, static_cast<const uint4*>(w.untyped_data()), static_cast<float*>(out->untyped_data()),
+           static_cast<int>(N), static_cast<int>(K), static_cast<int>(norm), 0, eps};
+  return Launch(stream, p, ctas, name);
+}
+
+ffi::Error CudaBf16GemvGnorm(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer z, ffi::AnyBuffer g,
+                             ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, float eps, int64_t ctas) {
+  const char* name = "jaxk3_bf16_gemv_gnorm";
+  const auto wd = w.dimensions();
+  if (x.element_type() != ffi::DataType::F32 || z.element_type() != ffi::DataType::F32 ||
+      g.element_type() != ffi::DataType::F32 || w.element_type() != ffi::DataType::BF16 || wd.size() != 2 ||
+      out->element_type() != ffi::DataType::F32)
+    return InvalidArgument(std::string(name) + ": float32 x, z [1, K] and norm weight [d], bf16 weights [N, K] and a "
+                           "float32 output, got x " + DimsText(x.dimensions()) + ", w " + DimsText(wd));
+  const int64_t N = wd[0], K = wd[1], d = g.element_count();
+  if (x.element_count() != K || z.element_count() != K || K < 256 || K % 256 || K > kMaxK || N < 1 ||
+      out->element_count() != N)
+    return InvalidArgument(std::string(name) + ": x and z [1, K] and the output [1, 1, N] for w " + DimsText(wd) +
+                           ", K a multiple of 256 up to " + std::to_string(kMaxK) + ", got x " +
+                           DimsText(x.dimensions()) + ", z " + DimsText(z.dimensions()) + ", out " +
+                           DimsText(out->dimensions()));
+  if (d < 32 || d % 32 || K % d)
+    return InvalidArgument(std::string(name) + ": the head size d (the norm weight's length) must be a multiple of 32 "
+                           "dividing K = " + std::to_string(K) + ", got " + DimsText(g.dimensions()));
+  if (ctas < 0) return InvalidArgument(std::string(name) + ": ctas must be 0 (as many as fit) or a cap");
+  if (reinterpret_cast<uintptr_t>(w.untyped_data()) % 16)
+    return InvalidArgument(std::string(name) + ": the weights must be 16-byte aligned");
+  Params p{nullptr, nullptr, static_cast<const float*>(x.untyped_data()), static_cast<const float*>(z.untyped_data()),
+           static_cast<const float*>(g.untyped_data()), static_cast<const uint4*>(w.untyped_data()),
+           static_cast<float*>(out->untyped_data()), static_cast<int>(N), static_cast<int>(K), kGatedHeads,
+           static_cast<int>(d), eps};
+  return Launch(stream, p, ctas, name);
 }
 
 }  // namespace
@@ -156,6 +211,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv, CudaBf16Gemv,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("norm")
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("ctas"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv_gnorm, CudaBf16GemvGnorm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("ctas"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -30,7 +30,8 @@
   X("jaxk3_mxfp4_down", jaxk3_cuda_mxfp4_down)       /* moe_experts' kernel 2, 1 to 8 tokens */ \
   X("jaxk3_bf16_gate_up", jaxk3_cuda_bf16_gate_up)   /* moe_experts' kernel 1, bf16 experts, one token */ \
   X("jaxk3_bf16_down", jaxk3_cuda_bf16_down)         /* moe_experts' kernel 2, the same */ \
-  X("jaxk3_bf16_gemv", jaxk3_cuda_bf16_gemv)         /* the decode GEMV at one token (gemv.CUDA) */
+  X("jaxk3_bf16_gemv", jaxk3_cuda_bf16_gemv)         /* the decode GEMV at one token (gemv.CUDA) */ \
+  X("jaxk3_bf16_gemv_gnorm", jaxk3_cuda_bf16_gemv_gnorm) /* the same, KDA's gated head norm first (gemv.CUDA) */
 
 namespace jaxk3 {
 

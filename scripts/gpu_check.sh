@@ -442,14 +442,15 @@ fi
 
 if has bf16cuda; then
   # The bf16 CUDA kernels at one token (twenty-fourth session, off): moe_experts' two (`cuda_bf16`) and the decode GEMV
-  # (`gemv.CUDA`): their compiled tests at the 48B's dims, then the experts alone against the Pallas kernels and XLA
-  # (the 48B's serving layout with the shared experts).
+  # (`gemv.CUDA`, with its gated-norm form for KDA's o_proj): their compiled tests at the 48B's dims (BC_K selects),
+  # then the experts alone against the Pallas kernels and XLA (the 48B's serving layout with the shared experts;
+  # BC_CONFIGS=- skips it).
   echo "== the bf16 CUDA kernels: compiled tests, then the experts alone ($(date -u +%T))"
   timeout -k 10 "${BC_TEST_TIMEOUT:-180}" $PY -m pytest tests/test_kernels.py tests/test_gemv.py -m gpu \
-    -k "cuda_bf16 or bf16_cuda or gemv_cuda" -q -rfEs -p no:cacheprovider > "$OUT/bf16cuda_tests.log" 2>&1
+    -k "${BC_K:-cuda_bf16 or bf16_cuda or gemv_cuda or gnorm_cuda}" -q -rfEs -p no:cacheprovider > "$OUT/bf16cuda_tests.log" 2>&1
   rc=$?; [ $rc -eq 0 ] || status=1
   echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch" "$OUT/bf16cuda_tests.log" | cut -c1-300 | tail -12
-  timeout -k 10 "${BC_SWEEP_TIMEOUT:-120}" $PY scripts/gpu/moe_experts_sweep.py --preset kl --batch 1 --formats bf16 \
+  [ "${BC_CONFIGS:-}" = - ] || timeout -k 10 "${BC_SWEEP_TIMEOUT:-120}" $PY scripts/gpu/moe_experts_sweep.py --preset kl --batch 1 --formats bf16 \
     --configs "${BC_CONFIGS:-cuda_bf16=1}" --json "$OUT/bf16cuda_sweep.json" 2>&1 | cut -c1-200
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
@@ -457,10 +458,11 @@ fi
 if has bf16step; then
   # The 48B B = 1 step: main, then each BS_PATCHES entry (';'-separated step_with_kernel.py patch lists; by default the
   # bf16 CUDA experts, with the residual added in kernel 2's epilogue: 237 launches compiled offline against 262; then
-  # with the CUDA GEMV too), main again: one process each.
+  # with the CUDA GEMV too), main again (BS_AGAIN=0: not): one process each.
   S48="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants serving/auto --steps 20 --repeats 5"
   IFS=';' read -ra patches <<< "${BS_PATCHES:-moe_experts:CUDA_BF16=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1}"
-  for run in main "${patches[@]}" main2; do
+  again=main2; [ "${BS_AGAIN:-1}" = 0 ] && again=
+  for run in main "${patches[@]}" $again; do
     echo "== 48B B = 1 step: $run ($(date -u +%T))"
     if [ "$run" = main ] || [ "$run" = main2 ]; then cmd="$PY -m jaxk3.cli bench decode"
     else cmd="$PY scripts/gpu/step_with_kernel.py $run --"; fi

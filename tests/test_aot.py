@@ -220,7 +220,8 @@ def test_48b_step_with_the_bf16_cuda_kernels_within_issue_22s_launches(monkeypat
     the H200: both kernels in every MoE block (kernel 1 ranking the router's logits, the routed form), and the residual
     add in kernel 2's epilogue, so that each MoE block is 5 launches (6 on main: the add's fusion) and the step within
     issue 22's 250 (237 when written, 2026-12-05); with the CUDA GEMV too (`gemv.CUDA`), taken by the 28 projections
-    the Pallas GEMV runs at one token (KDA's and MLA's normed in_proj, the dense MLP's gate | up), launches unchanged."""
+    the Pallas GEMV runs at one token (KDA's and MLA's normed in_proj, the dense MLP's gate | up), and its gated-norm
+    form by KDA's 20 o_proj (`gemv_gnorm`), launches unchanged."""
     from jaxk3.kernels import gemv as G
     from jaxk3.kernels import moe_experts as ME
 
@@ -232,7 +233,7 @@ def test_48b_step_with_the_bf16_cuda_kernels_within_issue_22s_launches(monkeypat
         for t, n in d.items():
             calls[t] = calls.get(t, 0) + n
     assert calls.get("jaxk3_bf16_gate_up") == 26 and calls.get("jaxk3_bf16_down") == 26, calls
-    assert calls.get("jaxk3_bf16_gemv") == 28, calls
+    assert calls.get("jaxk3_bf16_gemv") == 28 and calls.get("jaxk3_bf16_gemv_gnorm") == 20, calls
     assert row["launch_ops"] <= 250 and row["launch_ops"] < LAUNCH_OPS_48B_B1, row["launch_ops"]
     moe = [n for b, n in row["census"]["totals"].items() if b.endswith("_moe")]
     assert len(moe) == 26 and max(moe) <= MOE_AFTER_KDA - 1, moe

@@ -311,6 +311,73 @@ def test_gemv_cuda_lowered_and_refused(monkeypatch):
         BC.gemv(x2, w2)
 
 
+def test_gemv_gnorm_cuda_lowered_and_refused(monkeypatch):
+    """With `gemv.CUDA`, KDA's o_proj with its gated head norm (`gemv_gnorm`, the registry's device function) lowers to the CUDA kernel `jaxk3_bf16_gemv_gnorm` (its availability patched in on the CPU): x, z, the
+    float32 norm weight and w as operands, eps an attribute, one sum [1, 1, N]; an explicit Config keeps the Pallas
+    kernel; and the wrapper refuses by name two rows, a bf16 core output, a head size not a multiple of 32, and a
+    normed row not cast to bf16."""
+    from jaxk3.kernels import bf16_cuda as BC
+
+    monkeypatch.setattr(G, "CUDA", True)
+    monkeypatch.setattr(BC.CU, "unavailable", lambda target=None: None)
+    x, z, g, w = _gnorm_case(96, 8, 64)
+
+    def calls(f):
+        text = jax.jit(f).lower(x, z, g, w).as_text()
+        return [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
+
+    got = calls(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, jnp.bfloat16))
+    assert len(got) == 1 and BC.GEMV_GNORM in got[0] and "eps = 9.99999974E-6 : f32" in got[0], got
+    assert "tensor<1x512xf32>, tensor<1x512xf32>, tensor<64xf32>, tensor<96x512xbf16>" in got[0], got[0]
+    assert "-> tensor<1x1x96xf32>" in got[0], got[0]
+
+    class Pallas(Exception):
+        pass
+
+    def pallas(*a, **k):
+        raise Pallas
+
+    import jax.experimental.pallas as pl
+    monkeypatch.setattr(pl, "pallas_call", pallas)  # the Pallas kernel's call (it lowers on a GPU only)
+    with pytest.raises(Pallas):
+        calls(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, jnp.bfloat16, config=G.gnorm_config(96, 512, 64)))
+    assert "one row" in BC.gnorm_problem(jnp.concatenate([x, x]), z, g, w, jnp.bfloat16)
+    assert "float32 x, z" in BC.gnorm_problem(x.astype(jnp.bfloat16), z, g, w, jnp.bfloat16)
+    assert "bf16 normed row" in BC.gnorm_problem(x, z, g, w, jnp.float32)
+    x5, z5, g5, w5 = _gnorm_case(64, 16, 16)  # heads of 16
+    assert "multiple of 32" in BC.gnorm_problem(x5, z5, g5, w5, jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        BC.gemv_gnorm(x5, z5, g5, 1e-5, w5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,H,d", [(2304, 32, 128), (7168, 24, 128), (2305, 8, 64)])
+def test_gemv_gnorm_cuda_on_gpu(N, H, d, monkeypatch):
+    """The CUDA o_proj with the gated head norm compiled at Kimi-Linear-48B's KDA o_proj (2304 x 32 heads of 128),
+    K3's at TP 8 and an odd N of heads of 64: against the reference at `test_gemv_gnorm_matches_reference`'s bound (a
+    normed element may round to the neighbouring bf16: another order of each head's squares, the device's sigmoid),
+    and grids capped at 1, 3 and 131 CTAs give the same bits."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
+    from jaxk3.kernels import bf16_cuda as BC
+
+    if BC.CU.unavailable(BC.GEMV_GNORM):
+        pytest.skip(f"{BC.CU.unavailable(BC.GEMV_GNORM)} (scripts/gpu_check.sh build)")
+    x, z, g, w = _gnorm_case(N, H, d)
+    monkeypatch.setattr(G, "CUDA", True)
+    f = jax.jit(lambda *a: G.gemv_gnorm(*a[:3], 1e-5, a[3], jnp.bfloat16))
+    assert BC.GEMV_GNORM in f.lower(x, z, g, w).as_text()
+    got = np.asarray(f(x, z, g, w))
+    ref = np.asarray(G.gnorm_reference(x, z, g, 1e-5, w, jnp.bfloat16))
+    scale = np.abs(ref).max()
+    assert got.shape == ref.shape == (1, N) and np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * scale)
+    assert np.mean(np.abs(got - ref) <= 1e-5 * scale) > 0.9
+    for ctas in (1, 3, 131):
+        capped = np.asarray(jax.jit(lambda *a: BC.gemv_gnorm(*a[:3], 1e-5, a[3], ctas=ctas))(x, z, g, w))[0]
+        np.testing.assert_array_equal(capped.view(np.uint32), got.view(np.uint32), err_msg=f"ctas {ctas}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K,norm", [(12576, 2304, True), (6720, 2304, True), (18432, 2304, True),
                                       (12577, 2304, True), (2304, 4096, False), (4608, 7168, False), (96, 512, False)])

@@ -1,5 +1,6 @@
 """One token's bf16 GEMVs as CUDA kernels through the FFI: `gemv` (ffi/cuda_bf16_gemv.cu, `jaxk3_bf16_gemv`: the decode
-GEMV with its optional RMSNorm prologue, `jaxk3.kernels.gemv.CUDA`), and `moe_experts`' two kernels for bf16 experts
+GEMV with its optional RMSNorm prologue, and `gemv_gnorm`, `jaxk3_bf16_gemv_gnorm`, with KDA's gated per-head norm:
+`jaxk3.kernels.gemv.CUDA`), and `moe_experts`' two kernels for bf16 experts
 (ffi/cuda_bf16_experts.cu):
   `gate_up` (`jaxk3_bf16_gate_up`): a[u, 0, :] = act(W1[e_u] x, W3[e_u] x) in bf16 for the slots' experts e_u, and
             with the shared experts one more slot of theirs; the experts given (ids and weights), or ranked from the
@@ -29,6 +30,7 @@ from jaxk3.kernels import mxfp4_cuda as CU
 GATE_UP = "jaxk3_bf16_gate_up"
 DOWN = "jaxk3_bf16_down"
 GEMV = "jaxk3_bf16_gemv"  # (ffi/cuda_bf16_gemv.cu) the decode GEMV at one token, `gemv.CUDA`
+GEMV_GNORM = "jaxk3_bf16_gemv_gnorm"  # (the same file) with KDA's gated per-head norm first, `gemv.CUDA`
 MAX_SLOTS = 64  # routed slots + the shared experts' (the handlers' kMaxSlots)
 MAX_EXPERTS = 1024  # ranked in shared memory (kMaxExperts)
 MAX_IN = 16384  # the token in shared memory (kMaxIn)
@@ -134,3 +136,31 @@ def gemv(x: jax.Array, w: jax.Array, norm_w: jax.Array | None = None, eps: float
     g = x.astype(jnp.bfloat16) if norm_w is None else norm_w
     return jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((1, 1, N), jnp.float32))(
         x.astype(jnp.bfloat16), w, g, norm=np.int64(norm_w is not None), eps=np.float32(eps), ctas=np.int64(ctas))
+
+
+def gnorm_problem(x: jax.Array, z: jax.Array, norm_w: jax.Array, w: jax.Array, dt) -> str | None:
+    """Why `gemv_gnorm` does not take this call (None: it does): one float32 row of x and z [1, K], a float32 norm
+    weight of d values (a multiple of 32 dividing K), bf16 weights [N, K] with K a multiple of 256 up to MAX_IN, and
+    the normed row cast to bf16 (`dt`)."""
+    if x.ndim != 2 or x.shape[0] != 1 or z.shape != x.shape or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        return f"{GEMV_GNORM}: one row of x and z [1, K] and weights [N, K], got x {x.shape}, z {z.shape}, w {w.shape}"
+    K, d = w.shape[1], (norm_w.shape[0] if norm_w.ndim == 1 else 0)
+    if x.dtype != jnp.float32 or z.dtype != jnp.float32 or norm_w.dtype != jnp.float32 or w.dtype != jnp.bfloat16 \
+            or jnp.dtype(dt) != jnp.bfloat16:
+        return (f"{GEMV_GNORM}: float32 x, z and norm weight, bf16 weights and a bf16 normed row, got x {x.dtype}, z "
+                f"{z.dtype}, norm {norm_w.dtype}, w {w.dtype}, dt {jnp.dtype(dt)}")
+    if K % 256 or K > MAX_IN or d < 32 or d % 32 or K % d:
+        return (f"{GEMV_GNORM}: K a multiple of 256 up to {MAX_IN} of whole heads of d (a multiple of 32), got K {K}, "
+                f"norm {norm_w.shape}")
+    return None
+
+
+def gemv_gnorm(x: jax.Array, z: jax.Array, norm_w: jax.Array, eps: float, w: jax.Array, ctas: int = 0) -> jax.Array:
+    """fp32 [1, 1, N] = xn @ W^T, xn = bf16(gated_rms_norm(x; norm_w, z) over each head of d = len(norm_w) values)
+    (`gemv.gnorm_reference`'s function), made by every CTA in its prologue: x and z [1, K] float32 (KDA's core output
+    and gate), W [N, K] bf16.  `ctas` > 0 caps the grid (the tests')."""
+    why = gnorm_problem(x, z, norm_w, w, jnp.bfloat16)
+    if why:
+        raise ValueError(why)
+    return jax.ffi.ffi_call(GEMV_GNORM, jax.ShapeDtypeStruct((1, 1, w.shape[0]), jnp.float32))(
+        x, z, norm_w, w, eps=np.float32(eps), ctas=np.int64(ctas))

@@ -41,7 +41,8 @@ from jaxk3.kernels.rms_norm import gated_rms_norm, rms_norm_as
 F32 = jnp.float32
 MAX_B = 8
 # One token in CUDA (jaxk3.kernels.bf16_cuda.gemv: a warp a row pair with all of its loads in flight, persistent CTAs,
-# the norm prologue made while the first loads fly) wherever the Pallas kernel would run at B = 1 on [N, K] weights.
+# the norm prologue made while the first loads fly) wherever the Pallas kernel would run at B = 1 on [N, K] weights,
+# and `gemv_gnorm`'s (KDA's o_proj with the gated head norm: bf16_cuda.gemv_gnorm) where its Pallas kernel would.
 # Off until it has run on a GPU: built without one (twenty-fourth session), to be timed in the Kimi-Linear-48B step
 CUDA = False
 
@@ -436,9 +437,16 @@ def gnorm_config(N: int, K: int, d: int) -> Config:
 
 def gemv_gnorm(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, w: jax.Array, dt,
                config: Config | None = None, interpret: bool = False, only_where_faster: bool = True) -> jax.Array:
-    """The same function as `gnorm_reference`, the norm in the GEMV's prologue: fp32 [1, N]."""
+    """The same function as `gnorm_reference`, the norm in the GEMV's prologue: fp32 [1, N].  In CUDA (`CUDA`, no
+    `config` given, float32 x, z and norm weight, bf16 out): `bf16_cuda.gemv_gnorm`, one sum."""
     from jax.experimental import pallas as pl
 
+    if CUDA and not interpret and config is None:
+        from jaxk3.kernels import bf16_cuda
+
+        if (bf16_cuda.gnorm_problem(x_BK, z_BK, norm_w, w, dt) is None
+                and bf16_cuda.CU.unavailable(bf16_cuda.GEMV_GNORM) is None):
+            return bf16_cuda.gemv_gnorm(x_BK, z_BK, norm_w, eps, w)[0]
     N, K = w.shape
     d = norm_w.shape[0]
     c = config or gnorm_config(N, K, d)

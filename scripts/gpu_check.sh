@@ -446,7 +446,7 @@ if has bf16cuda; then
   # then the experts alone against the Pallas kernels and XLA (the 48B's serving layout with the shared experts;
   # BC_CONFIGS=- skips it).
   echo "== the bf16 CUDA kernels: compiled tests, then the experts alone ($(date -u +%T))"
-  timeout -k 10 "${BC_TEST_TIMEOUT:-180}" $PY -m pytest tests/test_kernels.py tests/test_gemv.py -m gpu \
+  timeout -k 10 "${BC_TEST_TIMEOUT:-180}" $PY -m pytest tests/test_gemv.py tests/test_kernels.py -m gpu \
     -k "${BC_K:-cuda_bf16 or bf16_cuda or gemv_cuda or gnorm_cuda}" -q -rfEs -p no:cacheprovider > "$OUT/bf16cuda_tests.log" 2>&1
   rc=$?; [ $rc -eq 0 ] || status=1
   echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch" "$OUT/bf16cuda_tests.log" | cut -c1-300 | tail -12

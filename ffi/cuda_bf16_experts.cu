@@ -323,6 +323,11 @@ ffi::Error CudaBf16Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer 
 
 }  // namespace
 
+// Not kCmdBufferCompatible: inside XLA's command buffer an FFI call is traced into the graph by stream capture, and
+// traced again whenever a buffer it touches moves (XLA's temporaries move between executions); at ~100 such calls a
+// step the host's re-tracing outran the GPU (the 48B B = 1 step back to back 3139 us with them against 2984 without,
+// while each step waited for was 265 us faster: docs/PERF.md, twenty-fifth session).  Outside, XLA launches them
+// between its command buffers.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gate_up, CudaBf16GateUp,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -343,8 +348,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gate_up, CudaBf16GateUp,
                                   .Attr<int64_t>("route_k")
                                   .Attr<int64_t>("renorm")
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("ctas"),
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("ctas"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_down, CudaBf16Down,
                               ffi::Ffi::Bind()
@@ -358,7 +362,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_down, CudaBf16Down,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("shared")
                                   .Attr<int64_t>("residual")
-                                  .Attr<int64_t>("ctas"),
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("ctas"));
 
 }  // namespace jaxk3

@@ -8,7 +8,7 @@
 // in_proj 58 MB in 17.2 us with its norm, MLA's 31 MB in 11.6).  Here a warp owns a row pair, issues all of its
 // 16-byte loads (a 2304-wide row is 9 a lane) before its first product (ffi/cuda_bf16_rows.h), the CTAs are persistent
 // (as many as fit, each warp striding over the row pairs), and a CTA's first row pair is loaded before its prologue
-// (the token's copy and norm), so the norm's latency hides under the loads.  No state: command-buffer compatible.
+// (the token's copy and norm), so the norm's latency hides under the loads.  No state.
 //
 // Sums are float32 in the lanes' order: the reference's (XLA's dot) to float32 rounding; the normed input agrees with
 // `rms_norm_as` to one bf16 rounding at most (another sum order of the squares, the device's rsqrt).
@@ -203,6 +203,11 @@ ffi::Error CudaBf16GemvGnorm(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
 
 }  // namespace
 
+// Not kCmdBufferCompatible: inside XLA's command buffer an FFI call is traced into the graph by stream capture, and
+// traced again whenever a buffer it touches moves (XLA's temporaries move between executions); at ~100 such calls a
+// step the host's re-tracing outran the GPU (the 48B B = 1 step back to back 3139 us with them against 2984 without,
+// while each step waited for was 265 us faster: docs/PERF.md, twenty-fifth session).  Outside, XLA launches them
+// between its command buffers.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv, CudaBf16Gemv,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -212,8 +217,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv, CudaBf16Gemv,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("norm")
                                   .Attr<float>("eps")
-                                  .Attr<int64_t>("ctas"),
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("ctas"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv_gnorm, CudaBf16GemvGnorm,
                               ffi::Ffi::Bind()
@@ -224,7 +228,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv_gnorm, CudaBf16GemvGnorm,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("eps")
-                                  .Attr<int64_t>("ctas"),
-                              {ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("ctas"));
 
 }  // namespace jaxk3

@@ -459,7 +459,9 @@ if has bf16step; then
   # The 48B B = 1 step: main, then each BS_PATCHES entry (';'-separated step_with_kernel.py patch lists; by default the
   # bf16 CUDA experts, with the residual added in kernel 2's epilogue: 237 launches compiled offline against 262; then
   # with the CUDA GEMV too), main again (BS_AGAIN=0: not): one process each.
-  S48="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants serving/auto --steps 20 --repeats 5"
+  # BS_VARIANTS=serving/auto,serving/off also runs XLA's path in each process: its logits against the kernels' (the
+  # JSON's logits_rel_diff; ~0.007 between main's paths on an H200, 2026-12-01) and each process's greedy tokens.
+  S48="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants ${BS_VARIANTS:-serving/auto} --steps 20 --repeats 5"
   IFS=';' read -ra patches <<< "${BS_PATCHES:-moe_experts:CUDA_BF16=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1}"
   again=main2; [ "${BS_AGAIN:-1}" = 0 ] && again=
   for run in main "${patches[@]}" $again; do
@@ -469,6 +471,14 @@ if has bf16step; then
     # shellcheck disable=SC2086
     timeout -k 5 ${BS_TIMEOUT:-130} $cmd $S48 --json "$OUT/bf16step_${run//[^A-Za-z0-9]/_}.json" 2>&1 | grep -E "^ +1 \||rror" | tail -3
   done
+  $PY - "$OUT" <<'EOF'
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/bf16step_*.json")):
+    for r in json.load(open(f))["rows"]:
+        print(f.rsplit("/", 1)[-1], r["strategy"], f"{r['us_per_step']:.1f} us, synced {r['us_per_step_synced']:.1f}, "
+              f"x{r['ratio_to_floor']:.3f}, logits vs the first variant {r['logits_rel_diff']:.2e}, tokens "
+              f"{r['tokens']}, rerun equal {r['rerun_equal']}")
+EOF
 fi
 
 if has cudancu; then

@@ -323,11 +323,11 @@ ffi::Error CudaBf16Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer 
 
 }  // namespace
 
-// Not kCmdBufferCompatible: inside XLA's command buffer an FFI call is traced into the graph by stream capture, and
-// traced again whenever a buffer it touches moves (XLA's temporaries move between executions); at ~100 such calls a
-// step the host's re-tracing outran the GPU (the 48B B = 1 step back to back 3139 us with them against 2984 without,
-// while each step waited for was 265 us faster: docs/PERF.md, twenty-fifth session).  Outside, XLA launches them
-// between its command buffers.
+// Not kCmdBufferCompatible: inside XLA's command buffer an FFI call is captured into a child graph, updated (and on a
+// trace-cache miss captured again) whenever a buffer it touches has moved since the last execution, which a decode
+// step's new outputs do.  With ~100 such calls a step the 48B B = 1 step ran host-paced on an H100 (3139 us back to
+// back against main's 2984, while each step waited for was 265 us faster: docs/PERF.md, twenty-fifth session).
+// Outside, XLA launches them between its command buffers (not yet timed).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gate_up, CudaBf16GateUp,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()

@@ -267,6 +267,19 @@ def test_gemv_gnorm_on_gpu(N, H, d):
 
 
 # ---------------------------------------------------------------- one token in CUDA (gemv.CUDA, bf16_cuda.gemv)
+class _Pallas(Exception):
+    """Raised in place of a Pallas kernel's call (it lowers on a GPU only): the path a call took."""
+
+
+def _no_pallas(*a, **k):
+    raise _Pallas
+
+
+def _custom_calls(f, *args) -> list[str]:
+    """The custom-call lines of f's lowering at args."""
+    return [ln for ln in jax.jit(f).lower(*args).as_text().splitlines() if "stablehlo.custom_call" in ln]
+
+
 def test_gemv_cuda_lowered_and_refused(monkeypatch):
     """`gemv.CUDA` (off until timed on a GPU): where the Pallas kernel would run at one token on [N, K] weights, the
     plain and the normed GEMV lower to the CUDA kernel (on the CPU, its availability patched in), one partial sum
@@ -281,25 +294,18 @@ def test_gemv_cuda_lowered_and_refused(monkeypatch):
     g = jnp.ones((512,), jnp.bfloat16)
 
     def calls(f):
-        text = jax.jit(f).lower(x, w, g).as_text()
-        return [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
+        return _custom_calls(f, x, w, g)
 
     plain = calls(lambda x, w, g: G.gemv(x, w, sums=True))
     assert len(plain) == 1 and BC.GEMV in plain[0] and "norm = 0 : i64" in plain[0], plain
     assert "-> tensor<1x1x96xf32>" in plain[0], plain[0]
     normed = calls(lambda x, w, g: G._norm_device(x, w, g, 1e-5))
     assert len(normed) == 1 and "norm = 1 : i64" in normed[0] and "eps = 9.99999974E-6 : f32" in normed[0], normed
-    class Pallas(Exception):
-        pass
-
-    def pallas(*a, **k):
-        raise Pallas
-
-    monkeypatch.setattr(G, "partials", pallas)  # the Pallas kernel's call (it lowers on a GPU only)
-    with pytest.raises(Pallas):
+    monkeypatch.setattr(G, "partials", _no_pallas)
+    with pytest.raises(_Pallas):
         calls(lambda x, w, g: G.gemv(x, w, config=G.Config(bn=16, bk=128)))
     monkeypatch.setattr(G, "CUDA", False)
-    with pytest.raises(Pallas):
+    with pytest.raises(_Pallas):
         calls(lambda x, w, g: G.gemv(x, w))
     x2, w2 = _xw(2, 96, 512)
     assert "one row" in BC.gemv_problem(x2, w2)
@@ -312,35 +318,27 @@ def test_gemv_cuda_lowered_and_refused(monkeypatch):
 
 
 def test_gemv_gnorm_cuda_lowered_and_refused(monkeypatch):
-    """With `gemv.CUDA`, KDA's o_proj with its gated head norm (`gemv_gnorm`, the registry's device function) lowers to the CUDA kernel `jaxk3_bf16_gemv_gnorm` (its availability patched in on the CPU): x, z, the
-    float32 norm weight and w as operands, eps an attribute, one sum [1, 1, N]; an explicit Config keeps the Pallas
-    kernel; and the wrapper refuses by name two rows, a bf16 core output, a head size not a multiple of 32, and a
-    normed row not cast to bf16."""
+    """With `gemv.CUDA`, KDA's o_proj with its gated head norm (`gemv_gnorm`, the registry's device function) lowers
+    to the CUDA kernel `jaxk3_bf16_gemv_gnorm` (its availability patched in on the CPU): x, z, the float32 norm weight
+    and w as operands, eps an attribute, one sum [1, 1, N]; an explicit Config keeps the Pallas kernel; and the
+    wrapper refuses by name two rows, a bf16 core output, a head size not a multiple of 32, and a normed row not cast
+    to bf16."""
     from jaxk3.kernels import bf16_cuda as BC
 
     monkeypatch.setattr(G, "CUDA", True)
     monkeypatch.setattr(BC.CU, "unavailable", lambda target=None: None)
     x, z, g, w = _gnorm_case(96, 8, 64)
 
-    def calls(f):
-        text = jax.jit(f).lower(x, z, g, w).as_text()
-        return [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
-
-    got = calls(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, jnp.bfloat16))
+    got = _custom_calls(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, jnp.bfloat16), x, z, g, w)
     assert len(got) == 1 and BC.GEMV_GNORM in got[0] and "eps = 9.99999974E-6 : f32" in got[0], got
     assert "tensor<1x512xf32>, tensor<1x512xf32>, tensor<64xf32>, tensor<96x512xbf16>" in got[0], got[0]
     assert "-> tensor<1x1x96xf32>" in got[0], got[0]
 
-    class Pallas(Exception):
-        pass
-
-    def pallas(*a, **k):
-        raise Pallas
-
     import jax.experimental.pallas as pl
-    monkeypatch.setattr(pl, "pallas_call", pallas)  # the Pallas kernel's call (it lowers on a GPU only)
-    with pytest.raises(Pallas):
-        calls(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, jnp.bfloat16, config=G.gnorm_config(96, 512, 64)))
+    monkeypatch.setattr(pl, "pallas_call", _no_pallas)
+    with pytest.raises(_Pallas):
+        _custom_calls(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, jnp.bfloat16, config=G.gnorm_config(96, 512, 64)),
+                      x, z, g, w)
     assert "one row" in BC.gnorm_problem(jnp.concatenate([x, x]), z, g, w, jnp.bfloat16)
     assert "float32 x, z" in BC.gnorm_problem(x.astype(jnp.bfloat16), z, g, w, jnp.bfloat16)
     assert "bf16 normed row" in BC.gnorm_problem(x, z, g, w, jnp.float32)

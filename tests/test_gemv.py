@@ -337,8 +337,8 @@ def test_gemv_gnorm_cuda_lowered_and_refused(monkeypatch):
     import jax.experimental.pallas as pl
     monkeypatch.setattr(pl, "pallas_call", _no_pallas)
     with pytest.raises(_Pallas):
-        _custom_calls(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, jnp.bfloat16, config=G.gnorm_config(96, 512, 64)),
-                      x, z, g, w)
+        c = G.gnorm_config(96, 512, 64)
+        _custom_calls(lambda x, z, g, w: G.gemv_gnorm(x, z, g, 1e-5, w, jnp.bfloat16, config=c), x, z, g, w)
     assert "one row" in BC.gnorm_problem(jnp.concatenate([x, x]), z, g, w, jnp.bfloat16)
     assert "float32 x, z" in BC.gnorm_problem(x.astype(jnp.bfloat16), z, g, w, jnp.bfloat16)
     assert "bf16 normed row" in BC.gnorm_problem(x, z, g, w, jnp.float32)

@@ -321,47 +321,58 @@ ffi::Error CudaBf16Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
+auto GateUpBinding() {  // the operands and attributes, once for both symbols
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("up_off")
+      .Attr<int64_t>("act")
+      .Attr<float>("beta")
+      .Attr<float>("linear_beta")
+      .Attr<int64_t>("shared")
+      .Attr<int64_t>("route_k")
+      .Attr<int64_t>("renorm")
+      .Attr<float>("scale")
+      .Attr<int64_t>("ctas");
+}
+
+auto DownBinding() {  // the operands and attributes, once for both symbols
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("shared")
+      .Attr<int64_t>("residual")
+      .Attr<int64_t>("ctas");
+}
+
 }  // namespace
 
-// Not kCmdBufferCompatible: inside XLA's command buffer an FFI call is captured into a child graph, updated (and on a
-// trace-cache miss captured again) whenever a buffer it touches has moved since the last execution, which a decode
-// step's new outputs do.  With ~100 such calls a step the 48B B = 1 step ran host-paced on an H100 (3139 us back to
-// back against main's 2984, while each step waited for was 265 us faster: docs/PERF.md, twenty-fifth session).
-// Outside, XLA launches them between its command buffers (not yet timed).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gate_up, CudaBf16GateUp,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("up_off")
-                                  .Attr<int64_t>("act")
-                                  .Attr<float>("beta")
-                                  .Attr<float>("linear_beta")
-                                  .Attr<int64_t>("shared")
-                                  .Attr<int64_t>("route_k")
-                                  .Attr<int64_t>("renorm")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("ctas"));
+// Each handler twice: `jaxk3_cuda_bf16_*` outside XLA's command buffers (no kCmdBufferCompatible: XLA launches it
+// between them) and `*_cb` inside (jaxk3.kernels.bf16_cuda.COMMAND_BUFFER picks).  Inside, an FFI call is captured into
+// a child graph, updated (and on a trace-cache miss captured again) whenever a buffer it touches has moved since the last
+// execution, which a decode step's new outputs do: with ~100 such calls a step the 48B B = 1 step ran host-paced on an
+// H100 (3139 us back to back against main's 2984, while each step waited for was 265 us faster: docs/PERF.md,
+// twenty-fifth session).  Outside, most of the step falls out of the command buffers too (not yet timed).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gate_up, CudaBf16GateUp, GateUpBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gate_up_cb, CudaBf16GateUp, GateUpBinding(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_down, CudaBf16Down,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("shared")
-                                  .Attr<int64_t>("residual")
-                                  .Attr<int64_t>("ctas"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_down, CudaBf16Down, DownBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_down_cb, CudaBf16Down, DownBinding(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxk3

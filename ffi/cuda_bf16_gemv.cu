@@ -201,33 +201,44 @@ ffi::Error CudaBf16GemvGnorm(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
   return Launch(stream, p, ctas, name);
 }
 
+auto GemvBinding() {  // the operands and attributes, once for both symbols
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("norm")
+      .Attr<float>("eps")
+      .Attr<int64_t>("ctas");
+}
+
+auto GnormBinding() {  // the operands and attributes, once for both symbols
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<float>("eps")
+      .Attr<int64_t>("ctas");
+}
+
 }  // namespace
 
-// Not kCmdBufferCompatible: inside XLA's command buffer an FFI call is captured into a child graph, updated (and on a
-// trace-cache miss captured again) whenever a buffer it touches has moved since the last execution, which a decode
-// step's new outputs do.  With ~100 such calls a step the 48B B = 1 step ran host-paced on an H100 (3139 us back to
-// back against main's 2984, while each step waited for was 265 us faster: docs/PERF.md, twenty-fifth session).
-// Outside, XLA launches them between its command buffers (not yet timed).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv, CudaBf16Gemv,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("norm")
-                                  .Attr<float>("eps")
-                                  .Attr<int64_t>("ctas"));
+// Each handler twice: `jaxk3_cuda_bf16_*` outside XLA's command buffers (no kCmdBufferCompatible: XLA launches it
+// between them) and `*_cb` inside (jaxk3.kernels.bf16_cuda.COMMAND_BUFFER picks).  Inside, an FFI call is captured into
+// a child graph, updated (and on a trace-cache miss captured again) whenever a buffer it touches has moved since the last
+// execution, which a decode step's new outputs do: with ~100 such calls a step the 48B B = 1 step ran host-paced on an
+// H100 (3139 us back to back against main's 2984, while each step waited for was 265 us faster: docs/PERF.md,
+// twenty-fifth session).  Outside, most of the step falls out of the command buffers too (not yet timed).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv, CudaBf16Gemv, GemvBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv_cb, CudaBf16Gemv, GemvBinding(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv_gnorm, CudaBf16GemvGnorm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("eps")
-                                  .Attr<int64_t>("ctas"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv_gnorm, CudaBf16GemvGnorm, GnormBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv_gnorm_cb, CudaBf16GemvGnorm, GnormBinding(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxk3

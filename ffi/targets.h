@@ -31,7 +31,12 @@
   X("jaxk3_bf16_gate_up", jaxk3_cuda_bf16_gate_up)   /* moe_experts' kernel 1, bf16 experts, one token */ \
   X("jaxk3_bf16_down", jaxk3_cuda_bf16_down)         /* moe_experts' kernel 2, the same */ \
   X("jaxk3_bf16_gemv", jaxk3_cuda_bf16_gemv)         /* the decode GEMV at one token (gemv.CUDA) */ \
-  X("jaxk3_bf16_gemv_gnorm", jaxk3_cuda_bf16_gemv_gnorm) /* the same, KDA's gated head norm first (gemv.CUDA) */
+  X("jaxk3_bf16_gemv_gnorm", jaxk3_cuda_bf16_gemv_gnorm) /* the same, KDA's gated head norm first (gemv.CUDA) */ \
+  /* the same four inside XLA's command buffers (kCmdBufferCompatible; bf16_cuda.COMMAND_BUFFER) */ \
+  X("jaxk3_bf16_gate_up_cb", jaxk3_cuda_bf16_gate_up_cb) \
+  X("jaxk3_bf16_down_cb", jaxk3_cuda_bf16_down_cb) \
+  X("jaxk3_bf16_gemv_cb", jaxk3_cuda_bf16_gemv_cb) \
+  X("jaxk3_bf16_gemv_gnorm_cb", jaxk3_cuda_bf16_gemv_gnorm_cb)
 
 namespace jaxk3 {
 

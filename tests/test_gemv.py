@@ -409,3 +409,33 @@ def test_gemv_cuda_on_gpu(N, K, norm, monkeypatch):
     for ctas in (1, 3, 131):
         capped = np.asarray(jax.jit(lambda x, w, g: BC.gemv(x, w, g, 1e-5, ctas=ctas))(x, w, g))[0]
         np.testing.assert_array_equal(capped.view(np.uint32), got.view(np.uint32), err_msg=f"ctas {ctas}")
+
+
+def test_bf16_cuda_command_buffer_form_is_named(monkeypatch):
+    """Each one-token bf16 CUDA kernel has two FFI targets, the same handler with and without XLA's command-buffer
+    trait: `bf16_cuda.COMMAND_BUFFER` off (the default) names the one XLA launches between its command buffers, on the
+    `_cb` one inside them; both forms of all four are registered under those names by the build (ffi/targets.h)."""
+    import re
+    from jaxk3.kernels import bf16_cuda as BC
+
+    monkeypatch.setattr(G, "CUDA", True)
+    monkeypatch.setattr(BC.CU, "unavailable", lambda target=None: None)
+    x, w = _xw(1, 96, 512)
+    xg, zg, gg, wg = _gnorm_case(96, 8, 64)
+
+    def targets() -> list[str]:
+        lines = (_custom_calls(lambda x, w: G.gemv(x, w), x, w)
+                 + _custom_calls(lambda *a: G.gemv_gnorm(*a[:3], 1e-5, a[3], jnp.bfloat16), xg, zg, gg, wg))
+        return [re.search(r"custom_call @(\w+)", ln).group(1) for ln in lines]
+
+    assert BC.COMMAND_BUFFER is False
+    plain = targets()
+    assert plain == [BC.GEMV, BC.GEMV_GNORM], plain
+    monkeypatch.setattr(BC, "COMMAND_BUFFER", True)
+    cb = targets()
+    assert cb == [t + "_cb" for t in plain], cb
+    assert [BC.target(n) for n in (BC.GATE_UP, BC.DOWN)] == ["jaxk3_bf16_gate_up_cb", "jaxk3_bf16_down_cb"]
+    import pathlib
+    text = (pathlib.Path(__file__).parent.parent / "ffi" / "targets.h").read_text()
+    for name in (BC.GATE_UP, BC.DOWN, BC.GEMV, BC.GEMV_GNORM):
+        assert f'X("{name}", jaxk3_cuda_{name[6:]})' in text and f'X("{name}_cb", jaxk3_cuda_{name[6:]}_cb)' in text, name

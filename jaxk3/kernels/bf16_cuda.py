@@ -31,6 +31,11 @@ GATE_UP = "jaxk3_bf16_gate_up"
 DOWN = "jaxk3_bf16_down"
 GEMV = "jaxk3_bf16_gemv"  # (ffi/cuda_bf16_gemv.cu) the decode GEMV at one token, `gemv.CUDA`
 GEMV_GNORM = "jaxk3_bf16_gemv_gnorm"  # (the same file) with KDA's gated per-head norm first, `gemv.CUDA`
+# Which of each kernel's two handlers the calls name: False, the one XLA launches between its command buffers; True,
+# the `_cb` one inside them (kCmdBufferCompatible), captured into a child graph and updated whenever a buffer it
+# touches has moved, which made the 48B B = 1 step host-paced on an H100 with ~100 such calls a step (docs/PERF.md,
+# twenty-fifth session).  Neither form has been timed against the other yet: both stay for that A/B.
+COMMAND_BUFFER = False
 MAX_SLOTS = 64  # routed slots + the shared experts' (the handlers' kMaxSlots)
 MAX_EXPERTS = 1024  # ranked in shared memory (kMaxExperts)
 MAX_IN = 16384  # the token in shared memory (kMaxIn)
@@ -38,9 +43,15 @@ DOWN_I = (256, 512, 1024, 2048)  # down: I / 256 vectors a lane, one instance ea
 DOWN_SMEM = 96 * 1024  # down: the slots' activations in shared memory (kMaxDownSmem)
 
 
+def target(name: str) -> str:
+    """The FFI target a call of kernel `name` (GATE_UP, DOWN, GEMV, GEMV_GNORM) names: its handler inside XLA's
+    command buffers (`name` + "_cb") where COMMAND_BUFFER is set, else the one outside them."""
+    return name + "_cb" if COMMAND_BUFFER else name
+
+
 def unavailable() -> str | None:
     """Why the two kernels cannot run on the traced step's devices (None: they can)."""
-    return CU.unavailable(GATE_UP) or CU.unavailable(DOWN)
+    return CU.unavailable(target(GATE_UP)) or CU.unavailable(target(DOWN))
 
 
 def problem(E: int, U: int, I: int, In: int, shared: bool, routed: bool) -> str | None:
@@ -84,7 +95,7 @@ def gate_up(sel0: jax.Array, sel1: jax.Array, x: jax.Array, gate: jax.Array, up:
     P = U + (shared is not None)
     outs = (jax.ShapeDtypeStruct((P, 1, I), jnp.bfloat16), jax.ShapeDtypeStruct((U,), jnp.int32),
             jax.ShapeDtypeStruct((U,), jnp.float32))
-    return jax.ffi.ffi_call(GATE_UP, outs)(
+    return jax.ffi.ffi_call(target(GATE_UP), outs)(
         sel0, sel1, x, gate, up, gate if shared is None else shared, up_off=np.int64(up_off),
         act=np.int64(CU.ACTS[act]), beta=np.float32(beta), linear_beta=np.float32(linear_beta),
         shared=np.int64(shared is not None), route_k=np.int64(k), renorm=np.int64(bool(renorm)),
@@ -104,7 +115,7 @@ def down(ids: jax.Array, coef: jax.Array, a: jax.Array, w2: jax.Array, shared: j
     if residual is not None and (residual.size != Out or residual.dtype != jnp.bfloat16):
         raise ValueError(f"{DOWN}: the residual must be bf16 [1, {Out}], got {residual.shape} {residual.dtype}")
     out = jax.ShapeDtypeStruct((1, Out), jnp.float32 if residual is None else jnp.bfloat16)
-    return jax.ffi.ffi_call(DOWN, out)(
+    return jax.ffi.ffi_call(target(DOWN), out)(
         ids.astype(jnp.int32), jnp.reshape(coef, (U,)).astype(jnp.float32), a, w2, w2 if shared is None else shared,
         w2 if residual is None else jnp.reshape(residual, (Out,)), shared=np.int64(shared is not None),
         residual=np.int64(residual is not None), ctas=np.int64(ctas))
@@ -134,7 +145,7 @@ def gemv(x: jax.Array, w: jax.Array, norm_w: jax.Array | None = None, eps: float
     N, K = w.shape
     # (not read without the norm: x itself, not a slice of w, which XLA would wrap the call in a slicing fusion for)
     g = x.astype(jnp.bfloat16) if norm_w is None else norm_w
-    return jax.ffi.ffi_call(GEMV, jax.ShapeDtypeStruct((1, 1, N), jnp.float32))(
+    return jax.ffi.ffi_call(target(GEMV), jax.ShapeDtypeStruct((1, 1, N), jnp.float32))(
         x.astype(jnp.bfloat16), w, g, norm=np.int64(norm_w is not None), eps=np.float32(eps), ctas=np.int64(ctas))
 
 
@@ -162,5 +173,5 @@ def gemv_gnorm(x: jax.Array, z: jax.Array, norm_w: jax.Array, eps: float, w: jax
     why = gnorm_problem(x, z, norm_w, w, jnp.bfloat16)
     if why:
         raise ValueError(why)
-    return jax.ffi.ffi_call(GEMV_GNORM, jax.ShapeDtypeStruct((1, 1, w.shape[0]), jnp.float32))(
+    return jax.ffi.ffi_call(target(GEMV_GNORM), jax.ShapeDtypeStruct((1, 1, w.shape[0]), jnp.float32))(
         x, z, norm_w, w, eps=np.float32(eps), ctas=np.int64(ctas))

@@ -272,7 +272,8 @@ def _cuda_takes(x_BK: jax.Array, w: jax.Array, norm_w: jax.Array | None, layout:
         return False
     from jaxk3.kernels import bf16_cuda
 
-    return bf16_cuda.gemv_problem(x_BK, w, norm_w) is None and bf16_cuda.CU.unavailable(bf16_cuda.GEMV) is None
+    return (bf16_cuda.gemv_problem(x_BK, w, norm_w) is None
+            and bf16_cuda.CU.unavailable(bf16_cuda.target(bf16_cuda.GEMV)) is None)
 
 
 def reference(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
@@ -445,7 +446,7 @@ def gemv_gnorm(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, 
         from jaxk3.kernels import bf16_cuda
 
         if (bf16_cuda.gnorm_problem(x_BK, z_BK, norm_w, w, dt) is None
-                and bf16_cuda.CU.unavailable(bf16_cuda.GEMV_GNORM) is None):
+                and bf16_cuda.CU.unavailable(bf16_cuda.target(bf16_cuda.GEMV_GNORM)) is None):
             return bf16_cuda.gemv_gnorm(x_BK, z_BK, norm_w, eps, w)[0]
     N, K = w.shape
     d = norm_w.shape[0]

@@ -457,19 +457,20 @@ fi
 
 if has bf16step; then
   # The 48B B = 1 step: main, then each BS_PATCHES entry (';'-separated step_with_kernel.py patch lists; by default the
-  # bf16 CUDA experts, with the residual added in kernel 2's epilogue: 237 launches compiled offline against 262; then
-  # with the CUDA GEMV too), main again (BS_AGAIN=0: not): one process each.
-  # BS_VARIANTS=serving/auto,serving/off also runs XLA's path in each process: its logits against the kernels' (the
-  # JSON's logits_rel_diff; ~0.007 between main's paths on an H200, 2026-12-01) and each process's greedy tokens.
-  S48="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants ${BS_VARIANTS:-serving/auto} --steps 20 --repeats 5"
-  IFS=';' read -ra patches <<< "${BS_PATCHES:-moe_experts:CUDA_BF16=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1}"
+  # bf16 CUDA experts and GEMVs, 237 launches against 262, outside XLA's command buffers, then inside them), main
+  # again (BS_AGAIN=0: not): one process each (BS_TIMEOUT seconds each).
+  # BS_VARIANTS (default serving/auto,serving/off) runs XLA's path in each process too: its logits against the
+  # kernels' (the JSON's logits_rel_diff; ~0.007 between main's paths on an H200, 2026-12-01) and each process's
+  # greedy tokens; BS_VARIANTS=serving/auto times the kernels' path alone.
+  S48="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants ${BS_VARIANTS:-serving/auto,serving/off} --steps 20 --repeats 5"
+  IFS=';' read -ra patches <<< "${BS_PATCHES:-moe_experts:CUDA_BF16=1 gemv:CUDA=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:COMMAND_BUFFER=1}"
   again=main2; [ "${BS_AGAIN:-1}" = 0 ] && again=
   for run in main "${patches[@]}" $again; do
     echo "== 48B B = 1 step: $run ($(date -u +%T))"
     if [ "$run" = main ] || [ "$run" = main2 ]; then cmd="$PY -m jaxk3.cli bench decode"
     else cmd="$PY scripts/gpu/step_with_kernel.py $run --"; fi
     # shellcheck disable=SC2086
-    timeout -k 5 ${BS_TIMEOUT:-130} $cmd $S48 --json "$OUT/bf16step_${run//[^A-Za-z0-9]/_}.json" 2>&1 | grep -E "^ +1 \||rror" | tail -3
+    timeout -k 5 ${BS_TIMEOUT:-125} $cmd $S48 --json "$OUT/bf16step_${run//[^A-Za-z0-9]/_}.json" 2>&1 | grep -E "^ +1 \||rror" | tail -3
   done
   $PY - "$OUT" <<'EOF'
 import glob, json, sys

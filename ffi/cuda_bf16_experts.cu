@@ -258,14 +258,7 @@ ffi::Error CudaBf16GateUp(cudaStream_t stream, ffi::AnyBuffer sel0, ffi::AnyBuff
                  static_cast<int>(has_shared), static_cast<int>(route_k), renorm != 0 ? 1 : 0, beta, linear_beta,
                  scale};
   const size_t smem = static_cast<size_t>(In) * 2 + (route_k > 0 ? static_cast<size_t>(E) * 8 : 0);
-  unsigned grid = 0;
-  if (ffi::Error e = PersistentGrid(Bf16GateUpKernel, kThreads, smem, kMaxDownSmem, kWarps, P * I, ctas, name, grid);
-      e.failure())
-    return e;
-  Bf16GateUpKernel<<<grid, kThreads, smem, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return LaunchPersistent(Bf16GateUpKernel, kThreads, smem, kMaxDownSmem, kWarps, P * I, ctas, name, stream, p);
 }
 
 ffi::Error CudaBf16Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer coef, ffi::AnyBuffer a,
@@ -312,13 +305,7 @@ ffi::Error CudaBf16Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer 
                static_cast<int>(has_residual)};
   auto* kernel = mv == 1 ? Bf16DownKernel<1> : mv == 2 ? Bf16DownKernel<2> : mv == 4 ? Bf16DownKernel<4>
                                                                                     : Bf16DownKernel<8>;
-  unsigned grid = 0;
-  if (ffi::Error e = PersistentGrid(kernel, kThreads, smem, kMaxDownSmem, kWarps, Out, ctas, name, grid); e.failure())
-    return e;
-  kernel<<<grid, kThreads, smem, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return LaunchPersistent(kernel, kThreads, smem, kMaxDownSmem, kWarps, Out, ctas, name, stream, p);
 }
 
 auto GateUpBinding() {  // the operands and attributes, once for both symbols

@@ -134,15 +134,8 @@ __global__ void __launch_bounds__(kThreads, 2) Bf16GemvKernel(Params p) {
 }
 
 ffi::Error Launch(cudaStream_t stream, const Params& p, int64_t ctas, const char* name) {
-  const size_t smem = static_cast<size_t>(p.K) * 2;
-  unsigned grid = 0;
-  if (ffi::Error e = PersistentGrid(Bf16GemvKernel, kThreads, smem, 2 * kMaxK, kWarps, (p.N + 1) / 2, ctas, name, grid);
-      e.failure())
-    return e;
-  Bf16GemvKernel<<<grid, kThreads, smem, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return LaunchPersistent(Bf16GemvKernel, kThreads, static_cast<size_t>(p.K) * 2, 2 * kMaxK, kWarps, (p.N + 1) / 2,
+                          ctas, name, stream, p);
 }
 
 ffi::Error CudaBf16Gemv(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer g,

@@ -72,4 +72,18 @@ xla::ffi::Error PersistentGrid(K kernel, int threads, size_t smem, int smem_opti
   return xla::ffi::Error::Success();
 }
 
+// Launches `kernel(params)` on that grid on `stream` (PersistentGrid's arguments), the launch's error by `name`.
+template <typename K, typename P>
+xla::ffi::Error LaunchPersistent(K kernel, int threads, size_t smem, int smem_optin, long long per_cta, long long items,
+                                 long long cap, const char* name, cudaStream_t stream, const P& params) {
+  unsigned grid = 0;
+  if (xla::ffi::Error e = PersistentGrid(kernel, threads, smem, smem_optin, per_cta, items, cap, name, grid);
+      e.failure())
+    return e;
+  kernel<<<grid, threads, smem, stream>>>(params);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+    return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
+  return xla::ffi::Error::Success();
+}
+
 }  // namespace jaxk3

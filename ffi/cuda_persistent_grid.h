@@ -1,5 +1,5 @@
-// Persistent grids: how many CTAs of a kernel fit the GPU at once (the occupancy API x the SM count, read at each call),
-// for the MXFP4 kernels' streaming form (ffi/cuda_mxfp4_*.cu, which balance their items with mxfp4::StreamGrid) and the
+// Persistent grids: how many CTAs of a kernel fit the GPU at once (the occupancy API x the SM count, read once per
+// kernel and device), for the MXFP4 kernels' streaming form (ffi/cuda_mxfp4_*.cu, which balance their items with mxfp4::StreamGrid) and the
 // one-token bf16 kernels (ffi/cuda_bf16_*.cu: as many CTAs as fit, at most one per `per_cta` items, each warp striding
 // over the items).
 #pragma once
@@ -20,7 +20,9 @@ namespace jaxk3 {
 // The device is the current one: cudaStreamGetDevice is refused under stream capture on the device's driver 580, and
 // XLA captures these calls into its command buffers.  The MXFP4 kernels' streaming form sizes its grid from it too.
 // The answer is kept per (kernel, device, threads, smem, opt-in): the four runtime queries cost host time on every
-// call otherwise, and the one-token kernels run ~100 times a step (the answer cannot change within a process).
+// call otherwise, and the one-token kernels run ~100 times a step (the answer cannot change within a process).  A
+// kept answer skips setting the opt-in again, so each kernel must always be called with the same `smem_optin` (every
+// caller passes a per-instance constant).
 template <typename K>
 cudaError_t ResidentCtas(K kernel, int threads, size_t smem, int smem_optin, long long& fit) {
   struct Known {

@@ -32,7 +32,7 @@
 #   streaming form (`cuda_stages`, twenty-third session): its compiled tests, alone at K3's TP 2 share (B 1 and 8)
 #   against the register form (then the steps: `cudastep` with CS_PATCHES); `bf16cuda` the bf16 CUDA kernels at one token
 #   (the experts' `cuda_bf16`, `gemv.CUDA`; twenty-fourth session): compiled tests, the experts alone at the 48B's dims;
-#   `bf16step` the 48B B = 1 step, main / BS_PATCHES / main again.
+#   `bf16step` the 48B B = 1 step, main / BS_PATCHES / main again; `bf16gen` its `bench generate` (B = 1), main / BG_PATCHES.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -480,6 +480,23 @@ for f in sorted(glob.glob(sys.argv[1] + "/bf16step_*.json")):
               f"x{r['ratio_to_floor']:.3f}, logits vs the first variant {r['logits_rel_diff']:.2e}, tokens "
               f"{r['tokens']}, rerun equal {r['rerun_equal']}")
 EOF
+fi
+
+if has bf16gen; then
+  # What a user feels of the bf16 CUDA kernels: `bench generate` at the 48B's dims (BG_EXPERTS routed experts kept, 64 by
+  # default so that it fits an H100; the decode loop reads top-8 either way), B = 1, a 4096-token prompt and 256 new
+  # tokens, main and then each BG_PATCHES entry (default: BS_PATCHES's), one process each (BG_TIMEOUT seconds each).
+  # Inside the device's decode loop (a while loop) the step's buffers keep their addresses, which an FFI call in a
+  # command buffer needs to be replayed rather than traced again: the loop may rank the two forms otherwise than
+  # `bench decode`'s back-to-back steps.
+  IFS=';' read -ra patches <<< "${BG_PATCHES:-${BS_PATCHES:-moe_experts:CUDA_BF16=1 gemv:CUDA=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:COMMAND_BUFFER=1}}"
+  G48="generate --config kimi-linear-48b --tp 1 --batch 1 --experts ${BG_EXPERTS:-64} --prompt 4096 --new 256"
+  for run in main "${patches[@]}"; do
+    echo "== 48B B = 1 generate: $run ($(date -u +%T))"
+    # shellcheck disable=SC2086
+    timeout -k 5 ${BG_TIMEOUT:-150} $PY scripts/gpu/step_with_kernel.py ${run/#main/} -- $G48 \
+      --json "$OUT/bf16gen_${run//[^A-Za-z0-9]/_}.json" 2>&1 | grep -E "decode .* tok/s|rror" | tail -3
+  done
 fi
 
 if has cudancu; then

@@ -458,14 +458,15 @@ fi
 if has bf16step; then
   # The 48B B = 1 step: main, then each BS_PATCHES entry (';'-separated step_with_kernel.py patch lists; by default the
   # bf16 CUDA experts and GEMVs, 237 launches against 262, outside XLA's command buffers, then inside them), main
-  # again (BS_AGAIN=0: not): one process each (BS_TIMEOUT seconds each).
+  # again (BS_AGAIN=0: not; BS_MAIN=0: nor first): one process each (BS_TIMEOUT seconds each).
   # BS_VARIANTS (default serving/auto,serving/off) runs XLA's path in each process too: its logits against the
   # kernels' (the JSON's logits_rel_diff; ~0.007 between main's paths on an H200, 2026-12-01) and each process's
   # greedy tokens; BS_VARIANTS=serving/auto times the kernels' path alone.
   S48="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants ${BS_VARIANTS:-serving/auto,serving/off} --steps 20 --repeats 5"
   IFS=';' read -ra patches <<< "${BS_PATCHES:-moe_experts:CUDA_BF16=1 gemv:CUDA=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:COMMAND_BUFFER=1}"
   again=main2; [ "${BS_AGAIN:-1}" = 0 ] && again=
-  for run in main "${patches[@]}" $again; do
+  first=main; [ "${BS_MAIN:-1}" = 0 ] && first=
+  for run in $first "${patches[@]}" $again; do
     echo "== 48B B = 1 step: $run ($(date -u +%T))"
     if [ "$run" = main ] || [ "$run" = main2 ]; then cmd="$PY -m jaxk3.cli bench decode"
     else cmd="$PY scripts/gpu/step_with_kernel.py $run --"; fi
@@ -485,13 +486,14 @@ fi
 if has bf16gen; then
   # What a user feels of the bf16 CUDA kernels: `bench generate` at the 48B's dims (BG_EXPERTS routed experts kept, 64 by
   # default so that it fits an H100; the decode loop reads top-8 either way), B = 1, a 4096-token prompt and 256 new
-  # tokens, main and then each BG_PATCHES entry (default: BS_PATCHES's), one process each (BG_TIMEOUT seconds each).
+  # tokens, main (BG_MAIN=0: not) and then each BG_PATCHES entry (default: BS_PATCHES's), one process each (BG_TIMEOUT seconds each).
   # Inside the device's decode loop (a while loop) the step's buffers keep their addresses, which an FFI call in a
   # command buffer needs to be replayed rather than traced again: the loop may rank the two forms otherwise than
   # `bench decode`'s back-to-back steps.
   IFS=';' read -ra patches <<< "${BG_PATCHES:-${BS_PATCHES:-moe_experts:CUDA_BF16=1 gemv:CUDA=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:COMMAND_BUFFER=1}}"
   G48="generate --config kimi-linear-48b --tp 1 --batch 1 --experts ${BG_EXPERTS:-64} --prompt 4096 --new 256"
-  for run in main "${patches[@]}"; do
+  first=main; [ "${BG_MAIN:-1}" = 0 ] && first=
+  for run in $first "${patches[@]}"; do
     echo "== 48B B = 1 generate: $run ($(date -u +%T))"
     # shellcheck disable=SC2086
     timeout -k 5 ${BG_TIMEOUT:-150} $PY scripts/gpu/step_with_kernel.py ${run/#main/} -- $G48 \

@@ -442,14 +442,16 @@ fi
 
 if has bf16cuda; then
   # The bf16 CUDA kernels at one token (twenty-fourth session, off): moe_experts' two (`cuda_bf16`) and the decode GEMV
-  # (`gemv.CUDA`, with its gated-norm form for KDA's o_proj): their compiled tests at the 48B's dims (BC_K selects),
+  # (`gemv.CUDA`, with its gated-norm form for KDA's o_proj): their compiled tests at the 48B's dims (BC_K selects; the
+  # MoE block's three paths against float64 among them, its errors printed),
   # then the experts alone against the Pallas kernels and XLA (the 48B's serving layout with the shared experts;
   # BC_CONFIGS=- skips it).
   echo "== the bf16 CUDA kernels: compiled tests, then the experts alone ($(date -u +%T))"
   timeout -k 10 "${BC_TEST_TIMEOUT:-180}" $PY -m pytest tests/test_gemv.py tests/test_kernels.py -m gpu \
-    -k "${BC_K:-cuda_bf16 or bf16_cuda or gemv_cuda or gnorm_cuda}" -q -rfEs -p no:cacheprovider > "$OUT/bf16cuda_tests.log" 2>&1
+    -k "${BC_K:-moe_block_paths or cuda_bf16 or bf16_cuda or gemv_cuda or gnorm_cuda}" -q -s -rfEs -p no:cacheprovider \
+    > "$OUT/bf16cuda_tests.log" 2>&1
   rc=$?; [ $rc -eq 0 ] || status=1
-  echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch" "$OUT/bf16cuda_tests.log" | cut -c1-300 | tail -12
+  echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch|moe block," "$OUT/bf16cuda_tests.log" | cut -c1-300 | tail -12
   [ "${BC_CONFIGS:-}" = - ] || timeout -k 10 "${BC_SWEEP_TIMEOUT:-120}" $PY scripts/gpu/moe_experts_sweep.py --preset kl --batch 1 --formats bf16 \
     --configs "${BC_CONFIGS:-cuda_bf16=1}" --json "$OUT/bf16cuda_sweep.json" 2>&1 | cut -c1-200
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

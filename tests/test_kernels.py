@@ -2817,6 +2817,99 @@ def test_moe_residual_is_the_stream_add():
                                   np.asarray((hx + f).astype(jnp.bfloat16)).view(np.uint16))
 
 
+class _LazyExperts(dict):
+    """The MoE block's HF-named weights for tests/refs/np_ref.moe, each expert's matrix sliced from the bf16 stacks
+    when the reference reads it (it reads only the selected experts'): no float64 copy of all 64."""
+
+    def __init__(self, m: str, stacks: dict, I: int):
+        super().__init__()
+        self.m, self.stacks, self.I = m, stacks, I
+
+    def __missing__(self, key: str):
+        e, name = key[len(self.m) + len("experts."):].split(".", 1)
+        w13, w2 = self.stacks["w13"], self.stacks["w2"]
+        got = {"w1.weight": w13[int(e), : self.I], "w3.weight": w13[int(e), self.I:], "w2.weight": w2[int(e)]}[name]
+        return np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+
+
+@pytest.mark.gpu
+def test_moe_block_paths_against_float64_on_gpu(monkeypatch):
+    """Kimi-Linear-48B's MoE block at one token (64 experts, the serving layout with the shared experts fused) through
+    `layers.moe.moe` as the decode step calls it (a `Normed` input, under shard_map on one device), in XLA (kernels
+    off), through the Pallas kernels (auto) and through the bf16 CUDA kernels (auto with `CUDA_BF16`), each against
+    tests/refs/np_ref.moe in float64 on the same bf16 weights and the normed row XLA rounds to bf16: every path within
+    4e-3 of max|ref| (the other experts tests' bound: the bf16 activations, rounded from float32 sums), and the CUDA
+    kernels no farther from the float64 block than twice the Pallas kernels' error plus 1e-5 (both round the same
+    activations from sums in their own orders).  Handed the residual stream, each path's output is bf16(h + its
+    output) bit for bit (the CUDA kernel 2's epilogue).  The twenty-sixth session's step on an H100 put the CUDA path's
+    first logits 0.16-0.18 from XLA's where the Pallas path's were 0.02: this is the block in that step's context."""
+    ME, BC = _bf16_cuda_or_skip()
+    from jaxk3 import collectives
+    from jaxk3.layers import moe
+    from jaxk3.layers.common import TP, Normed
+    from refs import np_ref
+    from jax.sharding import Mesh, PartitionSpec as P
+    from jaxk3.tools.bench_decode import load_config
+
+    E = 64
+    cfg = dataclasses.replace(load_config("kimi-linear-48b"), num_experts=E)
+    D, I, Is = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+    keys = iter(jax.random.split(jax.random.key(11), 8))
+
+    def a(*shape, s=0.02):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * s).astype(jnp.bfloat16)
+    r = np.random.default_rng(11)
+    shared = moe.MLPWeights(gate_proj=None, up_proj=None, down_proj=a(D, Is), gate_up_proj=a(2 * Is, D))
+    w = moe.MoEWeights(gate=a(E, D, s=D ** -0.5), e_score_correction_bias=jnp.asarray(0.1 * r.standard_normal(E),
+                                                                                      jnp.float32),
+                       experts_w1=None, experts_w3=None, experts_w2=a(E, D, I), experts_w13=a(E, 2 * I, D),
+                       shared_experts=shared)
+    h = jnp.asarray(r.standard_normal((1, D)), jnp.bfloat16)
+    g = jnp.asarray(r.uniform(0.5, 1.5, D), jnp.bfloat16)
+    eps = cfg.rms_norm_eps
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+
+    def block(kernels_mode: str, residual: bool):
+        def f(w, h, g):
+            out = moe.moe(cfg, w, Normed(h, g, eps), TP("tp", kernels=kernels_mode), residual=h if residual else None)
+            return out
+        sm = collectives.shard_map(f, mesh=mesh, in_specs=(jax.tree.map(lambda _: P(), w), P(), P()), out_specs=P(),
+                                   check_vma=False)
+        return jax.jit(sm)
+
+    paths = {"xla": ("off", False), "pallas": ("auto", False), "cuda": ("auto", True)}
+    got, added, texts = {}, {}, {}
+    for name, (mode, cuda) in paths.items():
+        monkeypatch.setattr(ME, "CUDA_BF16", cuda)
+        f, fr = block(mode, False), block(mode, True)
+        texts[name] = fr.lower(w, h, g).as_text()
+        got[name] = np.asarray(f(w, h, g), np.float32)
+        added[name] = np.asarray(fr(w, h, g))
+        want = np.asarray((h + jnp.asarray(got[name])).astype(jnp.bfloat16))
+        np.testing.assert_array_equal(added[name].view(np.uint16), want.view(np.uint16), err_msg=name)
+    assert BC.target(BC.GATE_UP) in texts["cuda"] and BC.target(BC.DOWN) in texts["cuda"]
+    assert "jaxk3_bf16" not in texts["pallas"] and "triton" in texts["pallas"]
+    assert "jaxk3_bf16" not in texts["xla"] and "triton" not in texts["xla"]
+
+    # the float64 block on the normed row as XLA rounds it (what every path's experts read)
+    from jaxk3.kernels.rms_norm import rms_norm_as
+    xn = np.asarray(jnp.asarray(jax.jit(lambda h, g: rms_norm_as(h, g, eps))(h, g), jnp.float32), np.float64)[0]
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    m = "model.layers.1.block_sparse_moe."
+    W = _LazyExperts(m, {"w13": w.experts_w13, "w2": w.experts_w2}, I)
+    W.update({m + "gate.weight": f64(w.gate), m + "gate.e_score_correction_bias": f64(w.e_score_correction_bias),
+              m + "shared_experts.gate_proj.weight": f64(shared.gate_up_proj[:Is]),
+              m + "shared_experts.up_proj.weight": f64(shared.gate_up_proj[Is:]),
+              m + "shared_experts.down_proj.weight": f64(shared.down_proj)})
+    ref = np_ref.moe(np_ref.Config(cfg.to_hf_dict()), W, m, xn)
+    scale = np.abs(ref).max()
+    err = {k: float(np.abs(v[0] - ref).max() / scale) for k, v in got.items()}
+    print("moe block, max|path - float64| / max|float64|:", {k: f"{v:.2e}" for k, v in err.items()})
+    for k, v in err.items():
+        assert v <= 4e-3, (k, err)
+    assert err["cuda"] <= 2 * err["pallas"] + 1e-5, err
+
+
 def test_bf16_cuda_routing_is_select_experts():
     """The bf16 CUDA kernel 1's routing (ffi/cuda_bf16_route.h, compiled for the CPU by nvcc: tests/native/bf16_route.cu,
     the kernel's sequence with its atomicMin as a min) against `router.select_experts`: the same experts in the same

@@ -16,7 +16,8 @@ slots), issues all of a row pair's 16-byte loads (up to 10 a lane a row) before 
 persistent, each warp striding over the outputs.  Sums are float32 in the lanes' order (8-wide vectors, then a
 butterfly of shuffles): the reference's values to float32 rounding (`moe_experts.experts_partial`), not its bits.
 
-Off by default (`moe_experts.CUDA_BF16`) until it has run on a GPU.  jnp has no such kernels: the CPU path and the
+Off by default (`moe_experts.CUDA_BF16`, `gemv.CUDA`): in the 48B B = 1 step slower than the Pallas kernels in every
+form timed (docs/PERF.md, twenty-sixth session).  jnp has no such kernels: the CPU path and the
 oracle are `moe_experts.experts_partial` (and `routed_reference`).
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ GEMV_GNORM = "jaxk3_bf16_gemv_gnorm"  # (the same file) with KDA's gated per-hea
 # Which of each kernel's two handlers the calls name: False, the one XLA launches between its command buffers; True,
 # the `_cb` one inside them (kCmdBufferCompatible), captured into a child graph and updated whenever a buffer it
 # touches has moved, which made the 48B B = 1 step host-paced on an H100 with ~100 such calls a step (docs/PERF.md,
-# twenty-fifth session).  Neither form has been timed against the other yet: both stay for that A/B.
+# twenty-fifth session).  Outside them the step was slower still (303 us against 155, twenty-sixth session).
 COMMAND_BUFFER = False
 MAX_SLOTS = 64  # routed slots + the shared experts' (the handlers' kMaxSlots)
 MAX_EXPERTS = 1024  # ranked in shared memory (kMaxExperts)

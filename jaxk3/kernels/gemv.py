@@ -43,7 +43,8 @@ MAX_B = 8
 # One token in CUDA (jaxk3.kernels.bf16_cuda.gemv: a warp a row pair with all of its loads in flight, persistent CTAs,
 # the norm prologue made while the first loads fly) wherever the Pallas kernel would run at B = 1 on [N, K] weights,
 # and `gemv_gnorm`'s (KDA's o_proj with the gated head norm: bf16_cuda.gemv_gnorm) where its Pallas kernel would.
-# Off until it has run on a GPU: built without one (twenty-fourth session), to be timed in the Kimi-Linear-48B step
+# Off: compiled and correct at the 48B's dims on an H100, but the Kimi-Linear-48B B = 1 step with it and the bf16 CUDA
+# experts was slower in every form timed (twenty-fifth and twenty-sixth sessions, docs/PERF.md)
 CUDA = False
 
 

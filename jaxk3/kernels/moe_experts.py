@@ -98,8 +98,10 @@ CUDA_WIDE = True
 CUDA_STAGES = 0
 # Config.cuda_bf16 None: bf16 experts at one token as two CUDA kernels (jaxk3.kernels.bf16_cuda: a warp an output, all of
 # its row's loads in flight, persistent CTAs; the router's ranking inside kernel 1 in the routed form, kernel 2's sum
-# whole).  Off until it has run on a GPU: built without one (twenty-fourth session), to be timed against the Pallas
-# kernels in the Kimi-Linear-48B B = 1 step (docs/PERF.md)
+# whole).  Off: alone 1.07x the Pallas kernels (an H100), but in the Kimi-Linear-48B B = 1 step slower in every form
+# timed (twenty-fifth and twenty-sixth sessions, docs/PERF.md), and there they moved the first logits 0.16 from XLA's
+# where the Pallas kernels' are 0.02: tests/test_kernels.py::test_moe_block_paths_against_float64_on_gpu is to settle
+# that on a GPU
 CUDA_BF16 = False
 
 

@@ -463,8 +463,9 @@ if has bf16step; then
   # again (BS_AGAIN=0: not; BS_MAIN=0: nor first): one process each (BS_TIMEOUT seconds each).
   # BS_VARIANTS (default serving/auto,serving/off) runs XLA's path in each process too: its logits against the
   # kernels' (the JSON's logits_rel_diff; ~0.007 between main's paths on an H200, 2026-12-01) and each process's
-  # greedy tokens; BS_VARIANTS=serving/auto times the kernels' path alone.
-  S48="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants ${BS_VARIANTS:-serving/auto,serving/off} --steps 20 --repeats 5"
+  # greedy tokens; BS_VARIANTS=serving/auto times the kernels' path alone.  BS_LAYERS (default all; e.g. 0-3) the layers:
+  # with fewer, less of a path's roundings is amplified on the way to the logits.
+  S48="--config kimi-linear-48b --layers ${BS_LAYERS:-all} --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants ${BS_VARIANTS:-serving/auto,serving/off} --steps 20 --repeats 5"
   IFS=';' read -ra patches <<< "${BS_PATCHES:-moe_experts:CUDA_BF16=1 gemv:CUDA=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:COMMAND_BUFFER=1}"
   again=main2; [ "${BS_AGAIN:-1}" = 0 ] && again=
   first=main; [ "${BS_MAIN:-1}" = 0 ] && first=

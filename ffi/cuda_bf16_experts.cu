@@ -99,6 +99,7 @@ __global__ void __launch_bounds__(kThreads) Bf16GateUpKernel(GateUpParams p) {
   __shared__ int ids[kMaxSlots];
   __shared__ float coef[kMaxSlots];
   const int n8 = p.In / 8;
+  WaitForPredecessors();  // the token and the router's logits (or the slots) are the kernels' before this one
   for (int i = threadIdx.x; i < n8; i += kThreads) xs[i] = p.x[i];
   Slots(p, ids, coef, reinterpret_cast<float*>(xs + n8));  // (its barriers cover the token's copy)
   if (blockIdx.x == 0) {
@@ -154,6 +155,7 @@ __global__ void __launch_bounds__(kThreads, 3) Bf16DownKernel(DownParams p) {
   __shared__ int ids[kMaxSlots];
   __shared__ float coef[kMaxSlots];
   const int n8 = p.I / 8, P = p.U + p.has_shared;
+  WaitForPredecessors();  // kernel 1's activations, experts and weights, and the residual stream
   for (int i = threadIdx.x; i < P * n8; i += kThreads) as[i] = p.a[i];
   for (int u = threadIdx.x; u < P; u += kThreads) {
     const bool routed = u < p.U;
@@ -209,7 +211,7 @@ ffi::Error CudaBf16GateUp(cudaStream_t stream, ffi::AnyBuffer sel0, ffi::AnyBuff
                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> ids_out,
                           ffi::Result<ffi::AnyBuffer> coef_out, int64_t up_off, int64_t act, float beta,
                           float linear_beta, int64_t has_shared, int64_t route_k, int64_t renorm, float scale,
-                          int64_t ctas) {
+                          int64_t ctas, int64_t pdl) {
   const char* name = "jaxk3_bf16_gate_up";
   if (!Bf16(x, 1) || !Bf16(gate, 3) || !Bf16(up, 3) || !Bf16(*out, 3))
     return InvalidArgument(std::string(name) + ": x [In], the experts [E, rows, In] and the output [P, 1, I] must be "
@@ -246,6 +248,7 @@ ffi::Error CudaBf16GateUp(cudaStream_t stream, ffi::AnyBuffer sel0, ffi::AnyBuff
                            std::to_string(2 * I) + ", " + std::to_string(In) + "], got " + DimsText(shared.dimensions()));
   if (act != 0 && act != 1) return InvalidArgument(std::string(name) + ": act must be 0 (silu) or 1 (situ)");
   if (ctas < 0) return InvalidArgument(std::string(name) + ": ctas must be 0 (as many as fit) or a cap");
+  if (pdl != 0 && pdl != 1) return InvalidArgument(std::string(name) + ": pdl must be 0 or 1");
   if (!Aligned16(x.untyped_data()) || !Aligned16(gate.untyped_data()) || !Aligned16(up.untyped_data()) ||
       !Aligned16(shared.untyped_data()))
     return InvalidArgument(std::string(name) + ": the token and the experts must be 16-byte aligned");
@@ -258,12 +261,14 @@ ffi::Error CudaBf16GateUp(cudaStream_t stream, ffi::AnyBuffer sel0, ffi::AnyBuff
                  static_cast<int>(has_shared), static_cast<int>(route_k), renorm != 0 ? 1 : 0, beta, linear_beta,
                  scale};
   const size_t smem = static_cast<size_t>(In) * 2 + (route_k > 0 ? static_cast<size_t>(E) * 8 : 0);
-  return LaunchPersistent(Bf16GateUpKernel, kThreads, smem, kMaxDownSmem, kWarps, P * I, ctas, name, stream, p);
+  return LaunchPersistent(Bf16GateUpKernel, kThreads, smem, kMaxDownSmem, kWarps, P * I, ctas, pdl != 0, name, stream,
+                          p);
 }
 
 ffi::Error CudaBf16Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer coef, ffi::AnyBuffer a,
                         ffi::AnyBuffer w2, ffi::AnyBuffer shared, ffi::AnyBuffer residual,
-                        ffi::Result<ffi::AnyBuffer> out, int64_t has_shared, int64_t has_residual, int64_t ctas) {
+                        ffi::Result<ffi::AnyBuffer> out, int64_t has_shared, int64_t has_residual, int64_t ctas,
+                        int64_t pdl) {
   const char* name = "jaxk3_bf16_down";
   const ffi::DataType out_type = has_residual ? ffi::DataType::BF16 : ffi::DataType::F32;
   if (!Bf16(a, 3) || !Bf16(w2, 3) || out->element_type() != out_type || out->dimensions().size() != 2 ||
@@ -295,6 +300,7 @@ ffi::Error CudaBf16Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer 
     return InvalidArgument(std::string(name) + ": the residual must be bfloat16 [1, " + std::to_string(Out) + "], got " +
                            DimsText(residual.dimensions()));
   if (ctas < 0) return InvalidArgument(std::string(name) + ": ctas must be 0 (as many as fit) or a cap");
+  if (pdl != 0 && pdl != 1) return InvalidArgument(std::string(name) + ": pdl must be 0 or 1");
   if (!Aligned16(a.untyped_data()) || !Aligned16(w2.untyped_data()) || !Aligned16(shared.untyped_data()))
     return InvalidArgument(std::string(name) + ": the activations and the experts must be 16-byte aligned");
   DownParams p{static_cast<const int*>(ids.untyped_data()), static_cast<const float*>(coef.untyped_data()),
@@ -305,7 +311,7 @@ ffi::Error CudaBf16Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer 
                static_cast<int>(has_residual)};
   auto* kernel = mv == 1 ? Bf16DownKernel<1> : mv == 2 ? Bf16DownKernel<2> : mv == 4 ? Bf16DownKernel<4>
                                                                                     : Bf16DownKernel<8>;
-  return LaunchPersistent(kernel, kThreads, smem, kMaxDownSmem, kWarps, Out, ctas, name, stream, p);
+  return LaunchPersistent(kernel, kThreads, smem, kMaxDownSmem, kWarps, Out, ctas, pdl != 0, name, stream, p);
 }
 
 auto GateUpBinding() {  // the operands and attributes, once for both symbols
@@ -328,7 +334,8 @@ auto GateUpBinding() {  // the operands and attributes, once for both symbols
       .Attr<int64_t>("route_k")
       .Attr<int64_t>("renorm")
       .Attr<float>("scale")
-      .Attr<int64_t>("ctas");
+      .Attr<int64_t>("ctas")
+      .Attr<int64_t>("pdl");
 }
 
 auto DownBinding() {  // the operands and attributes, once for both symbols
@@ -343,7 +350,8 @@ auto DownBinding() {  // the operands and attributes, once for both symbols
       .Ret<ffi::AnyBuffer>()
       .Attr<int64_t>("shared")
       .Attr<int64_t>("residual")
-      .Attr<int64_t>("ctas");
+      .Attr<int64_t>("ctas")
+      .Attr<int64_t>("pdl");
 }
 
 }  // namespace

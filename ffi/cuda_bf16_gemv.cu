@@ -81,6 +81,7 @@ __global__ void __launch_bounds__(kThreads, 2) Bf16GemvKernel(Params p) {
     rows(it, r0, r1, n0, n1);
     bf16::Load2(first, r0, r1, 0, M, lane);
   }
+  WaitForPredecessors();  // the token (or KDA's core output and gate) comes from the kernels before; the weights do not
   if (p.norm == kGatedHeads) {  // a warp a head: its squares' sum in the lanes, then (g x) r sigmoid(z) in bf16
     __nv_bfloat16* xb = reinterpret_cast<__nv_bfloat16*>(xs);
     for (int h = warp; h < p.K / p.d; h += kWarps) {
@@ -133,13 +134,15 @@ __global__ void __launch_bounds__(kThreads, 2) Bf16GemvKernel(Params p) {
   }
 }
 
-ffi::Error Launch(cudaStream_t stream, const Params& p, int64_t ctas, const char* name) {
+ffi::Error Launch(cudaStream_t stream, const Params& p, int64_t ctas, int64_t pdl, const char* name) {
+  if (ctas < 0) return InvalidArgument(std::string(name) + ": ctas must be 0 (as many as fit) or a cap");
+  if (pdl != 0 && pdl != 1) return InvalidArgument(std::string(name) + ": pdl must be 0 or 1");
   return LaunchPersistent(Bf16GemvKernel, kThreads, static_cast<size_t>(p.K) * 2, 2 * kMaxK, kWarps, (p.N + 1) / 2,
-                          ctas, name, stream, p);
+                          ctas, pdl != 0, name, stream, p);
 }
 
 ffi::Error CudaBf16Gemv(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer g,
-                        ffi::Result<ffi::AnyBuffer> out, int64_t norm, float eps, int64_t ctas) {
+                        ffi::Result<ffi::AnyBuffer> out, int64_t norm, float eps, int64_t ctas, int64_t pdl) {
   const char* name = "jaxk3_bf16_gemv";
   const auto wd = w.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 || wd.size() != 2 ||
@@ -155,18 +158,17 @@ ffi::Error CudaBf16Gemv(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
   if (norm && (g.element_type() != ffi::DataType::BF16 || g.element_count() != K))
     return InvalidArgument(std::string(name) + ": the norm weight must be bf16 [" + std::to_string(K) + "], got " +
                            DimsText(g.dimensions()));
-  if (ctas < 0) return InvalidArgument(std::string(name) + ": ctas must be 0 (as many as fit) or a cap");
   for (const void* a : {x.untyped_data(), w.untyped_data(), g.untyped_data()})
     if (reinterpret_cast<uintptr_t>(a) % 16)
       return InvalidArgument(std::string(name) + ": the token, the weights and the norm weight must be 16-byte aligned");
   Params p{static_cast<const uint4*>(x.untyped_data()), static_cast<const uint4*>(g.untyped_data()), nullptr, nullptr,
            nullptr, static_cast<const uint4*>(w.untyped_data()), static_cast<float*>(out->untyped_data()),
            static_cast<int>(N), static_cast<int>(K), static_cast<int>(norm), 0, eps};
-  return Launch(stream, p, ctas, name);
+  return Launch(stream, p, ctas, pdl, name);
 }
 
 ffi::Error CudaBf16GemvGnorm(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer z, ffi::AnyBuffer g,
-                             ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, float eps, int64_t ctas) {
+                             ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, float eps, int64_t ctas, int64_t pdl) {
   const char* name = "jaxk3_bf16_gemv_gnorm";
   const auto wd = w.dimensions();
   if (x.element_type() != ffi::DataType::F32 || z.element_type() != ffi::DataType::F32 ||
@@ -184,14 +186,13 @@ ffi::Error CudaBf16GemvGnorm(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
   if (d < 32 || d % 32 || K % d)
     return InvalidArgument(std::string(name) + ": the head size d (the norm weight's length) must be a multiple of 32 "
                            "dividing K = " + std::to_string(K) + ", got " + DimsText(g.dimensions()));
-  if (ctas < 0) return InvalidArgument(std::string(name) + ": ctas must be 0 (as many as fit) or a cap");
   if (reinterpret_cast<uintptr_t>(w.untyped_data()) % 16)
     return InvalidArgument(std::string(name) + ": the weights must be 16-byte aligned");
   Params p{nullptr, nullptr, static_cast<const float*>(x.untyped_data()), static_cast<const float*>(z.untyped_data()),
            static_cast<const float*>(g.untyped_data()), static_cast<const uint4*>(w.untyped_data()),
            static_cast<float*>(out->untyped_data()), static_cast<int>(N), static_cast<int>(K), kGatedHeads,
            static_cast<int>(d), eps};
-  return Launch(stream, p, ctas, name);
+  return Launch(stream, p, ctas, pdl, name);
 }
 
 auto GemvBinding() {  // the operands and attributes, once for both symbols
@@ -203,7 +204,8 @@ auto GemvBinding() {  // the operands and attributes, once for both symbols
       .Ret<ffi::AnyBuffer>()
       .Attr<int64_t>("norm")
       .Attr<float>("eps")
-      .Attr<int64_t>("ctas");
+      .Attr<int64_t>("ctas")
+      .Attr<int64_t>("pdl");
 }
 
 auto GnormBinding() {  // the operands and attributes, once for both symbols
@@ -215,7 +217,8 @@ auto GnormBinding() {  // the operands and attributes, once for both symbols
       .Arg<ffi::AnyBuffer>()
       .Ret<ffi::AnyBuffer>()
       .Attr<float>("eps")
-      .Attr<int64_t>("ctas");
+      .Attr<int64_t>("ctas")
+      .Attr<int64_t>("pdl");
 }
 
 }  // namespace

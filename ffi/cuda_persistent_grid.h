@@ -74,15 +74,42 @@ xla::ffi::Error PersistentGrid(K kernel, int threads, size_t smem, int smem_opti
   return xla::ffi::Error::Success();
 }
 
-// Launches `kernel(params)` on that grid on `stream` (PersistentGrid's arguments), the launch's error by `name`.
+// Programmatic dependent launch (sm_90): XLA launches every kernel of a step with it, each kernel's first memory
+// access behind `griddepcontrol.wait` (docs/PERF.md, ninth session), so that the launch of a kernel overlaps the end
+// of the one before.  A kernel launched without it waits in the stream for the one before to finish before it is
+// launched at all.  A kernel meant for either launch calls this before its first read of anything the kernels
+// before it write (its inputs but the weights); launched without the attribute it returns at once.
+__device__ __forceinline__ void WaitForPredecessors() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Launches `kernel(params)` on that grid on `stream` (PersistentGrid's arguments), the launch's error by `name`; with
+// `pdl` as a programmatic dependent launch (the kernel must call WaitForPredecessors first, as above).
 template <typename K, typename P>
 xla::ffi::Error LaunchPersistent(K kernel, int threads, size_t smem, int smem_optin, long long per_cta, long long items,
-                                 long long cap, const char* name, cudaStream_t stream, const P& params) {
+                                 long long cap, bool pdl, const char* name, cudaStream_t stream, const P& params) {
   unsigned grid = 0;
   if (xla::ffi::Error e = PersistentGrid(kernel, threads, smem, smem_optin, per_cta, items, cap, name, grid);
       e.failure())
     return e;
-  kernel<<<grid, threads, smem, stream>>>(params);
+  if (pdl) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(static_cast<unsigned>(threads));
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    if (cudaError_t e = cudaLaunchKernelEx(&config, kernel, params); e != cudaSuccess)
+      return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
+  } else {
+    kernel<<<grid, threads, smem, stream>>>(params);
+  }
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
     return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
   return xla::ffi::Error::Success();

@@ -23,8 +23,8 @@
 // convention's version (operands and attributes, `cuda_kernels_abi` in the module): raise it with any change to
 // one, and jaxk3/kernels/mxfp4_cuda.py's ABI with it, so that an extension built before the change is refused by
 // name instead of failing its first call.  2: the `l2` attribute, the raw (bf16) and wide ([tokens, ...]) inputs;
-// 3: gate-up's `stages` and `ctas`; 4: down's.
-#define JAXK3_CUDA_KERNELS_ABI 4
+// 3: gate-up's `stages` and `ctas`; 4: down's; 5: the bf16 kernels' `pdl`.
+#define JAXK3_CUDA_KERNELS_ABI 5
 #define JAXK3_CUDA_KERNELS(X) \
   X("jaxk3_mxfp4_gate_up", jaxk3_cuda_mxfp4_gate_up) /* moe_experts' kernel 1, 1 to 8 tokens */ \
   X("jaxk3_mxfp4_down", jaxk3_cuda_mxfp4_down)       /* moe_experts' kernel 2, 1 to 8 tokens */ \

@@ -459,14 +459,15 @@ fi
 
 if has bf16step; then
   # The 48B B = 1 step: main, then each BS_PATCHES entry (';'-separated step_with_kernel.py patch lists; by default the
-  # bf16 CUDA experts and GEMVs, 237 launches against 262, outside XLA's command buffers, then inside them), main
+  # bf16 CUDA experts and GEMVs, 237 launches against 262, launched as programmatic dependent launches, outside XLA's
+  # command buffers, then inside them; both forms' plain launches lost, twenty-sixth session), main
   # again (BS_AGAIN=0: not; BS_MAIN=0: nor first): one process each (BS_TIMEOUT seconds each).
   # BS_VARIANTS (default serving/auto,serving/off) runs XLA's path in each process too: its logits against the
   # kernels' (the JSON's logits_rel_diff; ~0.007 between main's paths on an H200, 2026-12-01) and each process's
   # greedy tokens; BS_VARIANTS=serving/auto times the kernels' path alone.  BS_LAYERS (default all; e.g. 0-3) the layers:
   # with fewer, less of a path's roundings is amplified on the way to the logits.
   S48="--config kimi-linear-48b --layers ${BS_LAYERS:-all} --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants ${BS_VARIANTS:-serving/auto,serving/off} --steps 20 --repeats 5"
-  IFS=';' read -ra patches <<< "${BS_PATCHES:-moe_experts:CUDA_BF16=1 gemv:CUDA=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:COMMAND_BUFFER=1}"
+  IFS=';' read -ra patches <<< "${BS_PATCHES:-moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:PDL=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:PDL=1 bf16_cuda:COMMAND_BUFFER=1}"
   again=main2; [ "${BS_AGAIN:-1}" = 0 ] && again=
   first=main; [ "${BS_MAIN:-1}" = 0 ] && first=
   for run in $first "${patches[@]}" $again; do
@@ -493,7 +494,7 @@ if has bf16gen; then
   # Inside the device's decode loop (a while loop) the step's buffers keep their addresses, which an FFI call in a
   # command buffer needs to be replayed rather than traced again: the loop may rank the two forms otherwise than
   # `bench decode`'s back-to-back steps.
-  IFS=';' read -ra patches <<< "${BG_PATCHES:-${BS_PATCHES:-moe_experts:CUDA_BF16=1 gemv:CUDA=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:COMMAND_BUFFER=1}}"
+  IFS=';' read -ra patches <<< "${BG_PATCHES:-${BS_PATCHES:-moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:PDL=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:PDL=1 bf16_cuda:COMMAND_BUFFER=1}}"
   G48="generate --config kimi-linear-48b --tp 1 --batch 1 --experts ${BG_EXPERTS:-64} --prompt 4096 --new 256"
   first=main; [ "${BG_MAIN:-1}" = 0 ] && first=
   for run in $first "${patches[@]}"; do

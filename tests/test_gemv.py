@@ -411,6 +411,129 @@ def test_gemv_cuda_on_gpu(N, K, norm, monkeypatch):
         np.testing.assert_array_equal(capped.view(np.uint32), got.view(np.uint32), err_msg=f"ctas {ctas}")
 
 
+def _bf16_calls(BC, E=8, I=256, In=512, N=96) -> list[str]:
+    """The custom-call lines of the four one-token bf16 CUDA wrappers' lowerings (the availability not needed: lowering
+    names the target and its attributes only)."""
+    r = np.random.default_rng(0)
+    x, w = _xw(1, N, In)
+    xg, zg, gg, wg = _gnorm_case(N, 8, 64)
+    stack = jnp.asarray(r.standard_normal((E, 2 * I, In)) * 0.05, jnp.bfloat16)
+    w2 = jnp.asarray(r.standard_normal((E, In, I)) * 0.05, jnp.bfloat16)
+    ids, coef = jnp.asarray([1, 3], jnp.int32), jnp.asarray([0.5, 0.25], jnp.float32)
+    a = jnp.asarray(r.standard_normal((2, 1, I)), jnp.bfloat16)
+    return (_custom_calls(lambda x, w: BC.gemv(x, w), x, w)
+            + _custom_calls(lambda *q: BC.gemv_gnorm(*q[:3], 1e-5, q[3]), xg, zg, gg, wg)
+            + _custom_calls(lambda i, c, x, s: BC.gate_up(i, c, x[0], s, s, I, I, None, "silu", 4.0, 25.0), ids, coef,
+                            x[:, :In], stack)
+            + _custom_calls(lambda i, c, a, w2: BC.down(i, c, a, w2, None), ids, coef, a, w2))
+
+
+def test_bf16_cuda_pdl_attribute(monkeypatch):
+    """`bf16_cuda.PDL` reaches each of the four one-token bf16 CUDA calls as its `pdl` attribute (0 by default, 1 when
+    set), which the handlers read to launch their kernels as programmatic dependent launches."""
+    import re
+    from jaxk3.kernels import bf16_cuda as BC
+
+    assert BC.PDL is False
+    for want in (0, 1):
+        monkeypatch.setattr(BC, "PDL", bool(want))
+        lines = _bf16_calls(BC)
+        assert [re.search(r"custom_call @(\w+)", ln).group(1) for ln in lines] == [BC.GEMV, BC.GEMV_GNORM, BC.GATE_UP,
+                                                                                   BC.DOWN]
+        for ln in lines:
+            assert re.search(rf"pdl = {want} : i64", ln), ln
+
+
+def test_bf16_cuda_kernels_wait_for_their_predecessors():
+    """Each one-token bf16 CUDA kernel, compiled to PTX for sm_90 (nvcc), waits for the kernels before it
+    (`griddepcontrol.wait`, ffi/cuda_persistent_grid.h's WaitForPredecessors) before its first load of anything they
+    write, as XLA's kernels do under programmatic dependent launch: the experts' kernels before any global load (their
+    weights' addresses come from the router's choices), the GEMV after the 10 non-coherent weight loads of its first
+    row pair (5 vectors a lane and row, `kFirst`), which no kernel writes.  Without the wait a programmatic launch
+    could read a token not yet written; with it a plain launch is unchanged (the wait returns at once)."""
+    import pathlib
+    import shutil
+    import subprocess
+    import tempfile
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc to compile ffi/cuda_bf16_*.cu to PTX")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    entries = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("cuda_bf16_gemv", "cuda_bf16_experts"):
+            ptx = pathlib.Path(tmp) / f"{name}.ptx"
+            subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90", "-ptx", f"-I{jax.ffi.include_dir()}",
+                            f"-I{root / 'ffi'}", str(root / "ffi" / f"{name}.cu"), "-o", str(ptx)],
+                           check=True, capture_output=True)
+            import re
+            for m in re.finditer(r"\.entry (\S+)\((.*?)\n\}\n", ptx.read_text(), re.S):
+                entries[m.group(1)] = m.group(0)
+    kinds = {"Bf16GemvKernel": 0, "Bf16GateUpKernel": 0, "Bf16DownKernel": 0}
+    for entry, body in entries.items():
+        kind = next(k for k in kinds if k in entry)
+        kinds[kind] += 1
+        assert body.count("griddepcontrol.wait") == 1, entry
+        before = body[: body.index("griddepcontrol.wait")]
+        if kind == "Bf16GemvKernel":
+            assert before.count("ld.global.nc") == 10 and before.count("ld.global") == 10, entry
+        else:
+            assert "ld.global" not in before, entry
+    assert kinds == {"Bf16GemvKernel": 1, "Bf16GateUpKernel": 1, "Bf16DownKernel": 4}, kinds
+
+
+@pytest.mark.gpu
+def test_bf16_cuda_pdl_same_bits_on_gpu(monkeypatch):
+    """With `bf16_cuda.PDL` the four one-token bf16 CUDA kernels, launched as programmatic dependent launches between
+    XLA's kernels that write their inputs just before them and read their outputs just after, give the bits of the
+    plain launches, on every one of several runs (a read before the writer ended would differ, and differ between
+    runs): the 48B's KDA in_proj with its norm, its o_proj with the gated head norm, and the routed experts' two
+    kernels with the shared experts and the residual add."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda) and the extension built with CUDA")
+    from jaxk3.kernels import bf16_cuda as BC
+
+    if BC.CU.unavailable(BC.GEMV) or BC.unavailable():
+        pytest.skip(f"{BC.CU.unavailable(BC.GEMV) or BC.unavailable()} (scripts/gpu_check.sh build)")
+    r = np.random.default_rng(7)
+    K, N, E, I, H, d = 2304, 12576, 64, 1024, 32, 128
+    x = jnp.asarray(r.standard_normal((1, K)), jnp.bfloat16)
+    w = jnp.asarray(r.standard_normal((N, K)) * 0.02, jnp.bfloat16)
+    g = jnp.asarray(r.uniform(0.5, 1.5, K), jnp.bfloat16)
+    xo, zo = (jnp.asarray(r.standard_normal((1, H * d)), jnp.float32) for _ in range(2))
+    go = jnp.asarray(r.uniform(0.5, 1.5, d), jnp.float32)
+    wo = jnp.asarray(r.standard_normal((K, H * d)) * 0.02, jnp.bfloat16)
+    logits, bias = jnp.asarray(r.standard_normal(E), jnp.float32), jnp.asarray(0.1 * r.standard_normal(E), jnp.float32)
+    w13 = jnp.asarray(r.standard_normal((E, 2 * I, K)) * 0.02, jnp.bfloat16)
+    w2 = jnp.asarray(r.standard_normal((E, K, I)) * 0.02, jnp.bfloat16)
+    sgu = jnp.asarray(r.standard_normal((2 * I, K)) * 0.02, jnp.bfloat16)
+    sd = jnp.asarray(r.standard_normal((K, I)) * 0.02, jnp.bfloat16)
+
+    def chain(x, w, g, xo, zo, go, wo, logits, bias, w13, w2, sgu, sd):
+        xin = (x.astype(jnp.float32) * 1.5 + 0.25).astype(jnp.bfloat16)  # written just before the kernel reads it
+        y = BC.gemv(xin, w, g, 1e-5)[0]
+        o = BC.gemv_gnorm(xo * 2.0, zo - 0.5, go, 1e-5, wo)[0]
+        h = (o * 0.5).astype(jnp.bfloat16)
+        a, ids, coef = BC.gate_up(logits * 1.25, bias, h[0], w13, w13, I, I, sgu, "silu", 4.0, 25.0,
+                                  route=(8, True, 2.446))
+        out = BC.down(ids, coef, a, w2, sd, residual=h)
+        return y.sum() + 1.0, y, o, out.astype(jnp.float32) * 3.0
+
+    args = (x, w, g, xo, zo, go, wo, logits, bias, w13, w2, sgu, sd)
+    results = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(BC, "PDL", pdl)
+        f = jax.jit(chain)
+        assert f.lower(*args).as_text().count(f"pdl = {int(pdl)} : i64") == 4
+        results[pdl] = [[np.asarray(v) for v in f(*args)] for _ in range(5)]
+    want = results[False][0]
+    for pdl, runs in results.items():
+        for i, run in enumerate(runs):
+            for k, (got, ref) in enumerate(zip(run, want)):
+                np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=f"pdl {pdl} run {i} #{k}")
+
+
 def test_bf16_cuda_command_buffer_form_is_named(monkeypatch):
     """Each one-token bf16 CUDA kernel has two FFI targets, the same handler with and without XLA's command-buffer
     trait: `bf16_cuda.COMMAND_BUFFER` off (the default) names the one XLA launches between its command buffers, on the

@@ -37,6 +37,13 @@ GEMV_GNORM = "jaxk3_bf16_gemv_gnorm"  # (the same file) with KDA's gated per-hea
 # touches has moved, which made the 48B B = 1 step host-paced on an H100 with ~100 such calls a step (docs/PERF.md,
 # twenty-fifth session).  Outside them the step was slower still (303 us against 155, twenty-sixth session).
 COMMAND_BUFFER = False
+# Whether the calls launch their kernels as programmatic dependent launches (`pdl` 1), as XLA launches every kernel of
+# the step (docs/PERF.md, ninth session): then a kernel is launched while the one before it ends and waits in
+# `griddepcontrol.wait` for its writes (the GEMVs after issuing their first weight loads, which nothing writes);
+# launched plainly (0), it is not launched before the kernel ahead of it in the stream has finished.  ~100 calls a step
+# at one token, a few microseconds each: a candidate for the CUDA kernels' loss in the 48B step (twenty-sixth session),
+# not yet timed.
+PDL = False
 MAX_SLOTS = 64  # routed slots + the shared experts' (the handlers' kMaxSlots)
 MAX_EXPERTS = 1024  # ranked in shared memory (kMaxExperts)
 MAX_IN = 16384  # the token in shared memory (kMaxIn)
@@ -100,7 +107,7 @@ def gate_up(sel0: jax.Array, sel1: jax.Array, x: jax.Array, gate: jax.Array, up:
         sel0, sel1, x, gate, up, gate if shared is None else shared, up_off=np.int64(up_off),
         act=np.int64(CU.ACTS[act]), beta=np.float32(beta), linear_beta=np.float32(linear_beta),
         shared=np.int64(shared is not None), route_k=np.int64(k), renorm=np.int64(bool(renorm)),
-        scale=np.float32(scale), ctas=np.int64(ctas))
+        scale=np.float32(scale), ctas=np.int64(ctas), pdl=np.int64(PDL))
 
 
 def down(ids: jax.Array, coef: jax.Array, a: jax.Array, w2: jax.Array, shared: jax.Array | None,
@@ -119,7 +126,7 @@ def down(ids: jax.Array, coef: jax.Array, a: jax.Array, w2: jax.Array, shared: j
     return jax.ffi.ffi_call(target(DOWN), out)(
         ids.astype(jnp.int32), jnp.reshape(coef, (U,)).astype(jnp.float32), a, w2, w2 if shared is None else shared,
         w2 if residual is None else jnp.reshape(residual, (Out,)), shared=np.int64(shared is not None),
-        residual=np.int64(residual is not None), ctas=np.int64(ctas))
+        residual=np.int64(residual is not None), ctas=np.int64(ctas), pdl=np.int64(PDL))
 
 
 def gemv_problem(x: jax.Array, w: jax.Array, norm_w: jax.Array | None = None) -> str | None:
@@ -147,7 +154,8 @@ def gemv(x: jax.Array, w: jax.Array, norm_w: jax.Array | None = None, eps: float
     # (not read without the norm: x itself, not a slice of w, which XLA would wrap the call in a slicing fusion for)
     g = x.astype(jnp.bfloat16) if norm_w is None else norm_w
     return jax.ffi.ffi_call(target(GEMV), jax.ShapeDtypeStruct((1, 1, N), jnp.float32))(
-        x.astype(jnp.bfloat16), w, g, norm=np.int64(norm_w is not None), eps=np.float32(eps), ctas=np.int64(ctas))
+        x.astype(jnp.bfloat16), w, g, norm=np.int64(norm_w is not None), eps=np.float32(eps), ctas=np.int64(ctas),
+        pdl=np.int64(PDL))
 
 
 def gnorm_problem(x: jax.Array, z: jax.Array, norm_w: jax.Array, w: jax.Array, dt) -> str | None:
@@ -175,4 +183,4 @@ def gemv_gnorm(x: jax.Array, z: jax.Array, norm_w: jax.Array, eps: float, w: jax
     if why:
         raise ValueError(why)
     return jax.ffi.ffi_call(target(GEMV_GNORM), jax.ShapeDtypeStruct((1, 1, w.shape[0]), jnp.float32))(
-        x, z, norm_w, w, eps=np.float32(eps), ctas=np.int64(ctas))
+        x, z, norm_w, w, eps=np.float32(eps), ctas=np.int64(ctas), pdl=np.int64(PDL))

@@ -78,11 +78,47 @@ xla::ffi::Error PersistentGrid(K kernel, int threads, size_t smem, int smem_opti
 // access behind `griddepcontrol.wait` (docs/PERF.md, ninth session), so that the launch of a kernel overlaps the end
 // of the one before.  A kernel launched without it waits in the stream for the one before to finish before it is
 // launched at all.  A kernel meant for either launch calls this before its first read of anything the kernels
-// before it write (its inputs but the weights); launched without the attribute it returns at once.
+// before it write (its inputs but the weights); launched without the attribute it returns at once.  Only loads that
+// no kernel of the step writes may come before it (the weights, through bf16::Stream16, whose asm is not ordered
+// against it); and no CTA may exit before it, so that the kernels after this one wait for those before it too.
 __device__ __forceinline__ void WaitForPredecessors() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+// Whether `kernel`'s code for the current device has WaitForPredecessors' wait: built for sm_90 or later (a build for
+// an older architecture, JIT-compiled or not, leaves it out, and a programmatic launch of it would read its inputs
+// before the kernels ahead have written them).  The answer is kept per kernel and device, as ResidentCtas keeps its.
+template <typename K>
+xla::ffi::Error CompiledToWait(K kernel, const char* name) {
+  struct Known {
+    const void* kernel;
+    int device, version;
+  };
+  static std::mutex mu;
+  static std::vector<Known> known;
+  int device = 0, version = -1;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
+    return Internal(std::string(name) + ": launch setup: " + cudaGetErrorString(e));
+  const void* key = reinterpret_cast<const void*>(kernel);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const Known& k : known)
+      if (k.kernel == key && k.device == device) version = k.version;
+  }
+  if (version < 0) {
+    cudaFuncAttributes attrs = {};
+    if (cudaError_t e = cudaFuncGetAttributes(&attrs, kernel); e != cudaSuccess)
+      return Internal(std::string(name) + ": launch setup: " + cudaGetErrorString(e));
+    version = attrs.ptxVersion;
+    std::lock_guard<std::mutex> lock(mu);
+    known.push_back({key, device, version});
+  }
+  if (version < 90)
+    return InvalidArgument(std::string(name) + ": pdl needs the kernel built for sm_90 or later (its code is " +
+                           "compute_" + std::to_string(version) + "'s, without the wait): launch it with pdl 0");
+  return xla::ffi::Error::Success();
 }
 
 // Launches `kernel(params)` on that grid on `stream` (PersistentGrid's arguments), the launch's error by `name`; with
@@ -95,7 +131,8 @@ xla::ffi::Error LaunchPersistent(K kernel, int threads, size_t smem, int smem_op
       e.failure())
     return e;
   if (pdl) {
-    cudaLaunchAttribute attr[1];
+    if (xla::ffi::Error e = CompiledToWait(kernel, name); e.failure()) return e;
+    cudaLaunchAttribute attr[1] = {};
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t config = {};
@@ -105,8 +142,10 @@ xla::ffi::Error LaunchPersistent(K kernel, int threads, size_t smem, int smem_op
     config.stream = stream;
     config.attrs = attr;
     config.numAttrs = 1;
-    if (cudaError_t e = cudaLaunchKernelEx(&config, kernel, params); e != cudaSuccess)
+    if (cudaError_t e = cudaLaunchKernelEx(&config, kernel, params); e != cudaSuccess) {
+      (void)cudaGetLastError();  // (not left for a later call's check to report under its name)
       return Internal(std::string(name) + ": launch: " + cudaGetErrorString(e));
+    }
   } else {
     kernel<<<grid, threads, smem, stream>>>(params);
   }

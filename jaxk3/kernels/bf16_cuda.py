@@ -146,7 +146,8 @@ def gemv_problem(x: jax.Array, w: jax.Array, norm_w: jax.Array | None = None) ->
 def gemv(x: jax.Array, w: jax.Array, norm_w: jax.Array | None = None, eps: float = 0.0, ctas: int = 0) -> jax.Array:
     """fp32 [1, 1, N] = xn @ W^T for one token x [1, K] and bf16 W [N, K] (the one partial sum `gemv.partials` gives):
     xn = x in bf16, or with `norm_w` RMSNorm(x; norm_w, eps) in bf16 (`rms_norm_as`), made by every CTA in its
-    prologue.  `ctas` > 0 caps the grid (the tests')."""
+    prologue.  `ctas` > 0 caps the grid (the tests').  With `PDL` the kernel loads its first rows of `w` before it waits
+    for the kernels ahead: `w` must be written by none of the step's kernels (a parameter, not a slice or a cast)."""
     why = gemv_problem(x, w, norm_w)
     if why:
         raise ValueError(why)
@@ -178,7 +179,8 @@ def gnorm_problem(x: jax.Array, z: jax.Array, norm_w: jax.Array, w: jax.Array, d
 def gemv_gnorm(x: jax.Array, z: jax.Array, norm_w: jax.Array, eps: float, w: jax.Array, ctas: int = 0) -> jax.Array:
     """fp32 [1, 1, N] = xn @ W^T, xn = bf16(gated_rms_norm(x; norm_w, z) over each head of d = len(norm_w) values)
     (`gemv.gnorm_reference`'s function), made by every CTA in its prologue: x and z [1, K] float32 (KDA's core output
-    and gate), W [N, K] bf16.  `ctas` > 0 caps the grid (the tests')."""
+    and gate), W [N, K] bf16.  `ctas` > 0 caps the grid (the tests').  With `PDL`, as `gemv`: W a parameter of the
+    step."""
     why = gnorm_problem(x, z, norm_w, w, jnp.bfloat16)
     if why:
         raise ValueError(why)

@@ -247,8 +247,6 @@ ffi::Error CudaBf16GateUp(cudaStream_t stream, ffi::AnyBuffer sel0, ffi::AnyBuff
     return InvalidArgument(std::string(name) + ": the shared experts' gate | up must be bfloat16 [" +
                            std::to_string(2 * I) + ", " + std::to_string(In) + "], got " + DimsText(shared.dimensions()));
   if (act != 0 && act != 1) return InvalidArgument(std::string(name) + ": act must be 0 (silu) or 1 (situ)");
-  if (ctas < 0) return InvalidArgument(std::string(name) + ": ctas must be 0 (as many as fit) or a cap");
-  if (pdl != 0 && pdl != 1) return InvalidArgument(std::string(name) + ": pdl must be 0 or 1");
   if (!Aligned16(x.untyped_data()) || !Aligned16(gate.untyped_data()) || !Aligned16(up.untyped_data()) ||
       !Aligned16(shared.untyped_data()))
     return InvalidArgument(std::string(name) + ": the token and the experts must be 16-byte aligned");
@@ -261,8 +259,7 @@ ffi::Error CudaBf16GateUp(cudaStream_t stream, ffi::AnyBuffer sel0, ffi::AnyBuff
                  static_cast<int>(has_shared), static_cast<int>(route_k), renorm != 0 ? 1 : 0, beta, linear_beta,
                  scale};
   const size_t smem = static_cast<size_t>(In) * 2 + (route_k > 0 ? static_cast<size_t>(E) * 8 : 0);
-  return LaunchPersistent(Bf16GateUpKernel, kThreads, smem, kMaxDownSmem, kWarps, P * I, ctas, pdl != 0, name, stream,
-                          p);
+  return LaunchPersistent(Bf16GateUpKernel, kThreads, smem, kMaxDownSmem, kWarps, P * I, ctas, pdl, name, stream, p);
 }
 
 ffi::Error CudaBf16Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer coef, ffi::AnyBuffer a,
@@ -299,8 +296,6 @@ ffi::Error CudaBf16Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer 
   if (has_residual && (residual.element_type() != ffi::DataType::BF16 || residual.element_count() != Out))
     return InvalidArgument(std::string(name) + ": the residual must be bfloat16 [1, " + std::to_string(Out) + "], got " +
                            DimsText(residual.dimensions()));
-  if (ctas < 0) return InvalidArgument(std::string(name) + ": ctas must be 0 (as many as fit) or a cap");
-  if (pdl != 0 && pdl != 1) return InvalidArgument(std::string(name) + ": pdl must be 0 or 1");
   if (!Aligned16(a.untyped_data()) || !Aligned16(w2.untyped_data()) || !Aligned16(shared.untyped_data()))
     return InvalidArgument(std::string(name) + ": the activations and the experts must be 16-byte aligned");
   DownParams p{static_cast<const int*>(ids.untyped_data()), static_cast<const float*>(coef.untyped_data()),
@@ -311,7 +306,7 @@ ffi::Error CudaBf16Down(cudaStream_t stream, ffi::AnyBuffer ids, ffi::AnyBuffer 
                static_cast<int>(has_residual)};
   auto* kernel = mv == 1 ? Bf16DownKernel<1> : mv == 2 ? Bf16DownKernel<2> : mv == 4 ? Bf16DownKernel<4>
                                                                                     : Bf16DownKernel<8>;
-  return LaunchPersistent(kernel, kThreads, smem, kMaxDownSmem, kWarps, Out, ctas, pdl != 0, name, stream, p);
+  return LaunchPersistent(kernel, kThreads, smem, kMaxDownSmem, kWarps, Out, ctas, pdl, name, stream, p);
 }
 
 auto GateUpBinding() {  // the operands and attributes, once for both symbols
@@ -356,12 +351,7 @@ auto DownBinding() {  // the operands and attributes, once for both symbols
 
 }  // namespace
 
-// Each handler twice: `jaxk3_cuda_bf16_*` outside XLA's command buffers (no kCmdBufferCompatible: XLA launches it
-// between them) and `*_cb` inside (jaxk3.kernels.bf16_cuda.COMMAND_BUFFER picks).  Inside, an FFI call is captured into
-// a child graph, updated (and on a trace-cache miss captured again) whenever a buffer it touches has moved since the last
-// execution, which a decode step's new outputs do: with ~100 such calls a step the 48B B = 1 step ran host-paced on an
-// H100 (3139 us back to back against main's 2984, while each step waited for was 265 us faster: docs/PERF.md,
-// twenty-fifth session).  Outside, most of the step falls out of the command buffers too (not yet timed).
+// Each handler twice, outside XLA's command buffers and inside them (`*_cb`): ffi/targets.h says why.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gate_up, CudaBf16GateUp, GateUpBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gate_up_cb, CudaBf16GateUp, GateUpBinding(),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -135,10 +135,8 @@ __global__ void __launch_bounds__(kThreads, 2) Bf16GemvKernel(Params p) {
 }
 
 ffi::Error Launch(cudaStream_t stream, const Params& p, int64_t ctas, int64_t pdl, const char* name) {
-  if (ctas < 0) return InvalidArgument(std::string(name) + ": ctas must be 0 (as many as fit) or a cap");
-  if (pdl != 0 && pdl != 1) return InvalidArgument(std::string(name) + ": pdl must be 0 or 1");
   return LaunchPersistent(Bf16GemvKernel, kThreads, static_cast<size_t>(p.K) * 2, 2 * kMaxK, kWarps, (p.N + 1) / 2,
-                          ctas, pdl != 0, name, stream, p);
+                          ctas, pdl, name, stream, p);
 }
 
 ffi::Error CudaBf16Gemv(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer g,
@@ -223,12 +221,7 @@ auto GnormBinding() {  // the operands and attributes, once for both symbols
 
 }  // namespace
 
-// Each handler twice: `jaxk3_cuda_bf16_*` outside XLA's command buffers (no kCmdBufferCompatible: XLA launches it
-// between them) and `*_cb` inside (jaxk3.kernels.bf16_cuda.COMMAND_BUFFER picks).  Inside, an FFI call is captured into
-// a child graph, updated (and on a trace-cache miss captured again) whenever a buffer it touches has moved since the last
-// execution, which a decode step's new outputs do: with ~100 such calls a step the 48B B = 1 step ran host-paced on an
-// H100 (3139 us back to back against main's 2984, while each step waited for was 265 us faster: docs/PERF.md,
-// twenty-fifth session).  Outside, most of the step falls out of the command buffers too (not yet timed).
+// Each handler twice, outside XLA's command buffers and inside them (`*_cb`): ffi/targets.h says why.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv, CudaBf16Gemv, GemvBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxk3_cuda_bf16_gemv_cb, CudaBf16Gemv, GemvBinding(),
                               {ffi::Traits::kCmdBufferCompatible});

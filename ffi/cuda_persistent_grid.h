@@ -1,11 +1,12 @@
 // Persistent grids: how many CTAs of a kernel fit the GPU at once (the occupancy API x the SM count, read once per
-// kernel and device), for the MXFP4 kernels' streaming form (ffi/cuda_mxfp4_*.cu, which balance their items with mxfp4::StreamGrid) and the
-// one-token bf16 kernels (ffi/cuda_bf16_*.cu: as many CTAs as fit, at most one per `per_cta` items, each warp striding
-// over the items).
+// kernel and device), for the MXFP4 kernels' streaming form (ffi/cuda_mxfp4_*.cu, which balance their items with
+// mxfp4::StreamGrid) and the one-token bf16 kernels (ffi/cuda_bf16_*.cu: as many CTAs as fit, at most one per `per_cta`
+// items, each warp striding over the items), and the bf16 kernels' launch, plain or programmatic.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -14,26 +15,30 @@
 
 namespace jaxk3 {
 
-// How many CTAs of `kernel` (`threads` a CTA, `smem` bytes of dynamic shared memory) fit the current GPU at once:
-// the occupancy API x the SM count, 0 where one does not fit.  Sets the kernel's dynamic shared-memory opt-in to
-// `smem_optin` first (the instance's largest, the same every call, so that no call lowers it under another's launch).
-// The device is the current one: cudaStreamGetDevice is refused under stream capture on the device's driver 580, and
-// XLA captures these calls into its command buffers.  The MXFP4 kernels' streaming form sizes its grid from it too.
-// The answer is kept per (kernel, device, threads, smem, opt-in): the four runtime queries cost host time on every
-// call otherwise, and the one-token kernels run ~100 times a step (the answer cannot change within a process).  A
-// kept answer skips setting the opt-in again, so each kernel must always be called with the same `smem_optin` (every
-// caller passes a per-instance constant).
+// What a launch needs to know of a kernel on the current GPU.
+struct KernelFacts {
+  long long fit = 0;    // CTAs resident at once: the occupancy API x the SM count, 0 where one does not fit
+  int ptx_version = 0;  // the virtual architecture its code for this GPU was built from (90: compute_90)
+};
+
+// `kernel`'s facts at `threads` a CTA and `smem` bytes of dynamic shared memory.  Sets the kernel's dynamic
+// shared-memory opt-in to `smem_optin` first (the instance's largest, the same every call, so that no call lowers it
+// under another's launch).  The device is the current one: cudaStreamGetDevice is refused under stream capture on the
+// device's driver 580, and XLA captures these calls into its command buffers.  The answer is kept per (kernel, device,
+// threads, smem, opt-in): the runtime queries cost host time on every call otherwise, and the one-token kernels run
+// ~100 times a step (the answer cannot change within a process).  A kept answer skips setting the opt-in again, so each
+// kernel must always be called with the same `smem_optin` (every caller passes a per-instance constant).
 template <typename K>
-cudaError_t ResidentCtas(K kernel, int threads, size_t smem, int smem_optin, long long& fit) {
+cudaError_t ReadKernelFacts(K kernel, int threads, size_t smem, int smem_optin, KernelFacts& facts) {
   struct Known {
     const void* kernel;
     int device, threads, optin;
     size_t smem;
-    long long fit;
+    KernelFacts facts;
   };
   static std::mutex mu;
   static std::vector<Known> known;
-  fit = 0;
+  facts = KernelFacts{};
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;
@@ -42,36 +47,34 @@ cudaError_t ResidentCtas(K kernel, int threads, size_t smem, int smem_optin, lon
     std::lock_guard<std::mutex> lock(mu);
     for (const Known& k : known)
       if (k.kernel == key && k.device == device && k.threads == threads && k.smem == smem && k.optin == smem_optin) {
-        fit = k.fit;
+        facts = k.facts;
         return cudaSuccess;
       }
   }
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin);
   int sms = 0, per_sm = 0;
+  cudaFuncAttributes attrs = {};
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attrs, kernel);
   if (e != cudaSuccess) return e;
-  fit = static_cast<long long>(per_sm) * sms;
+  KernelFacts f;
+  f.fit = static_cast<long long>(per_sm) * sms;
+  f.ptx_version = attrs.ptxVersion;
   std::lock_guard<std::mutex> lock(mu);
-  known.push_back({key, device, threads, smem_optin, smem, fit});
+  known.push_back({key, device, threads, smem_optin, smem, f});
+  facts = f;
   return cudaSuccess;
 }
 
-// The bf16 kernels' grid: as many CTAs as fit at once, at most one per `per_cta` items, or the tests' `cap`.
+// How many CTAs of `kernel` fit the current GPU at once (ReadKernelFacts' `fit`): the MXFP4 kernels' streaming form
+// sizes its grid from it.
 template <typename K>
-xla::ffi::Error PersistentGrid(K kernel, int threads, size_t smem, int smem_optin, long long per_cta, long long items,
-                               long long cap, const char* name, unsigned& grid) {
-  long long n = 0;
-  if (cudaError_t e = ResidentCtas(kernel, threads, smem, smem_optin, n); e != cudaSuccess)
-    return Internal(std::string(name) + ": launch setup: " + cudaGetErrorString(e));
-  if (n < 1)
-    return InvalidArgument(std::string(name) + ": a CTA with " + std::to_string(smem) +
-                           " bytes of shared memory does not fit an SM");
-  const long long need = (items + per_cta - 1) / per_cta;
-  if (need < n) n = need;
-  if (cap > 0 && cap < n) n = cap;
-  grid = static_cast<unsigned>(n < 1 ? 1 : n);
-  return xla::ffi::Error::Success();
+cudaError_t ResidentCtas(K kernel, int threads, size_t smem, int smem_optin, long long& fit) {
+  KernelFacts f;
+  const cudaError_t e = ReadKernelFacts(kernel, threads, smem, smem_optin, f);
+  fit = f.fit;
+  return e;
 }
 
 // Programmatic dependent launch (sm_90): XLA launches every kernel of a step with it, each kernel's first memory
@@ -87,51 +90,31 @@ __device__ __forceinline__ void WaitForPredecessors() {
 #endif
 }
 
-// Whether `kernel`'s code for the current device has WaitForPredecessors' wait: built for sm_90 or later (a build for
-// an older architecture, JIT-compiled or not, leaves it out, and a programmatic launch of it would read its inputs
-// before the kernels ahead have written them).  The answer is kept per kernel and device, as ResidentCtas keeps its.
-template <typename K>
-xla::ffi::Error CompiledToWait(K kernel, const char* name) {
-  struct Known {
-    const void* kernel;
-    int device, version;
-  };
-  static std::mutex mu;
-  static std::vector<Known> known;
-  int device = 0, version = -1;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
-    return Internal(std::string(name) + ": launch setup: " + cudaGetErrorString(e));
-  const void* key = reinterpret_cast<const void*>(kernel);
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const Known& k : known)
-      if (k.kernel == key && k.device == device) version = k.version;
-  }
-  if (version < 0) {
-    cudaFuncAttributes attrs = {};
-    if (cudaError_t e = cudaFuncGetAttributes(&attrs, kernel); e != cudaSuccess)
-      return Internal(std::string(name) + ": launch setup: " + cudaGetErrorString(e));
-    version = attrs.ptxVersion;
-    std::lock_guard<std::mutex> lock(mu);
-    known.push_back({key, device, version});
-  }
-  if (version < 90)
-    return InvalidArgument(std::string(name) + ": pdl needs the kernel built for sm_90 or later (its code is " +
-                           "compute_" + std::to_string(version) + "'s, without the wait): launch it with pdl 0");
-  return xla::ffi::Error::Success();
-}
-
-// Launches `kernel(params)` on that grid on `stream` (PersistentGrid's arguments), the launch's error by `name`; with
-// `pdl` as a programmatic dependent launch (the kernel must call WaitForPredecessors first, as above).
+// Launches `kernel(params)` on `stream` on the bf16 kernels' grid: as many CTAs as fit at once, at most one per
+// `per_cta` of the `items`, or the tests' cap `ctas` (0: none); with `pdl` 1 as a programmatic dependent launch (the
+// kernel must call WaitForPredecessors first, as above).  Errors name the call (`name`): `ctas` or `pdl` out of
+// range, a CTA that fits no SM, a programmatic launch of code built for an architecture older than sm_90 (its wait
+// compiled out, so it would read its inputs before the kernels ahead had written them), the launch's own.
 template <typename K, typename P>
 xla::ffi::Error LaunchPersistent(K kernel, int threads, size_t smem, int smem_optin, long long per_cta, long long items,
-                                 long long cap, bool pdl, const char* name, cudaStream_t stream, const P& params) {
-  unsigned grid = 0;
-  if (xla::ffi::Error e = PersistentGrid(kernel, threads, smem, smem_optin, per_cta, items, cap, name, grid);
-      e.failure())
-    return e;
+                                 int64_t ctas, int64_t pdl, const char* name, cudaStream_t stream, const P& params) {
+  if (ctas < 0) return InvalidArgument(std::string(name) + ": ctas must be 0 (as many as fit) or a cap");
+  if (pdl != 0 && pdl != 1) return InvalidArgument(std::string(name) + ": pdl must be 0 or 1");
+  KernelFacts facts;
+  if (cudaError_t e = ReadKernelFacts(kernel, threads, smem, smem_optin, facts); e != cudaSuccess)
+    return Internal(std::string(name) + ": launch setup: " + cudaGetErrorString(e));
+  if (facts.fit < 1)
+    return InvalidArgument(std::string(name) + ": a CTA with " + std::to_string(smem) +
+                           " bytes of shared memory does not fit an SM");
+  if (pdl && facts.ptx_version < 90)
+    return InvalidArgument(std::string(name) + ": pdl needs the kernel built for sm_90 or later (its code is compute_" +
+                           std::to_string(facts.ptx_version) + "'s, without the wait): launch it with pdl 0");
+  long long n = facts.fit;
+  const long long need = (items + per_cta - 1) / per_cta;
+  if (need < n) n = need;
+  if (ctas > 0 && ctas < n) n = ctas;
+  const unsigned grid = static_cast<unsigned>(n < 1 ? 1 : n);
   if (pdl) {
-    if (xla::ffi::Error e = CompiledToWait(kernel, name); e.failure()) return e;
     cudaLaunchAttribute attr[1] = {};
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;

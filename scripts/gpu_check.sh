@@ -55,6 +55,9 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-.92}
 export JAXK3_GATHER_TIMEOUT_S=${JAXK3_GATHER_TIMEOUT_S:-20}
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+# bf16step's and bf16gen's runs beside main by default: the bf16 CUDA experts and GEMVs as programmatic dependent
+# launches, outside XLA's command buffers and inside them
+BF16_PATCHES='moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:PDL=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:PDL=1 bf16_cuda:COMMAND_BUFFER=1'
 
 if has env; then
   {
@@ -467,7 +470,7 @@ if has bf16step; then
   # greedy tokens; BS_VARIANTS=serving/auto times the kernels' path alone.  BS_LAYERS (default all; e.g. 0-3) the layers:
   # with fewer, less of a path's roundings is amplified on the way to the logits.
   S48="--config kimi-linear-48b --layers ${BS_LAYERS:-all} --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants ${BS_VARIANTS:-serving/auto,serving/off} --steps 20 --repeats 5"
-  IFS=';' read -ra patches <<< "${BS_PATCHES:-moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:PDL=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:PDL=1 bf16_cuda:COMMAND_BUFFER=1}"
+  IFS=';' read -ra patches <<< "${BS_PATCHES:-$BF16_PATCHES}"
   again=main2; [ "${BS_AGAIN:-1}" = 0 ] && again=
   first=main; [ "${BS_MAIN:-1}" = 0 ] && first=
   for run in $first "${patches[@]}" $again; do
@@ -494,7 +497,7 @@ if has bf16gen; then
   # Inside the device's decode loop (a while loop) the step's buffers keep their addresses, which an FFI call in a
   # command buffer needs to be replayed rather than traced again: the loop may rank the two forms otherwise than
   # `bench decode`'s back-to-back steps.
-  IFS=';' read -ra patches <<< "${BG_PATCHES:-${BS_PATCHES:-moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:PDL=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:PDL=1 bf16_cuda:COMMAND_BUFFER=1}}"
+  IFS=';' read -ra patches <<< "${BG_PATCHES:-${BS_PATCHES:-$BF16_PATCHES}}"
   G48="generate --config kimi-linear-48b --tp 1 --batch 1 --experts ${BG_EXPERTS:-64} --prompt 4096 --new 256"
   first=main; [ "${BG_MAIN:-1}" = 0 ] && first=
   for run in $first "${patches[@]}"; do

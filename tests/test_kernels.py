@@ -2849,21 +2849,16 @@ def test_moe_block_paths_against_float64_on_gpu(monkeypatch):
     from jaxk3.layers.common import TP, Normed
     from refs import np_ref
     from jax.sharding import Mesh, PartitionSpec as P
-    from jaxk3.tools.bench_decode import load_config
 
     E = 64
-    cfg = dataclasses.replace(load_config("kimi-linear-48b"), num_experts=E)
+    cfg, w, _, _, _, fused = _routed_real(E, seed=11)  # the experts and the shared experts' stacks
     D, I, Is = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
-    keys = iter(jax.random.split(jax.random.key(11), 8))
-
-    def a(*shape, s=0.02):
-        return (jax.random.normal(next(keys), shape, jnp.float32) * s).astype(jnp.bfloat16)
+    assert fused.gate_up.shape == (2 * Is, D)  # (one shared expert of the routed experts' width)
     r = np.random.default_rng(11)
-    shared = moe.MLPWeights(gate_proj=None, up_proj=None, down_proj=a(D, Is), gate_up_proj=a(2 * Is, D))
-    w = moe.MoEWeights(gate=a(E, D, s=D ** -0.5), e_score_correction_bias=jnp.asarray(0.1 * r.standard_normal(E),
-                                                                                      jnp.float32),
-                       experts_w1=None, experts_w3=None, experts_w2=a(E, D, I), experts_w13=a(E, 2 * I, D),
-                       shared_experts=shared)
+    shared = moe.MLPWeights(gate_proj=None, up_proj=None, down_proj=fused.down, gate_up_proj=fused.gate_up)
+    gate = (jax.random.normal(jax.random.key(12), (E, D), jnp.float32) * D ** -0.5).astype(jnp.bfloat16)
+    w = dataclasses.replace(w, gate=gate, e_score_correction_bias=jnp.asarray(0.1 * r.standard_normal(E), jnp.float32),
+                            shared_experts=shared)
     h = jnp.asarray(r.standard_normal((1, D)), jnp.bfloat16)
     g = jnp.asarray(r.uniform(0.5, 1.5, D), jnp.bfloat16)
     eps = cfg.rms_norm_eps
@@ -2871,8 +2866,7 @@ def test_moe_block_paths_against_float64_on_gpu(monkeypatch):
 
     def block(kernels_mode: str, residual: bool):
         def f(w, h, g):
-            out = moe.moe(cfg, w, Normed(h, g, eps), TP("tp", kernels=kernels_mode), residual=h if residual else None)
-            return out
+            return moe.moe(cfg, w, Normed(h, g, eps), TP("tp", kernels=kernels_mode), residual=h if residual else None)
         sm = collectives.shard_map(f, mesh=mesh, in_specs=(jax.tree.map(lambda _: P(), w), P(), P()), out_specs=P(),
                                    check_vma=False)
         return jax.jit(sm)

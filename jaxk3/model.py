@@ -189,7 +189,7 @@ def ffn_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: MLPWeights | MoEWe
               many: bool = False, residual: jax.Array | None = None) -> jax.Array:
     """Layer `l`'s dense MLP or MoE on N normed tokens: out_ND fp32 summed over TP (`many`: the MoE's
     grouped-GEMM form, for prefill); with `residual` (a MoE layer at decode) the new residual stream bf16(residual +
-    out), which the experts' kernel may add in its epilogue (jaxk3.layers.moe.moe)."""
+    out) (jaxk3.layers.moe.moe adds it)."""
     if cfg.layer_ffn[l] == "mlp":
         if residual is not None:
             raise ValueError("ffn_block: the dense MLP does not add the residual (ffn_done does)")
@@ -236,7 +236,7 @@ def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache,
             xn = _block_input(srcs, lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attention_layernorm, eps, dt,
                               (B * T, -1), not prefill)
             if not prefill and Bs is None and cfg.layer_ffn[l] == "moe":  # Kimi-Linear decode: the MoE adds the
-                # residual itself (its experts' kernel may, in its epilogue), the stream's add and rounding exactly
+                # residual itself, the stream's add and rounding exactly
                 st = res.Stream(p=ffn_block(cfg, opt, l, lw.ffn, xn, prefill, residual=st.p))
             else:
                 st = res.ffn_done(st, ffn_block(cfg, opt, l, lw.ffn, xn, prefill), Bs)

@@ -215,61 +215,6 @@ def test_48b_step_launches_within_the_measured_budget():
     assert len(after_kda) == 19 and set(after_kda) == {MOE_AFTER_KDA}, after_kda
 
 
-def test_48b_step_with_the_bf16_cuda_kernels_within_issue_22s_launches(monkeypatch):
-    """The 48B B = 1 step with the bf16 experts' CUDA kernels (`moe_experts.CUDA_BF16`, off until timed), compiled for
-    the H200: both kernels in every MoE block (kernel 1 ranking the router's logits, the routed form), and the residual
-    add in kernel 2's epilogue, so that each MoE block is 5 launches (6 on main: the add's fusion) and the step within
-    issue 22's 250 (237 when written, 2026-12-05); with the CUDA GEMV too (`gemv.CUDA`), taken by the 28 projections
-    the Pallas GEMV runs at one token (KDA's and MLA's normed in_proj, the dense MLP's gate | up), and its gated-norm
-    form by KDA's 20 o_proj (`gemv_gnorm`), launches unchanged."""
-    from jaxk3.kernels import gemv as G
-    from jaxk3.kernels import moe_experts as ME
-
-    monkeypatch.setattr(ME, "CUDA_BF16", True)
-    monkeypatch.setattr(G, "CUDA", True)
-    (row,) = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")["rows"]
-    calls = {}
-    for d in row["census"]["details"].values():
-        for t, n in d.items():
-            calls[t] = calls.get(t, 0) + n
-    assert calls.get("jaxk3_bf16_gate_up") == 26 and calls.get("jaxk3_bf16_down") == 26, calls
-    assert calls.get("jaxk3_bf16_gemv") == 28 and calls.get("jaxk3_bf16_gemv_gnorm") == 20, calls
-    assert row["launch_ops"] <= 250 and row["launch_ops"] < LAUNCH_OPS_48B_B1, row["launch_ops"]
-    moe = [n for b, n in row["census"]["totals"].items() if b.endswith("_moe")]
-    assert len(moe) == 26 and max(moe) <= MOE_AFTER_KDA - 1, moe
-
-
-def test_the_bf16_cuda_kernels_outside_or_inside_the_command_buffers(monkeypatch, tmp_path):
-    """The 48B layers 0-3 B = 1 step compiled for the H200 with the one-token bf16 CUDA kernels (`CUDA_BF16`,
-    `gemv.CUDA`: 4 layers x 2 GEMVs or experts' calls): by default (`bf16_cuda.COMMAND_BUFFER` off, the handlers
-    without XLA's command-buffer trait) every such call is a thunk of its own between the command buffers, none inside
-    one; with it on (the `_cb` handlers) XLA puts them inside. The device's step A/B (docs/PERF.md, twenty-fifth
-    session) needs both forms to be what they say."""
-    import glob
-    import re
-
-    from jaxk3.kernels import bf16_cuda as BC
-    from jaxk3.kernels import gemv as G
-    from jaxk3.kernels import moe_experts as ME
-
-    if (why := BC.CU._register(BC.GEMV + "_cb")) is not None:
-        pytest.skip(f"the bf16 CUDA kernels' command-buffer form is not in this build: {why} (`make aot` builds it)")
-    monkeypatch.setattr(ME, "CUDA_BF16", True)
-    monkeypatch.setattr(G, "CUDA", True)
-
-    def structure(inside: bool, d) -> tuple[int, int]:
-        monkeypatch.setattr(BC, "COMMAND_BUFFER", inside)
-        _abstract_step("kimi-linear-48b", "0-3", 64, "stock", **aot.dump_options(str(d)))
-        (seq,) = glob.glob(str(d / "*jit_step*thunk_sequence_after_thunk_passes.txt"))
-        text = open(seq).read()
-        return len(re.findall(r"^\d+: kCustomCall", text, re.M)), len(re.findall(r"^ +\d+: kCustomCall", text, re.M))
-
-    outside, inside = structure(False, tmp_path / "out")
-    assert outside >= 12 and inside == 0, (outside, inside)  # 4 in_proj, 3 KDA o_proj, 3 x 2 experts' calls, ...
-    outside, inside = structure(True, tmp_path / "in")
-    assert inside >= 12 and outside == 0, (outside, inside)
-
-
 def test_the_step_keeps_its_bf16_roundings_on_the_h200(monkeypatch):
     """model.EXCESS_PRECISION False (the default): the residual stream is rounded to bf16 after each block on the
     H200 as written (and as on the CPU), not carried in float32 by XLA's excess precision. Read in the compiled

@@ -40,12 +40,6 @@ from jaxk3.kernels.rms_norm import gated_rms_norm, rms_norm_as
 
 F32 = jnp.float32
 MAX_B = 8
-# One token in CUDA (jaxk3.kernels.bf16_cuda.gemv: a warp a row pair with all of its loads in flight, persistent CTAs,
-# the norm prologue made while the first loads fly) wherever the Pallas kernel would run at B = 1 on [N, K] weights,
-# and `gemv_gnorm`'s (KDA's o_proj with the gated head norm: bf16_cuda.gemv_gnorm) where its Pallas kernel would.
-# Off: compiled and correct at the 48B's dims on an H100, but the Kimi-Linear-48B B = 1 step with it and the bf16 CUDA
-# experts was slower in every form timed (twenty-fifth and twenty-sixth sessions, docs/PERF.md)
-CUDA = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,29 +246,11 @@ def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | Non
          eps: float = 0.0, sums: bool = False) -> jax.Array:
     """The same function as the reference: fp32 [B, N] = x @ W^T (W [N, K] for "nk", [K, N] for "kn"),
     x first normed (RMSNorm(x; norm_w, eps) in x's dtype) where `norm_w` is given.  `sums`: the partial sums
-    over the K splits [splits, B, N] instead, for a consumer that adds them itself.  One token in CUDA (`CUDA`, "nk"
-    weights, no `config` given): one partial sum."""
-    if _cuda_takes(x_BK, w, norm_w, layout, config, interpret):
-        from jaxk3.kernels import bf16_cuda
-
-        p = bf16_cuda.gemv(x_BK, w, norm_w, eps)
-        return p if sums else p[0]
+    over the K splits [splits, B, N] instead, for a consumer that adds them itself."""
     p = partials(x_BK, w, layout, config, interpret, norm_w, eps)
     if sums:
         return p[:, : x_BK.shape[0]]
     return add_splits(p)[: x_BK.shape[0]]
-
-
-def _cuda_takes(x_BK: jax.Array, w: jax.Array, norm_w: jax.Array | None, layout: str, config: Config | None,
-                interpret: bool) -> bool:
-    """Whether this call runs in CUDA: `CUDA` on, compiled, "nk" weights, no Config asked for (the sweeps' Pallas
-    tilings), and a shape and device the kernel takes."""
-    if not CUDA or interpret or layout != "nk" or config is not None:
-        return False
-    from jaxk3.kernels import bf16_cuda
-
-    return (bf16_cuda.gemv_problem(x_BK, w, norm_w) is None
-            and bf16_cuda.CU.unavailable(bf16_cuda.target(bf16_cuda.GEMV)) is None)
 
 
 def reference(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
@@ -360,8 +336,7 @@ def _norm_reference(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Con
 
 def _norm_device(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
                  interpret: bool = False, only_where_faster: bool = True, sums: bool = False) -> jax.Array:
-    cuda = _cuda_takes(x_BK, w, norm_w, layout, config, interpret)  # (then no Config: gemv takes the same path)
-    c = None if cuda else config or norm_config_for(x_BK.shape[0], _rows(w, layout), x_BK.shape[1], layout)
+    c = config or norm_config_for(x_BK.shape[0], _rows(w, layout), x_BK.shape[1], layout)
     return gemv(x_BK, w, layout, c, interpret, norm_w=norm_w, eps=eps, sums=sums)
 
 
@@ -439,16 +414,9 @@ def gnorm_config(N: int, K: int, d: int) -> Config:
 
 def gemv_gnorm(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, w: jax.Array, dt,
                config: Config | None = None, interpret: bool = False, only_where_faster: bool = True) -> jax.Array:
-    """The same function as `gnorm_reference`, the norm in the GEMV's prologue: fp32 [1, N].  In CUDA (`CUDA`, no
-    `config` given, float32 x, z and norm weight, bf16 out): `bf16_cuda.gemv_gnorm`, one sum."""
+    """The same function as `gnorm_reference`, the norm in the GEMV's prologue: fp32 [1, N]."""
     from jax.experimental import pallas as pl
 
-    if CUDA and not interpret and config is None:
-        from jaxk3.kernels import bf16_cuda
-
-        if (bf16_cuda.gnorm_problem(x_BK, z_BK, norm_w, w, dt) is None
-                and bf16_cuda.CU.unavailable(bf16_cuda.target(bf16_cuda.GEMV_GNORM)) is None):
-            return bf16_cuda.gemv_gnorm(x_BK, z_BK, norm_w, eps, w)[0]
     N, K = w.shape
     d = norm_w.shape[0]
     c = config or gnorm_config(N, K, d)

@@ -58,7 +58,6 @@ from jax import lax
 
 from jaxk3.config import MXFP4_GROUP as G32
 from jaxk3.config import KimiK3Config
-from jaxk3.kernels import bf16_cuda as BC
 from jaxk3.kernels import mxfp4_cuda as CU
 from jaxk3.kernels.registry import Kernel, dot_nt, pow2, register, triton_params
 
@@ -96,13 +95,6 @@ CUDA_WIDE = True
 # 0 (the register form) until it has run on a GPU: built without one (twenty-third session), to be timed against the
 # register form (docs/PERF.md)
 CUDA_STAGES = 0
-# Config.cuda_bf16 None: bf16 experts at one token as two CUDA kernels (jaxk3.kernels.bf16_cuda: a warp an output, all of
-# its row's loads in flight, persistent CTAs; the router's ranking inside kernel 1 in the routed form, kernel 2's sum
-# whole).  Off: alone 1.07x the Pallas kernels (an H100), but in the Kimi-Linear-48B B = 1 step slower in every form
-# timed (twenty-fifth and twenty-sixth sessions, docs/PERF.md), and there they moved the first logits 0.16 from XLA's
-# where the Pallas kernels' are 0.02: tests/test_kernels.py::test_moe_block_paths_against_float64_on_gpu is to settle
-# that on a GPU
-CUDA_BF16 = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,9 +166,6 @@ class Config:
     cuda_stages: int | None = None  # the CUDA kernels streaming their weights through a ring of 4, 6 or 8 iterations in
     # shared memory (persistent CTAs; 0: the register form): kernel 1 in every form but cuda_raw, kernel 2 (with
     # cuda_down) at one token from XLA's float16 copies, one slot a part.  None: CUDA_STAGES
-    cuda_bf16: bool | None = None  # bf16 experts at one token: both kernels in CUDA (jaxk3.kernels.bf16_cuda), the
-    # shared experts' slot and, in the routed form, the router's ranking with them.  None: CUDA_BF16 where it applies;
-    # True: `fits` refuses a call where it cannot run (saying why)
 
 
 @jax.tree_util.register_dataclass
@@ -882,43 +871,6 @@ def _cuda_down_stages(cf: Config, B: int, U: int) -> int:
     return _cuda_stages(cf, form, U) if form == "f16" else 0
 
 
-def _bf16_wanted(cf: Config) -> bool:
-    return CUDA_BF16 if cf.cuda_bf16 is None else bool(cf.cuda_bf16)
-
-
-def _bf16_problem(w, z_BL: jax.Array, shared, routed: bool, U: int, residual: jax.Array | None = None) -> str | None:
-    """Why the bf16 CUDA kernels (jaxk3.kernels.bf16_cuda) cannot take this call (None: they can)."""
-    E, I, In, Out, _ = _dims(w)
-    if residual is not None and residual.dtype != jnp.bfloat16:
-        return f"the bf16 CUDA kernel 2 adds a bf16 residual stream in its epilogue, got {residual.dtype}"
-    if (z_BL.ndim != 2 or z_BL.shape[0] != 1 or z_BL.dtype != jnp.bfloat16 or isinstance(w.experts_w2, MXFP4)
-            or w.experts_w2.dtype != jnp.bfloat16):
-        return (f"the bf16 CUDA kernels take one bf16 token and bf16 experts, got z {z_BL.shape} {z_BL.dtype}, "
-                f"{'MXFP4' if isinstance(w.experts_w2, MXFP4) else w.experts_w2.dtype} experts")
-    if shared is not None and (shared.gate_up.shape != (2 * I, In) or shared.down.shape != (Out, I)
-                               or shared.gate_up.dtype != jnp.bfloat16 or shared.down.dtype != jnp.bfloat16):
-        return (f"the bf16 CUDA kernels take shared experts of the routed experts' shapes in bf16 (gate_up [{2 * I}, "
-                f"{In}], down [{Out}, {I}]), got {shared.gate_up.shape} {shared.gate_up.dtype}, "
-                f"{shared.down.shape} {shared.down.dtype}")
-    return BC.problem(E, U, I, In, shared is not None, routed) or BC.unavailable()
-
-
-def _bf16_launch(cfg, w, z_BL: jax.Array, sel_up: list, sel_down: list | None, U: int, route: "_Route | None",
-                 shared, residual: jax.Array | None) -> jax.Array:
-    """Both kernels in CUDA for one token of bf16 experts: fp32 [1, Out], or with `residual` bf16(residual + it) from
-    kernel 2's epilogue."""
-    _, I, _, _, joined = _dims(w)
-    gate = w.experts_w13 if joined else w.experts_w1
-    if route is None:  # the slots' experts and weights as `experts` planned them (one token: the router's order)
-        sel0, sel1, rt = sel_up[0], sel_down[1][0], None
-    else:  # the router's logits and bias (unpadded: the kernel ranks E of them)
-        sel0, sel1, rt = sel_up[0][0, :route.E], sel_up[1][:route.E], (route.k, route.renorm, route.scale)
-    a, ids, coef = BC.gate_up(sel0, sel1, z_BL[0], gate, gate if joined else w.experts_w3, I if joined else 0, I,
-                              None if shared is None else shared.gate_up, cfg.hidden_act, cfg.activation_situ_beta,
-                              cfg.activation_situ_linear_beta, route=rt)
-    return BC.down(ids, coef, a, w.experts_w2, None if shared is None else shared.down, residual=residual)
-
-
 def add_residual(y: jax.Array, residual: jax.Array | None) -> jax.Array:
     """The block's fp32 output, or with `residual` the new residual stream bf16(residual + y) (the decode step's add
     and rounding, as `attn_res.ffn_done` does them): the kernels' paths and `layers.moe.moe` alike."""
@@ -998,7 +950,7 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared:
             residual: jax.Array | None = None) -> jax.Array:
     """The same function as the reference: fp32 [B, Out] = Σ_k w_k · W2_k act(W1_k z, W3_k z) over the
     local intermediate shard (+ the shared experts' partial); with `residual` [B, Out] (one rank's whole sum: no psum
-    after it), bf16(residual + that), which the bf16 CUDA kernel 2 computes in its epilogue."""
+    after it), bf16(residual + that), added after the kernels (`add_residual`)."""
     B = z_BL.shape[0]
     E, *_ = _dims(w)
     uniq, coef = plan(ids_Bk, w_Bk, E)
@@ -1050,9 +1002,6 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     """The two pallas_calls over U selected slots (+ the shared experts' slot), the selection given to kernel 1
     as `sel_up` (the ids, or with `route` the logits and bias) and to kernel 2 as `sel_down` (the experts to read
     and their coefficients; with `route`, kernel 1 writes them)."""
-    if (not interpret and _bf16_wanted(config or Config())
-            and _bf16_problem(w, z_BL, shared, route is not None, U, residual) is None):  # both kernels in CUDA (bf16 experts)
-        return _bf16_launch(cfg, w, z_BL, sel_up, sel_down, U, route, shared, residual)
     pl = _pl()
     B = z_BL.shape[0]
     E, I, In, Out, joined = _dims(w)
@@ -1218,10 +1167,6 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
             why = CU.stream_problem(ds, U, False, CU.DOWN_TARGET)
         if why:
             return f"moe_experts kernel: cuda_down: {why}"
-    if cf.cuda_bf16 and z_BL.ndim == 2:
-        why = _bf16_problem(w, z_BL, shared, ids_Bk is None, U, residual)
-        if why:
-            return f"moe_experts kernel: cuda_bf16: {why}"
     if cf.f16 and not _f16_marked(w):
         return (f"moe_experts kernel: f16 needs MXFP4 stacks whose scales all lie in {list(F16_SCALES)} (MXFP4.f16: "
                 f"the config's experts_f16, set at load; these are not marked)")

@@ -82,7 +82,7 @@ def _register(target: str) -> str | None:
 
 
 def unavailable(target: str = TARGET) -> str | None:
-    """Why CUDA kernel `target` (TARGET, DOWN_TARGET, jaxk3.kernels.bf16_cuda's) cannot run on the traced step's devices (None: it can)."""
+    """Why CUDA kernel `target` (TARGET, DOWN_TARGET) cannot run on the traced step's devices (None: it can)."""
     platform = _compat.device_platform()
     if platform != "gpu":
         return f"{target} is a CUDA kernel, the device is {platform!r}"

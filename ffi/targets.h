@@ -23,26 +23,12 @@
 // convention's version (operands and attributes, `cuda_kernels_abi` in the module): raise it with any change to
 // one, and jaxk3/kernels/mxfp4_cuda.py's ABI with it, so that an extension built before the change is refused by
 // name instead of failing its first call.  2: the `l2` attribute, the raw (bf16) and wide ([tokens, ...]) inputs;
-// 3: gate-up's `stages` and `ctas`; 4: down's; 5: the bf16 kernels' `pdl`.
-#define JAXK3_CUDA_KERNELS_ABI 5
-// The four bf16 kernels' handlers are each registered twice (jaxk3.kernels.bf16_cuda.COMMAND_BUFFER picks): without
-// kCmdBufferCompatible, launched by XLA between its command buffers, and as `*_cb` with it, inside them.  Inside, an
-// FFI call is captured into a child graph, updated (and on a trace-cache miss captured again) whenever a buffer it
-// touches has moved since the last execution, which a decode step's new outputs do; outside, the ~100 calls a step cut
-// the command buffers into runs launched thunk by thunk.  The 48B B = 1 step lost to the Pallas kernels either way on
-// an H100 (155 us a step inside, 303 outside: docs/PERF.md, twenty-fifth and twenty-sixth sessions).
+// 3: gate-up's `stages` and `ctas`; 4: down's; 5: the bf16 kernels' `pdl`; 6: the bf16 kernels removed (they lost
+// to the Pallas kernels in the 48B step in every launch form timed: docs/PERF.md, twenty-seventh session).
+#define JAXK3_CUDA_KERNELS_ABI 6
 #define JAXK3_CUDA_KERNELS(X) \
   X("jaxk3_mxfp4_gate_up", jaxk3_cuda_mxfp4_gate_up) /* moe_experts' kernel 1, 1 to 8 tokens */ \
-  X("jaxk3_mxfp4_down", jaxk3_cuda_mxfp4_down)       /* moe_experts' kernel 2, 1 to 8 tokens */ \
-  X("jaxk3_bf16_gate_up", jaxk3_cuda_bf16_gate_up)   /* moe_experts' kernel 1, bf16 experts, one token */ \
-  X("jaxk3_bf16_down", jaxk3_cuda_bf16_down)         /* moe_experts' kernel 2, the same */ \
-  X("jaxk3_bf16_gemv", jaxk3_cuda_bf16_gemv)         /* the decode GEMV at one token (gemv.CUDA) */ \
-  X("jaxk3_bf16_gemv_gnorm", jaxk3_cuda_bf16_gemv_gnorm) /* the same, KDA's gated head norm first (gemv.CUDA) */ \
-  /* the same four inside XLA's command buffers (below) */ \
-  X("jaxk3_bf16_gate_up_cb", jaxk3_cuda_bf16_gate_up_cb) \
-  X("jaxk3_bf16_down_cb", jaxk3_cuda_bf16_down_cb) \
-  X("jaxk3_bf16_gemv_cb", jaxk3_cuda_bf16_gemv_cb) \
-  X("jaxk3_bf16_gemv_gnorm_cb", jaxk3_cuda_bf16_gemv_gnorm_cb)
+  X("jaxk3_mxfp4_down", jaxk3_cuda_mxfp4_down)       /* moe_experts' kernel 2, 1 to 8 tokens */
 
 namespace jaxk3 {
 

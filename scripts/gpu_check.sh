@@ -7,7 +7,7 @@
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
 #                        [mxfp4] [moestep] [targets] [mla] [hostcopy] [determinism] [cudaforms] [cudastep] [cudancu]
-#                        [exactstep] [cudastream] [bf16cuda] [bf16step]
+#                        [exactstep] [cudastream] [moeblock] [bf16step] [bf16gen]
 #   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -30,9 +30,9 @@
 #   `exactstep` the 48B B = 1 step as main compiles it (the bf16 roundings kept) against XLA's default precision
 #   (`jaxk3.model:EXCESS_PRECISION=1`), main again after (one process each); `cudastream` the MXFP4 CUDA kernels'
 #   streaming form (`cuda_stages`, twenty-third session): its compiled tests, alone at K3's TP 2 share (B 1 and 8)
-#   against the register form (then the steps: `cudastep` with CS_PATCHES); `bf16cuda` the bf16 CUDA kernels at one token
-#   (the experts' `cuda_bf16`, `gemv.CUDA`; twenty-fourth session): compiled tests, the experts alone at the 48B's dims;
-#   `bf16step` the 48B B = 1 step, main / BS_PATCHES / main again; `bf16gen` its `bench generate` (B = 1), main / BG_PATCHES.
+#   against the register form (then the steps: `cudastep` with CS_PATCHES); `moeblock` the 48B's MoE block at one token
+#   (bf16 experts) in XLA and through the Pallas kernels against float64, its errors printed; `bf16step` the 48B B = 1
+#   step, main / BS_PATCHES (none by default) / main again; `bf16gen` its `bench generate` (B = 1), main / BG_PATCHES.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -55,9 +55,6 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-.92}
 export JAXK3_GATHER_TIMEOUT_S=${JAXK3_GATHER_TIMEOUT_S:-20}
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-# bf16step's and bf16gen's runs beside main by default: the bf16 CUDA experts and GEMVs as programmatic dependent
-# launches, outside XLA's command buffers and inside them
-BF16_PATCHES='moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:PDL=1;moe_experts:CUDA_BF16=1 gemv:CUDA=1 bf16_cuda:PDL=1 bf16_cuda:COMMAND_BUFFER=1'
 
 if has env; then
   {
@@ -443,34 +440,25 @@ if has exactstep; then
   done
 fi
 
-if has bf16cuda; then
-  # The bf16 CUDA kernels at one token (twenty-fourth session, off): moe_experts' two (`cuda_bf16`) and the decode GEMV
-  # (`gemv.CUDA`, with its gated-norm form for KDA's o_proj): their compiled tests at the 48B's dims (BC_K selects; the
-  # MoE block's three paths against float64 among them, its errors printed),
-  # then the experts alone against the Pallas kernels and XLA (the 48B's serving layout with the shared experts;
-  # BC_CONFIGS=- skips it).
-  echo "== the bf16 CUDA kernels: compiled tests, then the experts alone ($(date -u +%T))"
-  timeout -k 10 "${BC_TEST_TIMEOUT:-180}" $PY -m pytest tests/test_gemv.py tests/test_kernels.py -m gpu \
-    -k "${BC_K:-moe_block_paths or cuda_bf16 or bf16_cuda or gemv_cuda or gnorm_cuda}" -q -s -rfEs -p no:cacheprovider \
-    > "$OUT/bf16cuda_tests.log" 2>&1
+if has moeblock; then
+  # Kimi-Linear-48B's MoE block at one token as the decode step calls it, in XLA and through the Pallas kernels, each
+  # against the float64 block (tests/test_kernels.py::test_moe_block_paths_against_float64_on_gpu), its errors printed.
+  echo "== the 48B MoE block's paths against float64 ($(date -u +%T))"
+  timeout -k 10 "${MB_TIMEOUT:-180}" $PY -m pytest tests/test_kernels.py -m gpu -k moe_block_paths -q -s -rfEs \
+    -p no:cacheprovider > "$OUT/moeblock_tests.log" 2>&1
   rc=$?; [ $rc -eq 0 ] || status=1
-  echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch|moe block," "$OUT/bf16cuda_tests.log" | cut -c1-300 | tail -12
-  [ "${BC_CONFIGS:-}" = - ] || timeout -k 10 "${BC_SWEEP_TIMEOUT:-120}" $PY scripts/gpu/moe_experts_sweep.py --preset kl --batch 1 --formats bf16 \
-    --configs "${BC_CONFIGS:-cuda_bf16=1}" --json "$OUT/bf16cuda_sweep.json" 2>&1 | cut -c1-200
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "tests rc $rc"; grep -E "^(FAILED|ERROR)|passed|failed|rror|Mismatch|moe block," "$OUT/moeblock_tests.log" | cut -c1-300 | tail -12
 fi
 
 if has bf16step; then
-  # The 48B B = 1 step: main, then each BS_PATCHES entry (';'-separated step_with_kernel.py patch lists; by default the
-  # bf16 CUDA experts and GEMVs, 237 launches against 262, launched as programmatic dependent launches, outside XLA's
-  # command buffers, then inside them; both forms' plain launches lost, twenty-sixth session), main
-  # again (BS_AGAIN=0: not; BS_MAIN=0: nor first): one process each (BS_TIMEOUT seconds each).
+  # The 48B B = 1 step: main, then each BS_PATCHES entry (';'-separated step_with_kernel.py patch lists; none by
+  # default), main again (BS_AGAIN=0: not; BS_MAIN=0: nor first): one process each (BS_TIMEOUT seconds each).
   # BS_VARIANTS (default serving/auto,serving/off) runs XLA's path in each process too: its logits against the
   # kernels' (the JSON's logits_rel_diff; ~0.007 between main's paths on an H200, 2026-12-01) and each process's
   # greedy tokens; BS_VARIANTS=serving/auto times the kernels' path alone.  BS_LAYERS (default all; e.g. 0-3) the layers:
   # with fewer, less of a path's roundings is amplified on the way to the logits.
   S48="--config kimi-linear-48b --layers ${BS_LAYERS:-all} --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants ${BS_VARIANTS:-serving/auto,serving/off} --steps 20 --repeats 5"
-  IFS=';' read -ra patches <<< "${BS_PATCHES:-$BF16_PATCHES}"
+  IFS=';' read -ra patches <<< "${BS_PATCHES:-}"
   again=main2; [ "${BS_AGAIN:-1}" = 0 ] && again=
   first=main; [ "${BS_MAIN:-1}" = 0 ] && first=
   for run in $first "${patches[@]}" $again; do
@@ -491,13 +479,12 @@ EOF
 fi
 
 if has bf16gen; then
-  # What a user feels of the bf16 CUDA kernels: `bench generate` at the 48B's dims (BG_EXPERTS routed experts kept, 64 by
+  # What a user feels of a patch list: `bench generate` at the 48B's dims (BG_EXPERTS routed experts kept, 64 by
   # default so that it fits an H100; the decode loop reads top-8 either way), B = 1, a 4096-token prompt and 256 new
-  # tokens, main (BG_MAIN=0: not) and then each BG_PATCHES entry (default: BS_PATCHES's), one process each (BG_TIMEOUT seconds each).
-  # Inside the device's decode loop (a while loop) the step's buffers keep their addresses, which an FFI call in a
-  # command buffer needs to be replayed rather than traced again: the loop may rank the two forms otherwise than
-  # `bench decode`'s back-to-back steps.
-  IFS=';' read -ra patches <<< "${BG_PATCHES:-${BS_PATCHES:-$BF16_PATCHES}}"
+  # tokens, main (BG_MAIN=0: not) and then each BG_PATCHES entry (default: BS_PATCHES's; none), one process each
+  # (BG_TIMEOUT seconds each).  Inside the device's decode loop (a while loop) the step's buffers keep their
+  # addresses: the loop may rank a patch otherwise than `bench decode`'s back-to-back steps.
+  IFS=';' read -ra patches <<< "${BG_PATCHES:-${BS_PATCHES:-}}"
   G48="generate --config kimi-linear-48b --tp 1 --batch 1 --experts ${BG_EXPERTS:-64} --prompt 4096 --new 256"
   first=main; [ "${BG_MAIN:-1}" = 0 ] && first=
   for run in $first "${patches[@]}"; do

@@ -2302,8 +2302,9 @@ def test_moe_experts_cuda_forms_lowered(monkeypatch, form, B):
 
 def test_moe_experts_cuda_stream_lowered_and_refused(monkeypatch):
     """The CUDA kernels' streaming form (`Config.cuda_stages`) as `moe_experts` lowers it (on the CPU, the kernels'
-    availability patched in): the ring depth reaches kernel 1's `stages` attribute (0, the register form, by default:
-    CUDA_STAGES), at one token and in the wide form, and kernel 2's at one token only, where it takes one slot a
+    availability patched in): the ring depth reaches kernel 1's `stages` attribute (by default CUDA_STAGES at one
+    token, 0, the register form, in the wide form), at one token and in the wide form, and kernel 2's at one token
+    only and only when asked for (CUDA_STAGES is kernel 1's), where it takes one slot a
     part (its partial sums [U, 1, Out]; the wide form keeps its register kernel 2); `fits` refuses a depth neither
     kernel has an instance of and kernel 1's raw form, with the reason, before anything compiles; and
     `mxfp4_cuda.gate_up` and `down` refuse those, the wide kernel 2 and more slots than their shared-memory table
@@ -2315,16 +2316,18 @@ def test_moe_experts_cuda_stream_lowered_and_refused(monkeypatch):
     for B in (1, 5):
         cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B, routed_expert_hidden_size=1536,
                                        moe_intermediate_size=768)
-        for stages, want in ((None, ME.CUDA_STAGES), (0, 0), (4, 4), (6, 6), (8, 8)):
+        assert ME.CUDA_STAGES == 4  # (the default below: kernel 1's at one token only)
+        for stages, want in ((None, 4 if B == 1 else 0), (0, 0), (4, 4), (6, 6), (8, 8)):
             c = ME.Config(cuda=True, cuda_down=True, cuda_stages=stages)  # (kernel 2 in CUDA too: no Pallas call to
             # lower on the CPU)
             assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
             hlo = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c)).lower(w, z, wk, ids).as_text()
             calls = [ln for ln in hlo.splitlines() if "stablehlo.custom_call" in ln and CU.TARGET in ln]
             assert len(calls) == 1 and f"stages = {want} : i64" in calls[0] and "ctas = 0 : i64" in calls[0], calls
-            # kernel 2: the streaming form at one token only, one slot a part (its output [U, 1, Out]); else 4 parts
+            # kernel 2: the streaming form at one token only and only where asked for, one slot a part (its output
+            # [U, 1, Out]); else 4 parts
             down = [ln for ln in hlo.splitlines() if "stablehlo.custom_call" in ln and CU.DOWN_TARGET in ln]
-            dwant = want if B == 1 else 0
+            dwant = want if B == 1 and stages is not None else 0
             U = ids.shape[1] if B == 1 else None
             assert len(down) == 1 and f"stages = {dwant} : i64" in down[0], down
             if B == 1:

@@ -90,11 +90,15 @@ CUDA_L2 = True
 # against 3390.6 and 3389.8, and with the L2 hint 3259.9 against 3350.3 and 3353.6, twenty-second session); not at one
 # token, where the shared-memory copy is faster (97.6 us against 107.6).  Config.cuda_wide=True takes it at one token
 CUDA_WIDE = True
-# Config.cuda_stages None: the CUDA kernels' streaming form (jaxk3.kernels.mxfp4_cuda's `stages`: persistent CTAs, the
-# weights through a ring of that many iterations in shared memory; kernel 1 the same bits, kernel 2 at one token).
-# 0 (the register form) until it has run on a GPU: built without one (twenty-third session), to be timed against the
-# register form (docs/PERF.md)
-CUDA_STAGES = 0
+# Config.cuda_stages None: kernel 1's streaming form at one token (jaxk3.kernels.mxfp4_cuda's `stages`: persistent
+# CTAs, the weights through a ring of that many iterations in shared memory; the same bits as the register form).  4 at
+# one token from XLA's float16 copy (the "f16" form): K3's TP 2 share 88.0 us against the register form's 94.7 (6: 86.4,
+# 8: 88.6), and the K3 layers 11-14 packed B = 1 step 3218.8 / 3258.9 / 3258.8 us against 3242.9-3289.8 for main in
+# the same calls, 4 comparisons of 4 (6: even); H100, twenty-seventh session, docs/PERF.md.  Not the wide form (2-8
+# tokens: 4 and 6 stages slower, 361.2 and 371.2 us against 343.4, 8 faster, 327.9, one sweep, not timed in the step),
+# nor kernel 2 (with cuda_down, the streaming form was slower at every depth: 99.0-100.2 us against 91.3): there it
+# is only an explicit Config.cuda_stages
+CUDA_STAGES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +169,8 @@ class Config:
     # None: CUDA_WIDE
     cuda_stages: int | None = None  # the CUDA kernels streaming their weights through a ring of 4, 6 or 8 iterations in
     # shared memory (persistent CTAs; 0: the register form): kernel 1 in every form but cuda_raw, kernel 2 (with
-    # cuda_down) at one token from XLA's float16 copies, one slot a part.  None: CUDA_STAGES
+    # cuda_down) at one token from XLA's float16 copies, one slot a part.  None: CUDA_STAGES for kernel 1 at one token
+    # from XLA's float16 copy, the register form elsewhere
 
 
 @jax.tree_util.register_dataclass
@@ -856,19 +861,18 @@ def _cuda_form(cf: Config, B: int) -> tuple[str, bool]:
 
 
 def _cuda_stages(cf: Config, form: str, U: int) -> int:
-    """Kernel 1's ring depth (0: the register form): Config.cuda_stages, or CUDA_STAGES where the streaming form
-    applies (not the raw form; at most CU.MAX_STREAM_SLOTS slots).  An explicit depth it cannot take is `fits`'s
-    refusal, not this."""
+    """Kernel 1's ring depth (0: the register form): Config.cuda_stages, else CUDA_STAGES in the one-token "f16" form
+    where the streaming form takes the call (at most CU.MAX_STREAM_SLOTS slots), else 0.  An explicit depth it cannot
+    take is `fits`'s refusal, not this."""
     if cf.cuda_stages is not None:
         return int(cf.cuda_stages)
-    return CUDA_STAGES if CU.stream_problem(CUDA_STAGES, U, form == "raw") is None else 0
+    return CUDA_STAGES if form == "f16" and CU.stream_problem(CUDA_STAGES, U, False) is None else 0
 
 
 def _cuda_down_stages(cf: Config, B: int, U: int) -> int:
-    """Kernel 2's ring depth in CUDA (0: the register form): the streaming form is one token's, from XLA's float16
-    copies (not the wide or raw forms, where it is 0)."""
-    form = _cuda_form(cf, B)[0]
-    return _cuda_stages(cf, form, U) if form == "f16" else 0
+    """Kernel 2's ring depth in CUDA (0: the register form): an explicit Config.cuda_stages, in the one-token form from
+    XLA's float16 copies only (not the wide or raw forms); CUDA_STAGES is kernel 1's alone."""
+    return int(cf.cuda_stages) if cf.cuda_stages is not None and _cuda_form(cf, B)[0] == "f16" else 0
 
 
 def add_residual(y: jax.Array, residual: jax.Array | None) -> jax.Array:

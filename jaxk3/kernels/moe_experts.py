@@ -1236,7 +1236,10 @@ register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits
                          "4.07x with kernel 1 in CUDA (wide; the K3 layers 11-14 packed B=8 step 3259.9 us with the L2 "
                          "hint against 3350.3 with the Pallas kernel 1); K3 layers 11-14 at TP 1, B=8: the step 4212.7 "
                          "us against 9839.8 (bf16) and 3811.6 against 12066.2 (MXFP4; mx_dot 4454.9) (H200, jax "
-                         "0.11.2; MEASURED, STEP_MEASURED)"))
+                         "0.11.2; MEASURED, STEP_MEASURED); at one token kernel 1's streaming form (4 stages): 2.05x "
+                         "XLA at K3 TP 2 B=1 (88.0 us against 180.1; its register form 1.90x), the K3 layers 11-14 "
+                         "packed B=1 step 3218.8-3258.9 us against 3242.9-3289.8 with the register form (H100, jax "
+                         "0.11.2)"))
 
 
 def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,

@@ -2303,7 +2303,7 @@ def test_moe_experts_cuda_forms_lowered(monkeypatch, form, B):
 def test_moe_experts_cuda_stream_lowered_and_refused(monkeypatch):
     """The CUDA kernels' streaming form (`Config.cuda_stages`) as `moe_experts` lowers it (on the CPU, the kernels'
     availability patched in): the ring depth reaches kernel 1's `stages` attribute (by default CUDA_STAGES at one
-    token, 0, the register form, in the wide form), at one token and in the wide form, and kernel 2's at one token
+    token, CUDA_STAGES_WIDE in the wide form), at one token and in the wide form, and kernel 2's at one token
     only and only when asked for (CUDA_STAGES is kernel 1's), where it takes one slot a
     part (its partial sums [U, 1, Out]; the wide form keeps its register kernel 2); `fits` refuses a depth neither
     kernel has an instance of and kernel 1's raw form, with the reason, before anything compiles; and
@@ -2316,8 +2316,8 @@ def test_moe_experts_cuda_stream_lowered_and_refused(monkeypatch):
     for B in (1, 5):
         cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, B, routed_expert_hidden_size=1536,
                                        moe_intermediate_size=768)
-        assert ME.CUDA_STAGES == 4  # (the default below: kernel 1's at one token only)
-        for stages, want in ((None, 4 if B == 1 else 0), (0, 0), (4, 4), (6, 6), (8, 8)):
+        assert (ME.CUDA_STAGES, ME.CUDA_STAGES_WIDE) == (4, 8)  # (the defaults below: kernel 1's)
+        for stages, want in ((None, 4 if B == 1 else 8), (0, 0), (4, 4), (6, 6), (8, 8)):
             c = ME.Config(cuda=True, cuda_down=True, cuda_stages=stages)  # (kernel 2 in CUDA too: no Pallas call to
             # lower on the CPU)
             assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None

@@ -90,15 +90,16 @@ CUDA_L2 = True
 # against 3390.6 and 3389.8, and with the L2 hint 3259.9 against 3350.3 and 3353.6, twenty-second session); not at one
 # token, where the shared-memory copy is faster (97.6 us against 107.6).  Config.cuda_wide=True takes it at one token
 CUDA_WIDE = True
-# Config.cuda_stages None: kernel 1's streaming form at one token (jaxk3.kernels.mxfp4_cuda's `stages`: persistent
-# CTAs, the weights through a ring of that many iterations in shared memory; the same bits as the register form).  4 at
-# one token from XLA's float16 copy (the "f16" form): K3's TP 2 share 88.0 us against the register form's 94.7 (6: 86.4,
-# 8: 88.6), and the K3 layers 11-14 packed B = 1 step 3218.8 / 3258.9 / 3258.8 us against 3242.9-3289.8 for main in
-# the same calls, 4 comparisons of 4 (6: even); H100, twenty-seventh session, docs/PERF.md.  Not the wide form (2-8
-# tokens: 4 and 6 stages slower, 361.2 and 371.2 us against 343.4, 8 faster, 327.9, one sweep, not timed in the step),
-# nor kernel 2 (with cuda_down, the streaming form was slower at every depth: 99.0-100.2 us against 91.3): there it
-# is only an explicit Config.cuda_stages
+# Config.cuda_stages None: kernel 1's streaming form (jaxk3.kernels.mxfp4_cuda's `stages`: persistent CTAs, the weights
+# through a ring of that many iterations in shared memory; the same bits as the register form), H100, twenty-seventh
+# session, docs/PERF.md.  CUDA_STAGES at one token from XLA's float16 copy (the "f16" form): K3's TP 2 share 88.0 us
+# against the register form's 94.7 (6: 86.4, 8: 88.6), the K3 layers 11-14 packed B = 1 step 3218.8-3258.9 us against
+# 3242.9-3289.8 in the same calls (6: even).  CUDA_STAGES_WIDE in the wide form (2-8 tokens): K3's TP 2 share at B = 8
+# 327.9 us against 343.4 (4 and 6 slower: 361.2, 371.2), the K3 layers 11-14 packed B = 8 step 4162.5 / 4191.6 us
+# against 4274.6 / 4268.8 in the same call (B = 2-7 not timed).  Not kernel 2 (with cuda_down its streaming form was
+# slower at every depth: 99.0-100.2 us against 91.3): there only an explicit Config.cuda_stages takes it
 CUDA_STAGES = 4
+CUDA_STAGES_WIDE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +170,8 @@ class Config:
     # None: CUDA_WIDE
     cuda_stages: int | None = None  # the CUDA kernels streaming their weights through a ring of 4, 6 or 8 iterations in
     # shared memory (persistent CTAs; 0: the register form): kernel 1 in every form but cuda_raw, kernel 2 (with
-    # cuda_down) at one token from XLA's float16 copies, one slot a part.  None: CUDA_STAGES for kernel 1 at one token
-    # from XLA's float16 copy, the register form elsewhere
+    # cuda_down) at one token from XLA's float16 copies, one slot a part.  None: kernel 1's CUDA_STAGES at one token
+    # from XLA's float16 copy, CUDA_STAGES_WIDE in the wide form, the register form elsewhere
 
 
 @jax.tree_util.register_dataclass
@@ -862,11 +863,12 @@ def _cuda_form(cf: Config, B: int) -> tuple[str, bool]:
 
 def _cuda_stages(cf: Config, form: str, U: int) -> int:
     """Kernel 1's ring depth (0: the register form): Config.cuda_stages, else CUDA_STAGES in the one-token "f16" form
-    where the streaming form takes the call (at most CU.MAX_STREAM_SLOTS slots), else 0.  An explicit depth it cannot
-    take is `fits`'s refusal, not this."""
+    and CUDA_STAGES_WIDE in the wide form where the streaming form takes the call (at most CU.MAX_STREAM_SLOTS slots),
+    else 0 (the raw form).  An explicit depth it cannot take is `fits`'s refusal, not this."""
     if cf.cuda_stages is not None:
         return int(cf.cuda_stages)
-    return CUDA_STAGES if form == "f16" and CU.stream_problem(CUDA_STAGES, U, False) is None else 0
+    stages = {"f16": CUDA_STAGES, "wide": CUDA_STAGES_WIDE}.get(form, 0)
+    return stages if CU.stream_problem(stages, U, False) is None else 0
 
 
 def _cuda_down_stages(cf: Config, B: int, U: int) -> int:
@@ -1236,10 +1238,10 @@ register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits
                          "4.07x with kernel 1 in CUDA (wide; the K3 layers 11-14 packed B=8 step 3259.9 us with the L2 "
                          "hint against 3350.3 with the Pallas kernel 1); K3 layers 11-14 at TP 1, B=8: the step 4212.7 "
                          "us against 9839.8 (bf16) and 3811.6 against 12066.2 (MXFP4; mx_dot 4454.9) (H200, jax "
-                         "0.11.2; MEASURED, STEP_MEASURED); at one token kernel 1's streaming form (4 stages): 2.05x "
-                         "XLA at K3 TP 2 B=1 (88.0 us against 180.1; its register form 1.90x), the K3 layers 11-14 "
-                         "packed B=1 step 3218.8-3258.9 us against 3242.9-3289.8 with the register form (H100, jax "
-                         "0.11.2)"))
+                         "0.11.2; MEASURED, STEP_MEASURED); kernel 1's streaming form: 2.05x XLA at K3 TP 2 B=1 with 4 "
+                         "stages (88.0 us against 180.1; the register form 1.90x), 3.78x at B=8 with 8 (327.9 against "
+                         "1238.8; 3.61x), the K3 layers 11-14 packed steps 3218.8-3258.9 us at B=1 and 4162.5-4191.6 "
+                         "at B=8 against 3242.9-3289.8 and 4256.8-4274.6 with the register form (H100, jax 0.11.2)"))
 
 
 def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,

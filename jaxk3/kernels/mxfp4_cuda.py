@@ -21,11 +21,12 @@ streams the weights through a ring of that many iterations in shared memory (cp.
 several items with its loads running on across them: kernel 1's items (slot, 16-row block) with the same products in
 the same order (the same bits), kernel 2's (part, 16-row block) at one token with the 4 warps splitting each slot's I
 (another sum order; one slot a part in `moe_experts`, so the items are many); ffi/cuda_mxfp4_gate_up.cu and
-cuda_mxfp4_down.cu say why; `moe_experts.CUDA_STAGES` takes 4 for kernel 1 at one token (timed, docs/PERF.md).  The wide form takes 1 to 8 tokens
-(`moe_experts.Config.cuda_wide`): the mma's N is 8, so lane g of the B fragment reads token g's float16 row (from
-global memory, kept in L1; the weight loads skip L1), for the same MMAs and weight bytes as one token.  The defaults
-(measured on an H200 and an H100, `moe_experts.CUDA_*`): kernel 1 in CUDA, from XLA's float16 copy at one token (its
-streaming form, 4 stages) and the wide form at 2 to 8, with the L2 hint; kernel 2 in Pallas.
+cuda_mxfp4_down.cu say why; `moe_experts.CUDA_STAGES` / `CUDA_STAGES_WIDE` take 4 and 8 for kernel 1 at one token
+and at 2-8 (timed, docs/PERF.md).  The wide form takes 1 to 8 tokens (`moe_experts.Config.cuda_wide`): the mma's N
+is 8, so lane g of the B fragment reads token g's float16 row (from global memory, kept in L1; the weight loads skip
+L1), for the same MMAs and weight bytes as one token.  The defaults
+(measured on an H200 and an H100, `moe_experts.CUDA_*`): kernel 1 in CUDA, from XLA's float16 copy at one token and
+the wide form at 2 to 8, both in their streaming forms (4 and 8 stages), with the L2 hint; kernel 2 in Pallas.
 
 jnp has no such kernels: the CPU path and the oracle are `moe_experts.experts_partial`, as for the Pallas kernels.
 """

@@ -16,8 +16,9 @@
 // XLA, or in the raw form (x bf16) by the CTA itself in shared memory (cuda_mxfp4.h).  The K dimension's order
 // inside an mma is free, so no data moves between lanes.  Template instances <input form, l2> (kIn16, kInRaw,
 // kInWide: up to 8 tokens, each lane g token g's B column; l2: the weight loads with L2's 256-byte prefetch size);
-// <kIn16, false> is the one measured (docs/PERF.md, nineteenth session).  The streaming form (`stages` 4, 6, 8:
-// GateUpStreamKernel below) does the same products in persistent CTAs with the weights through shared memory.
+// each was timed on a GPU (docs/PERF.md, nineteenth to twenty-seventh sessions).  The streaming form (`stages` 4, 6, 8:
+// GateUpStreamKernel below) does the same products in persistent CTAs with the weights through shared memory, and is
+// moe_experts' default (4 stages at one token, 8 in the wide form; twenty-seventh session).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -29,8 +29,8 @@
 #   CS_CENSUS (a patch list; "-" for none) the step's census; `cudancu` Nsight Compute on them (NCU_BATCH, NCU_CONFIG);
 #   `exactstep` the 48B B = 1 step as main compiles it (the bf16 roundings kept) against XLA's default precision
 #   (`jaxk3.model:EXCESS_PRECISION=1`), main again after (one process each); `cudastream` the MXFP4 CUDA kernels'
-#   streaming form (`cuda_stages`, twenty-third session): its compiled tests, alone at K3's TP 2 share (B 1 and 8)
-#   against the register form (then the steps: `cudastep` with CS_PATCHES); `moeblock` the 48B's MoE block at one token
+#   streaming form (`cuda_stages`, twenty-third session; main's since the twenty-seventh): its compiled tests, alone at
+#   K3's TP 2 share (B 1 and 8) against the register form (then the steps: `cudastep`, the register form by default); `moeblock` the 48B's MoE block at one token
 #   (bf16 experts) in XLA and through the Pallas kernels against float64, its errors printed; `bf16step` the 48B B = 1
 #   step, main / BS_PATCHES (none by default) / main again; `bf16gen` its `bench generate` (B = 1), main / BG_PATCHES.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
@@ -392,18 +392,21 @@ if has cudastep; then
   # (CS_PATCHES: ';'-separated step_with_kernel.py patch lists), main again at the end.
   b=${CS_BATCH:-1}
   K3S="--config k3 --layers 11-14 --experts 32 --tp 1 --context 4k --steps 20 --repeats 5 --strategies packed+sharded+one-shot --batch $b"
-  # (default patches: the forms main had before the twenty-second session, against main's defaults)
-  if [ "$b" = 1 ]; then dflt="moe_experts:CUDA_L2=0"
-  else dflt="moe_experts:CUDA_WIDE=0 moe_experts:CUDA_L2=0"; fi
+  # (default patch: kernel 1's register form, main's before its streaming form became the default, twenty-seventh
+  # session; each patch's JSON is numbered by its place in CS_PATCHES, so that a patch given twice keeps both runs)
+  if [ "$b" = 1 ]; then dflt="moe_experts:CUDA_STAGES=0"
+  else dflt="moe_experts:CUDA_STAGES_WIDE=0"; fi
   IFS=';' read -ra patches <<< "${CS_PATCHES:-$dflt}"
   [ "${CS_PATCHES:-}" = none ] && patches=()
   echo "== K3 B = $b step: main ($(date -u +%T))"
   timeout -k 5 110 $PY -m jaxk3.cli bench decode $K3S --json "$OUT/cudastep_b${b}_main.json" 2>&1 | grep -E "^ +$b \||rror" | tail -3
+  i=0
   for pt in "${patches[@]}"; do
+    i=$((i + 1))
     echo "== K3 B = $b step: $pt ($(date -u +%T))"
     # shellcheck disable=SC2086
-    timeout -k 5 110 $PY scripts/gpu/step_with_kernel.py $pt -- $K3S --json "$OUT/cudastep_b${b}_${pt//[^A-Za-z0-9]/_}.json" \
-      2>&1 | grep -E "^ +$b \||rror" | tail -3
+    timeout -k 5 110 $PY scripts/gpu/step_with_kernel.py $pt -- $K3S \
+      --json "$OUT/cudastep_b${b}_${i}_${pt//[^A-Za-z0-9]/_}.json" 2>&1 | grep -E "^ +$b \||rror" | tail -3
   done
   echo "== K3 B = $b step: main again ($(date -u +%T))"
   timeout -k 5 110 $PY -m jaxk3.cli bench decode $K3S --json "$OUT/cudastep_b${b}_main2.json" 2>&1 | grep -E "^ +$b \||rror" | tail -3
@@ -419,12 +422,13 @@ fi
 if has cudastream; then
   # The CUDA kernels' streaming form (moe_experts.Config.cuda_stages 4, 6, 8; kernel 2 with cuda_down, one token): the
   # compiled tests (kernel 1 bitwise against the register form, the persistent CTAs capped to take many items), then
-  # alone at K3's TP 2 share against main's register form and XLA, one token (kernel 1 alone, also read through L1:
-  # the wide instance; both kernels, and the register CUDA kernel 2) and 8 (kernel 1).
+  # alone at K3's TP 2 share against main (kernel 1 streaming: 4 stages at one token, 8 in the wide form), its register
+  # form (cuda_stages=0) and XLA, one token (kernel 1 alone, also read through L1: the wide instance; both kernels,
+  # and the register CUDA kernel 2) and 8 (kernel 1).
   echo "== the CUDA kernels' streaming form: compiled tests, then alone ($(date -u +%T))"
   mxfp4_forms cudastream "cuda_stream or stream_items" "${SF_TEST_TIMEOUT:-200}" "${SF_SWEEP_TIMEOUT:-150}" \
-    "${SF_CONFIGS:-cuda_stages=4;cuda_stages=6;cuda_stages=8;cuda_wide=1,cuda_stages=4;cuda_down=1;cuda_down=1,cuda_stages=4;cuda_down=1,cuda_stages=6;cuda_down=1,cuda_stages=8}" \
-    "${SF_CONFIGS8:-cuda_stages=4;cuda_stages=6;cuda_stages=8}"
+    "${SF_CONFIGS:-cuda_stages=0;cuda_stages=4;cuda_stages=6;cuda_stages=8;cuda_wide=1,cuda_stages=4;cuda_down=1;cuda_down=1,cuda_stages=4;cuda_down=1,cuda_stages=6;cuda_down=1,cuda_stages=8}" \
+    "${SF_CONFIGS8:-cuda_stages=0;cuda_stages=4;cuda_stages=6;cuda_stages=8}"
 fi
 
 if has exactstep; then
@@ -461,12 +465,14 @@ if has bf16step; then
   IFS=';' read -ra patches <<< "${BS_PATCHES:-}"
   again=main2; [ "${BS_AGAIN:-1}" = 0 ] && again=
   first=main; [ "${BS_MAIN:-1}" = 0 ] && first=
+  i=0  # (each run's JSON numbered by its place, so that a patch list given twice keeps both runs)
   for run in $first "${patches[@]}" $again; do
+    i=$((i + 1))
     echo "== 48B B = 1 step: $run ($(date -u +%T))"
     if [ "$run" = main ] || [ "$run" = main2 ]; then cmd="$PY -m jaxk3.cli bench decode"
     else cmd="$PY scripts/gpu/step_with_kernel.py $run --"; fi
     # shellcheck disable=SC2086
-    timeout -k 5 ${BS_TIMEOUT:-125} $cmd $S48 --json "$OUT/bf16step_${run//[^A-Za-z0-9]/_}.json" 2>&1 | grep -E "^ +1 \||rror" | tail -3
+    timeout -k 5 ${BS_TIMEOUT:-125} $cmd $S48 --json "$OUT/bf16step_${i}_${run//[^A-Za-z0-9]/_}.json" 2>&1 | grep -E "^ +1 \||rror" | tail -3
   done
   $PY - "$OUT" <<'EOF'
 import glob, json, sys
@@ -487,11 +493,13 @@ if has bf16gen; then
   IFS=';' read -ra patches <<< "${BG_PATCHES:-${BS_PATCHES:-}}"
   G48="generate --config kimi-linear-48b --tp 1 --batch 1 --experts ${BG_EXPERTS:-64} --prompt 4096 --new 256"
   first=main; [ "${BG_MAIN:-1}" = 0 ] && first=
+  i=0
   for run in $first "${patches[@]}"; do
+    i=$((i + 1))
     echo "== 48B B = 1 generate: $run ($(date -u +%T))"
     # shellcheck disable=SC2086
     timeout -k 5 ${BG_TIMEOUT:-150} $PY scripts/gpu/step_with_kernel.py ${run/#main/} -- $G48 \
-      --json "$OUT/bf16gen_${run//[^A-Za-z0-9]/_}.json" 2>&1 | grep -E "decode .* tok/s|rror" | tail -3
+      --json "$OUT/bf16gen_${i}_${run//[^A-Za-z0-9]/_}.json" 2>&1 | grep -E "decode .* tok/s|rror" | tail -3
   done
 fi
 

@@ -2342,6 +2342,23 @@ def test_moe_experts_cuda_stream_lowered_and_refused(monkeypatch):
                                                                          only_where_faster=False)
     assert "at most 512 slots" in CU.stream_problem(4, 513, False) and CU.stream_problem(4, 512, False) is None
     assert CU.stream_problem(0, 10_000, True) is None  # the register form takes any
+    # the defaults fall back to the register form where the streaming form cannot take the call (the raw form, more
+    # slots than its table holds), and the wide form takes CUDA_STAGES_WIDE at one token too
+    c = ME.Config()
+    assert [ME._cuda_stages(c, f, 16) for f in ("f16", "wide", "raw")] == [ME.CUDA_STAGES, ME.CUDA_STAGES_WIDE, 0]
+    assert ME._cuda_stages(c, "f16", 513) == 0 and ME._cuda_stages(c, "wide", 513) == 0
+    cfg, w, z, wk, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, moe_intermediate_size=768)
+    for c, want in ((ME.Config(cuda=True, cuda_down=True, cuda_raw=True, cuda_wide=False), 0),
+                    (ME.Config(cuda_down=True, cuda_wide=True), 8)):  # (kernel 2 in CUDA: lowers on the CPU)
+        assert ME.fits(cfg, w, z, wk, ids, config=c, only_where_faster=False) is None
+        hlo = jax.jit(lambda *a, c=c: ME.experts(cfg, *a, config=c)).lower(w, z, wk, ids).as_text()
+        calls = [ln for ln in hlo.splitlines() if "stablehlo.custom_call" in ln and CU.TARGET in ln]
+        assert len(calls) == 1 and f"stages = {want} : i64" in calls[0], (c, calls)
+    # an explicit depth the kernel has no instance of is refused by `fits` with kernel 1 in CUDA by default too
+    # (Config.cuda None), not at the call
+    for bad, why in ((ME.Config(cuda_stages=5), "stages must be one of"),
+                     (ME.Config(cuda_stages=4, cuda_raw=True, cuda_wide=False), "not the raw form")):
+        assert why in (ME.fits(cfg, w, z, wk, ids, config=bad, only_where_faster=False) or ""), bad
     _, w, z, _, ids = _moe_case("mxfp4", jnp.bfloat16, 1, routed_expert_hidden_size=1536, moe_intermediate_size=768)
     x16, inv = ME.f16_scaled(z)
     for kw, why in ((dict(stages=2), "stages must be one of"), (dict(stages=4, raw=True), "not the raw form")):

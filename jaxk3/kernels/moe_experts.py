@@ -25,10 +25,11 @@ How a tile is multiplied (as in jaxk3.kernels.gemv, whose sweep found the same):
                MMA's M side (wgmma's A operand, from registers) and the tokens padded to 8 rows (`Config.swap`);
                otherwise x padded to 16 rows and each 32-value scale group's codes in bf16 on the tensor cores, the
                sums times the group's scale (`Config.mx_dot`); per token element-wise where the input is not bf16.
-MXFP4 at one token, kernel 1 is a CUDA kernel where the extension has it (`Config.cuda`, jaxk3.kernels.mxfp4_cuda:
+MXFP4 at 1 to 8 tokens, kernel 1 is a CUDA kernel where the extension has it (`Config.cuda`, jaxk3.kernels.mxfp4_cuda:
 the float16 form's arithmetic on mma.sync, each lane decoding its own words into its fragment registers; Triton's
-layouts made every tensor-core form at one token slower than the element-wise one); kernel 2 has the same CUDA form,
-off until it has run on a GPU (`Config.cuda_down`).
+layouts made every tensor-core form at one token slower than the element-wise one), by default in its streaming form
+(`Config.cuda_stages`: the weights through a ring in shared memory, 4 stages at one token, 8 in the wide form for 2 to
+8 tokens); kernel 2 has the same CUDA form, off: slower in the step (`Config.cuda_down`).
 MXFP4 rows are dequantised in registers (by default each 32-bit word's eight E2M1 codes become float16's bits in a
 few PTX instructions, `Config.decode`, then the E8M0 scale per group) and never exist dequantised in memory.
 Products and sums are float32, as in the reference; the sums run in another order, so the results
@@ -96,8 +97,9 @@ CUDA_WIDE = True
 # against the register form's 94.7 (6: 86.4, 8: 88.6), the K3 layers 11-14 packed B = 1 step 3218.8-3258.9 us against
 # 3242.9-3289.8 in the same calls (6: even).  CUDA_STAGES_WIDE in the wide form (2-8 tokens): K3's TP 2 share at B = 8
 # 327.9 us against 343.4 (4 and 6 slower: 361.2, 371.2), the K3 layers 11-14 packed B = 8 step 4162.5 / 4191.6 us
-# against 4274.6 / 4268.8 in the same call (B = 2-7 not timed).  Not kernel 2 (with cuda_down its streaming form was
-# slower at every depth: 99.0-100.2 us against 91.3): there only an explicit Config.cuda_stages takes it
+# against 4274.6 / 4268.8 in the same call (B = 2-7 not timed, nor the wide form at one token, Config.cuda_wide=True,
+# which takes it too).  Not kernel 2 (with cuda_down its streaming form was slower at every depth: 99.0-100.2 us
+# against 91.3): there only an explicit Config.cuda_stages takes it
 CUDA_STAGES = 4
 CUDA_STAGES_WIDE = 8
 
@@ -1166,6 +1168,11 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
             why = CU.stream_problem(cf.cuda_stages, U, _cuda_form(cf, B)[0] == "raw")
         if why:
             return f"moe_experts kernel: cuda: {why}"
+    elif (cf.cuda_stages and z_BL.ndim == 2 and _cuda_wanted(cf)
+          and _cuda_problem(cf, w, z_BL, shared) is None):  # kernel 1 in CUDA by default, an explicit depth
+        why = CU.stream_problem(cf.cuda_stages, U, _cuda_form(cf, B)[0] == "raw")
+        if why:
+            return f"moe_experts kernel: cuda_stages: {why}"
     if cf.cuda_down and z_BL.ndim == 2:
         ds = _cuda_down_stages(cf, B, U)
         why = _cuda_problem(cf, w, z_BL, shared, down=(U, U if ds else _slot_splits(cf, Out, I, B == 1), ds))

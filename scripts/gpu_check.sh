@@ -7,8 +7,8 @@
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
 #                        [mxfp4] [moestep] [targets] [mla] [hostcopy] [determinism] [cudaforms] [cudastep] [cudancu]
-#                        [exactstep] [cudastream] [moeblock] [bf16step] [bf16gen]
-#   (no argument: all but generate and kernels; `bench` is command buffers on, `bench_off` off; `census`
+#                        [exactstep] [cudastream] [moeblock] [bf16step] [bf16gen] [timeline]
+#   (no argument: env build test thunks bench decode decode_cb census bench_off; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
 #   the Pallas kernels' compiled tests, `bench kernels`, and K3 layers 11-14 stock vs packed+sharded
@@ -32,7 +32,8 @@
 #   streaming form (`cuda_stages`, twenty-third session; main's since the twenty-seventh): its compiled tests, alone at
 #   K3's TP 2 share (B 1 and 8) against the register form (then the steps: `cudastep`, the register form by default); `moeblock` the 48B's MoE block at one token
 #   (bf16 experts) in XLA and through the Pallas kernels against float64, its errors printed; `bf16step` the 48B B = 1
-#   step, main / BS_PATCHES (none by default) / main again; `bf16gen` its `bench generate` (B = 1), main / BG_PATCHES.
+#   step, main / BS_PATCHES (none by default) / main again; `bf16gen` its `bench generate` (B = 1), main / BG_PATCHES;
+#   `timeline` how busy the GPU is over back-to-back 48B B = 1 and K3 B = 1 steps, command buffers on and off.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -500,6 +501,25 @@ if has bf16gen; then
     # shellcheck disable=SC2086
     timeout -k 5 ${BG_TIMEOUT:-150} $PY scripts/gpu/step_with_kernel.py ${run/#main/} -- $G48 \
       --json "$OUT/bf16gen_${i}_${run//[^A-Za-z0-9]/_}.json" 2>&1 | grep -E "decode .* tok/s|rror" | tail -3
+  done
+fi
+
+if has timeline; then
+  # Where a step's time goes beyond its kernels (twenty-seventh session, not yet run): `bench decode --census` prints
+  # the GPU's timeline over its profiled back-to-back steps (census.device_timeline: the span a step, the union of
+  # its device events, the idle gaps between them by length). The 48B B = 1 step and K3 layers 11-14 packed B = 1,
+  # each with XLA's command buffers as served (on) and off (TL_TIMEOUT seconds a process).
+  T48="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants serving/auto"
+  TK3="--config k3 --layers 11-14 --experts 32 --tp 1 --context 4k --batch 1 --strategies packed+sharded+one-shot"
+  for m in 48 k3; do
+    args=$T48; [ $m = k3 ] && args=$TK3
+    for cb in on off; do
+      echo "== timeline: $m B = 1, command buffers $cb ($(date -u +%T))"
+      flags="${XLA_FLAGS:-}"; [ $cb = off ] && flags="$flags --xla_gpu_enable_command_buffer="
+      # shellcheck disable=SC2086
+      XLA_FLAGS="$flags" timeout -k 5 "${TL_TIMEOUT:-150}" $PY -m jaxk3.cli bench decode $args --steps 10 --census \
+        --json "$OUT/timeline_${m}_$cb.json" 2>&1 | grep -E "GPU timeline|^total|rror" | cut -c1-600 | tail -4
+    done
   done
 fi
 

@@ -259,6 +259,46 @@ def test_census_decode_tiny_every_layer(tmp_path, capsys):
     assert f"kernels per step: {c['total']};" in out and "layer7_moe" in out and "us/step" in out
     assert set(row["bytes"]) == set(names) and all(v > 0 for v in row["bytes"].values())
     assert res["copy_bandwidth_GBps"] > 0 and "floor us" in out and "at the copy bandwidth" in out
+    # the GPU timeline: none on the CPU (no device plane), with the reason, in the JSON and the report
+    assert row["timeline"] is None and "no GPU plane" in row["timeline_unavailable"]
+    assert "GPU timeline unavailable: no GPU plane" in out
+
+
+def test_busy_idle_unions_overlaps_and_bins_gaps():
+    """`census.busy_idle`: overlapping events (a dependent launch starting before its predecessor ends) count once,
+    the gaps between the union's pieces fall into their length bins (a gap of exactly 2 us in the 2-10 us bin), all
+    per step, the longest listed; no event is a ProfileUnavailable."""
+    from jaxk3.tools import census
+
+    ns = [(0, 1000), (500, 3000), (2000, 2500),  # one piece [0, 3000]
+          (4000, 5000),  # after a 1 us gap
+          (7000, 8000),  # after exactly 2 us
+          (13000, 20000),  # after 5 us
+          (35000, 36000)]  # after 15 us
+    t = census.busy_idle(reversed(ns), steps=2)  # (any order)
+    assert t["steps"] == 2 and t["events"] == 3.5
+    assert t["span_us"] == 18.0 and t["busy_us"] == (3000 + 1000 + 1000 + 7000 + 1000) / 2e3
+    assert abs(t["busy_us"] + t["idle_us"] - t["span_us"]) < 1e-9 and t["busy_fraction"] == 13000 / 36000
+    assert t["gaps"] == {"<2us": {"gaps": 0.5, "us": 0.5}, "2-10us": {"gaps": 1.0, "us": 3.5},
+                         ">=10us": {"gaps": 0.5, "us": 7.5}}
+    assert t["longest_gaps_us"] == [15.0, 5.0, 2.0, 1.0]
+    one = census.busy_idle([(10, 20)], steps=1)
+    assert one["idle_us"] == 0 and one["busy_fraction"] == 1.0 and one["longest_gaps_us"] == []
+    with pytest.raises(census.ProfileUnavailable, match="no device event"):
+        census.busy_idle([], steps=1)
+    line = census.timeline_line(dict(t, devices=[dict(t, device="/device:GPU:0")], command_buffers="off"))
+    assert "busy 6.5 us" in line and "idle 11.5 us" in line and "command buffers off" in line and "[15.0" in line
+    assert census.timeline_line(None, "why") == "GPU timeline unavailable: why"
+
+
+def test_command_buffers_read_from_xla_flags(monkeypatch):
+    from jaxk3.tools import bench_decode as bd
+
+    for flags, want in (("", "on (XLA's default)"), ("--xla_gpu_enable_command_buffer=", "off"),
+                        ("--foo=1 --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL", "on (FUSION,CUSTOM_CALL)"),
+                        ("--xla_gpu_enable_command_buffer=FUSION --xla_gpu_enable_command_buffer=", "off")):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert bd.command_buffers() == want, flags
 
 
 def test_block_bytes_sum_to_the_step_floor():

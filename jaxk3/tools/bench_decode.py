@@ -35,7 +35,9 @@ count uses the expected distinct experts, N·(1-(1-k/N)^B).  Weights are random,
 `--census` (`census_decode`): instead of the latency run, the kernel census of the same step per
 (batch, context, strategy): kernels per named-scope block (embed, each layer's attention and
 ffn, head) by kind, from the optimized HLO, and the device time per block from a profile of a
-few steps (jaxk3/census.py).
+few steps (jaxk3/census.py); on a GPU also the timeline of those back-to-back steps (census.device_timeline: how
+long a step spans, how much of it the GPU is busy, the idle gaps between its events by length), with XLA's command
+buffers as the process's XLA_FLAGS set them.
 """
 from __future__ import annotations
 
@@ -622,8 +624,19 @@ def block_names(cfg: KimiK3Config, first: int = 0) -> list[str]:
     return ["embed", *layers, "head"]
 
 
-def _profile(compiled, weights, cache, ids, valid, steps: int, kc: dict) -> tuple[dict | None, str | None, Any]:
-    """(times per block, None) or (None, why not) from `steps` steps under jax.profiler.trace, and the cache."""
+def command_buffers() -> str:
+    """XLA's GPU command buffers as this process's XLA_FLAGS set them: "off" (`--xla_gpu_enable_command_buffer=`
+    with no command types), "on (<types>)" where the flag names them, else "on (XLA's default)"."""
+    m = re.findall(r"--xla_gpu_enable_command_buffer=(\S*)", os.environ.get("XLA_FLAGS", ""))
+    if not m:
+        return "on (XLA's default)"
+    return "off" if m[-1] in ("", "''", '""') else f"on ({m[-1]})"
+
+
+def _profile(compiled, weights, cache, ids, valid, steps: int, kc: dict
+             ) -> tuple[dict | None, str | None, Any, dict | None, str | None]:
+    """(times per block, None) or (None, why not) from `steps` steps under jax.profiler.trace, the cache, and the
+    GPU's timeline over those steps (census.device_timeline, None) or (None, why not)."""
     import shutil
 
     trace_dir = tempfile.mkdtemp(prefix="jaxk3_census_")
@@ -634,11 +647,22 @@ def _profile(compiled, weights, cache, ids, valid, steps: int, kc: dict) -> tupl
                     _, ids, cache = compiled(weights, cache, ids, valid)
                 ids.block_until_ready()
         except Exception as e:  # another trace running, no profiler plugin (CUPTI) on this machine, ...
-            return None, f"the profiler did not run ({type(e).__name__}: {e})", cache
+            why = f"the profiler did not run ({type(e).__name__}: {e})"
+            return None, why, cache, None, why
         try:
-            return census.profile_times(census.find_xplane(trace_dir), kc, steps), None, cache
+            path = census.find_xplane(trace_dir)
         except census.ProfileUnavailable as e:
-            return None, str(e), cache
+            return None, str(e), cache, None, str(e)
+        times = timeline = why = twhy = None
+        try:
+            times = census.profile_times(path, kc, steps)
+        except census.ProfileUnavailable as e:
+            why = str(e)
+        try:
+            timeline = census.device_timeline(path, steps)
+        except census.ProfileUnavailable as e:
+            twhy = str(e)
+        return times, why, cache, timeline, twhy
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
 
@@ -696,15 +720,19 @@ def census_decode(config: str = "k3", layers: str | None = "11-14", experts: int
                 kc = census.kernel_census(text, blocks)
                 nbytes = block_bytes(made.config(s), made.get(s), cache, batch, first)
                 times, why = None, (f"compiled for {target}, not run" if target else "not profiled (profile=False)")
+                timeline, twhy = None, why
                 if profile:
                     for _ in range(2):  # warm-up, finished before the trace starts (else its events count)
                         _, ids, cache = compiled(weights, cache, ids, valid)
                     ids.block_until_ready()
-                    times, why, cache = _profile(compiled, weights, cache, ids, valid, steps, kc)
+                    times, why, cache, timeline, twhy = _profile(compiled, weights, cache, ids, valid, steps, kc)
+                    if timeline:
+                        timeline["command_buffers"] = command_buffers()
                 del cache
                 public = {k: v for k, v in kc.items() if k != "op_block"}
                 rows.append({"strategy": name, "batch": batch, "context": context, "gathers": paths, "census": public,
                              "per_layer": census.layer_summary(kc), "profile": times, "profile_unavailable": why,
+                             "timeline": timeline, "timeline_unavailable": twhy,
                              "bytes": nbytes, "launch_ops": hlo_census(text)["launch_ops"]})
                 if launch is not None:  # each kernel's launch as the target runs it, with its census block
                     rows[-1]["launches"] = [dict(x, block=kc["kernel_names"].get(x["name"])) for x in launch]
@@ -743,6 +771,8 @@ def census_report(result: dict) -> str:
                                        result.get("copy_bandwidth_GBps")))
         if r.get("launches"):
             out.append(launch_summary(r["launches"], result.get("sm_count")))
+        if "timeline" in r:  # (not in a JSON from before it existed)
+            out.append(census.timeline_line(r["timeline"], r.get("timeline_unavailable")))
     out += [f"note: {n}" for n in result["notes"]]
     return "\n".join(out)
 

@@ -23,6 +23,11 @@ only what jaxlib ships (`jax.profiler.ProfileData`), no TensorBoard plugin; when
 attribute anything it raises `ProfileUnavailable` with the reason, and callers print that reason
 instead of times.  Times are the sum of event durations per step per device, which on CPU (ops
 of one step run concurrently on a thread pool) need not add up to the step's wall time.
+
+`device_timeline(xplane_path, steps)` reads the same trace for how busy each GPU was: every event on its stream
+lines (kernels replayed inside CUDA graphs included, which `profile_times` cannot place), their union against the
+span from the first to the last, and the idle gaps between them by length (`busy_idle`).  A step whose time is its
+kernels' own is busy throughout; launch latency or host pacing shows as idle gaps.
 """
 from __future__ import annotations
 
@@ -389,6 +394,85 @@ def profile_times(xplane_path: str, census: dict[str, Any], steps: int) -> dict[
             "unattributed_events": n_ev.get(UNATTRIBUTED, 0) / per,
             "unattributed_ops": [op for op, _ in unplaced.most_common(5)],
             "total_us": sum(ns.values()) / per / 1e3}
+
+
+# ----------------------------------------------------------------------------- timeline
+GAP_BINS_US = (2.0, 10.0)  # idle gaps by length: under 2 us (a dependent launch's latency), 2-10 us, over 10 us
+
+
+def busy_idle(intervals: Iterable[tuple[int, int]], steps: int) -> dict[str, Any]:
+    """The busy and idle time of one device over `steps` runs from its events' [start, end) intervals (ns; they may
+    overlap: a programmatic dependent launch starts before its predecessor ends): the span from the first start to
+    the last end, the busy time (the intervals' union), the idle gaps between the union's pieces by length
+    (GAP_BINS_US), each per step, and the five longest gaps.  Raises ProfileUnavailable with no interval."""
+    iv = sorted((int(a), int(b)) for a, b in intervals)
+    if not iv:
+        raise ProfileUnavailable("no device event in the trace")
+    pieces: list[list[int]] = [list(iv[0])]
+    for a, b in iv[1:]:
+        if a <= pieces[-1][1]:
+            pieces[-1][1] = max(pieces[-1][1], b)
+        else:
+            pieces.append([a, b])
+    busy = sum(b - a for a, b in pieces)
+    span = pieces[-1][1] - pieces[0][0]
+    gaps = [(pieces[i + 1][0] - pieces[i][1]) / 1e3 for i in range(len(pieces) - 1)]  # us
+    per = max(1, steps)
+    edges = (0.0, *GAP_BINS_US, float("inf"))
+    bins = {}
+    for lo, hi in zip(edges, edges[1:]):
+        inside = [g for g in gaps if lo <= g < hi]
+        label = f"<{hi:g}us" if lo == 0 else (f">={lo:g}us" if hi == float("inf") else f"{lo:g}-{hi:g}us")
+        bins[label] = {"gaps": len(inside) / per, "us": sum(inside) / per}
+    return {"steps": per, "events": len(iv) / per, "span_us": span / per / 1e3, "busy_us": busy / per / 1e3,
+            "idle_us": (span - busy) / per / 1e3, "busy_fraction": busy / span if span else 1.0,
+            "gaps": bins, "longest_gaps_us": [round(g, 2) for g in sorted(gaps, reverse=True)[:5]]}
+
+
+def device_timeline(xplane_path: str, steps: int) -> dict[str, Any]:
+    """How busy each GPU was over a profile of `steps` back-to-back runs (`busy_idle` of every event on its stream
+    lines: kernels, copies and those replayed inside CUDA graphs alike, whichever program they belong to), and the
+    mean over the devices: whether a step's time is the kernels' own (busy) or the GPU waiting between them (idle:
+    launch latency, host pacing).  Raises ProfileUnavailable with the reason where the trace has no GPU plane (the
+    CPU runs thunks, not device kernels)."""
+    try:
+        from jax.profiler import ProfileData
+    except ImportError as e:
+        raise ProfileUnavailable(f"this jaxlib has no jax.profiler.ProfileData ({e})") from e
+    try:
+        data = ProfileData.from_file(xplane_path)
+    except Exception as e:  # a truncated or foreign file: the parser's own message
+        raise ProfileUnavailable(f"cannot read {xplane_path}: {e}") from e
+    planes = [p for p in data.planes if p.name.startswith("/device:") and "CPU" not in p.name]
+    if not planes:
+        raise ProfileUnavailable(f"no GPU plane in the trace (planes: {', '.join(p.name for p in data.planes)})")
+    per = []
+    for plane in planes:
+        lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or list(plane.lines)
+        iv = [(ev.start_ns, ev.start_ns + ev.duration_ns) for ln in lines for ev in ln.events]
+        if iv:
+            per.append(dict(busy_idle(iv, steps), device=plane.name))
+    if not per:
+        raise ProfileUnavailable("no event on any GPU plane's streams")
+    keys = ("events", "span_us", "busy_us", "idle_us", "busy_fraction")
+    mean = {k: sum(d[k] for d in per) / len(per) for k in keys}
+    labels = list(per[0]["gaps"])
+    mean["gaps"] = {b: {k: sum(d["gaps"][b][k] for d in per) / len(per) for k in ("gaps", "us")} for b in labels}
+    return dict(mean, steps=per[0]["steps"], devices=per)
+
+
+def timeline_line(t: dict[str, Any] | None, unavailable: str | None = None) -> str:
+    """One line of `device_timeline`'s means (or why there is none)."""
+    if not t:
+        return f"GPU timeline unavailable: {unavailable}"
+    gaps = "; ".join(f"{b} {v['gaps']:.1f} gaps, {v['us']:.1f} us" for b, v in t["gaps"].items())
+    longest = t["devices"][0]["longest_gaps_us"] if t.get("devices") else []
+    cb = f", command buffers {t['command_buffers']}" if t.get("command_buffers") else ""
+    return (f"GPU timeline ({t['steps']} steps back to back{cb}, mean of {len(t.get('devices', [])) or 1} "
+            f"device(s)): "
+            f"{t['span_us']:.1f} us a step from its first event to its last, the GPU busy {t['busy_us']:.1f} us "
+            f"({100 * t['busy_fraction']:.1f}%: the union of {t['events']:.0f} events a step), idle {t['idle_us']:.1f} "
+            f"us between them ({gaps}); longest gaps {longest} us")
 
 
 # ------------------------------------------------------------------------------- table

@@ -314,6 +314,18 @@ def find_xplane(trace_dir: str) -> str:
     return files[-1]
 
 
+def read_profile(xplane_path: str):
+    """The trace as jaxlib parses it (`jax.profiler.ProfileData`), or ProfileUnavailable with the reason."""
+    try:
+        from jax.profiler import ProfileData
+    except ImportError as e:
+        raise ProfileUnavailable(f"this jaxlib has no jax.profiler.ProfileData ({e})") from e
+    try:
+        return ProfileData.from_file(xplane_path)
+    except Exception as e:  # a truncated or foreign file: the parser's own message
+        raise ProfileUnavailable(f"cannot read {xplane_path}: {e}") from e
+
+
 def _event_op(name: str, stats: dict[str, Any]) -> tuple[str | None, str | None]:
     """(hlo_op, hlo_module) of a trace event: its stats, else `hlo_op=` in a string stat or the name."""
     op, mod = stats.get("hlo_op"), stats.get("hlo_module")
@@ -337,14 +349,7 @@ def profile_times(xplane_path: str, census: dict[str, Any], steps: int) -> dict[
     device of the program's events whose op the census does not place}.  Raises ProfileUnavailable
     with the reason when jaxlib has no parser or no event of the program is in the trace.
     """
-    try:
-        from jax.profiler import ProfileData
-    except ImportError as e:
-        raise ProfileUnavailable(f"this jaxlib has no jax.profiler.ProfileData ({e})") from e
-    try:
-        data = ProfileData.from_file(xplane_path)
-    except Exception as e:  # a truncated or foreign file: the parser's own message
-        raise ProfileUnavailable(f"cannot read {xplane_path}: {e}") from e
+    data = read_profile(xplane_path)
     module, op_block = census["module"], census["op_block"]
     planes = list(data.planes)
     device_planes = [p for p in planes if p.name.startswith("/device:") and "CPU" not in p.name]
@@ -435,14 +440,7 @@ def device_timeline(xplane_path: str, steps: int) -> dict[str, Any]:
     mean over the devices: whether a step's time is the kernels' own (busy) or the GPU waiting between them (idle:
     launch latency, host pacing).  Raises ProfileUnavailable with the reason where the trace has no GPU plane (the
     CPU runs thunks, not device kernels)."""
-    try:
-        from jax.profiler import ProfileData
-    except ImportError as e:
-        raise ProfileUnavailable(f"this jaxlib has no jax.profiler.ProfileData ({e})") from e
-    try:
-        data = ProfileData.from_file(xplane_path)
-    except Exception as e:  # a truncated or foreign file: the parser's own message
-        raise ProfileUnavailable(f"cannot read {xplane_path}: {e}") from e
+    data = read_profile(xplane_path)
     planes = [p for p in data.planes if p.name.startswith("/device:") and "CPU" not in p.name]
     if not planes:
         raise ProfileUnavailable(f"no GPU plane in the trace (planes: {', '.join(p.name for p in data.planes)})")

@@ -192,6 +192,36 @@ def test_kernel_census_counts_and_attributes_each_kind():
         census.kernel_census("HloModule m\n", blocks)
 
 
+def test_kernel_census_places_an_unnamed_gemm_by_what_it_multiplies():
+    """A GEMM fusion with no op_name (XLA's split-K rewrite drops it) goes to the block of its operand, not of its
+    first user (the next block's sum of its partials), while an unnamed non-GEMM kernel keeps its user's block: the
+    K3 census put each attention block's o_proj in the MoE block after it (docs/PERF.md, twenty-seventh session)."""
+    from jaxk3.tools import census
+
+    hlo = """HloModule jit_step, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+ENTRY %main (x: f32[4], w: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %w = f32[4]{0} parameter(1), metadata={op_name="weights.layers[0].attn.o_proj"}
+  %a = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_a, metadata={op_name="jit(step)/layer0_kda/mul"}
+  %b = f32[4]{0} bitcast(%a)
+  %g = f32[4]{0} fusion(%b, %w), kind=kCustom, calls=%fused_a, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %u = f32[4]{0} fusion(%g), kind=kLoop, calls=%fused_a
+  %s = f32[4]{0} fusion(%u), kind=kInput, calls=%fused_a, metadata={op_name="jit(step)/layer0_moe/reduce_sum"}
+  ROOT %t = f32[4]{0} fusion(%s), kind=kLoop, calls=%fused_a, metadata={op_name="jit(step)/head/mul"}
+}
+"""
+    c = census.kernel_census(hlo, ["layer0_kda", "layer0_moe", "head"])
+    assert c["details"]["layer0_kda"] == {"fusion:loop": 1, "__triton_nested_gemm_fusion": 1}, c["details"]
+    assert c["kernel_names"]["g"] == "layer0_kda" and c["kernel_names"]["u"] == "layer0_moe"
+    assert c["inherited"] == {"layer0_kda": 1, "layer0_moe": 1}
+
+
 def test_profile_parse_degrades_with_a_reason(tmp_path):
     from jaxk3.tools import census
 

@@ -13,7 +13,8 @@ Each kernel is attributed to a block by the named-scope path in its `op_name` me
 (`jax.named_scope("layer3_mla")` puts `.../layer3_mla/...` there). A kernel whose op_name names
 no block (XLA-made ops, e.g. CPU's bf16 -> f32 weight converts, whose op_name is just the jit
 and shard_map scopes) takes the block of its first user that has one, else of its first operand
-that has one, else stays in the row UNSCOPED.  Those inherited kernels are counted per block.
+that has one, else stays in the row UNSCOPED; a GEMM the other way round, operand first (XLA's split-K
+GEMV fusions carry no op_name, and their first user, the sum of their partials, may be the next block's).  Those inherited kernels are counted per block.
 
 `profile_times(xplane_path, census, steps)` sums, per block, the duration of the device events of
 that program in a `jax.profiler` trace: every event carrying the HLO instruction's name (the
@@ -259,8 +260,10 @@ def kernel_census(hlo_text: str, blocks: list[str] | None = None) -> dict[str, A
         if got is None:
             continue
         b, inherited = own[i.name], False
-        if b is None:
-            b = inherit(i.name, {i.name}, True) or inherit(i.name, {i.name}, False)
+        if b is None:  # a GEMM by the block of what it multiplies (XLA's split-K rewrite drops the op_name of the
+            # dot it splits, whose first user is the next block's sum of its partials); any other by its user's
+            first = got[0] == "gemm"
+            b = inherit(i.name, {i.name}, not first) or inherit(i.name, {i.name}, first)
             inherited = b is not None
         kernels.append(Kernel(i.name, got[0], got[1], b or UNSCOPED, inherited))
     order = list(known) if known is not None else []

@@ -1162,17 +1162,14 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
     packed = isinstance(w.experts_w2, MXFP4)
     cf = _resolve(config or Config(), B, In, I, Out, packed, z_BL.dtype, _f16_marked(w))
     U = plan_slots(E, B, ids_Bk.shape[-1] if ids_Bk is not None else cfg.num_experts_per_token)
-    if cf.cuda and z_BL.ndim == 2:
+    if z_BL.ndim == 2 and _cuda_wanted(cf):  # kernel 1 in CUDA: asked for (Config.cuda), or by default
         why = _cuda_problem(cf, w, z_BL, shared)
-        if why is None and cf.cuda_stages:
+        if why is None and cf.cuda_stages:  # an explicit depth the kernel cannot take: refused either way
             why = CU.stream_problem(cf.cuda_stages, U, _cuda_form(cf, B)[0] == "raw")
+        elif not cf.cuda:
+            why = None  # (by default the Pallas kernel 1 takes a call the CUDA kernel cannot)
         if why:
-            return f"moe_experts kernel: cuda: {why}"
-    elif (cf.cuda_stages and z_BL.ndim == 2 and _cuda_wanted(cf)
-          and _cuda_problem(cf, w, z_BL, shared) is None):  # kernel 1 in CUDA by default, an explicit depth
-        why = CU.stream_problem(cf.cuda_stages, U, _cuda_form(cf, B)[0] == "raw")
-        if why:
-            return f"moe_experts kernel: cuda_stages: {why}"
+            return f"moe_experts kernel: {'cuda' if cf.cuda else 'cuda_stages'}: {why}"
     if cf.cuda_down and z_BL.ndim == 2:
         ds = _cuda_down_stages(cf, B, U)
         why = _cuda_problem(cf, w, z_BL, shared, down=(U, U if ds else _slot_splits(cf, Out, I, B == 1), ds))

@@ -329,6 +329,17 @@ def read_profile(xplane_path: str):
         raise ProfileUnavailable(f"cannot read {xplane_path}: {e}") from e
 
 
+def _device_planes(planes) -> list:
+    """A trace's GPU device planes (not the host's, nor a CPU device's)."""
+    return [p for p in planes if p.name.startswith("/device:") and "CPU" not in p.name]
+
+
+def _stream_lines(plane) -> list:
+    """A plane's lines of device events: its streams where it names them, else all of its lines."""
+    lines = list(plane.lines)
+    return [ln for ln in lines if ln.name.startswith("Stream")] or lines
+
+
 def _event_op(name: str, stats: dict[str, Any]) -> tuple[str | None, str | None]:
     """(hlo_op, hlo_module) of a trace event: its stats, else `hlo_op=` in a string stat or the name."""
     op, mod = stats.get("hlo_op"), stats.get("hlo_module")
@@ -355,7 +366,7 @@ def profile_times(xplane_path: str, census: dict[str, Any], steps: int) -> dict[
     data = read_profile(xplane_path)
     module, op_block = census["module"], census["op_block"]
     planes = list(data.planes)
-    device_planes = [p for p in planes if p.name.startswith("/device:") and "CPU" not in p.name]
+    device_planes = _device_planes(planes)
     use = device_planes or [p for p in planes if p.name.startswith("/host:")]
     source = "device planes" if device_planes else "host thunks"
     ns: dict[str, float] = defaultdict(float)
@@ -364,9 +375,7 @@ def profile_times(xplane_path: str, census: dict[str, Any], steps: int) -> dict[
     unplaced: Counter = Counter()
     op_ns: Counter = Counter()  # per op: its kernels' time (the block's slowest ops, for "what stands in the way")
     for plane in use:
-        lines = list(plane.lines)
-        streams = [ln for ln in lines if ln.name.startswith("Stream")]
-        for line in (streams or lines):
+        for line in _stream_lines(plane):
             open_end = -1.0
             for ev in sorted(line.events, key=lambda e: e.start_ns):
                 with warnings.catch_warnings():  # jaxlib 0.12 on Python 3.12: "event_stats has no __module__"
@@ -444,13 +453,12 @@ def device_timeline(xplane_path: str, steps: int) -> dict[str, Any]:
     launch latency, host pacing).  Raises ProfileUnavailable with the reason where the trace has no GPU plane (the
     CPU runs thunks, not device kernels)."""
     data = read_profile(xplane_path)
-    planes = [p for p in data.planes if p.name.startswith("/device:") and "CPU" not in p.name]
+    planes = _device_planes(data.planes)
     if not planes:
         raise ProfileUnavailable(f"no GPU plane in the trace (planes: {', '.join(p.name for p in data.planes)})")
     per = []
     for plane in planes:
-        lines = [ln for ln in plane.lines if ln.name.startswith("Stream")] or list(plane.lines)
-        iv = [(ev.start_ns, ev.start_ns + ev.duration_ns) for ln in lines for ev in ln.events]
+        iv = [(ev.start_ns, ev.start_ns + ev.duration_ns) for ln in _stream_lines(plane) for ev in ln.events]
         if iv:
             per.append(dict(busy_idle(iv, steps), device=plane.name))
     if not per:

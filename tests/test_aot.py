@@ -215,6 +215,22 @@ def test_48b_step_launches_within_the_measured_budget():
     assert len(after_kda) == 19 and set(after_kda) == {MOE_AFTER_KDA}, after_kda
 
 
+def test_48b_step_with_the_router_making_the_moe_row(monkeypatch):
+    """gemv.ROUTER_XN (not yet timed on a GPU, off): each MoE block's router GEMV makes its input row from the stream
+    and the attention's o_proj partial sums, norms it in its prologue and writes it normed for the experts, so that
+    XLA's sum of squares, scaling and logits kernels go: compiled for the H200 (the kernel's Triton lowering with its
+    second output and addend), every MoE block takes 4 launches (router, the experts' two kernels, the residual
+    add; the last 3), 52 fewer in the step than LAUNCH_OPS_48B_B1."""
+    from jaxk3.kernels import gemv
+
+    monkeypatch.setattr(gemv, "ROUTER_XN", True)
+    (row,) = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")["rows"]
+    moe = {b: n for b, n in row["census"]["totals"].items() if b.endswith("_moe")}
+    last = moe.pop("layer26_moe")  # its residual add goes into the head's first kernel
+    assert len(moe) == 25 and set(moe.values()) == {4} and last == 3, (moe, last)
+    assert row["launch_ops"] == LAUNCH_OPS_48B_B1 - 2 * 26, row["launch_ops"]
+
+
 def test_the_step_keeps_its_bf16_roundings_on_the_h200(monkeypatch):
     """model.EXCESS_PRECISION False (the default): the residual stream is rounded to bf16 after each block on the
     H200 as written (and as on the CPU), not carried in float32 by XLA's excess precision. Read in the compiled

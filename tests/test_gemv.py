@@ -95,6 +95,80 @@ def test_gemv_norm_prologue_matches_reference(B, N, K, cfg, layout):
     assert np.asarray(G.reference(x, ww, layout, norm_w=g, eps=1e-5, sums=True)).shape == (1, B, N)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("N,S", [(64, 4), (256, 4), (64, 1)])
+def test_gemv_norm_router_form_on_gpu(B, N, S):
+    """Compiled, the router's form at Kimi-Linear-48B's router (64 experts kept by the benches, 256 in the model; K
+    2304; the attention's o_proj in S = 4 partial sums, or 1): the row bf16(h + Σ add) made and normed in the
+    prologue, the normed row written by row block 0.  The normed row within one bf16 ulp of XLA's (>= 99% bitwise),
+    and the logits as XLA's product of that row to 1e-5 of max|y| (and of the reference's to 4e-3)."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    K = 2304
+    r = np.random.default_rng(N + S + B)
+    h = jnp.asarray(r.standard_normal((B, K)), jnp.bfloat16)
+    add = jnp.asarray(r.standard_normal((S, B, K)), jnp.float32)
+    w = jnp.asarray(r.standard_normal((N, K)) * 0.05, jnp.bfloat16)
+    g = jnp.asarray(r.uniform(0.5, 1.5, K), jnp.bfloat16)
+    kw = dict(add=add, want_xn=True)
+    assert kernels.REGISTRY["gemv_norm"].fits(h, w, g, 1e-5, only_where_faster=False, **kw) is None
+    y, xn = jax.jit(lambda h, w, g, add: kernels.call("gemv_norm", h, w, g, 1e-5, add=add, want_xn=True,
+                                                      mode="on"))(h, w, g, add)
+    yr, xr = G.reference(h, w, norm_w=g, eps=1e-5, **kw)
+    a32, b32 = np.asarray(xn, np.float32), np.asarray(xr, np.float32)
+    assert xn.shape == (B, K) and np.mean(a32 == b32) >= 0.99
+    np.testing.assert_allclose(a32, b32, rtol=2 ** -7, atol=0)
+    scale = np.abs(np.asarray(yr)).max()
+    own = jnp.einsum("bk,nk->bn", xn, w, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(own), rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(yr), rtol=0, atol=4e-3 * scale)
+
+
+@pytest.mark.parametrize("B,N,K,S,cfg", [(1, 64, 512, 4, G.Config(bn=8, bk=128, splits=1)),
+                                         (1, 40, 384, 1, G.Config(bn=8, bk=64, splits=3)),
+                                         (3, 32, 2304, 4, G.Config(bn=16, bk=256, splits=1, dot=True))])
+def test_gemv_norm_makes_the_row_from_its_parts_and_writes_it_normed(B, N, K, S, cfg):
+    """The router's form (jaxk3.layers.moe._logits_normed): x's row is bf16(h + Σ add) from a block's S fp32 partial
+    sums (`add_row`: the residual stream's add), normed in the prologue, and the normed row comes back beside the
+    product.  The product agrees with the reference as the plain prologue's does (4e-3 of max|y|), and with XLA's
+    product of the normed row the kernel returns to the plain GEMV's 1e-5 (so the row it returns is the row it
+    multiplied); the normed row is the reference's row where the sum of squares rounds alike (>= 99% of its
+    elements bitwise) and never more than one bf16 ulp away (the prologue's note above: with rows of 3-5x the
+    plain test's scale, a flipped element in each row moves every output of it past 1e-5); the addend moves it by
+    O(1) (a kernel that dropped it, or any of the S parts, fails), and so does the norm."""
+    r = np.random.default_rng(B * 100 + S)
+    h = jnp.asarray(r.standard_normal((B, K)), jnp.bfloat16)
+    add = jnp.asarray(r.standard_normal((S, B, K)), jnp.float32)
+    w = jnp.asarray(r.standard_normal((N, K)) * 0.05, jnp.bfloat16)
+    g = jnp.asarray(r.uniform(0.5, 1.5, K), jnp.bfloat16)
+    kw = dict(norm_w=g, eps=1e-5, add=add, want_xn=True)
+    assert G.fits(h, w, "nk", cfg, only_where_faster=False, **kw) is None
+    y, xn = G.gemv(h, w, "nk", cfg, interpret=True, **kw)
+    yr, xr = G.reference(h, w, **kw)
+    assert y.shape == yr.shape == (B, N) and xn.shape == xr.shape == (B, K) and xn.dtype == h.dtype
+    scale = np.abs(np.asarray(yr)).max()
+    np.testing.assert_allclose(np.asarray(y), np.asarray(yr), rtol=0, atol=4e-3 * scale)
+    own = jnp.einsum("bk,nk->bn", xn, w, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(own), rtol=0, atol=1e-5 * scale)
+    a32, b32 = np.asarray(xn, np.float32), np.asarray(xr, np.float32)
+    assert np.mean(a32 == b32) >= 0.99
+    np.testing.assert_allclose(a32, b32, rtol=2 ** -7, atol=0)
+    # the row really is h + Σ add: without the addend (or with one part missing) the normed row is far off
+    from jaxk3.kernels.rms_norm import rms_norm_as
+    for wrong in [h] + ([G.add_row(h, add[1:])] if S > 1 else []):
+        assert np.abs(np.asarray(rms_norm_as(wrong, g, 1e-5), np.float32) - b32).max() > 0.1
+    assert np.abs(np.asarray(rms_norm_as(G.add_row(h, add), g, 1e-5), np.float32) - b32).max() == 0
+    # the same product as the form without the normed row, and the addend's checks name what is wrong
+    np.testing.assert_array_equal(np.asarray(G.gemv(h, w, "nk", cfg, interpret=True, norm_w=g, eps=1e-5, add=add)),
+                                  np.asarray(y))
+    assert "go with the norm prologue" in G.fits(h, w, "nk", cfg, only_where_faster=False, add=add)
+    assert "fp32 partial sums [S, B, K]" in G.fits(h, w, "nk", cfg, only_where_faster=False, norm_w=g,
+                                                   add=add[:, :, :-1])
+    assert "fp32 partial sums" in G.fits(h, w, "nk", cfg, only_where_faster=False, norm_w=g,
+                                         add=add.astype(jnp.bfloat16))
+
+
 def test_gemv_fits_and_selection():
     x, w = _xw(1, 64, 512)
     assert G.fits(x, w, only_where_faster=False) is None

@@ -575,6 +575,39 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch, fresh_steps):
 
 
 @pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
+def test_decode_router_makes_and_norms_the_moe_row(monkeypatch, fresh_steps):
+    """A Kimi-Linear decode step (B = 1, one rank) with `gemv_norm` running (interpret mode, registered for the CPU):
+    each MoE block's router GEMV takes the residual stream before the attention's output and that output as its
+    o_proj's partial sums, makes the row bf16(h + Σ parts) and norms it in its prologue, and hands the experts the
+    normed row it wrote (`want_xn`): traced once per MoE block and decode step with the parts [S, 1, D]; the logits
+    agree with kernels='off' to 2e-3 of max|logit| (test_decode_norms_in_the_kernels_prologues' bound: the prologue's
+    sum of squares in another order)."""
+    from small_models import tiny_kimi_linear_4l
+
+    from jaxk3.kernels import gemv
+
+    k = kernels.REGISTRY["gemv_norm"]
+    routers = []
+
+    def dev(*a, **kw):
+        if kw.get("want_xn"):
+            routers.append((a[0].shape, None if kw.get("add") is None else kw["add"].shape))
+        return k.device(*a, interpret=True, **kw)
+
+    monkeypatch.setitem(kernels.REGISTRY, "gemv_norm", dataclasses.replace(k, platforms=("cpu",), device=dev,
+                                                                          unproven=None))
+    monkeypatch.setattr(gemv, "ROUTER_XN", True)
+    monkeypatch.setattr(gemv, "NORM_MEASURED", set())  # the router's form alone: no other block's first GEMV
+    cfg = tiny_kimi_linear_4l()
+    a, b = _off_and_auto(cfg, [[5, 6, 7, 8]], routers)
+    moe = sum(f == "moe" for f in cfg.layer_ffn)
+    D = cfg.hidden_size
+    assert moe >= 1 and len(routers) >= moe, routers
+    assert all(x == (1, D) and p is not None and p[1:] == (1, D) for x, p in routers), routers
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
+
+
+@pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
 @pytest.mark.parametrize("prompt", [[[5, 6, 7, 8]], [[5, 6, 7, 8], [9, 3, 2]]])
 def test_decode_routes_in_the_experts_kernels(monkeypatch, fresh_steps, prompt):
     """A Kimi-Linear decode step (B = 1) with `moe_experts_routed` running (interpret mode, registered for the

@@ -189,7 +189,7 @@ def _experts_routed(cfg, w: MoEWeights, x_BD: jax.Array, logits_BE: jax.Array, m
     return (out if s is None else out + mlp_partial(cfg, s, x_BD, tp)), False
 
 
-def _one_rank(tp) -> bool:
+def one_rank(tp) -> bool:
     """Whether this block's sum is this rank's alone (no TP axis, or one of size 1): no psum after the experts."""
     tp = as_tp(tp)
     return tp is None or (_compat.axis_bound(tp.axis) and lax.axis_size(tp.axis) == 1)
@@ -208,7 +208,8 @@ def _route_normed(cfg, w: MoEWeights, x: Normed, mode: str) -> tuple[jax.Array, 
     None where either does not (the caller norms x and routes as before)."""
     E = w.gate.shape[0]
     kw = dict(norm_w=x.w, eps=x.eps)
-    if w.gate.dtype != x.dtype or not kernels.explain("gemv_norm", x.h, w.gate, mode=mode, **kw).startswith("device"):
+    if x.add is not None or w.gate.dtype != x.dtype or not kernels.explain(
+            "gemv_norm", x.h, w.gate, mode=mode, **kw).startswith("device"):
         return None
     logits = jax.ShapeDtypeStruct((x.shape[0], E), F32)
     if not kernels.explain("router_topk", cfg, logits, w.e_score_correction_bias, x_BD=x.h, mode=mode,
@@ -216,6 +217,17 @@ def _route_normed(cfg, w: MoEWeights, x: Normed, mode: str) -> tuple[jax.Array, 
         return None
     return kernels.call("router_topk", cfg, kernels.call("gemv_norm", x.h, w.gate, mode=mode, **kw),
                         w.e_score_correction_bias, x_BD=x.h, mode=mode, **kw)
+
+
+def _logits_normed(w: MoEWeights, x: Normed, mode: str) -> tuple[jax.Array, jax.Array] | None:
+    """(the router's logits [B, E] fp32, the normed input [B, D]) of a decode MoE block whose input comes un-normed
+    (its row's addend, the attention block's partial sums, too), from one kernel: the GEMV that makes the row and
+    norms it in its prologue and writes the normed row for the experts (`gemv_norm` with `want_xn`); None where that
+    kernel does not run (the caller norms x with XLA)."""
+    kw = dict(norm_w=x.w, eps=x.eps, add=x.add, want_xn=True)
+    if w.gate.dtype != x.dtype or not kernels.explain("gemv_norm", x.h, w.gate, mode=mode, **kw).startswith("device"):
+        return None
+    return kernels.call("gemv_norm", x.h, w.gate, mode=mode, **kw)
 
 
 def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str | None,
@@ -231,7 +243,7 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     else after the psum, as `attn_res.ffn_done` adds it: the same bits either way."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
-    fold = residual if residual is not None and not grouped and _one_rank(tp) else None
+    fold = residual if residual is not None and not grouped and one_rank(tp) else None
     done = functools.partial(moe_experts.add_residual, residual=residual)  # (after the psum)
 
     experts = functools.partial(_experts_prefill if grouped else _experts_decode, mode=mode)
@@ -239,8 +251,13 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     if routed is not None:
         w_Bk, ids_Bk, x_BD = routed
     else:
-        x_BD = value(x_BD)
-        logits_BE = router_logits(w.gate, x_BD)
+        got = (_logits_normed(w, x_BD, mode) if isinstance(x_BD, Normed) and w.routed_expert_down_proj is None
+               and not grouped else None)
+        if got is not None:  # Kimi-Linear decode: the norm and the logits in one kernel
+            logits_BE, x_BD = got
+        else:
+            x_BD = value(x_BD)
+            logits_BE = router_logits(w.gate, x_BD)
         if w.routed_expert_down_proj is None and not grouped:  # Kimi-Linear decode: the selection in the kernels?
             got = _experts_routed(cfg, w, x_BD, logits_BE, mode, tp, fold)
             if got is not None:

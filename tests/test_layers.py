@@ -84,6 +84,28 @@ def test_attn_res(n):
     close(got, ref)
 
 
+@pytest.mark.parametrize("n", [1, 2, 5, 9])
+def test_attn_res_select_stack_same_bits_on_cpu(monkeypatch, n):
+    """attn_res_norm.SELECT_STACK (the stack by selects on the depth index and the mix as a sum; not yet timed on a
+    GPU): the same function, bitwise on the CPU under jit (bf16 sources of different scales, as the step's), against
+    the float64 reference like the default form."""
+    from jaxk3.kernels import attn_res_norm
+
+    rng = np.random.default_rng(10 + n)
+    srcs = [jnp.asarray(rng.standard_normal((2, 256)) * (i + 1), jnp.bfloat16) for i in range(n)]
+    wn, wp = jnp.float32(1 + 0.1 * rng.standard_normal(256)), jnp.float32(rng.standard_normal((1, 256)))
+    f = lambda *s: attn_res(list(s), wn, wp, 1e-5)  # noqa: E731
+    want = np.asarray(jax.jit(f)(*srcs))
+    monkeypatch.setattr(attn_res_norm, "SELECT_STACK", True)
+    got = np.asarray(jax.jit(f)(*srcs))
+    np.testing.assert_array_equal(got, want)
+    ref = np.stack([np_ref.attn_res([np.asarray(s[b], np.float64) for s in srcs], np.asarray(wn, np.float64),
+                                    np.asarray(wp, np.float64), 1e-5) for b in range(2)])
+    close(got, ref)
+    alone = [np.asarray(s, np.float32) for s in srcs]  # the mix is none of its sources (n > 1): it really mixes
+    assert n == 1 or min(np.abs(got - a).max() for a in alone) > 1e-2
+
+
 # ------------------------------------------------------------------------------- KDA
 @pytest.mark.parametrize("mode", ["k3", "kl"])
 def test_kda_steps(mode):

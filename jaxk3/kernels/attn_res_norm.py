@@ -12,10 +12,29 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxk3.kernels.rms_norm import rms_norm
 
 F32 = jnp.float32
+# The stack's form in the compiled step.  False: `jnp.stack` (a concatenate) and the mix as an einsum over the depth.
+# True: the stack built element-wise by selects on the depth index and the mix as a sum of the weighted sources, so
+# that XLA can fuse the sources' producers (a block's o_proj partial sums, the stream's add) into the kernels that read
+# the stack, and the softmax, mix and norm into fewer kernels: compiled for an H200, K3 layers 11-14 at B = 1 takes
+# 170 launches instead of 191 (docs/PERF.md, twenty-seventh and twenty-eighth sessions).  The same values: bitwise on
+# the CPU (tests/test_layers.py); on a GPU the mix's float32 sum may run in another order.  Not yet timed: off.
+SELECT_STACK = False
+
+
+def _stack(sources: Sequence[jax.Array]) -> jax.Array:
+    """[N, B, D] fp32 of the N sources: a concatenate, or (SELECT_STACK) selects on the depth index."""
+    if not SELECT_STACK or len(sources) == 1:
+        return jnp.stack([s.astype(F32) for s in sources], axis=0)
+    n_NBD = lax.broadcasted_iota(jnp.int32, (len(sources),) + sources[0].shape, 0)
+    s_NBD = jnp.broadcast_to(sources[-1].astype(F32)[None], n_NBD.shape)
+    for i in range(len(sources) - 2, -1, -1):
+        s_NBD = jnp.where(n_NBD == i, sources[i].astype(F32)[None], s_NBD)
+    return s_NBD
 
 
 def attn_res(sources: Sequence[jax.Array], w_norm_D: jax.Array, w_proj_D: jax.Array, eps: float) -> jax.Array:
@@ -23,11 +42,13 @@ def attn_res(sources: Sequence[jax.Array], w_norm_D: jax.Array, w_proj_D: jax.Ar
 
     `w_proj_D` may be given as the checkpoint's `[1, D]`; it is flattened.
     """
-    s_NBD = jnp.stack([s.astype(F32) for s in sources], axis=0)
+    s_NBD = _stack(sources)
     if len(sources) == 1:
         return s_NBD[0]
     logit_NB = jnp.einsum("nbd,d->nb", rms_norm(s_NBD, w_norm_D, eps), w_proj_D.reshape(-1).astype(F32))
     alpha_NB = jax.nn.softmax(logit_NB, axis=0)
+    if SELECT_STACK:
+        return jnp.sum(alpha_NB[:, :, None] * s_NBD, axis=0)
     return jnp.einsum("nb,nbd->bd", alpha_NB, s_NBD)
 
 

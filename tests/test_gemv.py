@@ -95,6 +95,30 @@ def test_gemv_norm_prologue_matches_reference(B, N, K, cfg, layout):
     assert np.asarray(G.reference(x, ww, layout, norm_w=g, eps=1e-5, sums=True)).shape == (1, B, N)
 
 
+@pytest.mark.parametrize("gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_gemv_norm_of_an_fp32_row(gpu):
+    """K3's latent up projection (moe.LATENT_NORM_IN_UP): x is the experts' fp32 latent row, normed in fp32 in the
+    prologue and rounded to the weights' bf16 after the norm, as XLA's rms_norm then the cast: against the reference
+    as the bf16 prologue's test (4e-3 of max|y|, most outputs to 1e-5); the row un-normed is off by O(1).  Interpret
+    mode on a small shape; compiled (gpu) at K3's TP 1 shape, 7168 x 3584."""
+    if gpu and jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    N, K = (7168, 3584) if gpu else (48, 512)
+    r = np.random.default_rng(5)
+    x = jnp.asarray(r.standard_normal((1, K)) * 30.0, jnp.float32)
+    w = jnp.asarray(r.standard_normal((N, K)) * 0.05, jnp.bfloat16)
+    g = jnp.asarray(r.uniform(0.5, 1.5, K), jnp.bfloat16)
+    if gpu:
+        got = np.asarray(jax.jit(lambda x, w, g: kernels.call("gemv_norm", x, w, g, 1e-5, mode="on"))(x, w, g))
+    else:
+        got = np.asarray(G.gemv(x, w, "nk", G.Config(bn=16, bk=128, splits=2), interpret=True, norm_w=g, eps=1e-5))
+    ref = np.asarray(G.reference(x, w, norm_w=g, eps=1e-5))
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * scale)
+    assert np.mean(np.abs(got - ref) <= 1e-5 * scale) > 0.9
+    assert np.abs(np.asarray(G.reference(x, w)) - ref).max() > 0.1 * scale
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 8])
 @pytest.mark.parametrize("N,S", [(64, 4), (256, 4), (64, 1)])

@@ -575,6 +575,27 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch, fresh_steps):
 
 
 @pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
+def test_decode_norms_the_latent_in_the_up_projection(monkeypatch, fresh_steps):
+    """A K3 decode step (latent MoE, one rank) with moe.LATENT_NORM_IN_UP and `gemv_norm` running (interpret mode,
+    registered for the CPU): each MoE block's up projection takes the experts' fp32 latent row un-normed and norms it
+    in its prologue (traced once per MoE block and decode step, on [1, L]); the logits agree with kernels='off' to
+    2e-3 of max|logit| (test_decode_norms_in_the_kernels_prologues' bound: the prologue's sum of squares in another
+    order moves a normed element by a bf16 ulp at most)."""
+    from small_models import tiny_k3_4l
+
+    from jaxk3.layers import moe as moe_lib
+
+    calls = _on_cpu(monkeypatch, "gemv_norm", 0)
+    monkeypatch.setattr(moe_lib, "LATENT_NORM_IN_UP", True)
+    cfg = tiny_k3_4l()
+    assert cfg.latent_moe_use_norm and cfg.routed_expert_hidden_size
+    a, b = _off_and_auto(cfg, [[5, 6, 7, 8]], calls, layout="checkpoint")
+    moe = sum(f == "moe" for f in cfg.layer_ffn)
+    assert moe >= 1 and len(calls) >= moe and set(calls) == {(1, cfg.routed_expert_hidden_size)}, calls
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
+
+
+@pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
 def test_decode_router_makes_and_norms_the_moe_row(monkeypatch, fresh_steps):
     """A Kimi-Linear decode step (B = 1, one rank) with `gemv_norm` running (interpret mode, registered for the CPU):
     each MoE block's router GEMV takes the residual stream before the attention's output and that output as its

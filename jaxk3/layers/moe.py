@@ -230,6 +230,26 @@ def _logits_normed(w: MoEWeights, x: Normed, mode: str) -> tuple[jax.Array, jax.
     return kernels.call("gemv_norm", x.h, w.gate, mode=mode, **kw)
 
 
+# K3's latent MoE at decode: the routed experts' latent output y (fp32, the experts' partial sums added) normed in the
+# prologue of the up projection's GEMV (`gemv_norm` on the fp32 row: the same rounding to bf16 after the norm) instead
+# of by XLA in two kernels before XLA's GEMM, which streamed the up projection at 1.9 TB/s on an H100 (docs/PERF.md,
+# twenty-seventh session).  Compiled for an H200 without one; not yet timed: off (the switch takes the kernel as
+# kernels="on" would, at this one call).
+LATENT_NORM_IN_UP = False
+
+
+def _up_normed(cfg: KimiK3Config, w: MoEWeights, y_BL: jax.Array, mode: str) -> jax.Array | None:
+    """W_lat_up · RMSNorm(y; routed_expert_norm) [B, D] fp32 from the un-normed fp32 latent row y [B, L], the norm
+    in the GEMV's prologue, where LATENT_NORM_IN_UP is on, the kernel mode allows and the kernel fits; else None."""
+    if not (LATENT_NORM_IN_UP and cfg.latent_moe_use_norm) or y_BL.ndim != 2 or mode == "off":
+        return None
+    args = (y_BL, w.routed_expert_up_proj)
+    kw = dict(norm_w=w.routed_expert_norm, eps=cfg.rms_norm_eps, mode="on")
+    if not kernels.explain("gemv_norm", *args, **kw).startswith("device"):
+        return None
+    return kernels.call("gemv_norm", *args, **kw)
+
+
 def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str | None,
         grouped: bool = False, residual: jax.Array | None = None) -> jax.Array:
     """The MoE block on B tokens: fp32 [B, D], summed over TP.  `grouped` (prefill): the experts
@@ -280,6 +300,9 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     if sharded:  # one gather rebuilds z [B, L] from every rank's L/tp features
         z_BL = collectives.padded_all_gather(z_BL, tp.axis, axis=-1, tiled=True, impl=tp.gather)
     y_BL = psum(experts(cfg, w, z_BL, w_Bk, ids_Bk), tp)
+    up = None if sharded or grouped else _up_normed(cfg, w, y_BL, mode)
+    if up is not None:  # the latent norm in the up projection's prologue
+        return done(up + psum(shared_BD, tp))
     if cfg.latent_moe_use_norm:
         y_BL = rms_norm(y_BL, w.routed_expert_norm, cfg.rms_norm_eps)
     y_BL = y_BL.astype(dt)

@@ -13,7 +13,7 @@
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
 #   the Pallas kernels' compiled tests, `bench kernels`, and K3 layers 11-14 stock vs packed+sharded
 #   with kernels off and on; `gemvfused` the GEMV at the fused shapes vs XLA; `ktests` the compiled kernel
-#   tests at real dims; `kreal` each kernel vs XLA at real dims; `step48` the Kimi-Linear-48B step, main's
+#   tests at real dims (KTEST_FILES, KTEST_K a -k expression); `kreal` each kernel vs XLA at real dims; `step48` the Kimi-Linear-48B step, main's
 #   (checkpoint layout, kernels off) vs the serving layout with kernels=auto; `census48` its kernel census;
 #   `grouped` the prefill MoE's grouped-GEMM kernels (compiled tests, then timed against the dense form,
 #   ragged_dot and a GEMM of the same FLOPs at Kimi-Linear-48B dims); `attn` the prefill's MLA kernel and KDA form
@@ -207,7 +207,7 @@ fi
 if has ktests; then
   echo "== compiled kernel tests at real dims ($(date -u +%T))"
   timeout -k 10 ${KTEST_TIMEOUT:-200} $PY -m pytest ${KTEST_FILES:-tests/test_kernels_real.py tests/test_gemv.py} -m gpu -q -rfEs \
-    -p no:cacheprovider ${KTEST_ARGS:-} > "$OUT/ktests.log" 2>&1
+    -p no:cacheprovider ${KTEST_ARGS:-} ${KTEST_K:+-k "$KTEST_K"} > "$OUT/ktests.log" 2>&1
   echo "ktests rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/ktests.log" | cut -c1-300 | tail -20
 fi
 

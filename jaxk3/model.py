@@ -232,10 +232,11 @@ def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache,
             srcs, st = res.attention_sources(st, g, Bs)
             xn = _block_input(srcs, lw.self_attention_res_norm, lw.self_attention_res_proj, lw.input_layernorm,
                               eps, dt, shape, not prefill)
-            # Kimi-Linear decode, a MoE layer on one rank: the attention's output as its o_proj's partial sums, which
-            # the MoE's first kernel adds to the stream in its prologue where it runs (the router's GEMV that norms
-            # the row and writes it normed for the experts: one kernel for XLA's three, jaxk3.layers.moe
-            # ._logits_normed, gemv.ROUTER_XN); the stream itself XLA adds where it adds the MoE's output
+            # Kimi-Linear decode, a MoE layer on one rank: the attention's output as its o_proj's partial sums (the
+            # same values: XLA adds them where the stream is read), which the MoE's first kernel adds to the stream in
+            # its prologue where it runs (the router's GEMV that norms the row and writes it normed for the experts:
+            # one kernel for XLA's three, jaxk3.layers.moe.router_makes_row, gemv.ROUTER_XN); the stream itself XLA
+            # adds where it adds the MoE's output
             kl_moe = not prefill and Bs is None and cfg.layer_ffn[l] == "moe"
             sums = kl_moe and isinstance(xn, Normed) and moe_lib.one_rank(opt.tp)
             a, c = attention_block(cfg, opt, l, lw.attn, xn, cache.layers[l], cache.length, valid, sums=sums)
@@ -245,8 +246,9 @@ def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache,
             srcs, st = res.ffn_sources(st, (add_splits(a) if sums else a).reshape(B * T, -1), g, Bs)
             xn = _block_input(srcs, lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attention_layernorm, eps, dt,
                               (B * T, -1), not prefill)
-            if sums and isinstance(xn, Normed):  # the same row, made from its parts where a kernel norms it
-                xn = Normed(h_prev, xn.w, xn.eps, add=a)
+            if sums and isinstance(xn, Normed):  # the same row, made from its parts where the router's GEMV norms it
+                parts = Normed(h_prev, xn.w, xn.eps, add=a)
+                xn = parts if moe_lib.router_makes_row(lw.ffn, parts, opt.tp) else xn
             if kl_moe:  # Kimi-Linear decode: the MoE adds the residual itself, the stream's add and rounding exactly
                 st = res.Stream(p=ffn_block(cfg, opt, l, lw.ffn, xn, prefill, residual=st.p))
             else:

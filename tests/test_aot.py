@@ -223,12 +223,19 @@ def test_48b_step_with_the_router_making_the_moe_row(monkeypatch):
     add; the last 3), 52 fewer in the step than LAUNCH_OPS_48B_B1."""
     from jaxk3.kernels import gemv
 
+    def census() -> dict:
+        (row,) = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")["rows"]
+        return row
+
+    assert not gemv.ROUTER_XN
+    off = census()  # the switch off: the step as before the form was built
+    assert off["launch_ops"] == LAUNCH_OPS_48B_B1, off["launch_ops"]
     monkeypatch.setattr(gemv, "ROUTER_XN", True)
-    (row,) = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")["rows"]
+    row = census()
     moe = {b: n for b, n in row["census"]["totals"].items() if b.endswith("_moe")}
     last = moe.pop("layer26_moe")  # its residual add goes into the head's first kernel
     assert len(moe) == 25 and set(moe.values()) == {4} and last == 3, (moe, last)
-    assert row["launch_ops"] == LAUNCH_OPS_48B_B1 - 2 * 26, row["launch_ops"]
+    assert row["launch_ops"] == off["launch_ops"] - 2 * 26, row["launch_ops"]
 
 
 def test_k3_step_with_the_attn_res_stack_by_selects(monkeypatch):

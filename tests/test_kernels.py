@@ -560,9 +560,14 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch, fresh_steps):
 
     from jaxk3.kernels import router
 
+    from jaxk3.layers import moe as moe_lib
+
     names = {"gemv_norm": 0, "router_topk": 1, "kda_decode_in": 1, "gemv_gnorm": 0}  # kernel -> an array argument
     calls = {name: _on_cpu(monkeypatch, name, arg) for name, arg in names.items()}
     monkeypatch.setattr(router, "NORMED_PROVEN", True)
+    # the router_topk's normed form, which the router's GEMV making the row would take the place of here (gemv_norm
+    # runs anywhere): that form is test_decode_router_makes_and_norms_the_moe_row's
+    monkeypatch.setattr(moe_lib, "router_makes_row", lambda *a: False)
     cfg = tiny_kimi_linear_4l()  # KDA (0-2), MLA (3), the dense MLP (0), MoE (1-3)
     a, b = _off_and_auto(cfg, [[5, 6, 7, 8]], [c for name in names for c in calls[name]])
     n = {name: len(c) for name, c in calls.items()}

@@ -94,10 +94,14 @@ def test_attn_res_select_stack_same_bits_on_cpu(monkeypatch, n):
     rng = np.random.default_rng(10 + n)
     srcs = [jnp.asarray(rng.standard_normal((2, 256)) * (i + 1), jnp.bfloat16) for i in range(n)]
     wn, wp = jnp.float32(1 + 0.1 * rng.standard_normal(256)), jnp.float32(rng.standard_normal((1, 256)))
-    f = lambda *s: attn_res(list(s), wn, wp, 1e-5)  # noqa: E731
-    want = np.asarray(jax.jit(f)(*srcs))
+    def traced():  # a fresh function each time: jit's cache must not hand back the other form's trace
+        return jax.jit(lambda *s: attn_res(list(s), wn, wp, 1e-5))
+
+    want = np.asarray(traced()(*srcs))
     monkeypatch.setattr(attn_res_norm, "SELECT_STACK", True)
-    got = np.asarray(jax.jit(f)(*srcs))
+    f = traced()
+    assert n == 1 or "select" in f.lower(*srcs).as_text()  # the selects' form was traced
+    got = np.asarray(f(*srcs))
     np.testing.assert_array_equal(got, want)
     ref = np.stack([np_ref.attn_res([np.asarray(s[b], np.float64) for s in srcs], np.asarray(wn, np.float64),
                                     np.asarray(wp, np.float64), 1e-5) for b in range(2)])

@@ -94,6 +94,9 @@ MEASURED: dict[tuple[int, int, int], tuple[float, float]] = {
     (1, 1800, 7168): (12.4, 11.5),
 }
 MARGIN = 1.05  # run-to-run spread of these timings is a few per cent
+# The dot form (B > 1) with an addend of S parts: the H200 compile asked 294,912 B of shared memory (of 232,448) at
+# S 8, K 2304 (S · 16 · K) and compiled at S 4 (147,456): parts past this many bytes are refused by name.
+DOT_ADD_BYTES = 160_000
 
 
 NEAR = 0.05  # a shape within 5% of a measured N (same K, same batch bucket) takes that measurement
@@ -182,7 +185,7 @@ def _kernel(x_ref, w_ref, *refs, layout: str, bn: int, bk: int, steps: int, dot:
 
     def row(cols):
         """x at `cols` ([16, bk] with dot, else row 0's [bk]); with the addend, x + Σ_j add[j] rounded to x's dtype
-        (XLA's arithmetic for bf16(h + Σ partials): the partials summed in order, then h added, in fp32)."""
+        (`add_row`'s arithmetic: the partials summed in order, then x added, in fp32)."""
         x = x_ref[:, cols] if dot else x_ref[0, cols]
         if not adds:
             return x
@@ -284,6 +287,7 @@ def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | Non
     x first normed (RMSNorm(x; norm_w, eps) in x's dtype) where `norm_w` is given.  `sums`: the partial sums
     over the K splits [splits, B, N] instead, for a consumer that adds them itself.  With `norm_w`: `add` [S, B, K]
     fp32 (x becomes bf16(x + Σ add), `add_row`) and `want_xn` ((y, the normed row [B, K]))."""
+    _addend_needs_norm(norm_w, add, want_xn)
     B = x_BK.shape[0]
     got = partials(x_BK, w, layout, config, interpret, norm_w, eps, add, want_xn)
     p, xn = got if want_xn else (got, None)
@@ -293,14 +297,23 @@ def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | Non
 
 def add_row(x_BK: jax.Array, add: jax.Array | None) -> jax.Array:
     """bf16(x + Σ_j add[j]) in x's dtype (fp32 add): the residual stream after a block whose output is `add`'s
-    partial sums [S, B, K] (their sum as `add_splits` makes it); x itself without `add`."""
+    partial sums [S, B, K] (their sum as `add_splits` makes it); x itself without `add`.  The kernel's prologue sums
+    the parts in order; XLA may associate the same sum otherwise (not checked on a GPU), so the row a kernel makes and
+    the stream XLA makes from the same parts can differ by a rounding in rare elements, each a correct rounding of
+    the same fp32 sum up to its order."""
     return x_BK if add is None else (x_BK + add_splits(add)).astype(x_BK.dtype)
+
+
+def _addend_needs_norm(norm_w, add, want_xn: bool) -> None:
+    if (add is not None or want_xn) and norm_w is None:
+        raise ValueError("gemv: `add` and `want_xn` go with the norm prologue (norm_w); got no norm weight")
 
 
 def reference(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
               only_where_faster: bool = True, norm_w: jax.Array | None = None, eps: float = 0.0,
               sums: bool = False, add: jax.Array | None = None, want_xn: bool = False):
     """XLA's dot; `sums`: as one partial sum [1, B, N]; `add`, `want_xn` as `gemv`'s."""
+    _addend_needs_norm(norm_w, add, want_xn)
     xn = None
     if norm_w is not None:
         x_BK = xn = rms_norm_as(add_row(x_BK, add), norm_w, eps)
@@ -337,6 +350,10 @@ def fits(x_BK, w, layout: str = "nk", config: Config | None = None, only_where_f
     c = config or config_for(B, N, K, layout)
     if B > 1 and not c.dot:
         return f"gemv kernel: B = {B} needs the dot variant (config {c})"
+    if add is not None and c.dot and add.shape[0] * 16 * K > DOT_ADD_BYTES:
+        return (f"gemv kernel: the dot form's prologue stages the addend's {add.shape[0]} parts of [16, {K}] "
+                f"({add.shape[0] * 16 * K} B by the H200 compile's count) past {DOT_ADD_BYTES} B of shared memory; "
+                "fewer parts (o_proj with fewer K splits) or one row")
     if (not (pow2(c.bn) and pow2(c.bk)) or N < c.bn or K % (c.splits * c.bk) or c.bn < (16 if c.dot else 8)
             or c.bk < 16):
         return (f"gemv kernel: the tile bn {c.bn} x bk {c.bk} (powers of two, bk >= 16, bn >= 16 with dot, >= 8 "

@@ -219,15 +219,24 @@ def _route_normed(cfg, w: MoEWeights, x: Normed, mode: str) -> tuple[jax.Array, 
                         w.e_score_correction_bias, x_BD=x.h, mode=mode, **kw)
 
 
-def _logits_normed(w: MoEWeights, x: Normed, mode: str) -> tuple[jax.Array, jax.Array] | None:
+def router_makes_row(w: MoEWeights, x: Normed, tp: TP | str | None) -> bool:
+    """Whether a Kimi-Linear decode MoE block takes its un-normed input `x` (with its addend) into the router's GEMV,
+    which makes the row, norms it and writes it normed for the experts (`_logits_normed`): the model hands the block
+    the attention's partial sums as the addend only where it does (else the row as before)."""
+    kw = dict(norm_w=x.w, eps=x.eps, add=x.add, want_xn=True)
+    return (w.routed_expert_down_proj is None and w.gate.dtype == x.dtype
+            and kernels.explain("gemv_norm", x.h, w.gate, mode=kernel_mode(tp), **kw).startswith("device"))
+
+
+def _logits_normed(w: MoEWeights, x: Normed, tp) -> tuple[jax.Array, jax.Array] | None:
     """(the router's logits [B, E] fp32, the normed input [B, D]) of a decode MoE block whose input comes un-normed
     (its row's addend, the attention block's partial sums, too), from one kernel: the GEMV that makes the row and
     norms it in its prologue and writes the normed row for the experts (`gemv_norm` with `want_xn`); None where that
     kernel does not run (the caller norms x with XLA)."""
-    kw = dict(norm_w=x.w, eps=x.eps, add=x.add, want_xn=True)
-    if w.gate.dtype != x.dtype or not kernels.explain("gemv_norm", x.h, w.gate, mode=mode, **kw).startswith("device"):
+    if not router_makes_row(w, x, tp):
         return None
-    return kernels.call("gemv_norm", x.h, w.gate, mode=mode, **kw)
+    return kernels.call("gemv_norm", x.h, w.gate, norm_w=x.w, eps=x.eps, add=x.add, want_xn=True,
+                        mode=kernel_mode(tp))
 
 
 # K3's latent MoE at decode: the routed experts' latent output y (fp32, the experts' partial sums added) normed in the
@@ -256,8 +265,10 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     over all tokens at once (dense GEMMs over the local experts, in token blocks) instead of
     per-token GEMVs (decode): jaxk3.kernels.moe_grouped has the forms (dense GEMMs over the local
     experts in token blocks, today's path; the grouped-GEMM kernel; `experts_grouped`, ragged_dot).
-    A `Normed` input (decode) is normed by the routing kernels (`_route_normed`) where they run; at decode the
-    Kimi-Linear experts may also take the router's logits and select inside their kernels (`_experts_routed`).
+    A `Normed` input (decode) is normed by the routing kernels (`_route_normed`) where they run, or with its addend
+    (the attention's partial sums, `router_makes_row`) made, normed and written normed by the router's GEMV
+    (`_logits_normed`); at decode the Kimi-Linear experts may also take the router's logits and select inside their
+    kernels (`_experts_routed`).
     `residual` (decode: the residual stream h [B, D] this block adds to): the new stream bf16(h + out) instead of out,
     added in the experts' call (`moe_experts.add_residual`, after the kernels) where one rank holds the whole sum,
     else after the psum, as `attn_res.ffn_done` adds it: the same bits either way."""
@@ -271,8 +282,7 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     if routed is not None:
         w_Bk, ids_Bk, x_BD = routed
     else:
-        got = (_logits_normed(w, x_BD, mode) if isinstance(x_BD, Normed) and w.routed_expert_down_proj is None
-               and not grouped else None)
+        got = _logits_normed(w, x_BD, tp) if isinstance(x_BD, Normed) and not grouped else None
         if got is not None:  # Kimi-Linear decode: the norm and the logits in one kernel
             logits_BE, x_BD = got
         else:

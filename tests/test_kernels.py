@@ -2063,6 +2063,11 @@ def test_info_lists_the_kernels(capsys):
     assert info["kernels_auto"] == kernels.status("cpu")
     assert info["kernels_measured"] == kernels.speeds() and all(
         "x" in v or v == "not measured" for v in info["kernels_measured"].values())
+    # the untimed forms' switches, each naming a module constant that exists, all off by default
+    assert info["untimed_forms"] == {"jaxk3.kernels.gemv.ROUTER_XN": False,
+                                     "jaxk3.kernels.attn_res_norm.SELECT_STACK": False,
+                                     "jaxk3.layers.moe.LATENT_NORM_IN_UP": False}
+    assert "gemv.ROUTER_XN=off" in out and "moe.LATENT_NORM_IN_UP=off" in out
 
 
 

@@ -304,9 +304,16 @@ def add_row(x_BK: jax.Array, add: jax.Array | None) -> jax.Array:
     return x_BK if add is None else (x_BK + add_splits(add)).astype(x_BK.dtype)
 
 
-def _addend_needs_norm(norm_w, add, want_xn: bool) -> None:
+def _addend_problem(norm_w, add, want_xn: bool) -> str | None:
+    """Why `add` / `want_xn` cannot be taken here (None: they can): both go with the norm prologue."""
     if (add is not None or want_xn) and norm_w is None:
-        raise ValueError("gemv: `add` and `want_xn` go with the norm prologue (norm_w); got no norm weight")
+        return "`add` and `want_xn` go with the norm prologue (norm_w); got no norm weight"
+    return None
+
+
+def _addend_needs_norm(norm_w, add, want_xn: bool) -> None:
+    if why := _addend_problem(norm_w, add, want_xn):
+        raise ValueError(f"gemv: {why}")
 
 
 def reference(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
@@ -343,10 +350,11 @@ def fits(x_BK, w, layout: str = "nk", config: Config | None = None, only_where_f
         return f"gemv kernel streams bf16 weights, got {w.dtype}"
     if norm_w is not None and norm_w.shape != (K,):
         return f"gemv kernel: the norm weight must be [K] = [{K}], got {norm_w.shape}"
-    if (add is not None or want_xn) and norm_w is None:
-        return "gemv kernel: `add` and `want_xn` go with the norm prologue (norm_w)"
+    if why := _addend_problem(norm_w, add, want_xn):
+        return f"gemv kernel: {why}"
     if add is not None and (add.ndim != 3 or add.shape[1:] != (B, K) or add.dtype != F32):
-        return f"gemv kernel: `add` must be fp32 partial sums [S, B, K] = [S, {B}, {K}], got {add.dtype}{list(add.shape)}"
+        return (f"gemv kernel: `add` must be fp32 partial sums [S, B, K] = [S, {B}, {K}], "
+                f"got {add.dtype}{list(add.shape)}")
     c = config or config_for(B, N, K, layout)
     if B > 1 and not c.dot:
         return f"gemv kernel: B = {B} needs the dot variant (config {c})"

@@ -14,7 +14,8 @@ Each kernel is attributed to a block by the named-scope path in its `op_name` me
 no block (XLA-made ops, e.g. CPU's bf16 -> f32 weight converts, whose op_name is just the jit
 and shard_map scopes) takes the block of its first user that has one, else of its first operand
 that has one, else stays in the row UNSCOPED; a GEMM the other way round, operand first (XLA's split-K
-GEMV fusions carry no op_name, and their first user, the sum of their partials, may be the next block's).  Those inherited kernels are counted per block.
+GEMV fusions carry no op_name, and their first user, the sum of their partials, may be the next block's).
+Those inherited kernels are counted per block.
 
 `profile_times(xplane_path, census, steps)` sums, per block, the duration of the device events of
 that program in a `jax.profiler` trace: every event carrying the HLO instruction's name (the

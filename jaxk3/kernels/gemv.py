@@ -21,10 +21,7 @@ prologue instead of by XLA before it (two kernels of the step: the sum of square
 each program first sums x² over the whole row (the row is a few KB, read from L2 by every program),
 then scales each input tile as it loads it, in the reference's order ((w ⊙ x) · rsqrt(mean + eps)).
 Only the sum's order differs from XLA's, so the normed input agrees to one rounding of the activation
-dtype at most.  The prologue can also make the row itself: with `add` (fp32 partial sums [S, B, K], a block's
-output as its split-K GEMV left it) x's row is bf16(x + Σ add), the residual stream's add in XLA's order (`add_row`),
-so that the stream after a block need not be a kernel of its own before its reader; and with `want_xn` the programs
-of row block 0 write the normed row they made as a second output (the MoE router's form: the experts read it).
+dtype at most.
 
 Weight layout ("serving layout", made at load): "nk" is the checkpoint's [N, K] row-major, "kn" its
 transpose [K, N].  The per-shape configurations (`CONFIGS`) come from the sweep on an H200 recorded
@@ -94,9 +91,6 @@ MEASURED: dict[tuple[int, int, int], tuple[float, float]] = {
     (1, 1800, 7168): (12.4, 11.5),
 }
 MARGIN = 1.05  # run-to-run spread of these timings is a few per cent
-# The dot form (B > 1) with an addend of S parts: the H200 compile asked 294,912 B of shared memory (of 232,448) at
-# S 8, K 2304 (S · 16 · K) and compiled at S 4 (147,456): parts past this many bytes are refused by name.
-DOT_ADD_BYTES = 160_000
 
 
 NEAR = 0.05  # a shape within 5% of a measured N (same K, same batch bucket) takes that measurement
@@ -163,14 +157,10 @@ def _loop(steps: int, body, init, unroll: bool):
 
 
 def _kernel(x_ref, w_ref, *refs, layout: str, bn: int, bk: int, steps: int, dot: bool, unroll: bool, N: int,
-            eps: float | None, K: int, adds: int = 0, xn: bool = False):
+            eps: float | None, K: int):
     from jax.experimental import pallas as pl
 
-    refs = list(refs)
-    g_ref = refs.pop(0) if eps is not None else None
-    a_ref = refs.pop(0) if adds else None  # [adds, Bp, K] fp32 partial sums added to x (the row's addend)
-    o_ref = refs.pop(0)
-    xn_ref = refs.pop(0) if xn else None  # [Bp, K] the normed row, written by the programs of row block 0
+    g_ref, o_ref = refs if eps is not None else (None, refs[0])
     n, s = pl.program_id(0), pl.program_id(1)
     if N % bn:  # the last program's rows end at N: it overlaps its neighbour, writing the same values there
         rows = pl.ds(jnp.minimum(n * bn, N - bn), bn)
@@ -183,43 +173,23 @@ def _kernel(x_ref, w_ref, *refs, layout: str, bn: int, bk: int, steps: int, dot:
         w = w_ref[rows, cols] if layout == "nk" else w_ref[cols, rows]  # [bn, bk] or [bk, bn]
         return cols, w
 
-    def row(cols):
-        """x at `cols` ([16, bk] with dot, else row 0's [bk]); with the addend, x + Σ_j add[j] rounded to x's dtype
-        (`add_row`'s arithmetic: the partials summed in order, then x added, in fp32)."""
-        x = x_ref[:, cols] if dot else x_ref[0, cols]
-        if not adds:
-            return x
-        a = None
-        for j in range(adds):
-            aj = a_ref[j, :, cols] if dot else a_ref[j, 0, cols]
-            a = aj if a is None else a + aj
-        return (x.astype(F32) + a).astype(x_ref.dtype)
-
     if eps is not None:  # the prologue: rsqrt(mean(x²) + eps) over the whole row (each row's with dot: [16, 1])
         # x² accumulated element-wise over the row's tiles (all loads issued at once: the loop is written out)
         # and reduced once: a reduction per tile would chain K / bk cross-warp reductions before the first weight
         acc = None
         for i in range(K // bk):
-            xt = row(pl.ds(i * bk, bk)).astype(F32)
+            xt = (x_ref[:, pl.ds(i * bk, bk)] if dot else x_ref[0, pl.ds(i * bk, bk)]).astype(F32)
             acc = xt * xt if acc is None else acc + xt * xt
         ss = jnp.sum(acc, axis=1, keepdims=True) if dot else jnp.sum(acc)
         r = jax.lax.rsqrt(ss / K + eps)
 
     def xin(cols):
-        """The input at `cols`, normed as the prologue says (and stored as the normed row by row block 0)."""
-        x = row(cols)
+        """The input at `cols` ([16, bk] with dot, else row 0's [bk]), normed as the prologue says."""
+        x = x_ref[:, cols] if dot else x_ref[0, cols]
         if eps is None:
             return x
-        x = (g_ref[cols].astype(F32) * x.astype(F32)) * r
-        x = x.astype(x_ref.dtype)
-        if xn:
-            @pl.when(n == 0)
-            def _():
-                if dot:
-                    xn_ref[:, cols] = x
-                else:
-                    xn_ref[0, cols] = x
-        return x.astype(w_ref.dtype)
+        xn = (g_ref[cols].astype(F32) * x.astype(F32)) * r
+        return xn.astype(x_ref.dtype).astype(w_ref.dtype)
 
     if dot:
         def body(i, acc):
@@ -243,11 +213,8 @@ def _kernel(x_ref, w_ref, *refs, layout: str, bn: int, bk: int, steps: int, dot:
 
 
 def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
-             interpret: bool = False, norm_w: jax.Array | None = None, eps: float = 0.0,
-             add: jax.Array | None = None, want_xn: bool = False):
-    """The kernel's raw output: fp32 [splits, Bp, N] partial sums (Bp = 16 with dot, else 1); with `want_xn`, also
-    the normed row [Bp, K] in x's dtype.  `add` (with `norm_w`): fp32 partial sums [S, B, K] whose sum is added to x
-    before the norm (the row bf16(x + Σ add))."""
+             interpret: bool = False, norm_w: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
+    """The kernel's raw output: fp32 [splits, Bp, N] partial sums (Bp = 16 with dot, else 1)."""
     from jax.experimental import pallas as pl
 
     B, K = x_BK.shape
@@ -259,19 +226,13 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
     if Bp != B:
         x = jnp.pad(x, ((0, Bp - B), (0, 0)))
     args = (x, w) if norm_w is None else (x, w, norm_w)
-    if add is not None:
-        args += (jnp.pad(add, ((0, 0), (0, Bp - B), (0, 0))) if Bp != B else add,)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     kw = triton_params(c.num_warps, c.num_stages, interpret)
-    out = jax.ShapeDtypeStruct((c.splits, Bp, N), F32)
     return pl.pallas_call(
         functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot, unroll=c.unroll, N=N,
-                          eps=None if norm_w is None else float(eps), K=K,
-                          adds=0 if add is None else add.shape[0], xn=want_xn),
-        grid=(-(-N // c.bn), c.splits), in_specs=[any_] * len(args),
-        out_specs=(any_, any_) if want_xn else any_,
-        out_shape=(out, jax.ShapeDtypeStruct((Bp, K), x_BK.dtype)) if want_xn else out,
-        interpret=interpret, **kw)(*args)
+                          eps=None if norm_w is None else float(eps), K=K),
+        grid=(-(-N // c.bn), c.splits), in_specs=[any_] * len(args), out_specs=any_,
+        out_shape=jax.ShapeDtypeStruct((c.splits, Bp, N), F32), interpret=interpret, **kw)(*args)
 
 
 def add_splits(p_SBN: jax.Array) -> jax.Array:
@@ -282,57 +243,29 @@ def add_splits(p_SBN: jax.Array) -> jax.Array:
 
 def gemv(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
          interpret: bool = False, only_where_faster: bool = True, norm_w: jax.Array | None = None,
-         eps: float = 0.0, sums: bool = False, add: jax.Array | None = None, want_xn: bool = False):
+         eps: float = 0.0, sums: bool = False) -> jax.Array:
     """The same function as the reference: fp32 [B, N] = x @ W^T (W [N, K] for "nk", [K, N] for "kn"),
     x first normed (RMSNorm(x; norm_w, eps) in x's dtype) where `norm_w` is given.  `sums`: the partial sums
-    over the K splits [splits, B, N] instead, for a consumer that adds them itself.  With `norm_w`: `add` [S, B, K]
-    fp32 (x becomes bf16(x + Σ add), `add_row`) and `want_xn` ((y, the normed row [B, K]))."""
-    _addend_needs_norm(norm_w, add, want_xn)
-    B = x_BK.shape[0]
-    got = partials(x_BK, w, layout, config, interpret, norm_w, eps, add, want_xn)
-    p, xn = got if want_xn else (got, None)
-    y = p[:, :B] if sums else add_splits(p)[:B]
-    return (y, xn[:B]) if want_xn else y
-
-
-def add_row(x_BK: jax.Array, add: jax.Array | None) -> jax.Array:
-    """bf16(x + Σ_j add[j]) in x's dtype (fp32 add): the residual stream after a block whose output is `add`'s
-    partial sums [S, B, K] (their sum as `add_splits` makes it); x itself without `add`.  The kernel's prologue sums
-    the parts in order; XLA may associate the same sum otherwise (not checked on a GPU), so the row a kernel makes and
-    the stream XLA makes from the same parts can differ by a rounding in rare elements, each a correct rounding of
-    the same fp32 sum up to its order."""
-    return x_BK if add is None else (x_BK + add_splits(add)).astype(x_BK.dtype)
-
-
-def _addend_problem(norm_w, add, want_xn: bool) -> str | None:
-    """Why `add` / `want_xn` cannot be taken here (None: they can): both go with the norm prologue."""
-    if (add is not None or want_xn) and norm_w is None:
-        return "`add` and `want_xn` go with the norm prologue (norm_w); got no norm weight"
-    return None
-
-
-def _addend_needs_norm(norm_w, add, want_xn: bool) -> None:
-    if why := _addend_problem(norm_w, add, want_xn):
-        raise ValueError(f"gemv: {why}")
+    over the K splits [splits, B, N] instead, for a consumer that adds them itself."""
+    p = partials(x_BK, w, layout, config, interpret, norm_w, eps)
+    if sums:
+        return p[:, : x_BK.shape[0]]
+    return add_splits(p)[: x_BK.shape[0]]
 
 
 def reference(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config | None = None,
               only_where_faster: bool = True, norm_w: jax.Array | None = None, eps: float = 0.0,
-              sums: bool = False, add: jax.Array | None = None, want_xn: bool = False):
-    """XLA's dot; `sums`: as one partial sum [1, B, N]; `add`, `want_xn` as `gemv`'s."""
-    _addend_needs_norm(norm_w, add, want_xn)
-    xn = None
+              sums: bool = False) -> jax.Array:
+    """XLA's dot; `sums`: as one partial sum [1, B, N]."""
     if norm_w is not None:
-        x_BK = xn = rms_norm_as(add_row(x_BK, add), norm_w, eps)
+        x_BK = rms_norm_as(x_BK, norm_w, eps)
     spec = "bk,nk->bn" if layout == "nk" else "bk,kn->bn"
     y = jnp.einsum(spec, x_BK.astype(w.dtype), w, preferred_element_type=F32)
-    y = y[None] if sums else y
-    return (y, xn) if want_xn else y
+    return y[None] if sums else y
 
 
 def fits(x_BK, w, layout: str = "nk", config: Config | None = None, only_where_faster: bool = True,
-         norm_w: jax.Array | None = None, eps: float = 0.0, add: jax.Array | None = None, want_xn: bool = False,
-         **_) -> str | None:
+         norm_w: jax.Array | None = None, eps: float = 0.0, **_) -> str | None:
     """Why this call does not suit the kernel (None: it does).  With `only_where_faster` (the default)
     a shape where the kernel did not beat XLA's dot on the H200 (`MEASURED`), or was not measured, is
     refused with the numbers, so that kernels="auto" keeps XLA there; False: any shape that fits."""
@@ -350,18 +283,9 @@ def fits(x_BK, w, layout: str = "nk", config: Config | None = None, only_where_f
         return f"gemv kernel streams bf16 weights, got {w.dtype}"
     if norm_w is not None and norm_w.shape != (K,):
         return f"gemv kernel: the norm weight must be [K] = [{K}], got {norm_w.shape}"
-    if why := _addend_problem(norm_w, add, want_xn):
-        return f"gemv kernel: {why}"
-    if add is not None and (add.ndim != 3 or add.shape[1:] != (B, K) or add.dtype != F32):
-        return (f"gemv kernel: `add` must be fp32 partial sums [S, B, K] = [S, {B}, {K}], "
-                f"got {add.dtype}{list(add.shape)}")
     c = config or config_for(B, N, K, layout)
     if B > 1 and not c.dot:
         return f"gemv kernel: B = {B} needs the dot variant (config {c})"
-    if add is not None and c.dot and add.shape[0] * 16 * K > DOT_ADD_BYTES:
-        return (f"gemv kernel: the dot form's prologue stages the addend's {add.shape[0]} parts of [16, {K}] "
-                f"({add.shape[0] * 16 * K} B by the H200 compile's count) past {DOT_ADD_BYTES} B of shared memory; "
-                "fewer parts (o_proj with fewer K splits) or one row")
     if (not (pow2(c.bn) and pow2(c.bk)) or N < c.bn or K % (c.splits * c.bk) or c.bn < (16 if c.dot else 8)
             or c.bk < 16):
         return (f"gemv kernel: the tile bn {c.bn} x bk {c.bk} (powers of two, bk >= 16, bn >= 16 with dot, >= 8 "
@@ -405,45 +329,32 @@ def _norm_measured(B: int, N: int, K: int) -> bool:
     return any(b == B and k == K and abs(n - N) <= NEAR * n for b, n, k in NORM_MEASURED)
 
 
-# The MoE router's logits with the block's input made and normed in the prologue and the normed row written for the
-# experts (`want_xn`, the row's addend the attention block's partial sums: jaxk3.layers.moe): on the 48B step's MoE
-# blocks that replaces XLA's three kernels (the sum of squares, the scaling, the logits) with one.  Not yet timed on a
-# GPU: auto takes the `want_xn` form only where ROUTER_XN is set (kernels="on" runs it wherever it fits).
-ROUTER_XN = False
-
-
 def _norm_reference(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
-                    only_where_faster: bool = True, sums: bool = False, add: jax.Array | None = None,
-                    want_xn: bool = False):
-    return reference(x_BK, w, layout, config, norm_w=norm_w, eps=eps, sums=sums, add=add, want_xn=want_xn)
+                    only_where_faster: bool = True, sums: bool = False) -> jax.Array:
+    return reference(x_BK, w, layout, config, norm_w=norm_w, eps=eps, sums=sums)
 
 
 def _norm_device(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
-                 interpret: bool = False, only_where_faster: bool = True, sums: bool = False,
-                 add: jax.Array | None = None, want_xn: bool = False):
+                 interpret: bool = False, only_where_faster: bool = True, sums: bool = False) -> jax.Array:
     c = config or norm_config_for(x_BK.shape[0], _rows(w, layout), x_BK.shape[1], layout)
-    return gemv(x_BK, w, layout, c, interpret, norm_w=norm_w, eps=eps, sums=sums, add=add, want_xn=want_xn)
+    return gemv(x_BK, w, layout, c, interpret, norm_w=norm_w, eps=eps, sums=sums)
 
 
 def _norm_fits(x_BK, w, norm_w, eps: float, layout: str = "nk", config: Config | None = None,
-               only_where_faster: bool = True, add: jax.Array | None = None, want_xn: bool = False,
-               **_) -> str | None:
+               only_where_faster: bool = True, **_) -> str | None:
     """The GEMV's own conditions, and `auto` only where the step was measured faster with it (`NORM_MEASURED`:
-    one row, the shapes of the 48B's first GEMVs; XLA's path there is the norm's two kernels and then the dot;
-    the router's `want_xn` form where ROUTER_XN says so).  At B = 8 the step was 0.8% slower with it (its compiled
-    tests pass there).  only_where_faster=False (as kernels="on" passes) runs it wherever it fits."""
-    kw = dict(norm_w=norm_w, eps=eps, add=add, want_xn=want_xn)
+    one row, the shapes of the 48B's first GEMVs; XLA's path there is the norm's two kernels and then the dot).
+    At B = 8 the step was 0.8% slower with it (its compiled tests pass there).  only_where_faster=False (as
+    kernels="on" passes) runs it wherever it fits."""
     if x_BK.ndim != 2 or w.ndim != 2:
-        return fits(x_BK, w, layout, config, only_where_faster=False, **kw)
+        return fits(x_BK, w, layout, config, only_where_faster=False, norm_w=norm_w, eps=eps)
     B, K = x_BK.shape
     N = _rows(w, layout)
-    if only_where_faster and want_xn and not (ROUTER_XN and B == 1):
-        return ("gemv_norm kernel: the router's form with the normed row (want_xn) is not yet measured in the step "
-                f"(gemv.ROUTER_XN off, or B {B} > 1); kernels='on' runs it")
-    if only_where_faster and not want_xn and not _norm_measured(B, N, K):
+    if only_where_faster and not _norm_measured(B, N, K):
         return (f"gemv_norm kernel: auto takes it where the step was measured faster with it (B = 1 at N x K in "
                 f"{sorted((n, k) for _, n, k in NORM_MEASURED)}), got B {B}, N {N}, K {K}")
-    return fits(x_BK, w, layout, config or norm_config_for(B, N, K, layout), only_where_faster=False, **kw)
+    return fits(x_BK, w, layout, config or norm_config_for(B, N, K, layout), only_where_faster=False,
+                norm_w=norm_w, eps=eps)
 
 
 # The GEMV with the RMSNorm prologue: the blocks' first projections at decode take it (jaxk3.layers.common.Normed).
@@ -486,13 +397,13 @@ def _gnorm_kernel(x_ref, z_ref, g_ref, w_ref, o_ref, *, bn: int, hk: int, d: int
 
 
 def gnorm_reference(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, w: jax.Array, dt,
-                    config: Config | None = None, only_where_faster: bool = True, sums: bool = False) -> jax.Array:
+                    config: Config | None = None, only_where_faster: bool = True) -> jax.Array:
     """fp32 [B, N] = gated_rms_norm(x; norm_w, z) per head of d = len(norm_w) values, cast to `dt`, @ W^T (W [N, K]):
-    what KDA's decode computes between its core and o_proj through XLA (`sums`: as one partial sum [1, B, N])."""
+    what KDA's decode computes between its core and o_proj through XLA."""
     B, K = x_BK.shape
     d = norm_w.shape[0]
     xn = gated_rms_norm(x_BK.reshape(B, K // d, d), norm_w, z_BK.reshape(B, K // d, d), eps).reshape(B, K)
-    return reference(xn.astype(dt), w, sums=sums)
+    return reference(xn.astype(dt), w)
 
 
 def gnorm_config(N: int, K: int, d: int) -> Config:
@@ -502,10 +413,8 @@ def gnorm_config(N: int, K: int, d: int) -> Config:
 
 
 def gemv_gnorm(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, w: jax.Array, dt,
-               config: Config | None = None, interpret: bool = False, only_where_faster: bool = True,
-               sums: bool = False) -> jax.Array:
-    """The same function as `gnorm_reference`, the norm in the GEMV's prologue: fp32 [1, N] (`sums`: the partial
-    sums over the K splits [splits, 1, N])."""
+               config: Config | None = None, interpret: bool = False, only_where_faster: bool = True) -> jax.Array:
+    """The same function as `gnorm_reference`, the norm in the GEMV's prologue: fp32 [1, N]."""
     from jax.experimental import pallas as pl
 
     N, K = w.shape
@@ -522,7 +431,7 @@ def gemv_gnorm(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, 
         out_shape=jax.ShapeDtypeStruct((c.splits, 1, N), F32), interpret=interpret,
         **triton_params(c.num_warps, c.num_stages, interpret),
     )(x_BK.reshape(1, H, d), z_BK.reshape(1, H, d), norm_w, w.reshape(N, H, d))
-    return p if sums else add_splits(p)
+    return add_splits(p)
 
 
 # (N, K, d) where the step was measured with the gated norm in o_proj's prologue (on an H200, 2026-12-02, sixth

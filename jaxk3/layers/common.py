@@ -45,9 +45,6 @@ class Normed:
     h: jax.Array  # [B, D] the residual stream
     w: jax.Array  # [D] the norm weight
     eps: float
-    # [S, B, D] fp32: the previous block's output as partial sums, not yet added to h (Kimi-Linear's MoE block at
-    # decode): the row is bf16(h + Σ add) (`gemv.add_row`), made in the prologue of the kernel that norms it
-    add: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -61,12 +58,8 @@ class Normed:
     def ndim(self) -> int:
         return self.h.ndim
 
-    def row(self) -> jax.Array:
-        """The un-normed row [B, D] in h's dtype: h, or bf16(h + Σ add)."""
-        return gemv.add_row(self.h, self.add)
-
     def value(self) -> jax.Array:
-        return rms_norm_as(self.row(), self.w, self.eps)
+        return rms_norm_as(self.h, self.w, self.eps)
 
 
 def value(x: jax.Array | Normed) -> jax.Array:
@@ -85,7 +78,7 @@ def linear(x_BD: jax.Array | Normed, w_FD: jax.Array, tp: TP | str | None = None
     if isinstance(x_BD, Normed):
         mode = kernel_mode(tp)
         args = (x_BD.h, w_FD)
-        kw = dict(norm_w=x_BD.w, eps=x_BD.eps, add=x_BD.add)
+        kw = dict(norm_w=x_BD.w, eps=x_BD.eps)
         if x_BD.h.ndim == 2 and kernels.explain("gemv_norm", *args, mode=mode, **kw).startswith("device"):
             return kernels.call("gemv_norm", *args, mode=mode, sums=sums, **kw)
         x_BD = x_BD.value()

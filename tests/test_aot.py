@@ -215,53 +215,29 @@ def test_48b_step_launches_within_the_measured_budget():
     assert len(after_kda) == 19 and set(after_kda) == {MOE_AFTER_KDA}, after_kda
 
 
-def test_48b_step_with_the_router_making_the_moe_row(monkeypatch):
-    """gemv.ROUTER_XN (not yet timed on a GPU, off): each MoE block's router GEMV makes its input row from the stream
-    and the attention's o_proj partial sums, norms it in its prologue and writes it normed for the experts, so that
-    XLA's sum of squares, scaling and logits kernels go: compiled for the H200 (the kernel's Triton lowering with its
-    second output and addend), every MoE block takes 4 launches (router, the experts' two kernels, the residual
-    add; the last 3), 52 fewer in the step than LAUNCH_OPS_48B_B1."""
-    from jaxk3.kernels import gemv
-
-    def census() -> dict:
-        (row,) = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")["rows"]
-        return row
-
-    assert not gemv.ROUTER_XN
-    off = census()  # the switch off: the step as before the form was built
-    assert off["launch_ops"] == LAUNCH_OPS_48B_B1, off["launch_ops"]
-    monkeypatch.setattr(gemv, "ROUTER_XN", True)
-    row = census()
-    moe = {b: n for b, n in row["census"]["totals"].items() if b.endswith("_moe")}
-    last = moe.pop("layer26_moe")  # its residual add goes into the head's first kernel
-    assert len(moe) == 25 and set(moe.values()) == {4} and last == 3, (moe, last)
-    assert row["launch_ops"] == off["launch_ops"] - 2 * 26, row["launch_ops"]
-
-
-def test_k3_step_with_the_attn_res_stack_by_selects(monkeypatch):
-    """attn_res_norm.SELECT_STACK (not yet timed on a GPU, off): compiled for the H200, K3 layers 11-14 packed at B = 1
-    takes 21 fewer launches (170 against 191 as this compile counted them, twenty-eighth session), the MoE and
-    attention blocks each fewer or as many as with the concatenated stack; with moe.LATENT_NORM_IN_UP too, 8 fewer
-    again."""
+def test_k3_step_with_the_attn_res_stack_by_selects_and_the_latent_norm_in_up(monkeypatch):
+    """attn_res_norm.SELECT_STACK and moe.LATENT_NORM_IN_UP, on by default since an H100 A/B timed them faster at B = 1
+    (docs/PERF.md, twenty-ninth session): compiled for the H200, K3 layers 11-14 packed at B = 1 takes 162 launches as
+    this compile counts them, against 191 with both switches off (the latent norm alone 186: its two kernels go into
+    the up projection's GEMV, and with the selects XLA fuses more around it); no block takes more launches than with
+    both off."""
     from jaxk3.kernels import attn_res_norm
+    from jaxk3.layers import moe
 
     def totals() -> tuple[int, dict]:
         (row,) = _census("k3", 1, (1,), (4096,), ("packed+sharded+one-shot",), "auto")["rows"]
         return row["launch_ops"], row["census"]["totals"]
 
-    n0, t0 = totals()
-    monkeypatch.setattr(attn_res_norm, "SELECT_STACK", True)
-    n1, t1 = totals()
-    assert n1 <= n0 - 21, (n0, n1)
-    assert all(t1.get(b, 0) <= n for b, n in t0.items()), (t0, t1)
-    # and moe.LATENT_NORM_IN_UP (off, untimed): the latent norm's two kernels go into the up projection's GEMV,
-    # which is the Pallas gemv_norm there (compiled for the H200): 2 fewer in each of the 4 MoE blocks, 162 in all
-    from jaxk3.layers import moe
-
-    monkeypatch.setattr(moe, "LATENT_NORM_IN_UP", True)
-    n2, t2 = totals()
-    assert n2 <= n1 - 8, (n1, n2)
-    assert all(t2[b] <= t1[b] - 2 for b in t1 if b.endswith("_moe")), (t1, t2)
+    assert attn_res_norm.SELECT_STACK and moe.LATENT_NORM_IN_UP
+    n_on, t_on = totals()
+    monkeypatch.setattr(attn_res_norm, "SELECT_STACK", False)
+    n_latent, t_latent = totals()
+    monkeypatch.setattr(moe, "LATENT_NORM_IN_UP", False)
+    n_off, t_off = totals()
+    assert n_on <= n_off - 29, (n_off, n_latent, n_on)
+    assert n_latent <= n_off - 5, (n_off, n_latent)
+    assert all(t_latent[b] < t_off[b] for b in t_off if b.endswith("_moe")), (t_off, t_latent)
+    assert all(t_on.get(b, 0) <= n for b, n in t_off.items()), (t_off, t_on)
 
 
 def test_the_step_keeps_its_bf16_roundings_on_the_h200(monkeypatch):

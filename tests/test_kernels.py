@@ -8,6 +8,7 @@ kernel (missing eps, wrong axis, no weight) is off by >= 1e-3.
 """
 import dataclasses
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -565,9 +566,6 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch, fresh_steps):
     names = {"gemv_norm": 0, "router_topk": 1, "kda_decode_in": 1, "gemv_gnorm": 0}  # kernel -> an array argument
     calls = {name: _on_cpu(monkeypatch, name, arg) for name, arg in names.items()}
     monkeypatch.setattr(router, "NORMED_PROVEN", True)
-    # the router_topk's normed form, which the router's GEMV making the row would take the place of here (gemv_norm
-    # runs anywhere): that form is test_decode_router_makes_and_norms_the_moe_row's
-    monkeypatch.setattr(moe_lib, "router_makes_row", lambda *a: False)
     cfg = tiny_kimi_linear_4l()  # KDA (0-2), MLA (3), the dense MLP (0), MoE (1-3)
     a, b = _off_and_auto(cfg, [[5, 6, 7, 8]], [c for name in names for c in calls[name]])
     n = {name: len(c) for name, c in calls.items()}
@@ -581,11 +579,12 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch, fresh_steps):
 
 @pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
 def test_decode_norms_the_latent_in_the_up_projection(monkeypatch, fresh_steps):
-    """A K3 decode step (latent MoE, one rank) with moe.LATENT_NORM_IN_UP and `gemv_norm` running (interpret mode,
-    registered for the CPU): each MoE block's up projection takes the experts' fp32 latent row un-normed and norms it
-    in its prologue (traced once per MoE block and decode step, on [1, L]); the logits agree with kernels='off' to
-    2e-3 of max|logit| (test_decode_norms_in_the_kernels_prologues' bound: the prologue's sum of squares in another
-    order moves a normed element by a bf16 ulp at most)."""
+    """A K3 decode step (latent MoE, one rank) with moe.LATENT_NORM_IN_UP (on by default) and `gemv_norm` running
+    (interpret mode, registered for the CPU): each MoE block's up projection takes the experts' fp32 latent row
+    un-normed and norms it in its prologue (traced once per MoE block and decode step, on [1, L]); the logits agree
+    with kernels='off' to 2e-3 of max|logit| (test_decode_norms_in_the_kernels_prologues' bound: the prologue's sum
+    of squares in another order moves a normed element by a bf16 ulp at most).  Two rows keep XLA's path (the form
+    was slower at B = 8 on the GPU), as does kernels='off'."""
     from small_models import tiny_k3_4l
 
     from jaxk3.layers import moe as moe_lib
@@ -598,39 +597,14 @@ def test_decode_norms_the_latent_in_the_up_projection(monkeypatch, fresh_steps):
     moe = sum(f == "moe" for f in cfg.layer_ffn)
     assert moe >= 1 and len(calls) >= moe and set(calls) == {(1, cfg.routed_expert_hidden_size)}, calls
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
-
-
-@pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
-def test_decode_router_makes_and_norms_the_moe_row(monkeypatch, fresh_steps):
-    """A Kimi-Linear decode step (B = 1, one rank) with `gemv_norm` running (interpret mode, registered for the CPU):
-    each MoE block's router GEMV takes the residual stream before the attention's output and that output as its
-    o_proj's partial sums, makes the row bf16(h + Σ parts) and norms it in its prologue, and hands the experts the
-    normed row it wrote (`want_xn`): traced once per MoE block and decode step with the parts [S, 1, D]; the logits
-    agree with kernels='off' to 2e-3 of max|logit| (test_decode_norms_in_the_kernels_prologues' bound: the prologue's
-    sum of squares in another order)."""
-    from small_models import tiny_kimi_linear_4l
-
-    from jaxk3.kernels import gemv
-
-    k = kernels.REGISTRY["gemv_norm"]
-    routers = []
-
-    def dev(*a, **kw):
-        if kw.get("want_xn"):
-            routers.append((a[0].shape, None if kw.get("add") is None else kw["add"].shape))
-        return k.device(*a, interpret=True, **kw)
-
-    monkeypatch.setitem(kernels.REGISTRY, "gemv_norm", dataclasses.replace(k, platforms=("cpu",), device=dev,
-                                                                          unproven=None))
-    monkeypatch.setattr(gemv, "ROUTER_XN", True)
-    monkeypatch.setattr(gemv, "NORM_MEASURED", set())  # the router's form alone: no other block's first GEMV
-    cfg = tiny_kimi_linear_4l()
-    a, b = _off_and_auto(cfg, [[5, 6, 7, 8]], routers)
-    moe = sum(f == "moe" for f in cfg.layer_ffn)
-    D = cfg.hidden_size
-    assert moe >= 1 and len(routers) >= moe, routers
-    assert all(x == (1, D) and p is not None and p[1:] == (1, D) for x, p in routers), routers
-    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
+    # the form's own conditions, at the block's function: one row in a mode other than "off"
+    L, D = cfg.routed_expert_hidden_size, cfg.hidden_size
+    w = types.SimpleNamespace(routed_expert_up_proj=jnp.ones((D, L), jnp.bfloat16),
+                              routed_expert_norm=jnp.ones((L,), jnp.bfloat16))
+    y1, y2 = jnp.ones((1, L), jnp.float32), jnp.ones((2, L), jnp.float32)
+    assert moe_lib._up_normed(cfg, w, y1, "auto").shape == (1, D)
+    assert moe_lib._up_normed(cfg, w, y2, "auto") is None and moe_lib._up_normed(cfg, w, y2, "on") is None
+    assert moe_lib._up_normed(cfg, w, y1, "off") is None
 
 
 @pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
@@ -2063,11 +2037,10 @@ def test_info_lists_the_kernels(capsys):
     assert info["kernels_auto"] == kernels.status("cpu")
     assert info["kernels_measured"] == kernels.speeds() and all(
         "x" in v or v == "not measured" for v in info["kernels_measured"].values())
-    # the untimed forms' switches, each naming a module constant that exists, all off by default
-    assert info["untimed_forms"] == {"jaxk3.kernels.gemv.ROUTER_XN": False,
-                                     "jaxk3.kernels.attn_res_norm.SELECT_STACK": False,
-                                     "jaxk3.layers.moe.LATENT_NORM_IN_UP": False}
-    assert "gemv.ROUTER_XN=off" in out and "moe.LATENT_NORM_IN_UP=off" in out
+    # the decode forms' switches, each naming a module constant that exists, on by default (timed faster)
+    assert info["form_switches"] == {"jaxk3.kernels.attn_res_norm.SELECT_STACK": True,
+                                     "jaxk3.layers.moe.LATENT_NORM_IN_UP": True}
+    assert "attn_res_norm.SELECT_STACK=on" in out and "moe.LATENT_NORM_IN_UP=on" in out
 
 
 

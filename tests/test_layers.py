@@ -86,9 +86,10 @@ def test_attn_res(n):
 
 @pytest.mark.parametrize("n", [1, 2, 5, 9])
 def test_attn_res_select_stack_same_bits_on_cpu(monkeypatch, n):
-    """attn_res_norm.SELECT_STACK (the stack by selects on the depth index and the mix as a sum; not yet timed on a
-    GPU): the same function, bitwise on the CPU under jit (bf16 sources of different scales, as the step's), against
-    the float64 reference like the default form."""
+    """attn_res_norm.SELECT_STACK (the stack by selects on the depth index and the mix as a sum; on by default at
+    decode's row counts): the same function as the concatenated stack, bitwise on the CPU under jit (bf16 sources of
+    different scales, as the step's), against the float64 reference like that form.  More rows than
+    SELECT_MAX_ROWS (prefill) keep the concatenate."""
     from jaxk3.kernels import attn_res_norm
 
     rng = np.random.default_rng(10 + n)
@@ -97,8 +98,13 @@ def test_attn_res_select_stack_same_bits_on_cpu(monkeypatch, n):
     def traced():  # a fresh function each time: jit's cache must not hand back the other form's trace
         return jax.jit(lambda *s: attn_res(list(s), wn, wp, 1e-5))
 
-    want = np.asarray(traced()(*srcs))
+    monkeypatch.setattr(attn_res_norm, "SELECT_STACK", False)
+    f = traced()
+    assert "select" not in f.lower(*srcs).as_text()
+    want = np.asarray(f(*srcs))
     monkeypatch.setattr(attn_res_norm, "SELECT_STACK", True)
+    many = [jnp.concatenate([s] * 8) for s in srcs]  # 16 rows: past SELECT_MAX_ROWS, the concatenate's form
+    assert attn_res_norm.SELECT_MAX_ROWS < 16 and "select" not in traced().lower(*many).as_text()
     f = traced()
     assert n == 1 or "select" in f.lower(*srcs).as_text()  # the selects' form was traced
     got = np.asarray(f(*srcs))

@@ -8,20 +8,21 @@ import sys
 from jaxk3.cli.common import config_problem, cpu_devices_arg, fail, positive
 
 
-# Forms built and compiled for an H200 without a device, off until a same-call A/B on a GPU takes them (docs/PERF.md,
-# twenty-eighth session): (module, switch, what it does).  `info` prints each switch's value.
-UNTIMED_FORMS = (
-    ("jaxk3.kernels.gemv", "ROUTER_XN", "the MoE router's GEMV makes, norms and writes its input row (Kimi-Linear)"),
-    ("jaxk3.kernels.attn_res_norm", "SELECT_STACK", "the AttnRes stack by selects, the mix as a sum (K3)"),
-    ("jaxk3.layers.moe", "LATENT_NORM_IN_UP", "the latent norm in the up projection's GEMV prologue (K3)"),
+# Forms of the decode step behind a module switch, each taken by default where a same-call A/B on a GPU timed it faster
+# (docs/PERF.md, twenty-ninth session), the switch kept for the next A/B (`scripts/gpu/step_with_kernel.py
+# MODULE:SWITCH=0`): (module, switch, what it does).  `info` prints each switch's value.
+FORM_SWITCHES = (
+    ("jaxk3.kernels.attn_res_norm", "SELECT_STACK",
+     "the AttnRes stack by selects, the mix as a sum (K3 decode, up to 8 rows)"),
+    ("jaxk3.layers.moe", "LATENT_NORM_IN_UP", "the latent norm in the up projection's GEMV prologue (K3 decode, one row)"),
 )
 
 
-def untimed_forms() -> dict[str, bool]:
-    """{module.switch: its value} of UNTIMED_FORMS."""
+def form_switches() -> dict[str, bool]:
+    """{module.switch: its value} of FORM_SWITCHES."""
     import importlib
 
-    return {f"{m}.{a}": bool(getattr(importlib.import_module(m), a)) for m, a, _ in UNTIMED_FORMS}
+    return {f"{m}.{a}": bool(getattr(importlib.import_module(m), a)) for m, a, _ in FORM_SWITCHES}
 
 
 def add_parser(sub) -> None:
@@ -93,7 +94,7 @@ def run(args) -> int:
         "gather_max_bytes": collectives.max_bytes(devices[0].platform if devices[0].platform == "cpu" else "CUDA"),
         "kernels_auto": kernels.status(devices[0].platform),
         "kernels_measured": kernels.speeds(),
-        "untimed_forms": untimed_forms(),
+        "form_switches": form_switches(),
     }
     if args.json:
         print(json.dumps(info, indent=1))
@@ -113,7 +114,7 @@ def run(args) -> int:
     for name, how in info["kernels_auto"].items():
         print(f"  {name:<14} {how}")
         print(f"  {'':<14} measured: {info['kernels_measured'][name]}")
-    print("forms compiled for an H200 but not yet timed on a GPU (off until an A/B takes them):")
-    for (m, a, what), on in zip(UNTIMED_FORMS, info["untimed_forms"].values()):
+    print("decode forms behind switches (on where a GPU A/B timed them faster; docs/PERF.md):")
+    for (m, a, what), on in zip(FORM_SWITCHES, info["form_switches"].values()):
         print(f"  {m.rsplit('.', 1)[-1]}.{a}={'on' if on else 'off'}: {what}")
     return 0

@@ -17,18 +17,24 @@ from jax import lax
 from jaxk3.kernels.rms_norm import rms_norm
 
 F32 = jnp.float32
-# The stack's form in the compiled step.  False: `jnp.stack` (a concatenate) and the mix as an einsum over the depth.
-# True: the stack built element-wise by selects on the depth index and the mix as a sum of the weighted sources, so
-# that XLA can fuse the sources' producers (a block's o_proj partial sums, the stream's add) into the kernels that read
-# the stack, and the softmax, mix and norm into fewer kernels: compiled for an H200, K3 layers 11-14 at B = 1 takes
-# 170 launches instead of 191 (docs/PERF.md, twenty-seventh and twenty-eighth sessions).  The same values: bitwise on
-# the CPU (tests/test_layers.py); on a GPU the mix's float32 sum may run in another order.  Not yet timed: off.
-SELECT_STACK = False
+# The stack's form in the compiled step at decode.  False, and always for more than SELECT_MAX_ROWS rows (prefill, not
+# timed with it): `jnp.stack` (a concatenate) and the mix as an einsum over the depth.  True: the stack built
+# element-wise by selects on the depth index and the mix as a sum of the weighted sources, so that XLA fuses the
+# sources' producers (a block's o_proj partial sums, the stream's add) into the kernels that read the stack: K3 layers
+# 11-14 packed at B = 1 compiles to 176 launches instead of 191 and timed 3204.9 us against 3224.9 / 3220.9 without it
+# in the same call on an H100; at B = 8 even (4129.4 against 4120.1 / 4122.9) (docs/PERF.md, twenty-ninth session).
+# The same values: bitwise on the CPU (tests/test_layers.py); on a GPU the mix's float32 sum may run in another order.
+SELECT_STACK = True
+SELECT_MAX_ROWS = 8
+
+
+def _selects(sources: Sequence[jax.Array]) -> bool:
+    return SELECT_STACK and len(sources) > 1 and sources[0].shape[0] <= SELECT_MAX_ROWS
 
 
 def _stack(sources: Sequence[jax.Array]) -> jax.Array:
-    """[N, B, D] fp32 of the N sources: a concatenate, or (SELECT_STACK) selects on the depth index."""
-    if not SELECT_STACK or len(sources) == 1:
+    """[N, B, D] fp32 of the N sources: a concatenate, or (`_selects`) selects on the depth index."""
+    if not _selects(sources):
         return jnp.stack([s.astype(F32) for s in sources], axis=0)
     n_NBD = lax.broadcasted_iota(jnp.int32, (len(sources),) + sources[0].shape, 0)
     s_NBD = jnp.broadcast_to(sources[-1].astype(F32)[None], n_NBD.shape)
@@ -47,7 +53,7 @@ def attn_res(sources: Sequence[jax.Array], w_norm_D: jax.Array, w_proj_D: jax.Ar
         return s_NBD[0]
     logit_NB = jnp.einsum("nbd,d->nb", rms_norm(s_NBD, w_norm_D, eps), w_proj_D.reshape(-1).astype(F32))
     alpha_NB = jax.nn.softmax(logit_NB, axis=0)
-    if SELECT_STACK:
+    if _selects(sources):
         return jnp.sum(alpha_NB[:, :, None] * s_NBD, axis=0)
     return jnp.einsum("nb,nbd->bd", alpha_NB, s_NBD)
 

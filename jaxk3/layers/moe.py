@@ -189,7 +189,7 @@ def _experts_routed(cfg, w: MoEWeights, x_BD: jax.Array, logits_BE: jax.Array, m
     return (out if s is None else out + mlp_partial(cfg, s, x_BD, tp)), False
 
 
-def one_rank(tp) -> bool:
+def _one_rank(tp) -> bool:
     """Whether this block's sum is this rank's alone (no TP axis, or one of size 1): no psum after the experts."""
     tp = as_tp(tp)
     return tp is None or (_compat.axis_bound(tp.axis) and lax.axis_size(tp.axis) == 1)
@@ -208,8 +208,7 @@ def _route_normed(cfg, w: MoEWeights, x: Normed, mode: str) -> tuple[jax.Array, 
     None where either does not (the caller norms x and routes as before)."""
     E = w.gate.shape[0]
     kw = dict(norm_w=x.w, eps=x.eps)
-    if x.add is not None or w.gate.dtype != x.dtype or not kernels.explain(
-            "gemv_norm", x.h, w.gate, mode=mode, **kw).startswith("device"):
+    if w.gate.dtype != x.dtype or not kernels.explain("gemv_norm", x.h, w.gate, mode=mode, **kw).startswith("device"):
         return None
     logits = jax.ShapeDtypeStruct((x.shape[0], E), F32)
     if not kernels.explain("router_topk", cfg, logits, w.e_score_correction_bias, x_BD=x.h, mode=mode,
@@ -219,40 +218,24 @@ def _route_normed(cfg, w: MoEWeights, x: Normed, mode: str) -> tuple[jax.Array, 
                         w.e_score_correction_bias, x_BD=x.h, mode=mode, **kw)
 
 
-def router_makes_row(w: MoEWeights, x: Normed, tp: TP | str | None) -> bool:
-    """Whether a Kimi-Linear decode MoE block takes its un-normed input `x` (with its addend) into the router's GEMV,
-    which makes the row, norms it and writes it normed for the experts (`_logits_normed`): the model hands the block
-    the attention's partial sums as the addend only where it does (else the row as before)."""
-    kw = dict(norm_w=x.w, eps=x.eps, add=x.add, want_xn=True)
-    return (w.routed_expert_down_proj is None and w.gate.dtype == x.dtype
-            and kernels.explain("gemv_norm", x.h, w.gate, mode=kernel_mode(tp), **kw).startswith("device"))
-
-
-def _logits_normed(w: MoEWeights, x: Normed, tp) -> tuple[jax.Array, jax.Array] | None:
-    """(the router's logits [B, E] fp32, the normed input [B, D]) of a decode MoE block whose input comes un-normed
-    (its row's addend, the attention block's partial sums, too), from one kernel: the GEMV that makes the row and
-    norms it in its prologue and writes the normed row for the experts (`gemv_norm` with `want_xn`); None where that
-    kernel does not run (the caller norms x with XLA)."""
-    if not router_makes_row(w, x, tp):
-        return None
-    return kernels.call("gemv_norm", x.h, w.gate, norm_w=x.w, eps=x.eps, add=x.add, want_xn=True,
-                        mode=kernel_mode(tp))
-
-
 # K3's latent MoE at decode: the routed experts' latent output y (fp32, the experts' partial sums added) normed in the
 # prologue of the up projection's GEMV (`gemv_norm` on the fp32 row: the same rounding to bf16 after the norm) instead
-# of by XLA in two kernels before XLA's GEMM, which streamed the up projection at 1.9 TB/s on an H100 (docs/PERF.md,
-# twenty-seventh session).  Compiled for an H200 without one; not yet timed: off (the switch takes the kernel as
-# kernels="on" would, at this one call).
-LATENT_NORM_IN_UP = False
+# of by XLA in two kernels before XLA's GEMM, which streamed the up projection at 1.9 TB/s on an H100.  Taken at one
+# row, where it was timed faster: K3 layers 11-14 packed B = 1 on an H100, 3175.2 us against 3224.9 / 3220.9 without
+# it in the same call; at B = 8 it was slower (4249.8 against 4116.0 / 4157.2), so B > 1 keeps XLA's path
+# (docs/PERF.md, twenty-ninth session).  The switch stays for A/B calls (`step_with_kernel.py
+# jaxk3.layers.moe:LATENT_NORM_IN_UP=0`).
+LATENT_NORM_IN_UP = True
 
 
 def _up_normed(cfg: KimiK3Config, w: MoEWeights, y_BL: jax.Array, mode: str) -> jax.Array | None:
-    """W_lat_up · RMSNorm(y; routed_expert_norm) [B, D] fp32 from the un-normed fp32 latent row y [B, L], the norm
-    in the GEMV's prologue, where LATENT_NORM_IN_UP is on, the kernel mode allows and the kernel fits; else None."""
-    if not (LATENT_NORM_IN_UP and cfg.latent_moe_use_norm) or y_BL.ndim != 2 or mode == "off":
+    """W_lat_up · RMSNorm(y; routed_expert_norm) [1, D] fp32 from the un-normed fp32 latent row y [1, L], the norm
+    in the GEMV's prologue, where LATENT_NORM_IN_UP is on, there is one row, the kernel mode is not "off" and the
+    kernel runs on this platform and fits; else None (the caller norms y with XLA)."""
+    if not (LATENT_NORM_IN_UP and cfg.latent_moe_use_norm) or y_BL.ndim != 2 or y_BL.shape[0] != 1 or mode == "off":
         return None
     args = (y_BL, w.routed_expert_up_proj)
+    # "on" at this one call: gemv_norm's own auto table covers the blocks' bf16 input rows, not this fp32 one
     kw = dict(norm_w=w.routed_expert_norm, eps=cfg.rms_norm_eps, mode="on")
     if not kernels.explain("gemv_norm", *args, **kw).startswith("device"):
         return None
@@ -265,16 +248,14 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     over all tokens at once (dense GEMMs over the local experts, in token blocks) instead of
     per-token GEMVs (decode): jaxk3.kernels.moe_grouped has the forms (dense GEMMs over the local
     experts in token blocks, today's path; the grouped-GEMM kernel; `experts_grouped`, ragged_dot).
-    A `Normed` input (decode) is normed by the routing kernels (`_route_normed`) where they run, or with its addend
-    (the attention's partial sums, `router_makes_row`) made, normed and written normed by the router's GEMV
-    (`_logits_normed`); at decode the Kimi-Linear experts may also take the router's logits and select inside their
-    kernels (`_experts_routed`).
+    A `Normed` input (decode) is normed by the routing kernels (`_route_normed`) where they run; at decode the
+    Kimi-Linear experts may also take the router's logits and select inside their kernels (`_experts_routed`).
     `residual` (decode: the residual stream h [B, D] this block adds to): the new stream bf16(h + out) instead of out,
     added in the experts' call (`moe_experts.add_residual`, after the kernels) where one rank holds the whole sum,
     else after the psum, as `attn_res.ffn_done` adds it: the same bits either way."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
-    fold = residual if residual is not None and not grouped and one_rank(tp) else None
+    fold = residual if residual is not None and not grouped and _one_rank(tp) else None
     done = functools.partial(moe_experts.add_residual, residual=residual)  # (after the psum)
 
     experts = functools.partial(_experts_prefill if grouped else _experts_decode, mode=mode)
@@ -282,12 +263,8 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     if routed is not None:
         w_Bk, ids_Bk, x_BD = routed
     else:
-        got = _logits_normed(w, x_BD, tp) if isinstance(x_BD, Normed) and not grouped else None
-        if got is not None:  # Kimi-Linear decode: the norm and the logits in one kernel
-            logits_BE, x_BD = got
-        else:
-            x_BD = value(x_BD)
-            logits_BE = router_logits(w.gate, x_BD)
+        x_BD = value(x_BD)
+        logits_BE = router_logits(w.gate, x_BD)
         if w.routed_expert_down_proj is None and not grouped:  # Kimi-Linear decode: the selection in the kernels?
             got = _experts_routed(cfg, w, x_BD, logits_BE, mode, tp, fold)
             if got is not None:

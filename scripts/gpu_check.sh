@@ -505,15 +505,16 @@ if has bf16gen; then
 fi
 
 if has timeline; then
-  # Where a step's time goes beyond its kernels (twenty-seventh session, not yet run): `bench decode --census` prints
-  # the GPU's timeline over its profiled back-to-back steps (census.device_timeline: the span a step, the union of
-  # its device events, the idle gaps between them by length). The 48B B = 1 step and K3 layers 11-14 packed B = 1,
-  # each with XLA's command buffers as served (on) and off (TL_TIMEOUT seconds a process).
+  # Where a step's time goes beyond its kernels (twenty-seventh session; first run in the twenty-ninth: the 48B B = 1
+  # step's GPU busy 99.8% with command buffers on): `bench decode --census` prints the GPU's timeline over its
+  # profiled back-to-back steps (census.device_timeline: the span a step, the union of its device events, the idle
+  # gaps between them by length). The 48B B = 1 step and K3 layers 11-14 packed B = 1 (TL_MODELS, default "48 k3"),
+  # each with XLA's command buffers as served (on) and off (TL_CB, default "on off"; TL_TIMEOUT seconds a process).
   T48="--config kimi-linear-48b --layers all --experts 64 --tp 1 --context 4k --batch 1 --strategies stock --variants serving/auto"
   TK3="--config k3 --layers 11-14 --experts 32 --tp 1 --context 4k --batch 1 --strategies packed+sharded+one-shot"
-  for m in 48 k3; do
+  for m in ${TL_MODELS:-48 k3}; do
     args=$T48; [ $m = k3 ] && args=$TK3
-    for cb in on off; do
+    for cb in ${TL_CB:-on off}; do
       echo "== timeline: $m B = 1, command buffers $cb ($(date -u +%T))"
       flags="${XLA_FLAGS:-}"; [ $cb = off ] && flags="$flags --xla_gpu_enable_command_buffer="
       # shellcheck disable=SC2086

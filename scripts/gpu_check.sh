@@ -21,7 +21,8 @@
 #   `mxfp4` the MoE decode experts kernel's compiled tests and its configurations against XLA (Kimi-Linear-48B
 #   serving layout with the shared experts, K3 TP 2 share); `moestep` the 48B step with that kernel patched in;
 #   `targets` issue 22's 32K-context and K3-layers figures (one GPU); `mla` the MLA decode attention's tilings
-#   against XLA at 48B dims, 4K and 32K (scripts/gpu/mla_sweep.py); `hostcopy` Model.score's host path alone;
+#   against XLA at 48B dims, 4K and 32K (scripts/gpu/mla_sweep.py; MLA_ARGS=--merge the merge's two forms,
+#   --heads one group of 32 heads by split); `hostcopy` Model.score's host path alone;
 #   `determinism` the 48B step's first greedy tokens in DET_RUNS processes (XLA as it is, autotuning off, deterministic
 #   ops only, in turn), each with its top-2 margins and whether its check steps rerun bitwise (PERF.md, 13th session);
 #   `cudaforms` the MXFP4 CUDA kernels' compiled tests and their forms alone at K3's TP 2 share (B 1 and 8), `cudastep`

@@ -1404,6 +1404,9 @@ def test_mla_decode_kernel_matches_reference(B, H, S, R, P, lengths, tile):
     (1, 16, 192, 64, 16, [150], dict(split=64), 32),  # 3 parts: chunks of 1
     (3, 20, 256, 64, 16, [0, 31, 130], dict(split=32, order="pg", merge_pc=2, merge_stages=2), 64),  # 8 parts: 4 steps
     (1, 32, 512, 64, 16, [300], dict(block_h=32, split=32, merge_pc=16, merge_stages=3), 64),  # 16 parts in one step
+    (3, 20, 256, 64, 16, [0, 31, 130], dict(split=64, merge_r=16), 64),  # the R-split merge: 4 shares of 16 columns
+    (1, 32, 512, 64, 16, [300], dict(block_h=32, split=32, merge_r=64), 32),  # one share (rc = R), 16 parts at once
+    (1, 16, 4096, 64, 16, [3000], dict(split=32), 32),  # 128 parts: the R-split merge by default (rc = R = 64)
 ])
 def test_mla_decode_uv_matches_reference(B, H, S, R, P, lengths, tile, V):
     """The parts merged and W_UV applied in one kernel (interpret mode) against `latent_attention` then the fp32
@@ -1444,7 +1447,9 @@ def test_mla_decode_fits_and_tiles():
                                                    s((1, 4096, 448), jnp.bfloat16), args[3], 0.07)
     assert "tl.dot" in M.fits(*args, 0.07, block_s=8)
     assert "shared memory" in M.fits(*args, 0.07, block_h=128, block_s=64, num_warps=16)
-    assert "registers" in M.fits(*args, 0.07, block_h=64)  # [64, 512] fp32 over 4 warps: 256 a thread
+    assert "registers" in M.fits(*args, 0.07, block_h=64, num_warps=4)  # [64, 512] fp32 over 4 warps: 256 a thread
+    assert M.fits(*args, 0.07, block_h=64) is None  # by default as many warps as keep it to half of ACC_REGS: 16
+    assert (M.warps(16, 512), M.warps(32, 512), M.warps(64, 512), M.warps(32, 512, 4)) == (4, 8, 16, 4)
     assert M.fits(*args, 0.07, block_h=64, num_warps=8) is None
     assert "multiple of the split" in M.fits(*args[:2], s((1, 4000, 576), jnp.bfloat16), args[3], 0.07)
     assert "order must be" in M.fits(*args, 0.07, order="hg")
@@ -1453,6 +1458,20 @@ def test_mla_decode_fits_and_tiles():
     assert "merge_pc must be" in M.uv_fits(*args, 0.07, w, v0, merge_pc=12, only_where_faster=False)
     assert "merge_stages must be" in M.uv_fits(*args, 0.07, w, v0, merge_stages=0, only_where_faster=False)
     assert "takes no merge_pc" in M.fits(*args, 0.07, merge_pc=8)  # mla_decode's kernel would not take it
+    assert "takes no merge_pc" in M.fits(*args, 0.07, merge_r=128)
+    # the R-split merge by default from MERGE_R_MIN_PARTS parts (the 48B at 32K, B = 1: 128 parts; at 4K 64 parts, at
+    # 32K B = 8 32 parts: the value-row form), where its tiles can run; an explicit merge_r as given
+    assert M.merge_columns(128, 512, 128) == M.MERGE_R == 128 and M.merge_columns(64, 512, 128) == 0
+    assert M.merge_columns(32, 512, 128) == 0 and M.merge_columns(128, 64, 32) == 64
+    assert M.merge_columns(192, 512, 128) == 0 and M.merge_columns(256, 512, 128) == 64  # not a power of two; halved
+    assert M.merge_columns(4096, 512, 128) == 0  # [4096, 16] tiles: over half of ACC_REGS even at 16 columns
+    assert M.merge_columns(64, 512, 128, merge_r=64) == 64 and M.merge_columns(128, 512, 128, merge_r=0) == 0
+    assert M.tiles(1, 32, 32768, 512, 64)[2] == 256 and M.tiles(1, 32, 4096, 512, 64)[2] == 64
+    assert M.uv_fits(*args, 0.07, w, v0, merge_r=128, only_where_faster=False) is None  # 64 parts, [128, 128] tiles
+    assert "merge_r must be" in M.uv_fits(*args, 0.07, w, v0, merge_r=96, only_where_faster=False)
+    assert "registers" in M.uv_fits(*args, 0.07, w, v0, merge_r=512, only_where_faster=False)  # [128, 512] tiles
+    assert "powers of two" in M.uv_fits(*args[:2], s((1, 3072, 576), jnp.bfloat16), args[3], 0.07, w, v0, merge_r=128,
+                                        only_where_faster=False)  # 48 parts of 64 slots
     # the fp32 formula reproduces the 442,624 B measured for the first 64 x 64 fp32 tiling; bf16 halves it
     assert M.smem_estimate(64, 64, 512, 64, itemsize=4) == 442_624
     assert M.smem_estimate(16, 32, 512, 64) == 89_344
@@ -1485,6 +1504,9 @@ def test_mla_decode_kernel_on_gpu():
     (1, 32768, [32767], {}), (8, 32768, [32767, 777, 20480, 5, 32000, 1, 3000, 12345], {}),  # 32K: the default split
     (1, 32768, [20000], dict(order="pg", split=1024, merge_pc=16, merge_stages=2)),  # the other grid order, pipelined
     (8, 4096, [4095, 777, 2048, 5, 4000, 1, 3000, 1234], dict(order="pg", split=512, merge_stages=3)),
+    (1, 4096, [4095], dict(merge_r=128)), (1, 4096, [2000], dict(merge_r=64)),  # the R-split merge at the 48B's B = 1
+    (8, 4096, [4095, 777, 2048, 5, 4000, 1, 3000, 1234], dict(merge_r=128)),
+    (1, 32768, [32767], dict(block_h=32)), (1, 4096, [3000], dict(block_h=32)),  # one head group of 32, 8 warps
 ])
 def test_mla_decode_uv_on_gpu(B, S, lengths, tile):
     """Compiled at Kimi-Linear-48B's MLA (32 heads, R 512, P 64, 4K and 32K context, W_UV rows 128: of each head's

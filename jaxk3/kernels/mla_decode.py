@@ -61,6 +61,17 @@ MIN_PROGRAMS = 256  # aim for ~2 programs per SM (132 SMs): the context split sh
 ACC_REGS = 128  # at most this many 32-bit registers per thread for the fp32 accumulator [Hb, R]
 
 
+def warps(Hb: int, R: int, num_warps: int | None = None) -> int:
+    """The attention kernel's warps: `num_warps` where given, else enough that its fp32 accumulator [Hb, R] takes at
+    most half of ACC_REGS registers a thread (4 for 16 heads of 512, 8 for 32), at least 4."""
+    if num_warps is not None:
+        return num_warps
+    w = 4
+    while Hb * R // (32 * w) > ACC_REGS // 2:
+        w *= 2
+    return w
+
+
 def smem_estimate(Hb: int, bs: int, R: int, P: int, itemsize: int = 2) -> int:
     """Shared memory the Triton lowering asks for: itemsize x (q_latent [Hb, R] + the cache tile
     [bs, R] staged twice (once per dot) + q_pe [Hb, P] + k_pe [bs, P] + p [Hb, bs]) + 256.  With
@@ -136,7 +147,7 @@ def _kernel(len_ref, ql_ref, qpe_ref, kv_ref, m_ref, l_ref, acc_ref, *, R: int, 
 
 
 def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool = False, block_h: int | None = None,
-               block_s: int | None = None, split: int | None = None, num_warps: int = 4,
+               block_s: int | None = None, split: int | None = None, num_warps: int | None = None,
                num_stages: int = 2, order: str | None = None) -> jax.Array:
     """The reference's function with bf16 dot operands (q, p; the bf16 cache): fp32 [B, H, R]."""
     m, l, acc = _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, interpret, block_h, block_s, split, num_warps,
@@ -147,7 +158,8 @@ def mla_decode(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool 
     return out.reshape(B, -1, R)[:, :H]
 
 
-def _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool, block_h, block_s, split, num_warps: int,
+def _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool, block_h, block_s, split,
+           num_warps: int | None,
            num_stages: int, order: str | None = None):
     """The kernel's per-part softmax statistics and sums: m, l [B, G, parts, Hb] and acc [B, G, parts, Hb, R].
     `order` "gp": the grid is (row, head group, part), a head group's parts launched together; "pg": (row, part,
@@ -160,7 +172,7 @@ def _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool, blo
     G = -(-H // Hb)
     parts = S // split
     order = order or ORDER
-    kw = triton_params(num_warps, num_stages, interpret)
+    kw = triton_params(warps(Hb, R, num_warps), num_stages, interpret)
 
     def heads(x):  # [B, H, X] -> bf16 [B, G, Hb, X]; padded heads score 0 and are dropped below
         x = jnp.pad(x.astype(kv_BSR.dtype), ((0, 0), (0, G * Hb - H), (0, 0)))
@@ -182,7 +194,7 @@ reference = latent_attention
 
 
 def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, block_s: int | None = None,
-         split: int | None = None, num_warps: int = 4, **_) -> str | None:
+         split: int | None = None, num_warps: int | None = None, **_) -> str | None:
     B, H, R = ql_BHR.shape
     P, S = qpe_BHP.shape[-1], kv_BSR.shape[1]
     if kv_BSR.dtype != BF16:
@@ -192,8 +204,9 @@ def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, b
         if not pow2(n) or n < 16:
             return f"mla_decode kernel needs {name} a power of two >= 16 (Triton blocks, tl.dot), got {n}"
     Hb, bs, split = tiles(B, H, S, R, P, block_h, block_s, split)
-    if "merge_pc" in _ or "merge_stages" in _:
-        return "mla_decode kernel takes no merge_pc / merge_stages (the settings of mla_decode_uv's merge kernel)"
+    if "merge_pc" in _ or "merge_stages" in _ or "merge_r" in _:
+        return ("mla_decode kernel takes no merge_pc / merge_stages / merge_r (the settings of mla_decode_uv's merge "
+                "kernel)")
     if _.get("order") not in (None, "gp", "pg"):
         return f"mla_decode kernel: order must be 'gp' or 'pg' (the grid's head group / part order), got {_['order']!r}"
     if not (pow2(Hb) and pow2(bs)) or Hb < 16 or bs < 16:
@@ -202,7 +215,7 @@ def fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, block_h: int | None = None, b
     if S % bs or S % split or split % bs:
         return (f"mla_decode kernel needs the cache length {S} a multiple of the split {split}, itself a multiple "
                 f"of the {bs}-slot block")
-    return tile_limits("mla_decode", f"{Hb} heads", Hb, bs, R, P, num_warps, "smaller block_h / block_s",
+    return tile_limits("mla_decode", f"{Hb} heads", Hb, bs, R, P, warps(Hb, R, num_warps), "smaller block_h / block_s",
                        "fewer heads per group or more warps")
 
 
@@ -258,6 +271,22 @@ def _merge_uv_kernel(m_ref, l_ref, acc_ref, w_ref, o_ref, *, Hb: int, parts: int
     o_ref[b, h, rows] = jnp.sum(w_ref[h, pl.ds(v0 + j * bv, bv), :].astype(F32) * olat[None, :], axis=1)
 
 
+def _merge_uv_r_kernel(m_ref, l_ref, acc_ref, w_ref, o_ref, *, Hb: int, rc: int, V: int, v0: int):
+    """`MERGE_R` form: program (b, h, c) merges head h's parts over the latent columns [c·rc, (c+1)·rc) only, all
+    parts at once (m, l [parts] and acc [parts, rc], each loaded once), and multiplies them by the same columns of
+    its W_UV rows [V, rc]: this chunk's share of o[b, h, :] (the wrapper adds the R / rc shares)."""
+    from jax.experimental import pallas as pl
+
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g, hi = h // Hb, h % Hb
+    cols = pl.ds(pl.multiple_of(c * rc, rc), rc)
+    m = m_ref[b, g, :, hi]  # [parts]
+    wgt = jnp.exp(m - jnp.max(m))  # parts past the length: m = NEG, weight 0
+    den = jnp.sum(wgt * l_ref[b, g, :, hi])
+    olat = jnp.sum(wgt[:, None] * acc_ref[b, g, :, hi, cols], axis=0) / den  # [rc]
+    o_ref[c, b, h, :] = jnp.sum(w_ref[h, pl.ds(v0, V), cols].astype(F32) * olat[None, :], axis=1)
+
+
 def uv_reference(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: jax.Array, v0: int, **_) -> jax.Array:
     """fp32 [B, H, X - v0]: `latent_attention`, then each head's W_UV (rows v0: of its kv_b_proj rows [X, R], in fp32),
     as the MLA layer computes it."""
@@ -268,24 +297,60 @@ def uv_reference(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: jax
 UV_BLOCK = 32  # value rows per program of the merge (4 programs per head of 128 values)
 MERGE_PC = 8  # at most this many parts per step of the merge's loop (the largest power of two dividing parts)
 MERGE_STAGES = 1  # the merge loop's software pipelining (Triton num_stages)
+# The merge split over the latent's columns instead of the value rows (`_merge_uv_r_kernel`): 0 off; rc > 0 a program
+# per (row, head, rc columns of R) reads its parts' [parts, rc] sums and W_UV's [V, rc] columns once, with no loop,
+# where the value-row form reads each head's whole [parts, R] sums once per value block, parts / pc steps one after
+# the other (the 48B at 4K: 128 KB in 8 dependent steps a program, the partial sums read 4 times over).  Its output is
+# R / rc shares of each o[b, h, :], which the wrapper adds (float32; XLA adds them in a fusion of its own, one more
+# launch).  Taken with rc = MERGE_R where the attention leaves at least MERGE_R_MIN_PARTS parts (a call's `merge_r`
+# overrides: 0 the value-row form).  Measured on an H100 (2026-12-06, thirtieth session, docs/PERF.md): the 48B B = 1
+# step at 32K (128 parts) 3041.8 us against 3087.9, at 4K (64 parts) 2926.8 against 2908.3 / 2914.4; alone
+# (scripts/gpu/mla_sweep.py --merge) faster at every shape (4K B = 1 17.8-18.9 us against 20.4-21.5).
+MERGE_R = 128
+MERGE_R_MIN_PARTS = 128
+MERGE_R_WARPS = 8  # the R-split form's warps (its [parts, rc] and [V, rc] tiles are 64 + 64 registers a thread at 8)
+
+
+def merge_columns(parts: int, R: int, V: int, merge_r: int | None = None) -> int:
+    """The R-split merge's latent columns a program (0: the value-row form) for a merge of `parts` parts into V value
+    rows: `merge_r` where given (at most R; `uv_fits` names one that cannot run), else MERGE_R (halved while its [parts,
+    rc] and [V, rc] tiles take more than half of ACC_REGS registers a thread) from MERGE_R_MIN_PARTS parts up, where
+    they are powers of two, else 0."""
+    if merge_r is not None:
+        return min(merge_r, R) if isinstance(merge_r, int) and merge_r > 0 else merge_r
+    rc = min(MERGE_R, R)
+    while rc > 16 and max(parts, V) * rc // (32 * MERGE_R_WARPS) > ACC_REGS // 2:  # tiles within half the registers
+        rc //= 2
+    if (parts < MERGE_R_MIN_PARTS or not rc or not (pow2(parts) and pow2(V) and pow2(rc))
+            or max(parts, V) * rc // (32 * MERGE_R_WARPS) > ACC_REGS // 2):
+        return 0
+    return rc
 
 
 def mla_decode_uv(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: jax.Array, v0: int,
                   interpret: bool = False, block_v: int = UV_BLOCK, merge_pc: int | None = None,
-                  merge_stages: int | None = None, **kw) -> jax.Array:
+                  merge_stages: int | None = None, merge_r: int | None = None, **kw) -> jax.Array:
     """`uv_reference`'s function: the attention kernel's parts, then one kernel merging them and applying W_UV (the
     rows v0: of each head's kv_b_proj rows, read in place: no slice of the weight is copied).  `merge_pc`, `merge_stages`:
-    the merge loop's parts per step and pipelining (MERGE_PC, MERGE_STAGES); the rest of `kw` is `mla_decode`'s."""
+    the merge loop's parts per step and pipelining (MERGE_PC, MERGE_STAGES); `merge_r`: the merge split over rc latent
+    columns instead (MERGE_R; 0 the value-row form); the rest of `kw` is `mla_decode`'s."""
     from jax.experimental import pallas as pl
 
     B, H, R = ql_BHR.shape
     V = w_kvb_HXR.shape[1] - v0
     m, l, acc = _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, interpret, kw.get("block_h"), kw.get("block_s"),
-                       kw.get("split"), kw.get("num_warps", 4), kw.get("num_stages", 2), kw.get("order"))
+                       kw.get("split"), kw.get("num_warps"), kw.get("num_stages", 2), kw.get("order"))
     Hb, parts = m.shape[3], m.shape[2]
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    rc = merge_columns(parts, R, V, merge_r)
+    if rc:
+        shares = pl.pallas_call(
+            functools.partial(_merge_uv_r_kernel, Hb=Hb, rc=rc, V=V, v0=v0), grid=(B, H, R // rc),
+            in_specs=[any_] * 4, out_specs=any_, out_shape=jax.ShapeDtypeStruct((R // rc, B, H, V), F32),
+            interpret=interpret, **triton_params(MERGE_R_WARPS, 1, interpret))(m, l, acc, w_kvb_HXR)
+        return jnp.sum(shares, axis=0)
     pc = min(merge_pc or MERGE_PC, parts & -parts)  # a power of two dividing parts
     bv = min(block_v, V)
-    any_ = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_merge_uv_kernel, Hb=Hb, parts=parts, pc=pc, bv=bv, v0=v0), grid=(B, H, V // bv),
         in_specs=[any_] * 4, out_specs=any_, out_shape=jax.ShapeDtypeStruct((B, H, V), F32), interpret=interpret,
@@ -319,6 +384,20 @@ def uv_fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, w_kvb_HXR, v0: int, block_
     bv = min(block_v, V)
     if not pow2(bv) or V % bv:
         return f"mla_decode_uv kernel: value blocks of {bv} (a power of two) must divide V {V}"
+    _, _, split = tiles(B, H, kv_BSR.shape[1], R, qpe_BHP.shape[-1], kw.get("block_h"), kw.get("block_s"),
+                        kw.get("split"))
+    parts = kv_BSR.shape[1] // split
+    rc = merge_columns(parts, R, V, kw.get("merge_r"))
+    if not isinstance(rc, int) or rc < 0 or (rc and not pow2(rc)):
+        return f"mla_decode_uv kernel: merge_r must be 0 (off) or a power of two (latent columns a program), got {rc!r}"
+    if rc:
+        regs = max(parts, V) * rc // (32 * MERGE_R_WARPS)
+        if not (pow2(parts) and pow2(V)):
+            return (f"mla_decode_uv kernel: the R-split merge (merge_r {rc}) loads all {parts} parts and {V} value "
+                    "rows at once: both must be powers of two")
+        if regs > ACC_REGS:
+            return (f"mla_decode_uv kernel: the R-split merge's [{max(parts, V)}, {rc}] tiles take {regs} registers a "
+                    f"thread with {MERGE_R_WARPS} warps, over {ACC_REGS} (a smaller merge_r)")
     if only_where_faster and (B, H, V) not in UV_MEASURED:
         return (f"mla_decode_uv kernel: the step at (B, H, V) = {(B, H, V)} was not measured with it on an "
                 "H200 (kernels='on' runs it)")

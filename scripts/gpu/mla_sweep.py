@@ -54,9 +54,25 @@ def case(B: int, S: int, seed: int = 0):
     return ql, qpe, kv, length, wkvb, n
 
 
+MERGE_ONLY = False  # --merge: the default against the R-split merge (mla_decode.MERGE_R) only
+HEADS_ONLY = False  # --heads: the default against 32 heads a program (one head group: the cache read once) by split
+
+
 def variants(S: int, B: int) -> list[tuple[str, dict]]:
-    """(label, mla_decode_uv kwargs): the default, then split x order x merge steps x merge pipelining."""
+    """(label, mla_decode_uv kwargs): the default, then split x order x merge steps x merge pipelining (with
+    `MERGE_ONLY`: the default tiles' value-row merge against the R-split merge, twice each, in turn)."""
     out = [("uv default", {})]
+    if HEADS_ONLY:
+        splits = [sp for sp in (64, 128, 256, 512, 1024) if sp <= S // 4 and S // sp <= 512]
+        for rep in ("", " again"):
+            out += [(f"uv 32 heads split {sp}{rep}", dict(block_h=32, split=sp)) for sp in splits]
+            out.append((f"uv default{rep} (16 heads)", {}))
+        return out
+    if MERGE_ONLY:
+        for rep in ("", " again"):
+            out += [(f"uv merge_r 128{rep}", dict(merge_r=128)), (f"uv merge_r 64{rep}", dict(merge_r=64)),
+                    (f"uv value rows{rep}", dict(merge_r=0))]
+        return out
     splits = [s for s in (64, 128, 256, 512, 1024, 2048) if s <= S // 4 and S // s <= 256]
     if B > 1:
         splits = [s for s in splits if s >= 256]
@@ -95,7 +111,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "out"), "mla_sweep.json"))
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--merge", action="store_true", help="only the merge's two forms (value rows, R split)")
+    ap.add_argument("--heads", action="store_true", help="only 32 heads a program (the cache read once) by split")
     a = ap.parse_args(argv)
+    global MERGE_ONLY, HEADS_ONLY
+    MERGE_ONLY, HEADS_ONLY = a.merge, a.heads
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     log = timing.logger(a.json)
     dev = jax.devices()[0]

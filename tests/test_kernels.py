@@ -2061,8 +2061,8 @@ def test_info_lists_the_kernels(capsys):
         "x" in v or v == "not measured" for v in info["kernels_measured"].values())
     # the decode forms' switches, each naming a module constant that exists, on by default (timed faster)
     assert info["form_switches"] == {"jaxk3.kernels.attn_res_norm.SELECT_STACK": True,
-                                     "jaxk3.layers.moe.LATENT_NORM_IN_UP": True}
-    assert "attn_res_norm.SELECT_STACK=on" in out and "moe.LATENT_NORM_IN_UP=on" in out
+                                     "jaxk3.layers.moe.LATENT_NORM_IN_UP": True, "jaxk3.kernels.mla_decode.MERGE_R": True}
+    assert "attn_res_norm.SELECT_STACK=on" in out and "moe.LATENT_NORM_IN_UP=on" in out and "mla_decode.MERGE_R=on" in out
 
 
 

@@ -15,6 +15,8 @@ FORM_SWITCHES = (
     ("jaxk3.kernels.attn_res_norm", "SELECT_STACK",
      "the AttnRes stack by selects, the mix as a sum (K3 decode, up to 8 rows)"),
     ("jaxk3.layers.moe", "LATENT_NORM_IN_UP", "the latent norm in the up projection's GEMV prologue (K3 decode, one row)"),
+    ("jaxk3.kernels.mla_decode", "MERGE_R",
+     "the MLA attention's parts merged by latent columns (mla_decode_uv, from MERGE_R_MIN_PARTS parts: long contexts)"),
 )
 
 

@@ -1406,7 +1406,7 @@ def test_mla_decode_kernel_matches_reference(B, H, S, R, P, lengths, tile):
     (1, 32, 512, 64, 16, [300], dict(block_h=32, split=32, merge_pc=16, merge_stages=3), 64),  # 16 parts in one step
     (3, 20, 256, 64, 16, [0, 31, 130], dict(split=64, merge_r=16), 64),  # the R-split merge: 4 shares of 16 columns
     (1, 32, 512, 64, 16, [300], dict(block_h=32, split=32, merge_r=64), 32),  # one share (rc = R), 16 parts at once
-    (1, 16, 4096, 64, 16, [3000], dict(split=32), 32),  # 128 parts: the R-split merge by default (rc = R = 64)
+    (1, 16, 4096, 256, 16, [3000], dict(split=32), 32),  # 128 parts: the R-split merge by default, 2 shares of 128
 ])
 def test_mla_decode_uv_matches_reference(B, H, S, R, P, lengths, tile, V):
     """The parts merged and W_UV applied in one kernel (interpret mode) against `latent_attention` then the fp32
@@ -1463,6 +1463,9 @@ def test_mla_decode_fits_and_tiles():
     # 32K B = 8 32 parts: the value-row form), where its tiles can run; an explicit merge_r as given
     assert M.merge_columns(128, 512, 128) == M.MERGE_R == 128 and M.merge_columns(64, 512, 128) == 0
     assert M.merge_columns(32, 512, 128) == 0 and M.merge_columns(128, 64, 32) == 64
+    assert M.merge_columns(128, 256, 32) == 128  # the interpret case above: two shares
+    assert "registers" in M.uv_fits(*args[:2], s((1, 32768, 576), jnp.bfloat16), args[3], 0.07, w, v0, merge_r=256,
+                                    only_where_faster=False)  # 64 parts at 32K (96 heads): (64 + 128) x 256 / 256
     assert M.merge_columns(192, 512, 128) == 0 and M.merge_columns(256, 512, 128) == 64  # not a power of two; halved
     assert M.merge_columns(4096, 512, 128) == 0  # [4096, 16] tiles: over half of ACC_REGS even at 16 columns
     assert M.merge_columns(64, 512, 128, merge_r=64) == 64 and M.merge_columns(128, 512, 128, merge_r=0) == 0

@@ -308,23 +308,28 @@ MERGE_STAGES = 1  # the merge loop's software pipelining (Triton num_stages)
 # (scripts/gpu/mla_sweep.py --merge) faster at every shape (4K B = 1 17.8-18.9 us against 20.4-21.5).
 MERGE_R = 128
 MERGE_R_MIN_PARTS = 128
-MERGE_R_WARPS = 8  # the R-split form's warps (its [parts, rc] and [V, rc] tiles are 64 + 64 registers a thread at 8)
+MERGE_R_WARPS = 8  # the R-split form's warps (its [parts, rc] and [V, rc] tiles: 64 + 64 registers a thread at the 48B's 32K)
 
 
 def merge_columns(parts: int, R: int, V: int, merge_r: int | None = None) -> int:
     """The R-split merge's latent columns a program (0: the value-row form) for a merge of `parts` parts into V value
     rows: `merge_r` where given (at most R; `uv_fits` names one that cannot run), else MERGE_R (halved while its [parts,
-    rc] and [V, rc] tiles take more than half of ACC_REGS registers a thread) from MERGE_R_MIN_PARTS parts up, where
+    rc] and [V, rc] tiles together take more than ACC_REGS registers a thread) from MERGE_R_MIN_PARTS parts up, where
     they are powers of two, else 0."""
     if merge_r is not None:
         return min(merge_r, R) if isinstance(merge_r, int) and merge_r > 0 else merge_r
     rc = min(MERGE_R, R)
-    while rc > 16 and max(parts, V) * rc // (32 * MERGE_R_WARPS) > ACC_REGS // 2:  # tiles within half the registers
+    while rc > 16 and _merge_regs(parts, V, rc) > ACC_REGS:
         rc //= 2
     if (parts < MERGE_R_MIN_PARTS or not rc or not (pow2(parts) and pow2(V) and pow2(rc))
-            or max(parts, V) * rc // (32 * MERGE_R_WARPS) > ACC_REGS // 2):
+            or _merge_regs(parts, V, rc) > ACC_REGS):
         return 0
     return rc
+
+
+def _merge_regs(parts: int, V: int, rc: int) -> int:
+    """Registers a thread of the R-split merge's two float32 tiles, [parts, rc] and [V, rc], live together."""
+    return (parts + V) * rc // (32 * MERGE_R_WARPS)
 
 
 def mla_decode_uv(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: jax.Array, v0: int,
@@ -391,13 +396,13 @@ def uv_fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, w_kvb_HXR, v0: int, block_
     if not isinstance(rc, int) or rc < 0 or (rc and not pow2(rc)):
         return f"mla_decode_uv kernel: merge_r must be 0 (off) or a power of two (latent columns a program), got {rc!r}"
     if rc:
-        regs = max(parts, V) * rc // (32 * MERGE_R_WARPS)
+        regs = _merge_regs(parts, V, rc)
         if not (pow2(parts) and pow2(V)):
             return (f"mla_decode_uv kernel: the R-split merge (merge_r {rc}) loads all {parts} parts and {V} value "
                     "rows at once: both must be powers of two")
         if regs > ACC_REGS:
-            return (f"mla_decode_uv kernel: the R-split merge's [{max(parts, V)}, {rc}] tiles take {regs} registers a "
-                    f"thread with {MERGE_R_WARPS} warps, over {ACC_REGS} (a smaller merge_r)")
+            return (f"mla_decode_uv kernel: the R-split merge's [{parts}, {rc}] and [{V}, {rc}] tiles take {regs} "
+                    f"registers a thread with {MERGE_R_WARPS} warps, over {ACC_REGS} (a smaller merge_r)")
     if only_where_faster and (B, H, V) not in UV_MEASURED:
         return (f"mla_decode_uv kernel: the step at (B, H, V) = {(B, H, V)} was not measured with it on an "
                 "H200 (kernels='on' runs it)")

@@ -77,8 +77,8 @@ def variants(S: int, B: int) -> list[tuple[str, dict]]:
     if B > 1:
         splits = [s for s in splits if s >= 256]
     for sp, order, st, pc in itertools.product(splits, ("gp", "pg"), (1, 2, 3) if B == 1 else (1, 2), (8, 16)):
-        out.append((f"uv split {sp} {order} merge st{st} pc{pc}",
-                    dict(split=sp, order=order, merge_stages=st, merge_pc=pc)))
+        out.append((f"uv split {sp} {order} merge st{st} pc{pc}",  # the value-row merge these settings are for
+                    dict(split=sp, order=order, merge_stages=st, merge_pc=pc, merge_r=0)))
     return out
 
 

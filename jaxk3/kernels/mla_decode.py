@@ -321,8 +321,7 @@ def merge_columns(parts: int, R: int, V: int, merge_r: int | None = None) -> int
     rc = min(MERGE_R, R)
     while rc > 16 and _merge_regs(parts, V, rc) > ACC_REGS:
         rc //= 2
-    if (parts < MERGE_R_MIN_PARTS or not rc or not (pow2(parts) and pow2(V) and pow2(rc))
-            or _merge_regs(parts, V, rc) > ACC_REGS):
+    if parts < MERGE_R_MIN_PARTS or not rc or _merge_r_problem(parts, V, rc):
         return 0
     return rc
 
@@ -330,6 +329,21 @@ def merge_columns(parts: int, R: int, V: int, merge_r: int | None = None) -> int
 def _merge_regs(parts: int, V: int, rc: int) -> int:
     """Registers a thread of the R-split merge's two float32 tiles, [parts, rc] and [V, rc], live together."""
     return (parts + V) * rc // (32 * MERGE_R_WARPS)
+
+
+def _merge_r_problem(parts: int, V: int, rc: int) -> str | None:
+    """Why the R-split merge cannot run with rc > 0 columns a program (None: it can): `merge_columns` falls back to
+    the value-row form there, `uv_fits` refuses an explicit `merge_r` with this."""
+    if not pow2(rc):
+        return f"mla_decode_uv kernel: merge_r must be 0 (off) or a power of two (latent columns a program), got {rc!r}"
+    if not (pow2(parts) and pow2(V)):
+        return (f"mla_decode_uv kernel: the R-split merge (merge_r {rc}) loads all {parts} parts and {V} value rows at "
+                "once: both must be powers of two")
+    regs = _merge_regs(parts, V, rc)
+    if regs > ACC_REGS:
+        return (f"mla_decode_uv kernel: the R-split merge's [{parts}, {rc}] and [{V}, {rc}] tiles take {regs} "
+                f"registers a thread with {MERGE_R_WARPS} warps, over {ACC_REGS} (a smaller merge_r)")
+    return None
 
 
 def mla_decode_uv(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: jax.Array, v0: int,
@@ -393,16 +407,11 @@ def uv_fits(ql_BHR, qpe_BHP, kv_BSR, length_B, scale, w_kvb_HXR, v0: int, block_
                         kw.get("split"))
     parts = kv_BSR.shape[1] // split
     rc = merge_columns(parts, R, V, kw.get("merge_r"))
-    if not isinstance(rc, int) or rc < 0 or (rc and not pow2(rc)):
+    if not isinstance(rc, int) or rc < 0:
         return f"mla_decode_uv kernel: merge_r must be 0 (off) or a power of two (latent columns a program), got {rc!r}"
-    if rc:
-        regs = _merge_regs(parts, V, rc)
-        if not (pow2(parts) and pow2(V)):
-            return (f"mla_decode_uv kernel: the R-split merge (merge_r {rc}) loads all {parts} parts and {V} value "
-                    "rows at once: both must be powers of two")
-        if regs > ACC_REGS:
-            return (f"mla_decode_uv kernel: the R-split merge's [{parts}, {rc}] and [{V}, {rc}] tiles take {regs} "
-                    f"registers a thread with {MERGE_R_WARPS} warps, over {ACC_REGS} (a smaller merge_r)")
+    why = _merge_r_problem(parts, V, rc) if rc else None
+    if why:
+        return why
     if only_where_faster and (B, H, V) not in UV_MEASURED:
         return (f"mla_decode_uv kernel: the step at (B, H, V) = {(B, H, V)} was not measured with it on an "
                 "H200 (kernels='on' runs it)")

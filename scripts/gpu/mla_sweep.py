@@ -54,21 +54,18 @@ def case(B: int, S: int, seed: int = 0):
     return ql, qpe, kv, length, wkvb, n
 
 
-MERGE_ONLY = False  # --merge: the default against the R-split merge (mla_decode.MERGE_R) only
-HEADS_ONLY = False  # --heads: the default against 32 heads a program (one head group: the cache read once) by split
-
-
-def variants(S: int, B: int) -> list[tuple[str, dict]]:
-    """(label, mla_decode_uv kwargs): the default, then split x order x merge steps x merge pipelining (with
-    `MERGE_ONLY`: the default tiles' value-row merge against the R-split merge, twice each, in turn)."""
+def variants(S: int, B: int, only: str | None = None) -> list[tuple[str, dict]]:
+    """(label, mla_decode_uv kwargs): the default, then split x order x merge steps x merge pipelining; `only`
+    "merge" (--merge): the default tiles' value-row merge against the R-split merge (mla_decode.MERGE_R), twice each,
+    in turn; "heads" (--heads): 32 heads a program (one head group: the cache read once) by split against the default."""
     out = [("uv default", {})]
-    if HEADS_ONLY:
+    if only == "heads":
         splits = [sp for sp in (64, 128, 256, 512, 1024) if sp <= S // 4 and S // sp <= 512]
         for rep in ("", " again"):
             out += [(f"uv 32 heads split {sp}{rep}", dict(block_h=32, split=sp)) for sp in splits]
             out.append((f"uv default{rep} (16 heads)", {}))
         return out
-    if MERGE_ONLY:
+    if only == "merge":
         for rep in ("", " again"):
             out += [(f"uv merge_r 128{rep}", dict(merge_r=128)), (f"uv merge_r 64{rep}", dict(merge_r=64)),
                     (f"uv value rows{rep}", dict(merge_r=0))]
@@ -93,13 +90,13 @@ def chained(fn, args):
     return jax.jit(run), (ql, qpe, kv, length, wkvb)
 
 
-def paths(S: int, B: int):
+def paths(S: int, B: int, only: str | None = None):
     """(label, fn(ql, qpe, kv, length, scale, wkvb, v0) -> [B, H, V] fp32, kwargs checked by uv_fits or None)."""
     out = [("xla (uv_reference)", MD.uv_reference, None),
            ("mla_decode + jnp merge + einsum",
             lambda q, p, kv, ln, sc, w, v0: jnp.einsum("bhr,hvr->bhv", MD.mla_decode(q, p, kv, ln, sc, interpret=CPU),
                                                        w[:, v0:].astype(jnp.float32)), {})]
-    for label, kw in variants(S, B):
+    for label, kw in variants(S, B, only):
         out.append((label, lambda *a, kw=kw: MD.mla_decode_uv(*a, interpret=CPU, **kw), kw))
     if CPU:  # interpret mode (plumbing only): the default, and one variant per order
         out = out[:3] + [p for p in out if p[0].startswith("uv split") and "st1 pc8" in p[0]][:2]
@@ -114,8 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="store_true", help="only the merge's two forms (value rows, R split)")
     ap.add_argument("--heads", action="store_true", help="only 32 heads a program (the cache read once) by split")
     a = ap.parse_args(argv)
-    global MERGE_ONLY, HEADS_ONLY
-    MERGE_ONLY, HEADS_ONLY = a.merge, a.heads
+    if a.merge and a.heads:
+        ap.error("--merge and --heads: give one of them")
+    only = "merge" if a.merge else "heads" if a.heads else None
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     log = timing.logger(a.json)
     dev = jax.devices()[0]
@@ -127,7 +125,7 @@ def main(argv=None) -> int:
             cases[(S, B)] = case(B, S)
             Hb, bs, sp = MD.tiles(B, 32, S, 512, 64)
             log(f"# S {S} B {B}: the default tiles (Hb, bs, split) = {(Hb, bs, sp)}: {S // sp} parts")
-            for label, fn, kw in paths(S, B):
+            for label, fn, kw in paths(S, B, only):
                 jobs.append((S, B, label, fn, kw))
 
     def prep(job):

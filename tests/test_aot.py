@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import re
 
 import pytest
 
@@ -213,6 +214,13 @@ def test_48b_step_launches_within_the_measured_budget():
     after_kda = [row["census"]["totals"][f"layer{l}_moe"] for l in range(1, 27)
                  if f"layer{l}_kda" in row["census"]["totals"]]
     assert len(after_kda) == 19 and set(after_kda) == {MOE_AFTER_KDA}, after_kda
+    # each Pallas kernel named for what it does (`pallas_call(name=...)`), as a profile or Nsight Compute lists them:
+    # a later KDA block's three, an MLA block's attention and its prep
+    kernels = {}
+    for x in row["launches"]:
+        kernels.setdefault(x["block"], []).append(re.sub(r"(_+\d+)+$", "", x["kernel"]))
+    assert kernels["layer1_kda"] == ["gemv_norm", "kda_step_in", "gemv_gnorm"], kernels["layer1_kda"]
+    assert {"mla_prep", "mla_attention"} <= set(kernels["layer3_mla"]), kernels["layer3_mla"]
 
 
 def test_k3_step_with_the_attn_res_stack_by_selects_and_the_latent_norm_in_up(monkeypatch):

@@ -232,7 +232,8 @@ def partials(x_BK: jax.Array, w: jax.Array, layout: str = "nk", config: Config |
         functools.partial(_kernel, layout=layout, bn=c.bn, bk=c.bk, steps=steps, dot=c.dot, unroll=c.unroll, N=N,
                           eps=None if norm_w is None else float(eps), K=K),
         grid=(-(-N // c.bn), c.splits), in_specs=[any_] * len(args), out_specs=any_,
-        out_shape=jax.ShapeDtypeStruct((c.splits, Bp, N), F32), interpret=interpret, **kw)(*args)
+        out_shape=jax.ShapeDtypeStruct((c.splits, Bp, N), F32), interpret=interpret,
+        name="gemv" if norm_w is None else "gemv_norm", **kw)(*args)
 
 
 def add_splits(p_SBN: jax.Array) -> jax.Array:
@@ -428,7 +429,7 @@ def gemv_gnorm(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, 
         functools.partial(_gnorm_kernel, bn=c.bn, hk=hk, d=d, steps=steps, eps=float(eps), dt=jnp.dtype(dt),
                           unroll=c.unroll),
         grid=(N // c.bn, c.splits), in_specs=[any_] * 4, out_specs=any_,
-        out_shape=jax.ShapeDtypeStruct((c.splits, 1, N), F32), interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct((c.splits, 1, N), F32), interpret=interpret, name="gemv_gnorm",
         **triton_params(c.num_warps, c.num_stages, interpret),
     )(x_BK.reshape(1, H, d), z_BK.reshape(1, H, d), norm_w, w.reshape(N, H, d))
     return add_splits(p)

@@ -249,7 +249,7 @@ def kda_decode(cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid
                    jax.ShapeDtypeStruct(state_BHKV.shape, F32)),
         # the state is updated in place (each program reads and writes only its own columns); the shift form's conv
         # windows are not (a head's programs all read its q/k windows, which one of them rewrites), the ring's are
-        input_output_aliases={7: 2, 1: 1} if ring else {7: 2}, interpret=interpret,
+        input_output_aliases={7: 2, 1: 1} if ring else {7: 2}, interpret=interpret, name="kda_step",
         **triton_params(c.num_warps, 1, interpret),
     )(u_B3C, conv_B3CW, cw.conv_3CK, cw.dt_bias_C.astype(F32), cw.A_log_H.astype(F32), f_BC, beta_BH.astype(F32),
       state_BHKV, valid_B.astype(jnp.int32), *extra)
@@ -342,7 +342,7 @@ def kda_decode_in(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, int
         kernel, grid=(B, H, Kd // bv), in_specs=[any_] * (8 + ring), out_specs=[any_] * 4,
         out_shape=(jax.ShapeDtypeStruct((B, C), F32), jax.ShapeDtypeStruct((B, C), F32),
                    jax.ShapeDtypeStruct(conv_B3CW.shape, conv_B3CW.dtype), jax.ShapeDtypeStruct(state_BHKV.shape, F32)),
-        input_output_aliases={6: 3, 2: 2} if ring else {6: 3}, interpret=interpret,
+        input_output_aliases={6: 3, 2: 2} if ring else {6: 3}, interpret=interpret, name="kda_step_in",
         **triton_params(c.num_warps, 1, interpret),
     )(y_BX.astype(F32), gate_b_2Cd, conv_B3CW, cw.conv_3CK, cw.dt_bias_C.astype(F32), cw.A_log_H.astype(F32),
       state_BHKV, valid_B.astype(jnp.int32), *extra)

@@ -52,7 +52,10 @@ from jaxk3.kernels.registry import Kernel, dot_nt, pow2, register, triton_params
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 BLOCK_S = 32  # cache slots per inner step (default; `tiles`): N of the score dots, K of p·c_kv
-BLOCK_H = 16  # heads per grid program: M of the dots (tl.dot needs >= 16)
+# heads per grid program: M of the dots (tl.dot needs >= 16).  32 (the 48B's heads in one group, the latent cache read
+# once instead of twice) compiled and ran at the 48B's dims and was slower alone and in the step at 4K and 32K on an
+# H100 (docs/PERF.md, thirty-first session: the 32K step 3150.7 against 3057.7 us); `block_h` keeps it for sweeps.
+BLOCK_H = 16
 SPLIT = 1024  # at most this many cache slots per grid program (parts = S / split)
 NEG = -1e30  # a finite "minus infinity": exp(NEG - m) is 0 without inf - inf
 ORDER = "gp"  # the attention grid's order: (row, head group, part) "gp" or (row, part, head group) "pg" (`_parts`)
@@ -185,7 +188,7 @@ def _parts(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, interpret: bool, blo
         in_specs=[any_] * 4, out_specs=[any_] * 3, **kw,
         out_shape=(jax.ShapeDtypeStruct((B, G, parts, Hb), F32), jax.ShapeDtypeStruct((B, G, parts, Hb), F32),
                    jax.ShapeDtypeStruct((B, G, parts, Hb, R), F32)),
-        interpret=interpret,
+        interpret=interpret, name="mla_attention",
     )(length_B.astype(jnp.int32), heads(ql_BHR), heads(qpe_BHP), kv_BSR)
     return m, l, acc
 

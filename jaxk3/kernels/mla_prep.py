@@ -128,7 +128,7 @@ def mla_prep(q_src, q_off: int, kv_src, kv_off: int, w_kvb_HXR, n: int, norm_w_R
         kernel, grid=(B, H, R // br), in_specs=[any_] * 7, out_specs=[any_] * 3,
         out_shape=(jax.ShapeDtypeStruct((B, H, R), out_dtype), jax.ShapeDtypeStruct((B, H, P), out_dtype),
                    jax.ShapeDtypeStruct(kv_BSR.shape, kv_BSR.dtype)),
-        input_output_aliases={6: 2}, interpret=interpret, **triton_params(c.num_warps, 1, interpret),
+        input_output_aliases={6: 2}, interpret=interpret, name="mla_prep", **triton_params(c.num_warps, 1, interpret),
     )(length_B.astype(jnp.int32), valid_B.astype(jnp.int32), q_src, kv_src, w_kvb_HXR, norm_w_R, kv_BSR)
 
 

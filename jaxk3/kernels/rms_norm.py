@@ -51,7 +51,7 @@ def rms_norm_pallas(x_BD: jax.Array, w_D: jax.Array, eps: float, interpret: bool
     return pl.pallas_call(
         functools.partial(_kernel, eps=eps), out_shape=jax.ShapeDtypeStruct((B, D), F32), grid=(B,),
         in_specs=[pl.BlockSpec((1, D), lambda i: (i, 0)), pl.BlockSpec((D,), lambda i: (0,))],
-        out_specs=pl.BlockSpec((1, D), lambda i: (i, 0)), interpret=interpret)(x_BD, w_D)
+        out_specs=pl.BlockSpec((1, D), lambda i: (i, 0)), interpret=interpret, name="rms_norm")(x_BD, w_D)
 
 
 def fits(x_BD, w_D, eps, **_) -> str | None:

@@ -153,7 +153,8 @@ def router_topk(cfg, logits_BE: jax.Array, bias_E: jax.Array, interpret: bool = 
         functools.partial(_kernel, E=E, Ep=Ep, k=k, renorm=cfg.moe_renormalize, scale=cfg.routed_scaling_factor,
                           norm=norm),
         grid=(B,), in_specs=[any_] * len(args), out_specs=[any_] * len(outs), out_shape=tuple(outs),
-        interpret=interpret, **triton_params(num_warps or (NORMED_WARPS if norm else NUM_WARPS), 1, interpret))(*args)
+        interpret=interpret, name="router_topk",
+        **triton_params(num_warps or (NORMED_WARPS if norm else NUM_WARPS), 1, interpret))(*args)
     return tuple(out)
 
 

@@ -31,7 +31,7 @@ XLA_FLAGS=--xla_gpu_enable_command_buffer= ncu --clock-control none --target-pro
 # call 4 (wall 445.7 s): XLA's Triton emitter for its own fusions (4_triton_fusions.patch: jaxk3.model.TRITON_FUSIONS)
 bash scripts/gpu_check.sh build
 python3 scripts/gpu/fusion_logits.py --steps 8   # 4_fusion_logits.py as run, but for the cache length: the run's
-#   cache held context - 1 tokens (one free slot), so its steps from 1 on wrote past the cache; the file here starts
-#   the steps 8 slots earlier (checked on the CPU only: the device time had run out)
+#   cache held context - 1 tokens (one free slot), so from its second step on the rows' length was past the cache's
+#   slots; the file here starts the steps 8 slots earlier (checked on the CPU only: the device time had run out)
 python3 -m jaxk3.cli bench decode $S4; python3 scripts/gpu/step_with_kernel.py jaxk3.model:TRITON_FUSIONS=1 -- $S4   # then both again
 XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/gpu/step_with_kernel.py jaxk3.model:TRITON_FUSIONS=1 -- $A

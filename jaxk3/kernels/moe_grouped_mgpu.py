@@ -38,6 +38,14 @@ def _mods():
     return pl, plgpu
 
 
+def transposed(ref, perm: tuple[int, ...]):
+    """A shared-memory ref viewed with its dims permuted, for wgmma's B operand: `ref.transpose(perm)` (jax >= 0.11.2;
+    jax 0.12.1 removed the older `plgpu.transpose_ref`, which 0.11 has)."""
+    if hasattr(ref, "transpose"):
+        return ref.transpose(perm)
+    return _mods()[1].transpose_ref(ref, perm)  # pragma: no cover - jax < 0.11.2
+
+
 def num_sms() -> int:
     """The persistent grid: one program per SM (132 on an H200; the CPU's interpreter takes the same)."""
     d = jax.devices()[0]
@@ -111,8 +119,8 @@ def gate_up(expert_B: jax.Array, xs_ML: jax.Array, w1: jax.Array, w3: jax.Array,
         def tile(mi, ni, e):
             def scope(acc1, acc3):
                 def step(_, x_s, w1_s, w3_s):
-                    plgpu.wgmma(acc1, x_s, plgpu.transpose_ref(w1_s, (1, 0)))
-                    plgpu.wgmma(acc3, x_s, plgpu.transpose_ref(w3_s, (1, 0)))
+                    plgpu.wgmma(acc1, x_s, transposed(w1_s, (1, 0)))
+                    plgpu.wgmma(acc3, x_s, transposed(w3_s, (1, 0)))
 
                 plgpu.emit_pipeline(
                     step, grid=(steps,),
@@ -142,7 +150,7 @@ def down(expert_B: jax.Array, a_MI: jax.Array, w2: jax.Array, *, bm: int, bn: in
         def tile(mi, ni, e):
             def scope(acc):
                 plgpu.emit_pipeline(
-                    lambda _, a_s, w_s: plgpu.wgmma(acc, a_s, plgpu.transpose_ref(w_s, (1, 0))),
+                    lambda _, a_s, w_s: plgpu.wgmma(acc, a_s, transposed(w_s, (1, 0))),
                     grid=(steps,),
                     in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (mi, k), delay_release=1),
                               plgpu.BlockSpec((bn, bk), lambda k: (ni, k), delay_release=1)],
@@ -200,8 +208,8 @@ def gate_up_ws(expert_B: jax.Array, xs_ML: jax.Array, w1: jax.Array, w3: jax.Arr
 
                 def step(_, x_s, w1_s, w3_s, carry):
                     acc1, acc3 = carry
-                    plgpu.wgmma(acc1, x_s, plgpu.transpose_ref(w1_s.at[cols], (1, 0)))
-                    plgpu.wgmma(acc3, x_s, plgpu.transpose_ref(w3_s.at[cols], (1, 0)))
+                    plgpu.wgmma(acc1, x_s, transposed(w1_s.at[cols], (1, 0)))
+                    plgpu.wgmma(acc3, x_s, transposed(w3_s.at[cols], (1, 0)))
                     plgpu.wgmma_wait(0)
                     return carry
 

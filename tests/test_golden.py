@@ -44,18 +44,22 @@ GOLDEN_TOKENS = {
 }
 # per case: the first machine's digest, an AVX-512/AMX Xeon's (2026-12-01), and where they differ an AVX-512 Xeon's
 # without AMX (2026-12-03; recorded with the code of 491c058, which passed CI on the AMX machine, and of the day's
-# last commit: the same bits on both jax versions)
+# last commit: the same bits on both jax versions), and on jax 0.10.2 an AMD EPYC's with AVX2 and no AVX-512 (2026-12-06;
+# recorded with the code of 485c8f2, which passed CI on its machine, and of the day's last commit: the same bits)
 GOLDEN_SHA256: dict[str, dict[str, tuple[str, ...]]] = {
     "0.10.2": {
         "k3/tp1": ("ba8160240db72bffb0913b0404819b3f803fbbb7fd46a9d27cb386ba4d1d0bac",
                    "be4c33ca31501c5349cb33ea1979f032da0ac2f4583e561a004c1ec319949881"),
         "k3/tp2": ("04c1b80a25b813629034376a1498526f43deb460119863825147f32d8c41a494",
-                   "be4c33ca31501c5349cb33ea1979f032da0ac2f4583e561a004c1ec319949881"),
+                   "be4c33ca31501c5349cb33ea1979f032da0ac2f4583e561a004c1ec319949881",
+                   "ba8160240db72bffb0913b0404819b3f803fbbb7fd46a9d27cb386ba4d1d0bac"),
         "k3/tp4": ("fcd612852149c363d87ec4ab59417a659549cdac6dac33e7adc110f6b9dc22d8",
-                   "be4c33ca31501c5349cb33ea1979f032da0ac2f4583e561a004c1ec319949881"),
+                   "be4c33ca31501c5349cb33ea1979f032da0ac2f4583e561a004c1ec319949881",
+                   "ba8160240db72bffb0913b0404819b3f803fbbb7fd46a9d27cb386ba4d1d0bac"),
         "k3/tp8": ("04c1b80a25b813629034376a1498526f43deb460119863825147f32d8c41a494",
                    "ac000ca8fbe0ccbec62842098d4e6e8230efdc816b49453a6f0256acc8525f2c",
-                   "eaaebee12b56d4b44044b3483b5a3def88dc1cf08713e8431f6483d111385b9a"),
+                   "eaaebee12b56d4b44044b3483b5a3def88dc1cf08713e8431f6483d111385b9a",
+                   "0109522e64706bbc58b84f847d03b5636dc8827493298e560681111f384dc7ac"),
         "kl/tp1": ("93d5bc0cf60a8bed583d8455ce59e240cb38d62aaeab6e736bf689eb38b027d2",
                    "0b1c59079f0f00126c52566e25b163c99f2878146c172f4d18639227140cca5d"),
         "kl/tp2": ("93d5bc0cf60a8bed583d8455ce59e240cb38d62aaeab6e736bf689eb38b027d2",

@@ -1281,10 +1281,12 @@ def _as_ring(conv_B3CW: jax.Array, pos_B: np.ndarray) -> jax.Array:
 @pytest.mark.parametrize("fused,B,bv", [(False, 3, 8), (False, 1, 32), (True, 3, 8), (True, 1, 32)])
 def test_kda_decode_ring_equals_the_shift_form(fused, B, bv):
     """The kernels with the conv cache as a ring written in place (`kda_decode.RING`; interpret mode), against
-    the same kernel in the shift form and against the ring's reference: the output and the state bitwise the
-    shift form's (the same taps summed in the same order), the ring bitwise the reference's (this token's slot
-    written, the other K-1 as they were; the invalid row's ring untouched), and the slot being written, poisoned
-    with NaN, never read."""
+    the same kernel in the shift form and against the ring's reference: the output and the state the shift form's
+    (the same taps summed in the same order: bitwise but for XLA's CPU compile of interpret mode, which may contract
+    a product and a sum into one FMA in one form and not the other: jax 0.12.1 put 1 ulp on 10 of 8192 state
+    elements; so at most 2 ulp, and 99% bitwise), the ring bitwise the reference's (this token's slot written, the
+    other K-1 as they were; the invalid row's ring untouched), and the slot being written, poisoned with NaN, never
+    read."""
     from jaxk3.kernels.kda_decode import Config, ring_window
 
     name = "kda_decode_in" if fused else "kda_decode"
@@ -1300,9 +1302,11 @@ def test_kda_decode_ring_equals_the_shift_form(fused, B, bv):
     shift = k.device(cfg, *args, interpret=True, config=c)
     got = k.device(cfg, *rargs, interpret=True, config=c, pos_B=jnp.asarray(pos))
     ref = k.reference(cfg, *rargs, pos_B=jnp.asarray(pos))
-    assert np.isfinite(np.asarray(got[0])).all()
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(shift[0]))
-    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(shift[2]))
+    assert np.isfinite(np.asarray(got[0])).all() and np.isfinite(np.asarray(got[2])).all()
+    for a, b in ((got[0], shift[0]), (got[2], shift[2])):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_array_max_ulp(a, b, maxulp=2)
+        assert np.mean(a == b) >= 0.99, np.mean(a == b)
     np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32)), np.asarray(ref[1].astype(jnp.float32)))
     # the ring read at the next positions is the shift form's moved window
     nxt = jnp.asarray(pos + np.asarray(args[-1]).astype(np.int32))

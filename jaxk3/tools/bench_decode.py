@@ -777,13 +777,18 @@ def census_report(result: dict) -> str:
     return "\n".join(out)
 
 
+def kernel_name(launch: dict) -> str:
+    """A launch's kernel name (aot.launches) without the numeric suffixes XLA gives repeated kernels (`gemv_norm__2`)."""
+    return re.sub(r"(_+\d+)+$", "", launch["kernel"])
+
+
 def launch_summary(launches: list[dict], sms: int | None) -> str:
     """One paragraph on a target census's launches (aot.launches): how many, and those of fewer CTAs than the
     device has SMs (they leave SMs idle: latency-bound unless each CTA is long), grouped by kernel and CTAs."""
     sms = sms or 132
     kernels = [x for x in launches if "ctas" in x]
     others = Counter(x["kind"] for x in launches if "ctas" not in x)
-    small = Counter((x["block"] or "?").split("_")[-1] + ":" + re.sub(r"(_+\d+)+$", "", x["kernel"])
+    small = Counter((x["block"] or "?").split("_")[-1] + ":" + kernel_name(x)
                     + f"({x['ctas']}x{x['threads']})" for x in kernels if x["ctas"] < sms)
     smem = max((x["shared_memory"] for x in kernels), default=0)
     top = small.most_common(12)

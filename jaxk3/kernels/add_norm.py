@@ -30,6 +30,7 @@ MAX_S = 16  # partial sums
 # Whether `auto` takes the kernel (the model then hands the attention's output to the MoE block as partial sums).
 ADD_NORM = False
 NUM_WARPS = 4
+BK: int | None = None  # the tile (None: `tile(D)`); a power of two dividing D
 
 
 def reference(x_BD: jax.Array, parts_SBD: jax.Array, w_D: jax.Array, eps: float, **_) -> jax.Array:
@@ -74,7 +75,7 @@ def add_rms_norm(x_BD: jax.Array, parts_SBD: jax.Array, w_D: jax.Array, eps: flo
     S = parts_SBD.shape[0]
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_kernel, S=S, D=D, bk=tile(D), eps=float(eps)),
+        functools.partial(_kernel, S=S, D=D, bk=BK or tile(D), eps=float(eps)),
         grid=(B,), in_specs=[any_] * 3, out_specs=any_, out_shape=jax.ShapeDtypeStruct((B, D), x_BD.dtype),
         interpret=interpret, name="add_rms_norm", **triton_params(num_warps or NUM_WARPS, 1, interpret),
     )(x_BD, parts_SBD, w_D)

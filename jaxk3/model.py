@@ -40,7 +40,6 @@ from jaxk3.layers.kda import KDACache, KDAWeights, kda_prefill, kda_step
 from jaxk3.layers.mla import MLACache, MLAWeights, mla_prefill, mla_step
 from jaxk3.layers.moe import MLPWeights, MoEWeights, mlp, moe
 from jaxk3.kernels.attn_res_norm import mix_norm
-from jaxk3.kernels.gemv import add_splits
 from jaxk3.kernels.rms_norm import rms_norm
 from jaxk3.params import REP, Buffer, weight
 from jaxk3.sharding import DP, TP as TP_AXIS
@@ -172,19 +171,17 @@ class StepOptions:
 
 
 def attention_block(cfg: KimiK3Config, opt: StepOptions, l: int, w: KDAWeights | MLAWeights, xn: jax.Array,
-                    cache: KDACache | MLACache, length_B: jax.Array, valid: jax.Array, sums: bool = False
+                    cache: KDACache | MLACache, length_B: jax.Array, valid: jax.Array
                     ) -> tuple[jax.Array, KDACache | MLACache]:
     """Layer `l`'s attention on the normed input: (out fp32 summed over TP, the layer's new cache).
-    One token per row (`xn` [B, D], `valid` [B]: decode) or T (`xn` [B, T, D], `valid` [B, T]: prefill).
-    `sums` (decode): out as its o_proj's partial sums [S, B, D], whose sum over S is out."""
+    One token per row (`xn` [B, D], `valid` [B]: decode) or T (`xn` [B, T, D], `valid` [B, T]: prefill)."""
     prefill = xn.ndim == 3
-    kw = {} if prefill else dict(sums=sums)
     if cfg.layer_attn[l] == "kda":
         fn = kda_prefill if prefill else kda_step
-        out, conv, state = fn(cfg, w, xn, cache.conv, cache.state, valid, opt.tp, pos_B=length_B, **kw)
+        out, conv, state = fn(cfg, w, xn, cache.conv, cache.state, valid, opt.tp, pos_B=length_B)
         return out, KDACache(conv=conv, state=state)
     fn = mla_prefill if prefill else mla_step
-    out, kv = fn(cfg, w, xn, cache.kv, length_B, valid, opt.tp, opt.shard_latent, **kw)
+    out, kv = fn(cfg, w, xn, cache.kv, length_B, valid, opt.tp, opt.shard_latent)
     return out, MLACache(kv=kv)
 
 
@@ -232,21 +229,12 @@ def forward_local(cfg: KimiK3Config, opt: StepOptions, w: Weights, cache: Cache,
             srcs, st = res.attention_sources(st, g, Bs)
             xn = _block_input(srcs, lw.self_attention_res_norm, lw.self_attention_res_proj, lw.input_layernorm,
                               eps, dt, shape, not prefill)
-            # Kimi-Linear decode, a MoE layer on one rank: the attention's output as its o_proj's partial sums (the
-            # same values: XLA adds them where it adds the stream) where the MoE's input is made from them by one
-            # kernel (jaxk3.kernels.add_norm: the stream's add and the norm, for XLA's two kernels)
-            kl_moe = not prefill and Bs is None and cfg.layer_ffn[l] == "moe"
-            sums = kl_moe and isinstance(xn, Normed) and moe_lib.input_from_parts(
-                st.p, lw.post_attention_layernorm, eps, opt.tp)
-            a, c = attention_block(cfg, opt, l, lw.attn, xn, cache.layers[l], cache.length, valid, sums=sums)
+            a, c = attention_block(cfg, opt, l, lw.attn, xn, cache.layers[l], cache.length, valid)
             new_caches.append(c)
         with jax.named_scope(f"layer{g}_{cfg.layer_ffn[l]}"):
-            h_prev = st.p
-            srcs, st = res.ffn_sources(st, (add_splits(a) if sums else a).reshape(B * T, -1), g, Bs)
+            srcs, st = res.ffn_sources(st, a.reshape(B * T, -1), g, Bs)
             xn = _block_input(srcs, lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attention_layernorm, eps, dt,
                               (B * T, -1), not prefill)
-            if sums:  # the same row, made by one kernel from the stream before the attention and its parts
-                xn = moe_lib.normed_from_parts(h_prev, a, lw.post_attention_layernorm, eps, opt.tp)
             if not prefill and Bs is None and cfg.layer_ffn[l] == "moe":  # Kimi-Linear decode: the MoE adds the
                 # residual itself, the stream's add and rounding exactly
                 st = res.Stream(p=ffn_block(cfg, opt, l, lw.ffn, xn, prefill, residual=st.p))

@@ -222,25 +222,6 @@ def test_48b_step_launches_within_the_measured_budget():
     assert {"mla_prep", "mla_attention"} <= set(kernels["layer3_mla"]), kernels["layer3_mla"]
 
 
-def test_48b_step_with_the_moe_input_made_from_the_attention_parts(monkeypatch):
-    """add_norm.ADD_NORM (off until timed on a GPU): each MoE block's input is made by one kernel (`add_rms_norm`) from
-    the stream before the attention and the attention's o_proj partial sums, instead of XLA's sum of squares and
-    scaling: compiled for the H200 (the kernel's Triton lowering at the 48B's hidden size), every MoE block takes one
-    launch fewer, 26 fewer in the step than LAUNCH_OPS_48B_B1, and that kernel opens each of them."""
-    from jaxk3.kernels import add_norm
-
-    monkeypatch.setattr(add_norm, "ADD_NORM", True)
-    (row,) = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")["rows"]
-    moe = {b: n for b, n in row["census"]["totals"].items() if b.endswith("_moe")}
-    after_kda = [moe[f"layer{l}_moe"] for l in range(1, 27) if f"layer{l}_kda" in row["census"]["totals"]]
-    assert len(moe) == 26 and len(after_kda) == 19 and set(after_kda) == {MOE_AFTER_KDA - 1}, moe
-    assert row["launch_ops"] == LAUNCH_OPS_48B_B1 - 26, row["launch_ops"]
-    first = {}
-    for x in row["launches"]:
-        first.setdefault(x["block"], bd.kernel_name(x))
-    assert {first[b] for b in moe} == {"add_rms_norm"}, {b: first[b] for b in moe}
-
-
 def test_k3_step_with_the_attn_res_stack_by_selects_and_the_latent_norm_in_up(monkeypatch):
     """attn_res_norm.SELECT_STACK and moe.LATENT_NORM_IN_UP, on by default since an H100 A/B timed them faster at B = 1
     (docs/PERF.md, twenty-ninth session): compiled for the H200, K3 layers 11-14 packed at B = 1 takes 162 launches as

@@ -65,87 +65,6 @@ def test_rms_norm_kernel_on_gpu():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.max(np.abs(ref)))
 
 
-# ------------------------------------------------------------------ add_rms_norm (the MoE block's input at decode)
-def _add_norm_case(B: int, S: int, D: int, seed: int = 0):
-    """x [B, D] bf16 (a residual stream), parts [S, B, D] fp32 (an o_proj's partial sums, of x's scale), w [D]."""
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((B, D)) * 2, jnp.bfloat16)
-    parts = jnp.asarray(rng.standard_normal((S, B, D)), jnp.float32)
-    w = jnp.asarray(1 + 0.1 * rng.standard_normal(D), jnp.bfloat16)
-    return x, parts, w
-
-
-def _bf16_ulps(a, b) -> np.ndarray:
-    """|a - b| in units of the bf16 spacing at b (both bf16 arrays)."""
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    spacing = np.abs(np.asarray(jnp.asarray(b, jnp.bfloat16), np.float32)) * 2.0 ** -7
-    return np.abs(a - b) / np.maximum(spacing, np.finfo(np.float32).tiny)
-
-
-@pytest.mark.parametrize("B,S,D", [(1, 4, 2304), (1, 1, 2304), (3, 4, 256), (8, 2, 7168)])
-def test_add_rms_norm_kernel_matches_reference(B, S, D):
-    """The kernel (interpret mode) against its reference RMSNorm(bf16(x + Σ parts)) and against float64: the row h is
-    made in the reference's order (the parts in order, then x: the same bits), only the sum of squares' order differs,
-    so the normed bf16 row is >= 99% bitwise the reference's and within one bf16 rounding of it; float64 of the same
-    bf16 h within one bf16 rounding too.  A kernel that drops a part, x, the weight or eps is O(1) off."""
-    from jaxk3.kernels import add_norm
-
-    x, parts, w = _add_norm_case(B, S, D, seed=B * 10 + S)
-    got = add_norm.add_rms_norm(x, parts, w, 1e-5, interpret=True)
-    ref = add_norm.reference(x, parts, w, 1e-5)
-    assert got.shape == (B, D) and got.dtype == jnp.bfloat16
-    assert np.mean(np.asarray(got) == np.asarray(ref)) >= 0.99
-    assert _bf16_ulps(got, ref).max() <= 1.0
-    # float64: h = bf16(x + Σ parts in order), then w · h / sqrt(mean(h²) + eps)
-    p64 = np.asarray(parts, np.float64)
-    acc = p64[0].astype(np.float32)
-    for s in range(1, S):
-        acc = (acc + p64[s].astype(np.float32)).astype(np.float32)
-    h = np.asarray(jnp.asarray(np.asarray(x, np.float32) + acc, jnp.bfloat16), np.float64)
-    want = np.asarray(w, np.float64) * h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-5)
-    assert _bf16_ulps(got, jnp.asarray(want, jnp.bfloat16)).max() <= 1.0
-    # the parts matter: without the last part the row is O(1) off
-    wrong = add_norm.reference(x, parts[:-1] if S > 1 else 0 * parts, w, 1e-5)
-    assert np.abs(np.asarray(wrong, np.float32) - np.asarray(got, np.float32)).max() > 0.1
-
-
-def test_add_rms_norm_fits_and_switch(monkeypatch):
-    """Its conditions name the problem; auto takes it only with add_norm.ADD_NORM on, kernels='on' wherever it fits."""
-    from jaxk3.kernels import add_norm
-
-    x, parts, w = _add_norm_case(1, 4, 2304)
-    args = (x, parts, w, 1e-5)
-    assert "ADD_NORM" in kernels.explain("add_rms_norm", *args, platform="gpu")
-    assert kernels.explain("add_rms_norm", *args, platform="gpu", mode="on").startswith("device")
-    monkeypatch.setattr(add_norm, "ADD_NORM", True)
-    assert kernels.explain("add_rms_norm", *args, platform="gpu").startswith("device")
-    assert "platform 'cpu'" in kernels.explain("add_rms_norm", *args, platform="cpu")
-    bad = {"parts [S, B, D]": (x, parts[:, :, :256], w, 1e-5), "B <= 8": (jnp.ones((9, 256), jnp.bfloat16),
-           jnp.ones((1, 9, 256)), jnp.ones(256), 1e-5), "fp32 parts": (x, parts.astype(jnp.bfloat16), w, 1e-5),
-           "multiple of 16": (jnp.ones((1, 100), jnp.bfloat16), jnp.ones((1, 1, 100)), jnp.ones(100), 1e-5)}
-    for why, a in bad.items():
-        assert why in kernels.explain("add_rms_norm", *a, platform="gpu"), why
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,S", [(1, 4), (1, 1), (8, 4)])
-def test_add_rms_norm_on_gpu(B, S):
-    """Compiled (Triton) at the 48B's hidden size (2304; S 4: KDA's o_proj splits, 1: MLA's XLA dot) and K3's
-    (7168): against the reference (XLA on the same device, compiled as the model's step is: its bf16 rounding of h
-    kept, `model.compiler_options`) >= 99% bitwise and within one bf16 rounding."""
-    from jaxk3.model import compiler_options
-    if jax.default_backend() == "cpu":
-        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
-    from jaxk3.kernels import add_norm
-
-    for D in (2304, 7168):
-        x, parts, w = _add_norm_case(B, S, D, seed=D + S)
-        got = jax.jit(lambda *a: kernels.call("add_rms_norm", *a, 1e-5, mode="on"))(x, parts, w)
-        ref = jax.jit(lambda *a: add_norm.reference(*a, 1e-5), compiler_options=compiler_options())(x, parts, w)
-        assert np.mean(np.asarray(got) == np.asarray(ref)) >= 0.99, D
-        assert _bf16_ulps(got, ref).max() <= 1.0, D
-
-
 # ------------------------------------------------------------------ moe_experts
 def _moe_case(fmt: str, dtype, B: int, seed: int = 0, duplicate: bool = True, **overrides):
     """A tiny K3 MoE layer's weights (dense or MXFP4, `dtype` activations) and B routed tokens (`overrides`: the
@@ -655,28 +574,6 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch, fresh_steps):
     assert n["gemv_norm"] >= cfg.num_hidden_layers * 2 and n["router_topk"] >= moe >= 1, n
     assert n["kda_decode_in"] == len(cfg.kda_layers), n  # the KDA core reading in_proj's output
     assert n["gemv_gnorm"] == len(cfg.kda_layers), n  # and o_proj norming its output
-    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
-
-
-@pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
-def test_decode_makes_the_moe_input_from_the_attention_parts(monkeypatch, fresh_steps):
-    """A Kimi-Linear decode step (B = 1, one rank) with `add_rms_norm` running (interpret mode, registered for the
-    CPU), beside `kda_decode_in` and `gemv_gnorm` (KDA's o_proj then hands over its K splits' partial sums): each MoE
-    block's input is made by the kernel from the stream before the attention and the attention's o_proj parts
-    [S, 1, D] (traced once per MoE block), and the logits agree with kernels='off' to 2e-3 of max|logit|
-    (test_decode_norms_in_the_kernels_prologues' bound: the sum of squares in another order moves a normed element by
-    a bf16 rounding at most).  The dense MLP's layer keeps XLA's path."""
-    from small_models import tiny_kimi_linear_4l
-
-    names = {"add_rms_norm": 1, "kda_decode_in": 1, "gemv_gnorm": 0}
-    calls = {name: _on_cpu(monkeypatch, name, arg) for name, arg in names.items()}
-    cfg = tiny_kimi_linear_4l()  # KDA (0-2), MLA (3), the dense MLP (0), MoE (1-3)
-    a, b = _off_and_auto(cfg, [[5, 6, 7, 8]], [c for name in names for c in calls[name]])
-    moe = sum(f == "moe" for f in cfg.layer_ffn)
-    D = cfg.hidden_size
-    parts = calls["add_rms_norm"]
-    assert moe >= 1 and len(parts) == moe, parts
-    assert all(len(p) == 3 and p[1:] == (1, D) for p in parts), parts
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
 
 
@@ -2150,8 +2047,7 @@ def test_status_says_what_auto_does():
     assert gpu["kda_decode_in"] == gpu["moe_experts_routed"] == gpu["gemv_gnorm"] == gpu["mla_decode_uv"] == "device"
     assert gpu["mla_prep"] == "device"
     assert not [n for n, v in gpu.items() if v.startswith("reference: unproven")]
-    assert gpu["add_rms_norm"] == "device"
-    assert set(kernels.REGISTRY) == {"add_rms_norm", "gemv", "gemv_gnorm", "gemv_norm", "kda_decode", "kda_decode_in", "kda_prefill",
+    assert set(kernels.REGISTRY) == {"gemv", "gemv_gnorm", "gemv_norm", "kda_decode", "kda_decode_in", "kda_prefill",
                                      "mla_decode", "mla_decode_uv", "mla_prefill", "mla_prep", "moe_experts",
                                      "moe_experts_routed", "moe_grouped", "rms_norm", "router_topk"}
     assert "1.23x XLA at Kimi-Linear-48B B=1" in kernels.speeds()["moe_experts"]

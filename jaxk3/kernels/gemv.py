@@ -398,13 +398,13 @@ def _gnorm_kernel(x_ref, z_ref, g_ref, w_ref, o_ref, *, bn: int, hk: int, d: int
 
 
 def gnorm_reference(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, w: jax.Array, dt,
-                    config: Config | None = None, only_where_faster: bool = True, sums: bool = False) -> jax.Array:
+                    config: Config | None = None, only_where_faster: bool = True) -> jax.Array:
     """fp32 [B, N] = gated_rms_norm(x; norm_w, z) per head of d = len(norm_w) values, cast to `dt`, @ W^T (W [N, K]):
-    what KDA's decode computes between its core and o_proj through XLA (`sums`: as one partial sum [1, B, N])."""
+    what KDA's decode computes between its core and o_proj through XLA."""
     B, K = x_BK.shape
     d = norm_w.shape[0]
     xn = gated_rms_norm(x_BK.reshape(B, K // d, d), norm_w, z_BK.reshape(B, K // d, d), eps).reshape(B, K)
-    return reference(xn.astype(dt), w, sums=sums)
+    return reference(xn.astype(dt), w)
 
 
 def gnorm_config(N: int, K: int, d: int) -> Config:
@@ -414,10 +414,8 @@ def gnorm_config(N: int, K: int, d: int) -> Config:
 
 
 def gemv_gnorm(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, w: jax.Array, dt,
-               config: Config | None = None, interpret: bool = False, only_where_faster: bool = True,
-               sums: bool = False) -> jax.Array:
-    """The same function as `gnorm_reference`, the norm in the GEMV's prologue: fp32 [1, N] (`sums`: the partial
-    sums over the K splits [splits, 1, N] instead, for a consumer that adds them itself)."""
+               config: Config | None = None, interpret: bool = False, only_where_faster: bool = True) -> jax.Array:
+    """The same function as `gnorm_reference`, the norm in the GEMV's prologue: fp32 [1, N]."""
     from jax.experimental import pallas as pl
 
     N, K = w.shape
@@ -434,7 +432,7 @@ def gemv_gnorm(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, 
         out_shape=jax.ShapeDtypeStruct((c.splits, 1, N), F32), interpret=interpret, name="gemv_gnorm",
         **triton_params(c.num_warps, c.num_stages, interpret),
     )(x_BK.reshape(1, H, d), z_BK.reshape(1, H, d), norm_w, w.reshape(N, H, d))
-    return p if sums else add_splits(p)
+    return add_splits(p)
 
 
 # (N, K, d) where the step was measured with the gated norm in o_proj's prologue (on an H200, 2026-12-02, sixth

@@ -119,26 +119,24 @@ def ring_positions(cfg: KimiK3Config, conv_B3CW: jax.Array, pos_B: jax.Array | N
     return pos_B
 
 
-def _core_then_gnorm_o_proj(cfg: KimiK3Config, w: KDAWeights, args: tuple, dt, mode: str, tp, pos_B,
-                            sums: bool = False):
+def _core_then_gnorm_o_proj(cfg: KimiK3Config, w: KDAWeights, args: tuple, dt, mode: str, tp, pos_B):
     """kda_decode_in leaving o un-normed, then o_proj with the gated per-head norm in its prologue (`gemv_gnorm`),
-    where that kernel runs: (out_BD, new conv, new state) (`sums`: out as partial sums [S, B, D]); else None."""
+    where that kernel runs: (out_BD, new conv, new state); else None."""
     o_sd = jax.ShapeDtypeStruct((args[1].shape[0], w.o_proj.shape[1]), jnp.float32)
     gargs = (o_sd, o_sd, w.o_norm, cfg.rms_norm_eps, w.o_proj, dt)
     if not kernels.explain("gemv_gnorm", *gargs, mode=mode).startswith("device"):
         return None
     o_BC, z_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode, gated=False, pos_B=pos_B)
-    out = kernels.call("gemv_gnorm", o_BC, z_BC, w.o_norm, cfg.rms_norm_eps, w.o_proj, dt, mode=mode, sums=sums)
+    out = kernels.call("gemv_gnorm", o_BC, z_BC, w.o_norm, cfg.rms_norm_eps, w.o_proj, dt, mode=mode)
     return psum(out, tp), new_conv, new_state
 
 
 def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array | Normed, conv_B3CW: jax.Array,
-             state_BHKV: jax.Array, valid_B: jax.Array, tp: TP | str | None, pos_B: jax.Array | None = None,
-             sums: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+             state_BHKV: jax.Array, valid_B: jax.Array, tp: TP | str | None, pos_B: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One KDA decode step on the normed input (or a `Normed`, which the first GEMV norms).  Returns (out_BD fp32
     summed over TP, new conv_B3CW, new state_BHKV).  `pos_B` [B] int32, each row's position of this token (the
-    cache's length), is read where the conv cache is the ring.  `sums`: out as o_proj's partial sums over its K
-    splits [S, B, D] (their sum is out_BD), for a consumer that adds them itself (jaxk3.kernels.add_norm)."""
+    cache's length), is read where the conv cache is the ring."""
     dt = x_BD.dtype
     mode = kernel_mode(tp)
     pos_B = ring_positions(cfg, conv_B3CW, pos_B)
@@ -149,7 +147,7 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array | Normed, conv_B3
         y_BX = linear(x_BD, w.in_proj, tp)  # [q | k | v | f_a | b | g_a], fp32
         args = (cfg, y_BX, w.gate_b_proj, conv_B3CW, cw, state_BHKV, valid_B)
         if kernels.explain("kda_decode_in", *args, mode=mode, pos_B=pos_B).startswith("device"):  # the glue inside
-            out = _core_then_gnorm_o_proj(cfg, w, args, dt, mode, tp, pos_B, sums)
+            out = _core_then_gnorm_o_proj(cfg, w, args, dt, mode, tp, pos_B)
             if out is not None:
                 return out
             o_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode, pos_B=pos_B)
@@ -161,7 +159,7 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array | Normed, conv_B3
         u_B3C, f_BC, beta_BH, z_BC = parts
         o_BC, new_conv, new_state = kernels.call(
             "kda_decode", cfg, u_B3C, conv_B3CW, cw, f_BC, beta_BH, z_BC, state_BHKV, valid_B, mode=mode, pos_B=pos_B)
-    out_BD = psum(linear(o_BC.astype(dt), w.o_proj, tp, sums=sums), tp)
+    out_BD = psum(linear(o_BC.astype(dt), w.o_proj, tp), tp)
     return out_BD, new_conv, new_state
 
 

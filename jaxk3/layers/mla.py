@@ -142,11 +142,10 @@ def input_projections(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, tp: TP 
 
 def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,
              valid_B: jax.Array, tp: TP | str | None, shard_latent: bool = True, gather: str | None = None,
-             sums: bool = False) -> tuple[jax.Array, jax.Array]:
+             ) -> tuple[jax.Array, jax.Array]:
     """One MLA decode step.  `length_B` = tokens already cached per row (this token's slot).
 
-    Returns (out_BD fp32 summed over TP, new kv_BSR).  Rows with `valid_B == False` are not written.  `sums`: out as
-    o_proj's partial sums over its K splits [S, B, D] (their sum is out_BD).
+    Returns (out_BD fp32 summed over TP, new kv_BSR).  Rows with `valid_B == False` are not written.
     """
     B, S = x_BD.shape[0], kv_BSR.shape[1]
     dt = x_BD.dtype
@@ -183,7 +182,7 @@ def mla_step(cfg: KimiK3Config, w: MLAWeights, x_BD: jax.Array, kv_BSR: jax.Arra
     o_BF = o_BHV.reshape(B, -1)
     if g_BF is not None:
         o_BF = o_BF * jax.nn.sigmoid(g_BF)
-    return psum(linear(o_BF.astype(dt), w.o_proj, tp, sums=sums), tp), kv_BSR
+    return psum(linear(o_BF.astype(dt), w.o_proj, tp), tp), kv_BSR
 
 
 def mla_prefill(cfg: KimiK3Config, w: MLAWeights, x_BTD: jax.Array, kv_BSR: jax.Array, length_B: jax.Array,

@@ -195,20 +195,6 @@ def _one_rank(tp) -> bool:
     return tp is None or (_compat.axis_bound(tp.axis) and lax.axis_size(tp.axis) == 1)
 
 
-def input_from_parts(h_BD: jax.Array, norm_w_D: jax.Array, eps: float, tp) -> bool:
-    """Whether the decode MoE block's input RMSNorm(bf16(h + attention out)) is made by the `add_rms_norm` kernel from
-    the stream before the attention h [B, D] and the attention's output as partial sums (one rank only: over TP the
-    output is summed by the psum first); the parts' count does not change the answer (one stands in)."""
-    parts = jax.ShapeDtypeStruct((1,) + h_BD.shape, F32)
-    return _one_rank(tp) and kernels.explain("add_rms_norm", h_BD, parts, norm_w_D, eps,
-                                             mode=kernel_mode(tp)).startswith("device")
-
-
-def normed_from_parts(h_BD: jax.Array, parts_SBD: jax.Array, norm_w_D: jax.Array, eps: float, tp) -> jax.Array:
-    """RMSNorm(bf16(h + Σ parts); w, eps) in h's dtype by the `add_rms_norm` kernel (where `input_from_parts`)."""
-    return kernels.call("add_rms_norm", h_BD, parts_SBD, norm_w_D, eps, mode=kernel_mode(tp))
-
-
 def _experts_prefill(cfg, w, z_NL, w_Nk, ids_Nk, mode: str) -> jax.Array:
     """`experts_partial` for many tokens: the `moe_grouped` kernel (grouped GEMMs over the pairs sorted by
     expert) where `mode` and the platform allow, else the dense form (jaxk3.kernels.moe_grouped)."""

@@ -1014,7 +1014,7 @@ def _wide_grouped_case(N: int = 29, E: int = 4, I: int = 128, L: int = 128, seed
     return cfg, w, jnp.asarray(rng.standard_normal((N, L)), jnp.bfloat16), wk, ids
 
 
-def _paired_case(gather: bool = True):
+def _paired_case():
     """The wide case (I = L = 128, 4 experts, top-2) routed so that at bm 16 the experts take 1, 2, 3 and 4 blocks
     (10, 20, 40 and 50 rows; the tokens in shuffled order): a single, a pair, a pair and a single, two pairs."""
     cfg, w, z, wk, _ = _wide_grouped_case(N=60)
@@ -1044,17 +1044,17 @@ def test_moe_grouped_pair_tables():
         assert np.all(t[n:] == -1)
 
 
-@pytest.mark.parametrize("gather", [True, False])
-def test_moe_grouped_pairs_match_the_blocks(gather):
-    """`Config(pairs=True)` (interpret mode): an expert's blocks two at a time by programs of 2·bm rows, its odd last
-    block by a second launch writing the rest of the first's output, give the one-launch kernels' values (each row's
-    products over the same K tiles: bitwise here) and the dense form's within the kernel test's 4e-3; a launch that skipped its
-    rows (the singles) or wrote another block's would be O(1) off in those rows."""
+@pytest.mark.parametrize("order,gather", [("n", True), ("n", False), ("m", True)])
+def test_moe_grouped_pairs_match_the_blocks(order, gather):
+    """`Config(block_pairs=True)` (interpret mode): an expert's blocks two at a time by programs of 2·bm rows, its odd
+    last block by a second launch writing the rest of the first's output, give the one-launch kernels' values (each
+    row's products over the same K tiles: bitwise here) and the dense form's within the kernel test's 4e-3; a launch
+    that skipped its rows (the singles: NaN here) or wrote another block's would be O(1) off in those rows."""
     from jaxk3.kernels import moe_grouped as G
 
     cfg, w, z, wk, ids = _paired_case()
-    c = G.Config(bm=16, bn=64, bk=32, order="n", gather=gather)
-    paired = dataclasses.replace(c, pairs=True)
+    c = G.Config(bm=16, bn=64, bk=32, order=order, gather=gather)
+    paired = dataclasses.replace(c, block_pairs=True)
     assert G.fits(cfg, w, z, wk, ids, config=paired) is None
     got = np.asarray(G.grouped(cfg, w, z, wk, ids, config=paired, interpret=True))
     one = np.asarray(G.grouped(cfg, w, z, wk, ids, config=c, interpret=True))
@@ -1137,10 +1137,12 @@ def test_moe_grouped_kernel_on_gpu(fmt, fused, order, gather):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bm,N", [(16, 60), (64, 300)])
 def test_moe_grouped_pairs_on_gpu(bm, N):
-    """The compiled paired form (`Config(pairs=True)`: programs of 2·bm rows on 8 warps, then the singles' launch into
-    the same output) against the one-launch kernels (within 1e-6 of max|out|: the same K tiles per row; the two tile
-    heights may order a wgmma's sums otherwise) and the dense form (4e-3, as the kernel test), at bm 16 (the experts'
-    1-4 blocks of `_paired_case`) and bm 64 (300 tokens, top-2 of 4: ~150 rows an expert, a pair and a single)."""
+    """The compiled paired form (`Config(block_pairs=True)`: programs of 2·bm rows on 8 warps, then the singles'
+    launch into the same output) against the one-launch kernels and the dense form, at bm 16 (the experts' 1-4 blocks
+    of `_paired_case`) and bm 64 (300 tokens, top-2 of 4: 146-153 rows an expert, a pair and a single each).  The
+    products are the same K tiles in the same order (bitwise in interpret mode); compiled, a taller tile may round the
+    activation's epilogue otherwise (another FMA contraction), which moves a bf16 activation by one rounding in rare
+    elements: >= 99% of the outputs bitwise the one-launch form's, all within the kernel test's 4e-3 of both forms."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
     from jaxk3.kernels import moe_grouped as G
@@ -1148,9 +1150,11 @@ def test_moe_grouped_pairs_on_gpu(bm, N):
     cfg, w, z, wk, ids = _paired_case() if N == 60 else _wide_grouped_case(N=N)
     c = G.Config(bm=bm, bn=64, bk=32, order="n", num_stages=3)
     one = np.asarray(jax.jit(lambda *a: G.grouped(cfg, *a, config=c))(w, z, wk, ids))
-    got = np.asarray(jax.jit(lambda *a: G.grouped(cfg, *a, config=dataclasses.replace(c, pairs=True)))(w, z, wk, ids))
+    paired = dataclasses.replace(c, block_pairs=True)
+    got = np.asarray(jax.jit(lambda *a: G.grouped(cfg, *a, config=paired))(w, z, wk, ids))
     ref = np.asarray(G.experts_dense(cfg, w, z, wk, ids))
-    np.testing.assert_allclose(got, one, rtol=0, atol=1e-6 * np.abs(one).max())
+    assert np.mean(got == one) >= 0.99, np.mean(got == one)
+    np.testing.assert_allclose(got, one, rtol=0, atol=4e-3 * np.abs(one).max())
     np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
 
 

@@ -139,11 +139,11 @@ class Config:
     # warpgroup and two compute warpgroups).  Measured 4-7% slower than "triton" at the 48B prefill (sixteenth
     # session: 1.899-1.941 ms against 1.815-1.819), so never config_for's choice
     width: int = 4  # "mosaic": the persistent grid's snake, this many output tiles wide
-    pairs: bool = False  # Triton: an expert's blocks taken two at a time by programs of 2·bm rows (each weight tile
-    # loaded into shared memory once for both), its odd last block by a second launch of bm-row programs: the bm
+    block_pairs: bool = False  # Triton: an expert's blocks two at a time by programs of 2·bm rows (each weight
+    # tile loaded into shared memory once for both), its odd last block by a second launch of bm-row programs: the bm
     # layout's padding with about half its weight-tile traffic from L2 (`pair_tables`).  Not yet timed on a GPU: off,
     # never config_for's choice
-    pair_warps: int = 8  # the 2·bm-row programs' warps (two fp32 [2·bm, bn] accumulators in gate|up)
+    pair_warps: int = 8  # block_pairs: the 2·bm-row programs' warps (two fp32 [2·bm, bn] accumulators in gate|up)
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
@@ -219,8 +219,8 @@ def _ids(c: Config):
 
 
 def _block(c: Config, table_ref, expert_ref):
-    """(first bm-row block, expert, output tile) of this program: the grid's row index itself, or (`pairs`) the block
-    its launch's table names (-1: an unused program, expert -1)."""
+    """(first bm-row block, expert, output tile) of this program: the grid's row index itself, or (`block_pairs`)
+    the block its launch's table names (-1: an unused program, expert -1)."""
     p, n = _ids(c)
     if table_ref is None:
         return p, expert_ref[p], n
@@ -229,7 +229,7 @@ def _block(c: Config, table_ref, expert_ref):
 
 
 def pair_tables(expert_B: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """For `Config.pairs`: (pairs_P, the first block of each two consecutive blocks of one expert; single_S, each
+    """For `Config.block_pairs`: (pairs_P, the first block of each two consecutive blocks of one expert; single_S, each
     expert's odd last block), as block indices in the layout of `align`, -1 past the used ones.  P = nb // 2 and
     S = min(E, nb) bound them statically (every used block is in exactly one pair or is a single)."""
     nb, E = expert_B.shape[0], num_experts
@@ -253,8 +253,9 @@ def _grid(c: Config, blocks: int, tiles: int) -> tuple[int, int]:
 
 
 def _gate_up_kernel(*refs, c: Config, steps: int, off3: int, act_fn, bm: int, tabled: bool):
-    """Programs of bm rows from block b (bm = c.bm, or 2·c.bm for `pairs`); `tabled`: the blocks from a table (the
-    first ref), and the output aliased to the last input (a second launch fills other rows of the first's output)."""
+    """Programs of bm rows from block b (bm = c.bm, or 2·c.bm for `block_pairs`); `tabled`: the blocks from a table
+    (the first ref), and the output aliased to the last input (a second launch fills other rows of the first's
+    output)."""
     from jax.experimental import pallas as pl
 
     table_ref, refs = (refs[0], refs[1:]) if tabled else (None, refs)
@@ -333,8 +334,9 @@ def prepare(w, z_NL: jax.Array, ids_Nk: jax.Array, c: Config):
 
 
 def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: jax.Array, c: Config,
-            interpret: bool = False) -> jax.Array:
-    """Kernel 1: a [M, I] = act(W1_e x, W3_e x) per row, in the experts' dtype (xs as `prepare` made it)."""
+            interpret: bool = False, tables: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """Kernel 1: a [M, I] = act(W1_e x, W3_e x) per row, in the experts' dtype (xs as `prepare` made it; `tables`:
+    `pair_tables`' result for `block_pairs`, else made here)."""
     E, I, L = _shapes(w)
     w1, w3, off3 = _gate_up_weights(w, xs_ML.dtype)
     act_fn = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
@@ -347,22 +349,23 @@ def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: 
             width=c.width, interpret=interpret)
     kernel = functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn)
     return _launch(kernel, c, E, expert_B, (src_M, xs_ML, w1, w3), I,
-                   jax.ShapeDtypeStruct((src_M.shape[0], I), xs_ML.dtype), interpret)
+                   jax.ShapeDtypeStruct((src_M.shape[0], I), xs_ML.dtype), interpret, tables)
 
 
-def _launch(kernel, c: Config, E: int, expert_B: jax.Array, operands: tuple, out_cols: int, out_shape, interpret: bool):
-    """The Triton kernel over the layout's blocks: one launch of bm-row programs, or (`pairs`) one of 2·bm-row programs
-    over `pair_tables`' pairs and a second of bm-row programs over its singles, writing the rest of the first's output
-    (aliased)."""
+def _launch(kernel, c: Config, E: int, expert_B: jax.Array, operands: tuple, out_cols: int, out_shape, interpret: bool,
+            tables: tuple[jax.Array, jax.Array] | None = None):
+    """The Triton kernel over the layout's blocks: one launch of bm-row programs, or (`block_pairs`) one of 2·bm-row
+    programs over `pair_tables`' pairs and a second of bm-row programs over its singles, writing the rest of the first's
+    output (aliased); `tables`: pair_tables' result where the caller made it once for both GEMMs."""
     from jax.experimental import pallas as pl
 
     raw = pl.BlockSpec(memory_space=pl.ANY)
-    if not c.pairs:
+    if not c.block_pairs:
         return pl.pallas_call(
             functools.partial(kernel, bm=c.bm, tabled=False), grid=_grid(c, expert_B.shape[0], out_cols // c.bn),
             in_specs=[raw] * (1 + len(operands)), out_specs=raw, out_shape=out_shape, interpret=interpret,
             **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, *operands)
-    pairs, singles = pair_tables(expert_B, E)
+    pairs, singles = tables if tables is not None else pair_tables(expert_B, E)
     out = None
     for table, bm, warps in ((pairs, 2 * c.bm, c.pair_warps), (singles, c.bm, c.num_warps)):
         args = (table, expert_B, *operands) + (() if out is None else (out,))
@@ -374,8 +377,9 @@ def _launch(kernel, c: Config, E: int, expert_B: jax.Array, operands: tuple, out
     return out
 
 
-def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = False) -> jax.Array:
-    """Kernel 2: y [M, L] fp32 = W2_e a per row."""
+def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = False,
+         tables: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """Kernel 2: y [M, L] fp32 = W2_e a per row (`tables` as gate_up's)."""
     E, I, L = _shapes(w)
     w2 = dense_experts(w.experts_w2, a_MI.dtype)
     if c.backend in MOSAIC_BACKENDS:
@@ -384,7 +388,7 @@ def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = F
         return MG.down(expert_B, a_MI, w2, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages, width=c.width,
                        interpret=interpret)
     return _launch(functools.partial(_down_kernel, c=c, steps=I // c.bk), c, E, expert_B, (a_MI, w2), L,
-                   jax.ShapeDtypeStruct((a_MI.shape[0], L), F32), interpret)
+                   jax.ShapeDtypeStruct((a_MI.shape[0], L), F32), interpret, tables)
 
 
 def combine(y_ML: jax.Array, pos_Nk: jax.Array, w_Nk: jax.Array) -> jax.Array:
@@ -399,8 +403,9 @@ def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.
     E, I, L = _shapes(w)
     c = config or config_for(ids_Nk.size, E, I, L)
     pos, expert, src, xs = prepare(w, z_NL, ids_Nk, c)
-    a = gate_up(cfg, w, expert, src, xs, c, interpret)
-    return combine(down(w, expert, a, c, interpret), pos, w_Nk)
+    tables = pair_tables(expert, E) if c.block_pairs and c.backend == "triton" else None
+    a = gate_up(cfg, w, expert, src, xs, c, interpret, tables)
+    return combine(down(w, expert, a, c, interpret, tables), pos, w_Nk)
 
 
 def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str | None:
@@ -419,9 +424,9 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
         return f"moe_grouped kernel: order must be 'm' or 'n', got {c.order!r}"
     if c.bm < 16 or c.bm & (c.bm - 1):
         return f"moe_grouped kernel: bm = {c.bm} must be a power of two >= 16 (tl.dot)"
-    if c.pairs and (c.backend != "triton" or 2 * c.bm > 128 or c.pair_warps not in (4, 8)):
-        return (f"moe_grouped kernel: pairs are the Triton kernels' programs of 2·bm <= 128 rows on 4 or 8 warps, got "
-                f"backend {c.backend!r}, bm {c.bm}, pair_warps {c.pair_warps}")
+    if c.block_pairs and (c.backend != "triton" or 2 * c.bm > 128 or c.pair_warps not in (4, 8)):
+        return (f"moe_grouped kernel: block pairs are the Triton kernels' programs of 2·bm <= 128 rows on 4 or 8 "
+                f"warps, got backend {c.backend!r}, bm {c.bm}, pair_warps {c.pair_warps}")
     if c.backend not in ("triton", *MOSAIC_BACKENDS):
         return f"moe_grouped kernel: backend must be 'triton', 'mosaic' or 'mosaic_ws', got {c.backend!r}"
     if c.backend == "mosaic_ws" and c.bn not in (128, 256):

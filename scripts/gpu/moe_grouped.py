@@ -46,9 +46,9 @@ SWEEP = [G.Config(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=s, order=o)
     # the rows sorted into a copy first, as before the eleventh session (Config.gather is on by default)
     G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n", gather=False),
     G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, order="n", gather=False)]
-# `pairs` (thirty-second session, not yet timed): an expert's blocks two at a time by programs of 2·bm rows, then its
-# odd last block (`--pairs`: these against the Triton default, which runs again after them)
-PAIRS = [G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=s, order=o, pairs=True, pair_warps=pw)
+# `block_pairs` (thirty-second session, not yet timed): an expert's blocks two at a time by programs of 2·bm rows,
+# then its odd last block (`--pairs`: these against the Triton default, which runs again after them)
+PAIRS = [G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=s, order=o, block_pairs=True, pair_warps=pw)
          for s, o, pw in ((4, "n", 8), (3, "n", 8), (4, "m", 8), (4, "n", 4))]
 # the Mosaic GPU form (jaxk3.kernels.moe_grouped_mgpu: TMA, wgmma, a persistent grid): pipeline depth and snake width
 MOSAIC = [G.Config(bm=64, bn=128, bk=64, num_stages=s, backend="mosaic", width=wd)
@@ -59,19 +59,25 @@ MOSAIC = [G.Config(bm=64, bn=128, bk=64, num_stages=s, backend="mosaic", width=w
 
 
 def phases(kcfg, w, z, wk, ids, c, log, N):
-    """Each step of the kernel path alone (ms): align + the input gather, gate-up, down, the combine."""
+    """Each step of the kernel path alone (ms): align + the input gather (+ `pair_tables` for block_pairs), gate-up,
+    down, the combine."""
     E, I, L = G._shapes(w)
+    pairs = c.block_pairs and c.backend == "triton"
     # the weights are arguments, not constants closed over (2.4 GB of them made each compile take minutes)
-    prep = jax.jit(lambda w, z, ids: G.prepare(w, z, ids, c))
-    pos, expert, src, xs = prep(w, z, ids)
-    gu = jax.jit(lambda w, e, s, x: G.gate_up(kcfg, w, e, s, x, c))
-    a = gu(w, expert, src, xs)
-    dn = jax.jit(lambda w, e, a: G.down(w, e, a, c))
-    y = dn(w, expert, a)
+    def prepare(w, z, ids):
+        pos, expert, src, xs = G.prepare(w, z, ids, c)
+        return (pos, expert, src, xs, *(G.pair_tables(expert, E) if pairs else ()))
+    prep = jax.jit(prepare)
+    pos, expert, src, xs, *tables = prep(w, z, ids)
+    tables = tuple(tables) or None
+    gu = jax.jit(lambda w, e, s, x, t: G.gate_up(kcfg, w, e, s, x, c, tables=t))
+    a = gu(w, expert, src, xs, tables)
+    dn = jax.jit(lambda w, e, a, t: G.down(w, e, a, c, tables=t))
+    y = dn(w, expert, a, tables)
     cb = jax.jit(G.combine)
     out = {}
-    for name, f, args in (("prepare", prep, (w, z, ids)), ("gate_up", gu, (w, expert, src, xs)),
-                          ("down", dn, (w, expert, a)), ("combine", cb, (y, pos, wk))):
+    for name, f, args in (("prepare", prep, (w, z, ids)), ("gate_up", gu, (w, expert, src, xs, tables)),
+                          ("down", dn, (w, expert, a, tables)), ("combine", cb, (y, pos, wk))):
         out[name] = timing.per_call(f, args, reps=REPS, inner=INNER, chain=1) * 1e3
     k = kcfg.num_experts_per_token
     used = int(np.sum(np.asarray(expert) >= 0))

@@ -1,8 +1,13 @@
 # thirty-second session, 2026-12-06, 1x H100 80GB HBM3 each call (the device tool gave an H100 for every call, the first
 # named nvidia-h200), jax/jaxlib 0.11.2, Python 3.12.3 (the device image), driver 580.159.04. Files start with their
-# call's number; N_printed.txt is call N's printed output. Calls 1 and 2 ran the tree of 9ea222b and the commit after
-# it (the add_rms_norm form, 1_add_rms_norm.patch against 7cb5812, off by default: add_norm.ADD_NORM); calls 3 and 4
-# ran that tree with the thirty-first session's 4_triton_fusions.patch applied on the device only.
+# call's number; N_printed.txt is call N's printed output.
+# Trees: call 1 ran 9ea222b (the add_rms_norm form, off by default: add_norm.ADD_NORM); call 2 ran the working tree that
+# was then committed as c8152b0 (add_norm.BK, the compiled test's oracle compiled as the step is), with the untracked
+# scripts/gpu/add_norm_sweep.py (kept here as 2_add_norm_sweep.py); calls 3 and 4 ran that tree with the thirty-first
+# session's ../s31/4_triton_fusions.patch applied on the device only (the commands below apply it), call 4 with the
+# untracked scripts/gpu/fusion_probe.py (kept here as 4_fusion_probe.py). The form is 1_add_rms_norm.patch (7cb5812 to
+# c8152b0, code and tests); 7d192f6 removed it. The device's copy of the tree travels with untracked files, so the
+# scripts needed no copy step.
 #
 # ---- call 1 (wall 530.7 s): scripts/gpu/s32_call1.sh as run
 #!/usr/bin/env bash

@@ -242,7 +242,7 @@ def state_pass(ops: ChunkOperands, state_BHKV: jax.Array, config: Config | None 
                           precision=HI if interpret else PRECISIONS[c.precision]), grid=(BH, V // c.block_v),
         in_specs=[any_] * 8, out_specs=[any_] * 2,
         out_shape=(jax.ShapeDtypeStruct((BH, T, V), F32), jax.ShapeDtypeStruct((BH, K, V), F32)),
-        interpret=interpret, **kw)(ops.W, ops.M, ops.kg, ops.qg, ops.kd, ops.bv, ops.gC, S0)
+        interpret=interpret, name="kda_prefill_state", **kw)(ops.W, ops.M, ops.kg, ops.qg, ops.kd, ops.bv, ops.gC, S0)
 
 
 def chunked(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, state_BHKV, chunk: int = 64, config: Config | None = None,

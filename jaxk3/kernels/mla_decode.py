@@ -369,14 +369,15 @@ def mla_decode_uv(ql_BHR, qpe_BHP, kv_BSR, length_B, scale: float, w_kvb_HXR: ja
         shares = pl.pallas_call(
             functools.partial(_merge_uv_r_kernel, Hb=Hb, rc=rc, V=V, v0=v0), grid=(B, H, R // rc),
             in_specs=[any_] * 4, out_specs=any_, out_shape=jax.ShapeDtypeStruct((R // rc, B, H, V), F32),
-            interpret=interpret, **triton_params(MERGE_R_WARPS, 1, interpret))(m, l, acc, w_kvb_HXR)
+            interpret=interpret, name="mla_merge_uv_r", **triton_params(MERGE_R_WARPS, 1, interpret))(
+                m, l, acc, w_kvb_HXR)
         return jnp.sum(shares, axis=0)
     pc = min(merge_pc or MERGE_PC, parts & -parts)  # a power of two dividing parts
     bv = min(block_v, V)
     return pl.pallas_call(
         functools.partial(_merge_uv_kernel, Hb=Hb, parts=parts, pc=pc, bv=bv, v0=v0), grid=(B, H, V // bv),
         in_specs=[any_] * 4, out_specs=any_, out_shape=jax.ShapeDtypeStruct((B, H, V), F32), interpret=interpret,
-        **triton_params(4, merge_stages or MERGE_STAGES, interpret))(m, l, acc, w_kvb_HXR)
+        name="mla_merge_uv", **triton_params(4, merge_stages or MERGE_STAGES, interpret))(m, l, acc, w_kvb_HXR)
 
 
 # the MLA step's shapes (B, H, V) where the step was measured with the merge in one kernel (on an H200, 2026-12-02,

@@ -150,7 +150,7 @@ def mla_prefill(ql_BTHR, qpe_BTHP, kv_BSR, limit_BT, scale: float, config: Confi
     out = pl.pallas_call(
         functools.partial(_kernel, R=R, P=P, S=S, scale=scale, c=c), grid=(B, n // c.bm),
         in_specs=[any_] * 4, out_specs=any_, out_shape=jax.ShapeDtypeStruct((B, n, R), F32),
-        interpret=interpret, **kw)(lim, ql, qpe, kv_BSR)
+        interpret=interpret, name="mla_prefill", **kw)(lim, ql, qpe, kv_BSR)
     return out[:, :N].reshape(B, T, H, R)
 
 
@@ -222,7 +222,8 @@ def heads_prefill(qn_BTHN, qpe_BTHP, kv_BSR, limit_BT, wkvb_HXR, scale: float, c
     out = pl.pallas_call(
         functools.partial(_heads_kernel, S=S, H=H, scale=scale, c=c), grid=(B * H, t // c.bm),
         in_specs=[any_] * 6, out_specs=any_, out_shape=jax.ShapeDtypeStruct((B * H, t, Vd), F32),
-        interpret=interpret, **kw)(lim, heads_first(qn_BTHN), heads_first(qpe_BTHP), k, kv_BSR[..., R:], v)
+        interpret=interpret, name="mla_prefill_heads", **kw)(lim, heads_first(qn_BTHN), heads_first(qpe_BTHP), k,
+                                                             kv_BSR[..., R:], v)
     return jnp.moveaxis(out[:, :T].reshape(B, H, T, Vd), 1, 2)
 
 

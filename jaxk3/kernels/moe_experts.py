@@ -1060,7 +1060,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
             functools.partial(_gate_up_kernel, sp=sp, nsel=len(sel_up), route=route, nx=len(xs) - f16, nw=len(w13v),
                               joined=joined, shared=shared is not None, I=I, steps=In // cf.bk, act=act),
             grid=(P, I // cf.bn), in_specs=[any_] * len(ins), out_specs=[any_] * len(outs),
-            out_shape=tuple(outs), interpret=interpret, **kw)(*ins)
+            out_shape=tuple(outs), interpret=interpret, name="moe_gate_up", **kw)(*ins)
 
     S, G = _splits(cf, Out, I), _slot_splits(cf, Out, I, packed and B == 1)
     dstages = _cuda_down_stages(cf, B, U)
@@ -1085,7 +1085,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
         functools.partial(_down_kernel, sp=sp, na=len(av) - f16, nw=len(w2v), shared=shared is not None,
                           steps=I // S // cf.bk, parts=G),
         grid=(Out // cf.bn, S, G), in_specs=[any_] * len(ins), out_specs=any_,
-        out_shape=jax.ShapeDtypeStruct((S * G, Bp, Out), F32), interpret=interpret, **kw)(*ins)
+        out_shape=jax.ShapeDtypeStruct((S * G, Bp, Out), F32), interpret=interpret, name="moe_down", **kw)(*ins)
     return add_residual((y[0] if S * G == 1 else jnp.sum(y, axis=0))[:B], residual)
 
 

@@ -348,12 +348,12 @@ def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: 
             expert_B, xs_ML, w1, w3, off3, I, act_fn, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages,
             width=c.width, interpret=interpret)
     kernel = functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn)
-    return _launch(kernel, c, E, expert_B, (src_M, xs_ML, w1, w3), I,
+    return _launch(kernel, "grouped_gate_up", c, E, expert_B, (src_M, xs_ML, w1, w3), I,
                    jax.ShapeDtypeStruct((src_M.shape[0], I), xs_ML.dtype), interpret, tables)
 
 
-def _launch(kernel, c: Config, E: int, expert_B: jax.Array, operands: tuple, out_cols: int, out_shape, interpret: bool,
-            tables: tuple[jax.Array, jax.Array] | None = None):
+def _launch(kernel, name: str, c: Config, E: int, expert_B: jax.Array, operands: tuple, out_cols: int, out_shape,
+            interpret: bool, tables: tuple[jax.Array, jax.Array] | None = None):
     """The Triton kernel over the layout's blocks: one launch of bm-row programs, or (`block_pairs`) one of 2·bm-row
     programs over `pair_tables`' pairs and a second of bm-row programs over its singles, writing the rest of the first's
     output (aliased); `tables`: pair_tables' result where the caller made it once for both GEMMs."""
@@ -363,15 +363,15 @@ def _launch(kernel, c: Config, E: int, expert_B: jax.Array, operands: tuple, out
     if not c.block_pairs:
         return pl.pallas_call(
             functools.partial(kernel, bm=c.bm, tabled=False), grid=_grid(c, expert_B.shape[0], out_cols // c.bn),
-            in_specs=[raw] * (1 + len(operands)), out_specs=raw, out_shape=out_shape, interpret=interpret,
+            in_specs=[raw] * (1 + len(operands)), out_specs=raw, out_shape=out_shape, interpret=interpret, name=name,
             **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, *operands)
     pairs, singles = tables if tables is not None else pair_tables(expert_B, E)
     out = None
-    for table, bm, warps in ((pairs, 2 * c.bm, c.pair_warps), (singles, c.bm, c.num_warps)):
+    for table, bm, warps, part in ((pairs, 2 * c.bm, c.pair_warps, "pairs"), (singles, c.bm, c.num_warps, "singles")):
         args = (table, expert_B, *operands) + (() if out is None else (out,))
         out = pl.pallas_call(
             functools.partial(kernel, bm=bm, tabled=True), grid=_grid(c, table.shape[0], out_cols // c.bn),
-            in_specs=[raw] * len(args), out_specs=raw, out_shape=out_shape, interpret=interpret,
+            in_specs=[raw] * len(args), out_specs=raw, out_shape=out_shape, interpret=interpret, name=f"{name}_{part}",
             input_output_aliases={} if out is None else {len(args) - 1: 0},
             **triton_params(warps, c.num_stages, interpret))(*args)
     return out
@@ -387,7 +387,7 @@ def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = F
 
         return MG.down(expert_B, a_MI, w2, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages, width=c.width,
                        interpret=interpret)
-    return _launch(functools.partial(_down_kernel, c=c, steps=I // c.bk), c, E, expert_B, (a_MI, w2), L,
+    return _launch(functools.partial(_down_kernel, c=c, steps=I // c.bk), "grouped_down", c, E, expert_B, (a_MI, w2), L,
                    jax.ShapeDtypeStruct((a_MI.shape[0], L), F32), interpret, tables)
 
 

@@ -248,6 +248,11 @@ def pair_tables(expert_B: jax.Array, num_experts: int) -> tuple[jax.Array, jax.A
     return compact(starts, nb // 2), compact(last, min(E, nb))
 
 
+def tables_for(c: Config, expert_B: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array] | None:
+    """`pair_tables`' result where `c` runs the Triton kernels in block pairs (made once for both GEMMs), else None."""
+    return pair_tables(expert_B, num_experts) if c.block_pairs and c.backend == "triton" else None
+
+
 def _grid(c: Config, blocks: int, tiles: int) -> tuple[int, int]:
     return (blocks, tiles) if c.order == "m" else (tiles, blocks)
 
@@ -403,7 +408,7 @@ def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.
     E, I, L = _shapes(w)
     c = config or config_for(ids_Nk.size, E, I, L)
     pos, expert, src, xs = prepare(w, z_NL, ids_Nk, c)
-    tables = pair_tables(expert, E) if c.block_pairs and c.backend == "triton" else None
+    tables = tables_for(c, expert, E)
     a = gate_up(cfg, w, expert, src, xs, c, interpret, tables)
     return combine(down(w, expert, a, c, interpret, tables), pos, w_Nk)
 

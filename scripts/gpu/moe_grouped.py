@@ -62,14 +62,12 @@ def phases(kcfg, w, z, wk, ids, c, log, N):
     """Each step of the kernel path alone (ms): align + the input gather (+ `pair_tables` for block_pairs), gate-up,
     down, the combine."""
     E, I, L = G._shapes(w)
-    pairs = c.block_pairs and c.backend == "triton"
     # the weights are arguments, not constants closed over (2.4 GB of them made each compile take minutes)
     def prepare(w, z, ids):
         pos, expert, src, xs = G.prepare(w, z, ids, c)
-        return (pos, expert, src, xs, *(G.pair_tables(expert, E) if pairs else ()))
+        return pos, expert, src, xs, G.tables_for(c, expert, E)
     prep = jax.jit(prepare)
-    pos, expert, src, xs, *tables = prep(w, z, ids)
-    tables = tuple(tables) or None
+    pos, expert, src, xs, tables = prep(w, z, ids)
     gu = jax.jit(lambda w, e, s, x, t: G.gate_up(kcfg, w, e, s, x, c, tables=t))
     a = gu(w, expert, src, xs, tables)
     dn = jax.jit(lambda w, e, a, t: G.down(w, e, a, c, tables=t))

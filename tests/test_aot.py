@@ -189,7 +189,8 @@ def test_every_prefill_kernel_compiles_for_the_h200_at_real_dims(config, tp, bat
 def test_the_paired_grouped_gemm_compiles_for_the_h200(h200):
     """moe_grouped `Config(block_pairs=True)` (not yet timed: off) at the 48B prefill's dims (4096 tokens x 8 of 256
     experts, bm 64: gate|up's programs of 128 rows x bn 128 with two fp32 accumulators on 8 warps, 4 stages) compiles
-    for the H200: every launch's shared memory fits, and each GEMM is two launches (pairs, then singles)."""
+    for the H200: every launch's shared memory fits, and each GEMM is two launches (pairs, then singles); also with
+    kernel 2's tiles twice as wide (`down_bn` 256)."""
     from jaxk3._compat import call_shard_map
     from jaxk3.kernels import moe_grouped as G
     from jaxk3.layers import moe
@@ -211,6 +212,10 @@ def test_the_paired_grouped_gemm_compiles_for_the_h200(h200):
     g = call_shard_map(f, mesh=h200, in_specs=(P(),) * 4, out_specs=P(), check_vma=False)
     text = jax.jit(g).lower(*args).compile().as_text()
     assert text.count("__gpu$xla.gpu.triton") == 4, text.count("__gpu$xla.gpu.triton")  # the default form: 2
+    # kernel 2 on tiles of 256 columns (`down_bn`): 128 x 256 programs on 8 warps, 48 KB a stage, 4 stages
+    c = dataclasses.replace(c, down_bn=256)
+    assert G.fits(cfg, *args, config=c) is None
+    assert jax.jit(g).lower(*args).compile().as_text().count("__gpu$xla.gpu.triton") == 4
 
 
 # Launches per block of the 48B B = 1 step (`auto`, the serving layout). The H200's census counted 281 (docs/PERF.md,

@@ -1061,8 +1061,13 @@ def test_moe_grouped_pairs_match_the_blocks(order, gather):
     ref = np.asarray(G.experts_dense(cfg, w, z, wk, ids))
     np.testing.assert_array_equal(got, one)
     np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+    # kernel 2 on output tiles twice as wide (`down_bn`): each row's products over the same K tiles, bitwise again
+    wide = dataclasses.replace(paired, down_bn=128)
+    assert G.fits(cfg, w, z, wk, ids, config=wide) is None
+    np.testing.assert_array_equal(np.asarray(G.grouped(cfg, w, z, wk, ids, config=wide, interpret=True)), one)
     for bad, why in ((dict(bm=128), "2·bm <= 128"), (dict(pair_warps=2), "4 or 8 warps"),
-                     (dict(backend="mosaic", bm=64, bn=64, bk=64), "Triton kernels")):
+                     (dict(backend="mosaic", bm=64, bn=64, bk=64), "Triton kernels"),
+                     (dict(down_bn=96), "down_bn 96"), (dict(down_bn=256), "dividing the experts' L = 128")):
         assert why in G.fits(cfg, w, z, wk, ids, config=dataclasses.replace(paired, **bad)), bad
 
 
@@ -1155,6 +1160,10 @@ def test_moe_grouped_pairs_on_gpu(bm, N):
     ref = np.asarray(G.experts_dense(cfg, w, z, wk, ids))
     assert np.mean(got == one) >= 0.99, np.mean(got == one)
     np.testing.assert_allclose(got, one, rtol=0, atol=4e-3 * np.abs(one).max())
+    np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+    wide = dataclasses.replace(paired, down_bn=128)  # kernel 2's output tiles twice as wide (kernel 1 as `paired`)
+    got = np.asarray(jax.jit(lambda *a: G.grouped(cfg, *a, config=wide))(w, z, wk, ids))
+    assert np.mean(got == one) >= 0.99, np.mean(got == one)
     np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
 
 

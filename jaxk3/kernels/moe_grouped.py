@@ -144,6 +144,9 @@ class Config:
     # layout's padding with about half its weight-tile traffic from L2 (`pair_tables`).  Not yet timed on a GPU: off,
     # never config_for's choice
     pair_warps: int = 8  # block_pairs: the 2·bm-row programs' warps (two fp32 [2·bm, bn] accumulators in gate|up)
+    down_bn: int = 0  # Triton: kernel 2's output columns per program (0: bn).  Kernel 1 holds two accumulators (gate
+    # and up) where kernel 2 holds one, so kernel 2 can take tiles twice as wide for the same registers: each weight
+    # and input tile then feeds twice the products (thirty-third session, with block_pairs; not yet timed: 0)
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
@@ -392,6 +395,7 @@ def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = F
 
         return MG.down(expert_B, a_MI, w2, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages, width=c.width,
                        interpret=interpret)
+    c = dataclasses.replace(c, bn=c.down_bn) if c.down_bn else c
     return _launch(functools.partial(_down_kernel, c=c, steps=I // c.bk), "grouped_down", c, E, expert_B, (a_MI, w2), L,
                    jax.ShapeDtypeStruct((a_MI.shape[0], L), F32), interpret, tables)
 
@@ -425,6 +429,9 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
     for name, n, d in (("I", I, c.bn), ("L", L, c.bn), ("L", L, c.bk), ("I", I, c.bk)):
         if n % d:
             return f"moe_grouped kernel: tiles bn {c.bn} / bk {c.bk} must divide the experts' {name} = {n}"
+    if c.down_bn and (c.backend != "triton" or L % c.down_bn or c.down_bn & (c.down_bn - 1)):
+        return (f"moe_grouped kernel: down_bn {c.down_bn} (kernel 2's output tile) must be a power of two dividing the "
+                f"experts' L = {L}, Triton kernels only (backend {c.backend!r})")
     if c.order not in ("m", "n"):
         return f"moe_grouped kernel: order must be 'm' or 'n', got {c.order!r}"
     if c.bm < 16 or c.bm & (c.bm - 1):

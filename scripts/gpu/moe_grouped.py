@@ -49,7 +49,10 @@ SWEEP = [G.Config(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=s, order=o)
 # `block_pairs` (thirty-second session, not yet timed): an expert's blocks two at a time by programs of 2·bm rows,
 # then its odd last block (`--pairs`: these against the Triton default, which runs again after them)
 PAIRS = [G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=s, order=o, block_pairs=True, pair_warps=pw)
-         for s, o, pw in ((4, "n", 8), (3, "n", 8), (4, "m", 8), (4, "n", 4))]
+         for s, o, pw in ((4, "n", 8), (3, "n", 8), (4, "m", 8), (4, "n", 4))] + [
+    # kernel 2 on output tiles of 256 (`down_bn`, thirty-third session), with and without the pairs
+    G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n", block_pairs=True, down_bn=256),
+    G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=3, order="n", block_pairs=True, down_bn=256)]
 # the Mosaic GPU form (jaxk3.kernels.moe_grouped_mgpu: TMA, wgmma, a persistent grid): pipeline depth and snake width
 MOSAIC = [G.Config(bm=64, bn=128, bk=64, num_stages=s, backend="mosaic", width=wd)
           for s, wd in ((4, 4), (3, 4), (5, 4), (4, 1), (4, 8))] + [

@@ -10,9 +10,7 @@
 # and fla-core for the reference tests; 0 skips those tests with their reason), JAXK3_CUDA
 # (AUTO|ON|OFF: build the CUDA handlers when nvcc is found / require it / never), PYTEST_ARGS (more
 # pytest arguments, e.g. a -k filter), TEST_WORKERS (pytest-xdist processes, a test file each at a
-# time; 2 for the 2-core CI machine, where one suite alone keeps about 1.3 cores busy), AOT_WORKERS
-# (the deviceless compile tests' processes, a test each at a time: 2 took 341 s where 1 took 569 on this
-# machine alone, 2026-12-06; each compile is single-threaded and peaks near 1 GiB).
+# time; 2 for the 2-core CI machine, where one suite alone keeps about 1.3 cores busy).
 
 PY ?= python3
 VENV ?= .venv
@@ -20,7 +18,6 @@ ORACLES ?= 1
 JAX_SPEC ?= jax
 JAXK3_CUDA ?= AUTO
 TEST_WORKERS ?= 2
-AOT_WORKERS ?= 2
 # The deviceless compile's environment: the device image's jax (docs/PERF.md records it with every figure) with the CUDA
 # plugin alone (no CUDA libraries: nothing runs; XLA assembles PTX with the host's ptxas, CUDA 13 here as on the
 # device), on Python 3.12 (PyPI has no jax 0.11 for this machine's 3.11), its extension built apart from
@@ -84,7 +81,7 @@ aot:
 	$(MAKE) venv $(AOT_MAKE)
 
 aot-test: aot
-	JAXK3_AOT_REQUIRED=1 $(AOT_VENV)/bin/python -m pytest -q -rs --disable-warnings -n $(AOT_WORKERS) --dist load tests/test_aot.py $(PYTEST_ARGS)
+	JAXK3_AOT_REQUIRED=1 $(AOT_VENV)/bin/python -m pytest -q -rs --disable-warnings tests/test_aot.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf build .venv .venv312 $(AOT_VENV) out

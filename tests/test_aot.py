@@ -186,38 +186,6 @@ def test_every_prefill_kernel_compiles_for_the_h200_at_real_dims(config, tp, bat
     assert {"moe_grouped", "kda_prefill", "mla_prefill"} <= seen, sorted(seen)
 
 
-def test_the_paired_grouped_gemm_compiles_for_the_h200(h200):
-    """moe_grouped `Config(block_pairs=True)` (not yet timed: off) at the 48B prefill's dims (4096 tokens x 8 of 256
-    experts, bm 64: gate|up's programs of 128 rows x bn 128 with two fp32 accumulators on 8 warps, 4 stages) compiles
-    for the H200: every launch's shared memory fits, and each GEMM is two launches (pairs, then singles); also with
-    kernel 2's tiles twice as wide (`down_bn` 256)."""
-    from jaxk3._compat import call_shard_map
-    from jaxk3.kernels import moe_grouped as G
-    from jaxk3.layers import moe
-
-    cfg = dataclasses.replace(bd.load_config("kimi-linear-48b"), num_experts=256)
-    I, L, k, N = cfg.moe_intermediate_size, cfg.moe_hidden, cfg.num_experts_per_token, 4096
-    c = dataclasses.replace(G.config_for(N * k, 256, I, L), block_pairs=True)
-    rep = NamedSharding(h200, P())
-
-    def sd(shape, dt):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=rep)
-    w = moe.MoEWeights(gate=None, e_score_correction_bias=None, experts_w1=None, experts_w3=None,
-                       experts_w2=sd((256, L, I), jnp.bfloat16), experts_w13=sd((256, 2 * I, L), jnp.bfloat16))
-    args = (w, sd((N, L), jnp.bfloat16), sd((N, k), jnp.float32), sd((N, k), jnp.int32))
-    assert G.fits(cfg, *args, config=c) is None and c.bm == 64
-
-    def f(w, z, wk, ids):
-        return G.grouped(cfg, w, z, wk, ids, config=c)
-    g = call_shard_map(f, mesh=h200, in_specs=(P(),) * 4, out_specs=P(), check_vma=False)
-    text = jax.jit(g).lower(*args).compile().as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 4, text.count("__gpu$xla.gpu.triton")  # the default form: 2
-    # kernel 2 on tiles of 256 columns (`down_bn`): 128 x 256 programs on 8 warps, 48 KB a stage, 4 stages
-    c = dataclasses.replace(c, down_bn=256)
-    assert G.fits(cfg, *args, config=c) is None
-    assert jax.jit(g).lower(*args).compile().as_text().count("__gpu$xla.gpu.triton") == 4
-
-
 # Launches per block of the 48B B = 1 step (`auto`, the serving layout). The H200's census counted 281 (docs/PERF.md,
 # nineteenth session), as this compile does with XLA's default precision; with the model's own roundings
 # (model.EXCESS_PRECISION False, twenty-first session) each MoE block after a KDA block takes 6, 262 in all. Layer 0's

@@ -139,14 +139,6 @@ class Config:
     # warpgroup and two compute warpgroups).  Measured 4-7% slower than "triton" at the 48B prefill (sixteenth
     # session: 1.899-1.941 ms against 1.815-1.819), so never config_for's choice
     width: int = 4  # "mosaic": the persistent grid's snake, this many output tiles wide
-    block_pairs: bool = False  # Triton: an expert's blocks two at a time by programs of 2·bm rows (each weight
-    # tile loaded into shared memory once for both), its odd last block by a second launch of bm-row programs: the bm
-    # layout's padding with about half its weight-tile traffic from L2 (`pair_tables`).  Not yet timed on a GPU: off,
-    # never config_for's choice
-    pair_warps: int = 8  # block_pairs: the 2·bm-row programs' warps (two fp32 [2·bm, bn] accumulators in gate|up)
-    down_bn: int = 0  # Triton: kernel 2's output columns per program (0: bn).  Kernel 1 holds two accumulators (gate
-    # and up) where kernel 2 holds one, so kernel 2 can take tiles twice as wide for the same registers: each weight
-    # and input tile then feeds twice the products (thirty-third session, with block_pairs; not yet timed: 0)
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
@@ -221,59 +213,20 @@ def _ids(c: Config):
     return (pl.program_id(0), pl.program_id(1)) if c.order == "m" else (pl.program_id(1), pl.program_id(0))
 
 
-def _block(c: Config, table_ref, expert_ref):
-    """(first bm-row block, expert, output tile) of this program: the grid's row index itself, or (`block_pairs`)
-    the block its launch's table names (-1: an unused program, expert -1)."""
-    p, n = _ids(c)
-    if table_ref is None:
-        return p, expert_ref[p], n
-    b = table_ref[p]
-    return b, jnp.where(b >= 0, expert_ref[jnp.maximum(b, 0)], -1), n
-
-
-def pair_tables(expert_B: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """For `Config.block_pairs`: (pairs_P, the first block of each two consecutive blocks of one expert; single_S, each
-    expert's odd last block), as block indices in the layout of `align`, -1 past the used ones.  P = nb // 2 and
-    S = min(E, nb) bound them statically (every used block is in exactly one pair or is a single)."""
-    nb, E = expert_B.shape[0], num_experts
-    b = jnp.arange(nb, dtype=jnp.int32)
-    used = expert_B >= 0
-    e = jnp.maximum(expert_B, 0)
-    count = jnp.zeros((E,), jnp.int32).at[e].add(used.astype(jnp.int32))  # blocks per expert
-    offset = b - (jnp.cumsum(count) - count)[e]  # the block's place in its expert's run
-    even = used & (offset % 2 == 0)
-    starts = even & (offset + 1 < count[e])
-    last = even & (offset + 1 == count[e])
-
-    def compact(flag, size: int) -> jax.Array:
-        at = jnp.where(flag, jnp.cumsum(flag.astype(jnp.int32)) - 1, size)
-        return jnp.full((size,), -1, jnp.int32).at[at].set(b, mode="drop")
-    return compact(starts, nb // 2), compact(last, min(E, nb))
-
-
-def tables_for(c: Config, expert_B: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array] | None:
-    """`pair_tables`' result where `c` runs the Triton kernels in block pairs (made once for both GEMMs), else None."""
-    return pair_tables(expert_B, num_experts) if c.block_pairs and c.backend == "triton" else None
-
-
 def _grid(c: Config, blocks: int, tiles: int) -> tuple[int, int]:
     return (blocks, tiles) if c.order == "m" else (tiles, blocks)
 
 
-def _gate_up_kernel(*refs, c: Config, steps: int, off3: int, act_fn, bm: int, tabled: bool):
-    """Programs of bm rows from block b (bm = c.bm, or 2·c.bm for `block_pairs`); `tabled`: the blocks from a table
-    (the first ref), and the output aliased to the last input (a second launch fills other rows of the first's
-    output)."""
+def _gate_up_kernel(expert_ref, src_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Config, steps: int, off3: int,
+                    act_fn):
     from jax.experimental import pallas as pl
 
-    table_ref, refs = (refs[0], refs[1:]) if tabled else (None, refs)
-    expert_ref, src_ref, x_ref, w1_ref, w3_ref = refs[:5]
-    a_ref = refs[-1]
-    b, e, n = _block(c, table_ref, expert_ref)
+    b, n = _ids(c)
+    e = expert_ref[b]
 
     @pl.when(e >= 0)
     def _():
-        rows = pl.ds(pl.multiple_of(b * c.bm, c.bm), bm)
+        rows = pl.ds(pl.multiple_of(b * c.bm, c.bm), c.bm)
         g_rows = pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)
         u_rows = pl.ds(pl.multiple_of(off3 + n * c.bn, c.bn), c.bn)
         x_rows = src_ref[rows] if c.gather else rows  # gather: the block's tokens (N: the zero row)
@@ -283,30 +236,27 @@ def _gate_up_kernel(*refs, c: Config, steps: int, off3: int, act_fn, bm: int, ta
             x = x_ref[x_rows, ks]
             return acc[0] + dot_nt(x, w1_ref[e, g_rows, ks]), acc[1] + dot_nt(x, w3_ref[e, u_rows, ks])
 
-        zero = jnp.zeros((bm, c.bn), F32)
+        zero = jnp.zeros((c.bm, c.bn), F32)
         h1, h3 = lax.fori_loop(0, steps, body, (zero, zero))
         a_ref[rows, pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)] = act_fn(h1, h3).astype(a_ref.dtype)
 
 
-def _down_kernel(*refs, c: Config, steps: int, bm: int, tabled: bool):
-    """As `_gate_up_kernel`'s programs."""
+def _down_kernel(expert_ref, a_ref, w2_ref, y_ref, *, c: Config, steps: int):
     from jax.experimental import pallas as pl
 
-    table_ref, refs = (refs[0], refs[1:]) if tabled else (None, refs)
-    expert_ref, a_ref, w2_ref = refs[:3]
-    y_ref = refs[-1]
-    b, e, n = _block(c, table_ref, expert_ref)
+    b, n = _ids(c)
+    e = expert_ref[b]
 
     @pl.when(e >= 0)
     def _():
-        rows = pl.ds(pl.multiple_of(b * c.bm, c.bm), bm)
+        rows = pl.ds(pl.multiple_of(b * c.bm, c.bm), c.bm)
         cols = pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)
 
         def body(i, acc):
             ks = pl.ds(pl.multiple_of(i * c.bk, c.bk), c.bk)
             return acc + dot_nt(a_ref[rows, ks], w2_ref[e, cols, ks])
 
-        y_ref[rows, cols] = lax.fori_loop(0, steps, body, jnp.zeros((bm, c.bn), F32))
+        y_ref[rows, cols] = lax.fori_loop(0, steps, body, jnp.zeros((c.bm, c.bn), F32))
 
 
 def _gate_up_weights(w, dt) -> tuple[jax.Array, jax.Array, int]:
@@ -342,9 +292,10 @@ def prepare(w, z_NL: jax.Array, ids_Nk: jax.Array, c: Config):
 
 
 def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: jax.Array, c: Config,
-            interpret: bool = False, tables: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """Kernel 1: a [M, I] = act(W1_e x, W3_e x) per row, in the experts' dtype (xs as `prepare` made it; `tables`:
-    `pair_tables`' result for `block_pairs`, else made here)."""
+            interpret: bool = False) -> jax.Array:
+    """Kernel 1: a [M, I] = act(W1_e x, W3_e x) per row, in the experts' dtype (xs as `prepare` made it)."""
+    from jax.experimental import pallas as pl
+
     E, I, L = _shapes(w)
     w1, w3, off3 = _gate_up_weights(w, xs_ML.dtype)
     act_fn = functools.partial(glu, act=cfg.hidden_act, beta=cfg.activation_situ_beta,
@@ -355,39 +306,18 @@ def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: 
         return (MG.gate_up_ws if c.backend == "mosaic_ws" else MG.gate_up)(
             expert_B, xs_ML, w1, w3, off3, I, act_fn, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages,
             width=c.width, interpret=interpret)
-    kernel = functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn)
-    return _launch(kernel, "grouped_gate_up", c, E, expert_B, (src_M, xs_ML, w1, w3), I,
-                   jax.ShapeDtypeStruct((src_M.shape[0], I), xs_ML.dtype), interpret, tables)
+    raw = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn),
+        grid=_grid(c, expert_B.shape[0], I // c.bn), in_specs=[raw] * 5, out_specs=raw,
+        out_shape=jax.ShapeDtypeStruct((src_M.shape[0], I), xs_ML.dtype), interpret=interpret, name="grouped_gate_up",
+        **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, src_M, xs_ML, w1, w3)
 
 
-def _launch(kernel, name: str, c: Config, E: int, expert_B: jax.Array, operands: tuple, out_cols: int, out_shape,
-            interpret: bool, tables: tuple[jax.Array, jax.Array] | None = None):
-    """The Triton kernel over the layout's blocks: one launch of bm-row programs, or (`block_pairs`) one of 2·bm-row
-    programs over `pair_tables`' pairs and a second of bm-row programs over its singles, writing the rest of the first's
-    output (aliased); `tables`: pair_tables' result where the caller made it once for both GEMMs."""
+def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = False) -> jax.Array:
+    """Kernel 2: y [M, L] fp32 = W2_e a per row."""
     from jax.experimental import pallas as pl
 
-    raw = pl.BlockSpec(memory_space=pl.ANY)
-    if not c.block_pairs:
-        return pl.pallas_call(
-            functools.partial(kernel, bm=c.bm, tabled=False), grid=_grid(c, expert_B.shape[0], out_cols // c.bn),
-            in_specs=[raw] * (1 + len(operands)), out_specs=raw, out_shape=out_shape, interpret=interpret, name=name,
-            **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, *operands)
-    pairs, singles = tables if tables is not None else pair_tables(expert_B, E)
-    out = None
-    for table, bm, warps, part in ((pairs, 2 * c.bm, c.pair_warps, "pairs"), (singles, c.bm, c.num_warps, "singles")):
-        args = (table, expert_B, *operands) + (() if out is None else (out,))
-        out = pl.pallas_call(
-            functools.partial(kernel, bm=bm, tabled=True), grid=_grid(c, table.shape[0], out_cols // c.bn),
-            in_specs=[raw] * len(args), out_specs=raw, out_shape=out_shape, interpret=interpret, name=f"{name}_{part}",
-            input_output_aliases={} if out is None else {len(args) - 1: 0},
-            **triton_params(warps, c.num_stages, interpret))(*args)
-    return out
-
-
-def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = False,
-         tables: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """Kernel 2: y [M, L] fp32 = W2_e a per row (`tables` as gate_up's)."""
     E, I, L = _shapes(w)
     w2 = dense_experts(w.experts_w2, a_MI.dtype)
     if c.backend in MOSAIC_BACKENDS:
@@ -395,9 +325,12 @@ def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = F
 
         return MG.down(expert_B, a_MI, w2, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages, width=c.width,
                        interpret=interpret)
-    c = dataclasses.replace(c, bn=c.down_bn) if c.down_bn else c
-    return _launch(functools.partial(_down_kernel, c=c, steps=I // c.bk), "grouped_down", c, E, expert_B, (a_MI, w2), L,
-                   jax.ShapeDtypeStruct((a_MI.shape[0], L), F32), interpret, tables)
+    raw = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_down_kernel, c=c, steps=I // c.bk),
+        grid=_grid(c, expert_B.shape[0], L // c.bn), in_specs=[raw] * 3, out_specs=raw,
+        out_shape=jax.ShapeDtypeStruct((a_MI.shape[0], L), F32), interpret=interpret, name="grouped_down",
+        **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, a_MI, w2)
 
 
 def combine(y_ML: jax.Array, pos_Nk: jax.Array, w_Nk: jax.Array) -> jax.Array:
@@ -412,9 +345,8 @@ def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.
     E, I, L = _shapes(w)
     c = config or config_for(ids_Nk.size, E, I, L)
     pos, expert, src, xs = prepare(w, z_NL, ids_Nk, c)
-    tables = tables_for(c, expert, E)
-    a = gate_up(cfg, w, expert, src, xs, c, interpret, tables)
-    return combine(down(w, expert, a, c, interpret, tables), pos, w_Nk)
+    a = gate_up(cfg, w, expert, src, xs, c, interpret)
+    return combine(down(w, expert, a, c, interpret), pos, w_Nk)
 
 
 def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str | None:
@@ -429,16 +361,10 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
     for name, n, d in (("I", I, c.bn), ("L", L, c.bn), ("L", L, c.bk), ("I", I, c.bk)):
         if n % d:
             return f"moe_grouped kernel: tiles bn {c.bn} / bk {c.bk} must divide the experts' {name} = {n}"
-    if c.down_bn and (c.backend != "triton" or L % c.down_bn or c.down_bn & (c.down_bn - 1)):
-        return (f"moe_grouped kernel: down_bn {c.down_bn} (kernel 2's output tile) must be a power of two dividing the "
-                f"experts' L = {L}, Triton kernels only (backend {c.backend!r})")
     if c.order not in ("m", "n"):
         return f"moe_grouped kernel: order must be 'm' or 'n', got {c.order!r}"
     if c.bm < 16 or c.bm & (c.bm - 1):
         return f"moe_grouped kernel: bm = {c.bm} must be a power of two >= 16 (tl.dot)"
-    if c.block_pairs and (c.backend != "triton" or 2 * c.bm > 128 or c.pair_warps not in (4, 8)):
-        return (f"moe_grouped kernel: block pairs are the Triton kernels' programs of 2·bm <= 128 rows on 4 or 8 "
-                f"warps, got backend {c.backend!r}, bm {c.bm}, pair_warps {c.pair_warps}")
     if c.backend not in ("triton", *MOSAIC_BACKENDS):
         return f"moe_grouped kernel: backend must be 'triton', 'mosaic' or 'mosaic_ws', got {c.backend!r}"
     if c.backend == "mosaic_ws" and c.bn not in (128, 256):

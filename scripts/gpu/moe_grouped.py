@@ -13,8 +13,6 @@ error against `ragged` (max |a - b| / max |b|).  Routing is uniform at random (t
     python scripts/gpu/moe_grouped.py [--json PATH] [--tokens 512,4096] [--experts 256] [--no-sweep]
     python scripts/gpu/moe_grouped.py --align [--tokens 4096]   # only `align` against the sort it replaced, same
                                                                 # run, then the kernel path's phases (a short call)
-    python scripts/gpu/moe_grouped.py --tokens 4096 --pairs --no-dense    # the paired form (PAIRS) against the
-                                                # Triton default (before and after), errors against it, then phases
     python scripts/gpu/moe_grouped.py --tokens 4096 --mosaic --no-dense   # the Mosaic GPU form (MOSAIC) against
                                                 # the Triton default, errors against the latter, then both's phases
 """
@@ -46,13 +44,6 @@ SWEEP = [G.Config(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=s, order=o)
     # the rows sorted into a copy first, as before the eleventh session (Config.gather is on by default)
     G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n", gather=False),
     G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, order="n", gather=False)]
-# `block_pairs` (thirty-second session, not yet timed): an expert's blocks two at a time by programs of 2·bm rows,
-# then its odd last block (`--pairs`: these against the Triton default, which runs again after them)
-PAIRS = [G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=s, order=o, block_pairs=True, pair_warps=pw)
-         for s, o, pw in ((4, "n", 8), (3, "n", 8), (4, "m", 8), (4, "n", 4))] + [
-    # kernel 2 on output tiles of 256 (`down_bn`, thirty-third session), with and without the pairs
-    G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n", block_pairs=True, down_bn=256),
-    G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=3, order="n", block_pairs=True, down_bn=256)]
 # the Mosaic GPU form (jaxk3.kernels.moe_grouped_mgpu: TMA, wgmma, a persistent grid): pipeline depth and snake width
 MOSAIC = [G.Config(bm=64, bn=128, bk=64, num_stages=s, backend="mosaic", width=wd)
           for s, wd in ((4, 4), (3, 4), (5, 4), (4, 1), (4, 8))] + [
@@ -62,23 +53,19 @@ MOSAIC = [G.Config(bm=64, bn=128, bk=64, num_stages=s, backend="mosaic", width=w
 
 
 def phases(kcfg, w, z, wk, ids, c, log, N):
-    """Each step of the kernel path alone (ms): align + the input gather (+ `pair_tables` for block_pairs), gate-up,
-    down, the combine."""
+    """Each step of the kernel path alone (ms): align + the input gather, gate-up, down, the combine."""
     E, I, L = G._shapes(w)
     # the weights are arguments, not constants closed over (2.4 GB of them made each compile take minutes)
-    def prepare(w, z, ids):
-        pos, expert, src, xs = G.prepare(w, z, ids, c)
-        return pos, expert, src, xs, G.tables_for(c, expert, E)
-    prep = jax.jit(prepare)
-    pos, expert, src, xs, tables = prep(w, z, ids)
-    gu = jax.jit(lambda w, e, s, x, t: G.gate_up(kcfg, w, e, s, x, c, tables=t))
-    a = gu(w, expert, src, xs, tables)
-    dn = jax.jit(lambda w, e, a, t: G.down(w, e, a, c, tables=t))
-    y = dn(w, expert, a, tables)
+    prep = jax.jit(lambda w, z, ids: G.prepare(w, z, ids, c))
+    pos, expert, src, xs = prep(w, z, ids)
+    gu = jax.jit(lambda w, e, s, x: G.gate_up(kcfg, w, e, s, x, c))
+    a = gu(w, expert, src, xs)
+    dn = jax.jit(lambda w, e, a: G.down(w, e, a, c))
+    y = dn(w, expert, a)
     cb = jax.jit(G.combine)
     out = {}
-    for name, f, args in (("prepare", prep, (w, z, ids)), ("gate_up", gu, (w, expert, src, xs, tables)),
-                          ("down", dn, (w, expert, a, tables)), ("combine", cb, (y, pos, wk))):
+    for name, f, args in (("prepare", prep, (w, z, ids)), ("gate_up", gu, (w, expert, src, xs)),
+                          ("down", dn, (w, expert, a)), ("combine", cb, (y, pos, wk))):
         out[name] = timing.per_call(f, args, reps=REPS, inner=INNER, chain=1) * 1e3
     k = kcfg.num_experts_per_token
     used = int(np.sum(np.asarray(expert) >= 0))
@@ -190,8 +177,6 @@ def main(argv=None) -> int:
     ap.add_argument("--align", action="store_true", help="only align against the sort it replaced, then the phases")
     ap.add_argument("--mosaic", action="store_true", help="the Mosaic GPU configs (MOSAIC) instead of SWEEP, and the "
                     "phases of the best of them")
-    ap.add_argument("--pairs", action="store_true", help="the paired configs (PAIRS) instead of SWEEP, the default "
-                    "again after them, and the phases of the best")
     ap.add_argument("--no-dense", action="store_true", help="leave out the dense and ragged forms (minutes to compile)")
     a = ap.parse_args(argv)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
@@ -220,8 +205,6 @@ def main(argv=None) -> int:
         configs = [("kernel default " + str(G.config_for(N * k, a.experts, I, L)), None)]
         if a.mosaic:
             configs += [(f"kernel {c}", c) for c in MOSAIC]
-        elif a.pairs:
-            configs += [(f"kernel {c}", c) for c in PAIRS] + [("kernel default again", None)]
         elif not a.no_sweep:
             configs += [(f"kernel {c}", c) for c in SWEEP]
         for name, c in configs:

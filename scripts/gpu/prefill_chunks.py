@@ -10,6 +10,7 @@ Per row: TTFT (the whole prefill, waited for), the best of REPS after one warm-u
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -44,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--config", default="kimi-linear-48b", help="a preset (tiny: a CPU smoke run)")
+    ap.add_argument("--experts", type=int, default=0, help="routed experts kept (0: the preset's; 64 fits the 48B "
+                    "on an 80 GB H100, where all 256 experts' 91.5 GB do not)")
     ap.add_argument("--chunks", default=None, help="per batch, e.g. '1:4096;8:512,1024' (default CHUNKS)")
     ap.add_argument("--score-chunks", default="", help="score also at these prefill chunks, e.g. '2048,1024' (each "
                     "chunk's logits are placed on the host while the next chunk runs)")
@@ -51,6 +54,8 @@ def main(argv=None) -> int:
     chunks = CHUNKS if a.chunks is None else {int(b): tuple(int(c) for c in cs.split(","))
                                                for b, cs in (p.split(":") for p in a.chunks.split(";"))}
     cfg = bd.load_config(a.config)
+    if a.experts:
+        cfg = dataclasses.replace(cfg, num_experts=a.experts)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), (TP,))
     weights = bd.random_weights(cfg, mesh, "bfloat16", shard_latent=True)
     model = engine.Model(cfg, weights, mesh, "bfloat16", "auto", True, "lax", donate_weights=True)

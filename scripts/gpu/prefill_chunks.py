@@ -10,7 +10,6 @@ Per row: TTFT (the whole prefill, waited for), the best of REPS after one warm-u
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -53,9 +52,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     chunks = CHUNKS if a.chunks is None else {int(b): tuple(int(c) for c in cs.split(","))
                                                for b, cs in (p.split(":") for p in a.chunks.split(";"))}
-    cfg = bd.load_config(a.config)
-    if a.experts:
-        cfg = dataclasses.replace(cfg, num_experts=a.experts)
+    full = bd.load_config(a.config)
+    cfg = bd.slice_config(full, 0, full.num_hidden_layers - 1, a.experts or None)  # as `bench generate --experts`
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), (TP,))
     weights = bd.random_weights(cfg, mesh, "bfloat16", shard_latent=True)
     model = engine.Model(cfg, weights, mesh, "bfloat16", "auto", True, "lax", donate_weights=True)

@@ -7,7 +7,7 @@
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
 #                        [mxfp4] [moestep] [targets] [mla] [hostcopy] [determinism] [cudaforms] [cudastep] [cudancu]
-#                        [exactstep] [cudastream] [moeblock] [bf16step] [bf16gen] [timeline]
+#                        [exactstep] [cudastream] [moeblock] [bf16step] [bf16gen] [timeline] [groupedncu]
 #   (no argument: env build test thunks bench decode decode_cb census bench_off; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -34,7 +34,8 @@
 #   K3's TP 2 share (B 1 and 8) against the register form (then the steps: `cudastep`, the register form by default); `moeblock` the 48B's MoE block at one token
 #   (bf16 experts) in XLA and through the Pallas kernels against float64, its errors printed; `bf16step` the 48B B = 1
 #   step, main / BS_PATCHES (none by default) / main again; `bf16gen` its `bench generate` (B = 1), main / BG_PATCHES;
-#   `timeline` how busy the GPU is over back-to-back 48B B = 1 and K3 B = 1 steps, command buffers on and off.
+#   `timeline` how busy the GPU is over back-to-back 48B B = 1 and K3 B = 1 steps, command buffers on and off;
+#   `groupedncu` Nsight Compute on the prefill's grouped-GEMM kernels and the plain GEMM of the same FLOPs.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
 # Logs go to $OUT (default ./out/gpu).  No network: pip builds with --no-build-isolation
@@ -540,6 +541,28 @@ if has cudancu; then
   grep -E "^  [A-Za-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issued Warp|Waves Per SM" \
     "$OUT/cudancu.txt" | head -60
   grep -E "stalled_.*ratio" "$OUT/cudancu.txt" | awk '$NF+0 > 0.3' | head -30
+fi
+
+if has groupedncu; then
+  # Nsight Compute on the prefill's grouped-GEMM kernels (default config, 48B dims, 4096 tokens x 8 of 256 experts), then
+  # on the plain GEMM of the same FLOPs (cuBLAS) in a second pass. XLA's command buffers off: with them on, ncu
+  # segfaulted (rc 139) at the first kernel inside a command buffer (thirty-fourth session).
+  NCU=$(which ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  gncu() {  # $1 kernel regex, $2 launches skipped, $3 launches profiled, $4 file under $OUT
+    echo "== Nsight Compute: $1 ($(date -u +%T))"
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout -k 5 ${GNCU_TIMEOUT:-150} $NCU --clock-control none \
+      --target-processes all -k regex:"$1" --launch-skip $2 --launch-count $3 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats --section InstructionStats \
+      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
+      $PY scripts/gpu/moe_grouped.py --json /tmp/jaxk3_ncu_grouped.json --tokens 4096 --no-sweep --no-dense > "$OUT/$4" 2>&1
+    echo "ncu rc $?"
+    grep -E "^  [A-Za-z_]+.*\(|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Dynamic Shared|Grid Size" \
+      "$OUT/$4" | cut -c1-200 | head -60
+  }
+  # launches 1-2 are the reference call's; 3-6 the first two timed calls of the default
+  gncu "grouped_gate_up|grouped_down" 2 4 ncu_grouped.txt
+  gncu "gemm|Gemm|nvjet|cutlass|xmma" 3 1 ncu_gemm.txt
 fi
 
 if has bench_off; then

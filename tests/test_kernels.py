@@ -998,6 +998,52 @@ def test_moe_grouped_kernel_matches_reference(fmt, fused, N, order, gather):
         np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
 
 
+def test_moe_grouped_down_blocks():
+    """`down_blocks` (Config.down_bm): each down_bm-row sub-block of the bm-row layout has its block's expert where
+    it holds a real row and -1 where it holds padding only, so kernel 2 computes every real row once and skips the
+    rest; without down_bm the layout's own blocks."""
+    from jaxk3.kernels import moe_grouped as G
+
+    rng = np.random.default_rng(4)
+    N, k, E, bm, dbm = 41, 3, 6, 32, 16
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(np.int32)
+    ids[:30][ids[:30] == 5] = 4  # expert 5: few rows (one sub-block), expert 4 many (several blocks)
+    pos, src, expert = (np.asarray(a) for a in G.align(jnp.asarray(ids), E, bm))
+    c = G.Config(bm=bm, bn=32, bk=32, num_warps=8, down_bm=dbm, down_warps=4)
+    sub, cd = G.down_blocks(jnp.asarray(expert), jnp.asarray(src), N, c)
+    sub = np.asarray(sub)
+    assert (cd.bm, cd.num_warps, cd.down_bm) == (dbm, 4, 0) and sub.shape == (expert.size * bm // dbm,)
+    real = src < N
+    for s_ in range(sub.size):
+        rows = real[s_ * dbm:(s_ + 1) * dbm]
+        assert sub[s_] == (expert[s_ * dbm // bm] if rows.any() else -1), s_
+    np.testing.assert_array_equal(sub[pos // dbm], ids)  # every pair's row is in a computed sub-block of its expert
+    assert (sub == -1).sum() > (expert == -1).sum() * (bm // dbm)  # some padding-only halves of used blocks skipped
+    same, c_same = G.down_blocks(jnp.asarray(expert), jnp.asarray(src), N, dataclasses.replace(c, down_bm=0))
+    assert c_same.bm == bm and np.array_equal(np.asarray(same), expert)
+    cfg, w, z, wk, ids = _grouped_case("dense", 13, True)
+    for bad in (dict(down_bm=8), dict(down_bm=48), dict(down_bm=64), dict(down_warps=2)):
+        assert "down_" in G.fits(cfg, w, z, wk, ids, config=dataclasses.replace(c, bn=32, **bad)), bad
+
+
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+def test_moe_grouped_split_down_matches(fmt):
+    """Interpret mode: gate|up on 32-row blocks and down on their 16-row halves (`down_bm`) against the dense form
+    (test_moe_grouped_kernel_matches_reference's 4e-3 of max|ref|) and against the same layout with down on whole
+    blocks, bitwise: each output row is the same products summed in the same order, only skipped halves differ."""
+    from jaxk3.kernels import moe_grouped as G
+
+    cfg, w, z, wk, ids = _grouped_case(fmt, 13, True)
+    whole = G.Config(bm=32, bn=32, bk=32, order="n")
+    split = dataclasses.replace(whole, down_bm=16, down_warps=4)
+    assert G.fits(cfg, w, z, wk, ids, config=split) is None
+    got = np.asarray(G.grouped(cfg, w, z, wk, ids, config=split, interpret=True))
+    ref = np.asarray(G.experts_dense(cfg, w, z, wk, ids))
+    assert np.abs(ref).max() > 0
+    np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+    np.testing.assert_array_equal(got, np.asarray(G.grouped(cfg, w, z, wk, ids, config=whole, interpret=True)))
+
+
 def _wide_grouped_case(N: int = 29, E: int = 4, I: int = 128, L: int = 128, seed: int = 5):
     """Random bf16 experts in the serving layout (w1|w3 joined) wider than the tiny K3's (I 128, for bn 128), top-2
     of E, N tokens: the tiny K3 config's activation and routing scale."""
@@ -1060,7 +1106,10 @@ def test_moe_grouped_selection():
     w32 = jax.tree.map(lambda a: a.astype(jnp.float32), w)
     assert "bf16" in G.fits(cfg, w32, z.astype(jnp.float32), wk, ids)
     assert "must divide the experts' I = 64" in G.fits(cfg, w, z, wk, ids, config=G.Config(bn=128))
-    assert G.config_for(4096 * 8, 256, 1024, 2304) == G.Config(bm=64, bn=128, bk=64, num_stages=4, order="n")
+    # at 128 rows an expert and more: gate|up on 128-row blocks (8 warps), down on their 64-row halves (4 warps)
+    assert G.config_for(4096 * 8, 256, 1024, 2304) == G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4,
+                                                               order="n", down_bm=64, down_warps=4)
+    assert G.config_for(4095 * 8, 256, 1024, 2304) == G.Config(bm=64, bn=128, bk=64, num_stages=4, order="n")
     assert G.config_for(512 * 8, 256, 1024, 2304).bm == 16
     assert G.config_for(5 * 4, 16, 64, 128) == G.Config(bm=16, bn=64, bk=64, order="n")
 
@@ -1080,6 +1129,12 @@ def test_moe_grouped_kernel_on_gpu(fmt, fused, order, gather):
     got = np.asarray(jax.jit(lambda *a: G.grouped(cfg, *a, config=c))(w, z, wk, ids))
     ref = np.asarray(G.experts_dense(cfg, w, z, wk, ids))
     np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+    if order == "n" and gather:  # down on the 16-row halves of 32-row blocks (`down_bm`), 8 and 4 warps: same bits
+        whole = G.Config(bm=32, bn=32, bk=32, num_warps=8, order="n")
+        split = dataclasses.replace(whole, down_bm=16, down_warps=4)
+        a, b = (np.asarray(jax.jit(lambda *a, c=c: G.grouped(cfg, *a, config=c))(w, z, wk, ids)) for c in (whole, split))
+        np.testing.assert_allclose(b, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.gpu

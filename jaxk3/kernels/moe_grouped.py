@@ -17,6 +17,10 @@ tiles with `tl.dot` (bf16 in, fp32 accumulate).  Each selected expert's weights 
 block of its rows (once per chunk where an expert has at most bm rows), and only the selected
 FLOPs are done: unused blocks (expert -1, the padding of the static block count) return at once.
 Rows of unused blocks are left unwritten and never read back; padded rows inside a block are zeros.
+Where experts average 128 rows or more, config_for takes bm 128 for kernel 1 and runs kernel 2 on the blocks'
+64-row halves (`Config.down_bm`), skipping the halves of padding only: both kernels are bound by the L2's
+throughput (Nsight Compute, docs/PERF.md thirty-fourth section), which 128-row blocks relieve for kernel 1, while
+kernel 2 on whole 128-row blocks would compute and write the padding's fp32 rows.
 
 `Config(backend="mosaic")` runs the same two GEMMs as Pallas Mosaic GPU kernels (jaxk3.kernels.moe_grouped_mgpu:
 TMA, wgmma, a persistent grid), on the sorted copy of the inputs: correct on an H200 and 4-7% slower than these
@@ -139,6 +143,12 @@ class Config:
     # warpgroup and two compute warpgroups).  Measured 4-7% slower than "triton" at the 48B prefill (sixteenth
     # session: 1.899-1.941 ms against 1.815-1.819), so never config_for's choice
     width: int = 4  # "mosaic": the persistent grid's snake, this many output tiles wide
+    # Triton: kernel 2 (down) on down_bm-row sub-blocks of the bm-row layout, skipping those of padding only, on
+    # down_warps warps (0: bm and num_warps, as kernel 1). Nsight Compute on an H100 (thirty-fourth session) had
+    # gate|up at bm 128 (8 warps) 1.07 ms against 1.155 at bm 64, and down at bm 128 0.676 ms against 0.617 (it
+    # computes and writes the padding's fp32 rows); split, each kernel keeps its faster tiling, and the same bits.
+    down_bm: int = 0
+    down_warps: int = 0
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
@@ -148,13 +158,26 @@ def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
     tiles fastest in the grid (programs at once share a row block's input); 4 stages at bm 64.
     Measured on an H200 at Kimi-Linear-48B dims, 256 experts (docs/PERF.md): 512 tokens bm 16 1.26 ms
     (order n 1.20), bm 64 1.58 (n 1.24); 4096 tokens bm 64 2.54 ms, order n 2.16, n with 4 stages 2.02,
-    bm 128 with 8 warps, order n 2.03 (4 warps, order m: 4.61)."""
+    bm 128 with 8 warps, order n 2.03 (4 warps, order m: 4.61).
+    From SPLIT_ROWS rows per expert on average (`SPLIT`): gate|up on 128-row blocks on 8 warps, down on their
+    64-row halves (`down_bm`) on 4."""
     mean = max(1, pairs // max(1, num_experts))
     bm = min(64, max(16, 1 << (mean - 1).bit_length()))
     d = Config()
     bn = next((b for b in (d.bn, d.bn // 2, d.bn // 4, 16) if I % b == 0 and L % b == 0), d.bn)
     bk = next((b for b in (d.bk, d.bk // 2, 16) if I % b == 0 and L % b == 0), d.bk)
+    if SPLIT and mean >= SPLIT_ROWS:
+        return Config(bm=128, bn=bn, bk=bk, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4)
     return Config(bm=bm, bn=bn, bk=bk, num_stages=4 if bm >= 64 else 3, order="n")
+
+
+# config_for's split tiling where experts average SPLIT_ROWS rows or more. Measured on an H100 at the 48B's dims,
+# 4096 tokens x 8 of 256 experts (128 rows an expert; docs/PERF.md, thirty-fourth section), three runs of the layer each
+# with the bm 64 default twice: 1.960, 2.041, 2.039 ms against the default's 2.058-2.173 (every split run faster than
+# every default run; the outputs bitwise equal). Not yet timed on an H200, where bm 128 alone was even (2.03 against
+# 2.02, fifteenth session).
+SPLIT = True
+SPLIT_ROWS = 128
 
 
 def num_blocks(pairs: int, num_experts: int, bm: int) -> int:
@@ -338,6 +361,18 @@ def combine(y_ML: jax.Array, pos_Nk: jax.Array, w_Nk: jax.Array) -> jax.Array:
     return jnp.einsum("nkl,nk->nl", y_ML[pos_Nk], w_Nk.astype(F32))
 
 
+def down_blocks(expert_B: jax.Array, src_M: jax.Array, num_tokens: int, c: Config) -> tuple[jax.Array, Config]:
+    """Kernel 2's blocks and config: the layout's own (expert_B, c), or with `c.down_bm` its down_bm-row sub-blocks,
+    each the expert of its block or -1 where it holds padding rows only (an expert's rows fill its blocks from the
+    first row, so a sub-block holds a real row iff its first row is one: src < N)."""
+    if not c.down_bm or c.down_bm == c.bm:
+        return expert_B, c
+    r = c.bm // c.down_bm
+    real = src_M[::c.down_bm] < num_tokens
+    return (jnp.where(real, jnp.repeat(expert_B, r), -1),
+            dataclasses.replace(c, bm=c.down_bm, num_warps=c.down_warps or c.num_warps, down_bm=0, down_warps=0))
+
+
 def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.Array, config: Config | None = None,
             interpret: bool = False) -> jax.Array:
     """The same function as the reference: fp32 [N, L] = Σ_slot w · W2_e act(W1_e z, W3_e z) over the local
@@ -346,7 +381,8 @@ def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.
     c = config or config_for(ids_Nk.size, E, I, L)
     pos, expert, src, xs = prepare(w, z_NL, ids_Nk, c)
     a = gate_up(cfg, w, expert, src, xs, c, interpret)
-    return combine(down(w, expert, a, c, interpret), pos, w_Nk)
+    expert_d, c_d = down_blocks(expert, src, z_NL.shape[0], c)
+    return combine(down(w, expert_d, a, c_d, interpret), pos, w_Nk)
 
 
 def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str | None:
@@ -365,6 +401,10 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
         return f"moe_grouped kernel: order must be 'm' or 'n', got {c.order!r}"
     if c.bm < 16 or c.bm & (c.bm - 1):
         return f"moe_grouped kernel: bm = {c.bm} must be a power of two >= 16 (tl.dot)"
+    if c.down_bm and (c.backend != "triton" or c.down_bm < 16 or c.down_bm & (c.down_bm - 1) or c.bm % c.down_bm):
+        return f"moe_grouped kernel: down_bm = {c.down_bm} must be a power of two >= 16 dividing bm = {c.bm} (Triton)"
+    if c.down_warps not in (0, 4, 8):
+        return f"moe_grouped kernel: down_warps must be 0, 4 or 8, got {c.down_warps}"
     if c.backend not in ("triton", *MOSAIC_BACKENDS):
         return f"moe_grouped kernel: backend must be 'triton', 'mosaic' or 'mosaic_ws', got {c.backend!r}"
     if c.backend == "mosaic_ws" and c.bn not in (128, 256):
@@ -383,4 +423,5 @@ register(Kernel("moe_grouped", experts_dense, grouped, platforms=("gpu",), fits=
                 measured="Kimi-Linear-48B dims, 256 experts, top-8: 2.68x the dense form at 512 tokens (2026-12-02), "
                          "14.3x at 4096 with its rows gathered in the kernel (1.885 vs 27.0 ms, 246 TFLOP/s exact; "
                          "ragged_dot 0.16x) (H200, jax 0.11.2, 2026-12-03); 1.771-1.807 ms, 257-262 TFLOP/s, with "
-                         "its layout free of a while loop (2026-12-04)"))
+                         "its layout free of a while loop (2026-12-04); H100: 1.960-2.041 ms with gate|up on 128-row "
+                         "blocks and down on their halves against 2.058-2.173 at bm 64 (2026-12-06)"))

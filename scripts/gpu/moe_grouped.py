@@ -15,6 +15,8 @@ error against `ragged` (max |a - b| / max |b|).  Routing is uniform at random (t
                                                                 # run, then the kernel path's phases (a short call)
     python scripts/gpu/moe_grouped.py --tokens 4096 --mosaic --no-dense   # the Mosaic GPU form (MOSAIC) against
                                                 # the Triton default, errors against the latter, then both's phases
+    python scripts/gpu/moe_grouped.py --tokens 4096 --split --no-dense    # gate|up on 128-row blocks, down on their
+                                                # 64-row halves (SPLIT), against the default before and after
 """
 from __future__ import annotations
 
@@ -44,6 +46,11 @@ SWEEP = [G.Config(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=s, order=o)
     # the rows sorted into a copy first, as before the eleventh session (Config.gather is on by default)
     G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n", gather=False),
     G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, order="n", gather=False)]
+# `--split` (thirty-fourth session): gate|up on 128-row blocks (8 warps), alone and with down on their 64-row halves
+# (`down_bm`, 4 warps), against the default before and after
+SPLIT = [G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n"),
+         G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4),
+         G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, order="n", down_bm=64, down_warps=4)]
 # the Mosaic GPU form (jaxk3.kernels.moe_grouped_mgpu: TMA, wgmma, a persistent grid): pipeline depth and snake width
 MOSAIC = [G.Config(bm=64, bn=128, bk=64, num_stages=s, backend="mosaic", width=wd)
           for s, wd in ((4, 4), (3, 4), (5, 4), (4, 1), (4, 8))] + [
@@ -60,12 +67,13 @@ def phases(kcfg, w, z, wk, ids, c, log, N):
     pos, expert, src, xs = prep(w, z, ids)
     gu = jax.jit(lambda w, e, s, x: G.gate_up(kcfg, w, e, s, x, c))
     a = gu(w, expert, src, xs)
-    dn = jax.jit(lambda w, e, a: G.down(w, e, a, c))
-    y = dn(w, expert, a)
+    expert_d, c_d = G.down_blocks(expert, src, N, c)  # kernel 2's blocks (`down_bm`: sub-blocks of the layout's)
+    dn = jax.jit(lambda w, e, a: G.down(w, e, a, c_d))
+    y = dn(w, expert_d, a)
     cb = jax.jit(G.combine)
     out = {}
     for name, f, args in (("prepare", prep, (w, z, ids)), ("gate_up", gu, (w, expert, src, xs)),
-                          ("down", dn, (w, expert, a)), ("combine", cb, (y, pos, wk))):
+                          ("down", dn, (w, expert_d, a)), ("combine", cb, (y, pos, wk))):
         out[name] = timing.per_call(f, args, reps=REPS, inner=INNER, chain=1) * 1e3
     k = kcfg.num_experts_per_token
     used = int(np.sum(np.asarray(expert) >= 0))
@@ -177,6 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--align", action="store_true", help="only align against the sort it replaced, then the phases")
     ap.add_argument("--mosaic", action="store_true", help="the Mosaic GPU configs (MOSAIC) instead of SWEEP, and the "
                     "phases of the best of them")
+    ap.add_argument("--split", action="store_true", help="the SPLIT configs (gate|up on 128 rows, down on 64) instead "
+                    "of SWEEP, then the default again")
     ap.add_argument("--no-dense", action="store_true", help="leave out the dense and ragged forms (minutes to compile)")
     a = ap.parse_args(argv)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
@@ -205,6 +215,8 @@ def main(argv=None) -> int:
         configs = [("kernel default " + str(G.config_for(N * k, a.experts, I, L)), None)]
         if a.mosaic:
             configs += [(f"kernel {c}", c) for c in MOSAIC]
+        elif a.split:
+            configs += [(f"kernel {c}", c) for c in SPLIT] + [("kernel default again", None)]
         elif not a.no_sweep:
             configs += [(f"kernel {c}", c) for c in SWEEP]
         for name, c in configs:

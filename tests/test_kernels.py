@@ -1005,25 +1005,34 @@ def test_moe_grouped_down_blocks():
     from jaxk3.kernels import moe_grouped as G
 
     rng = np.random.default_rng(4)
-    N, k, E, bm, dbm = 41, 3, 6, 32, 16
+    N, k, E = 41, 3, 6
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(np.int32)
-    ids[:30][ids[:30] == 5] = 4  # expert 5: few rows (one sub-block), expert 4 many (several blocks)
-    pos, src, expert = (np.asarray(a) for a in G.align(jnp.asarray(ids), E, bm))
-    c = G.Config(bm=bm, bn=32, bk=32, num_warps=8, down_bm=dbm, down_warps=4)
-    sub, cd = G.down_blocks(jnp.asarray(expert), jnp.asarray(src), N, c)
-    sub = np.asarray(sub)
-    assert (cd.bm, cd.num_warps, cd.down_bm) == (dbm, 4, 0) and sub.shape == (expert.size * bm // dbm,)
-    real = src < N
-    for s_ in range(sub.size):
-        rows = real[s_ * dbm:(s_ + 1) * dbm]
-        assert sub[s_] == (expert[s_ * dbm // bm] if rows.any() else -1), s_
-    np.testing.assert_array_equal(sub[pos // dbm], ids)  # every pair's row is in a computed sub-block of its expert
-    assert (sub == -1).sum() > (expert == -1).sum() * (bm // dbm)  # some padding-only halves of used blocks skipped
-    same, c_same = G.down_blocks(jnp.asarray(expert), jnp.asarray(src), N, dataclasses.replace(c, down_bm=0))
-    assert c_same.bm == bm and np.array_equal(np.asarray(same), expert)
+    ids[:30][ids[:30] == 5] = 4  # expert 5: 8 rows (one sub-block of 16), expert 4: 29 rows
+    # and an exact fill: 48 tokens, expert 3 on tokens 0-31 (32 rows: one 32-row block, two of 64's 16-row quarters),
+    # expert 4 on tokens 32-47, experts 0-2 16 rows each, expert 5 none
+    t = np.arange(48)
+    exact = np.stack([t % 3, np.where(t < 32, 3, 4)], axis=1).astype(np.int32)
+    for ids, bm, dbm in ((ids, 32, 16), (ids, 64, 16), (exact, 32, 16), (exact, 64, 16), (exact, 128, 32)):
+        n = ids.shape[0]
+        pos, src, expert = (np.asarray(a) for a in G.align(jnp.asarray(ids), E, bm))
+        c = G.Config(bm=bm, bn=32, bk=32, num_warps=8, down_bm=dbm, down_warps=4)
+        sub, cd = G.down_blocks(jnp.asarray(expert), jnp.asarray(src), n, c)
+        sub = np.asarray(sub)
+        assert (cd.bm, cd.num_warps, cd.down_bm) == (dbm, 4, 0) and sub.shape == (expert.size * bm // dbm,)
+        real = src < n
+        for s_ in range(sub.size):
+            rows = real[s_ * dbm:(s_ + 1) * dbm]
+            assert sub[s_] == (expert[s_ * dbm // bm] if rows.any() else -1), (bm, dbm, s_)
+        # every pair's row is in a computed sub-block of its expert; some padding-only parts of used blocks skipped
+        np.testing.assert_array_equal(sub[pos // dbm], ids)
+        assert (sub == -1).sum() > (expert == -1).sum() * (bm // dbm), (bm, dbm)
+    same, c_same = G.down_blocks(jnp.asarray(expert), jnp.asarray(src), n, dataclasses.replace(c, down_bm=0,
+                                                                                               down_warps=0))
+    assert c_same.bm == 128 and np.array_equal(np.asarray(same), expert)
     cfg, w, z, wk, ids = _grouped_case("dense", 13, True)
-    for bad in (dict(down_bm=8), dict(down_bm=48), dict(down_bm=64), dict(down_warps=2)):
-        assert "down_" in G.fits(cfg, w, z, wk, ids, config=dataclasses.replace(c, bn=32, **bad)), bad
+    c = G.Config(bm=32, bn=32, bk=32, num_warps=8, down_bm=16, down_warps=4)
+    for bad in (dict(down_bm=8), dict(down_bm=48), dict(down_bm=64), dict(down_warps=2), dict(down_bm=0)):
+        assert "down_" in G.fits(cfg, w, z, wk, ids, config=dataclasses.replace(c, **bad)), bad
 
 
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
@@ -1033,7 +1042,8 @@ def test_moe_grouped_split_down_matches(fmt):
     blocks, bitwise: each output row is the same products summed in the same order, only skipped halves differ."""
     from jaxk3.kernels import moe_grouped as G
 
-    cfg, w, z, wk, ids = _grouped_case(fmt, 13, True)
+    cfg, w, z, wk, ids = _grouped_case(fmt, 29, True)
+    ids = ids.at[:, 0].set(ids[0, 0])  # one expert on every token's first slot: 29+ rows, both halves of its block real
     whole = G.Config(bm=32, bn=32, bk=32, order="n")
     split = dataclasses.replace(whole, down_bm=16, down_warps=4)
     assert G.fits(cfg, w, z, wk, ids, config=split) is None
@@ -1096,7 +1106,7 @@ def test_moe_grouped_mosaic_matches_reference(fmt, fused):
 def test_moe_grouped_selection():
     """Proven on an H200 at the 48B dims (docs/PERF.md): auto takes it on a GPU, the CPU keeps the dense
     form; fp32 experts and tiles that do not divide the experts' dims are named; bm follows the mean rows
-    per expert up to 64 (the measured best)."""
+    per expert up to 64 (the measured best), and from 128 rows an expert the split (128-row blocks, down on 64)."""
     from jaxk3.kernels import moe_grouped as G
 
     cfg, w, z, wk, ids = _grouped_case("dense", 5, True)

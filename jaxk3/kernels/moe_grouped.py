@@ -16,11 +16,12 @@ A grid program owns bm rows of one block and bn output columns, and walks the in
 tiles with `tl.dot` (bf16 in, fp32 accumulate).  Each selected expert's weights are read once per
 block of its rows (once per chunk where an expert has at most bm rows), and only the selected
 FLOPs are done: unused blocks (expert -1, the padding of the static block count) return at once.
-Rows of unused blocks are left unwritten and never read back; padded rows inside a block are zeros.
+Rows of unused blocks are left unwritten and never read back; padded rows inside a block read zeros.
 Where experts average 128 rows or more, config_for takes bm 128 for kernel 1 and runs kernel 2 on the blocks'
-64-row halves (`Config.down_bm`), skipping the halves of padding only: both kernels are bound by the L2's
-throughput (Nsight Compute, docs/PERF.md thirty-fourth section), which 128-row blocks relieve for kernel 1, while
-kernel 2 on whole 128-row blocks would compute and write the padding's fp32 rows.
+64-row halves (`Config.down_bm`; W2 then read once per half of an expert's rows), skipping the halves of padding
+only, whose y rows are left unwritten too: both kernels are bound by the L2's throughput (Nsight Compute,
+docs/PERF.md thirty-fourth section), which 128-row blocks relieve for kernel 1, while kernel 2 on whole 128-row
+blocks would compute and write the padding's fp32 rows.
 
 `Config(backend="mosaic")` runs the same two GEMMs as Pallas Mosaic GPU kernels (jaxk3.kernels.moe_grouped_mgpu:
 TMA, wgmma, a persistent grid), on the sorted copy of the inputs: correct on an H200 and 4-7% slower than these
@@ -152,7 +153,7 @@ class Config:
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
-    """bm near the mean rows per expert (pairs / experts), a power of two in [16, 64]: blocks of
+    """bm near the mean rows per expert (pairs / experts), a power of two in [16, 64] (but see SPLIT): blocks of
     mostly real rows when experts get few tokens, larger tiles when they get many; bn and bk the
     largest of Config's defaults and their halves (down to 16) that divide both I and L; the output
     tiles fastest in the grid (programs at once share a row block's input); 4 stages at bm 64.
@@ -175,7 +176,8 @@ def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
 # 4096 tokens x 8 of 256 experts (128 rows an expert; docs/PERF.md, thirty-fourth section), three runs of the layer each
 # with the bm 64 default twice: 1.960, 2.041, 2.039 ms against the default's 2.058-2.173 (every split run faster than
 # every default run; the outputs bitwise equal). Not yet timed on an H200, where bm 128 alone was even (2.03 against
-# 2.02, fifteenth session).
+# 2.02, fifteenth session). At more rows an expert kernel 2 is the bm 64 default's (the same 64-row programs, the
+# same W2 reads) and kernel 1's 128-row blocks pad relatively less; timed only at 128.
 SPLIT = True
 SPLIT_ROWS = 128
 
@@ -403,8 +405,8 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
         return f"moe_grouped kernel: bm = {c.bm} must be a power of two >= 16 (tl.dot)"
     if c.down_bm and (c.backend != "triton" or c.down_bm < 16 or c.down_bm & (c.down_bm - 1) or c.bm % c.down_bm):
         return f"moe_grouped kernel: down_bm = {c.down_bm} must be a power of two >= 16 dividing bm = {c.bm} (Triton)"
-    if c.down_warps not in (0, 4, 8):
-        return f"moe_grouped kernel: down_warps must be 0, 4 or 8, got {c.down_warps}"
+    if c.down_warps not in (0, 4, 8) or (c.down_warps and not c.down_bm):
+        return f"moe_grouped kernel: down_warps must be 0, 4 or 8, and only with down_bm, got {c.down_warps}"
     if c.backend not in ("triton", *MOSAIC_BACKENDS):
         return f"moe_grouped kernel: backend must be 'triton', 'mosaic' or 'mosaic_ws', got {c.backend!r}"
     if c.backend == "mosaic_ws" and c.bn not in (128, 256):

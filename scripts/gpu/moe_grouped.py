@@ -15,8 +15,8 @@ error against `ragged` (max |a - b| / max |b|).  Routing is uniform at random (t
                                                                 # run, then the kernel path's phases (a short call)
     python scripts/gpu/moe_grouped.py --tokens 4096 --mosaic --no-dense   # the Mosaic GPU form (MOSAIC) against
                                                 # the Triton default, errors against the latter, then both's phases
-    python scripts/gpu/moe_grouped.py --tokens 4096 --split --no-dense    # gate|up on 128-row blocks, down on their
-                                                # 64-row halves (SPLIT), against the default before and after
+    python scripts/gpu/moe_grouped.py --tokens 4096 --split --no-dense    # the split tiling (config_for's at 128 rows
+                                                # an expert) and bm 64 (SPLIT), the default before and after
 """
 from __future__ import annotations
 
@@ -46,9 +46,11 @@ SWEEP = [G.Config(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=s, order=o)
     # the rows sorted into a copy first, as before the eleventh session (Config.gather is on by default)
     G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n", gather=False),
     G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, order="n", gather=False)]
-# `--split` (thirty-fourth session): gate|up on 128-row blocks (8 warps), alone and with down on their 64-row halves
-# (`down_bm`, 4 warps), against the default before and after
-SPLIT = [G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n"),
+# `--split` (thirty-fourth session): the split (gate|up on 128-row blocks on 8 warps, down on their 64-row halves on 4:
+# config_for's choice from 128 rows an expert since then) against the bm 64 tiling it replaced there and bm 128 alone,
+# the default again after them
+SPLIT = [G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n"),
+         G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n"),
          G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4),
          G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, order="n", down_bm=64, down_warps=4)]
 # the Mosaic GPU form (jaxk3.kernels.moe_grouped_mgpu: TMA, wgmma, a persistent grid): pipeline depth and snake width
@@ -185,8 +187,8 @@ def main(argv=None) -> int:
     ap.add_argument("--align", action="store_true", help="only align against the sort it replaced, then the phases")
     ap.add_argument("--mosaic", action="store_true", help="the Mosaic GPU configs (MOSAIC) instead of SWEEP, and the "
                     "phases of the best of them")
-    ap.add_argument("--split", action="store_true", help="the SPLIT configs (gate|up on 128 rows, down on 64) instead "
-                    "of SWEEP, then the default again")
+    ap.add_argument("--split", action="store_true", help="the SPLIT configs (bm 64; gate|up on 128 rows, down on 64) "
+                    "instead of SWEEP, then the default again")
     ap.add_argument("--no-dense", action="store_true", help="leave out the dense and ragged forms (minutes to compile)")
     a = ap.parse_args(argv)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)

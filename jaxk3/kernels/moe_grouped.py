@@ -367,7 +367,7 @@ def down_blocks(expert_B: jax.Array, src_M: jax.Array, num_tokens: int, c: Confi
     """Kernel 2's blocks and config: the layout's own (expert_B, c), or with `c.down_bm` its down_bm-row sub-blocks,
     each the expert of its block or -1 where it holds padding rows only (an expert's rows fill its blocks from the
     first row, so a sub-block holds a real row iff its first row is one: src < N)."""
-    if not c.down_bm or c.down_bm == c.bm:
+    if not c.down_bm:
         return expert_B, c
     r = c.bm // c.down_bm
     real = src_M[::c.down_bm] < num_tokens

@@ -58,6 +58,10 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-.92}
 export JAXK3_GATHER_TIMEOUT_S=${JAXK3_GATHER_TIMEOUT_S:-20}
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+# Nsight Compute (the device image has it in the CUDA toolkit, not always on PATH) and the warp-stall metrics both ncu
+# stages read
+ncu_bin() { which ncu 2>/dev/null || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1; }
+NCU_STALLS='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
 
 if has env; then
   {
@@ -530,11 +534,11 @@ if has cudancu; then
   # Nsight Compute on the MXFP4 CUDA kernels as the sweep runs them (K3's TP 2 share, NCU_BATCH tokens; the default
   # config first, then NCU_CONFIG): each launch's template instance is in its name (GateUpKernel<form, l2>).
   echo "== Nsight Compute: the CUDA MXFP4 kernels, B = ${NCU_BATCH:-1}, ${NCU_CONFIG:-cuda_raw=1,cuda_down=1} ($(date -u +%T))"
-  NCU=$(which ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  NCU=$(ncu_bin)
   timeout -k 5 ${NCU_TIMEOUT:-200} $NCU --clock-control none --target-processes all -k regex:"GateUpKernel|DownKernel" \
     --launch-skip ${NCU_SKIP:-4} --launch-count ${NCU_COUNT:-8} \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
-    --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
+    --metrics "$NCU_STALLS" \
     $PY scripts/gpu/moe_experts_sweep.py --preset k3 --batch ${NCU_BATCH:-1} --formats mxfp4 \
     --configs "${NCU_CONFIG:-cuda_raw=1,cuda_down=1}" > "$OUT/cudancu.txt" 2>&1
   echo "ncu rc $?"
@@ -547,14 +551,14 @@ if has groupedncu; then
   # Nsight Compute on the prefill's grouped-GEMM kernels (default config, 48B dims, 4096 tokens x 8 of 256 experts), then
   # on the plain GEMM of the same FLOPs (cuBLAS) in a second pass. XLA's command buffers off: with them on, ncu
   # segfaulted (rc 139) at the first kernel inside a command buffer (thirty-fourth session).
-  NCU=$(which ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  NCU=$(ncu_bin)
   gncu() {  # $1 kernel regex, $2 launches skipped, $3 launches profiled, $4 file under $OUT
     echo "== Nsight Compute: $1 ($(date -u +%T))"
     XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout -k 5 ${GNCU_TIMEOUT:-150} $NCU --clock-control none \
       --target-processes all -k regex:"$1" --launch-skip $2 --launch-count $3 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
       --section LaunchStats --section WarpStateStats --section SchedulerStats --section InstructionStats \
-      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
+      --metrics "$NCU_STALLS" \
       $PY scripts/gpu/moe_grouped.py --json /tmp/jaxk3_ncu_grouped.json --tokens 4096 --no-sweep --no-dense > "$OUT/$4" 2>&1
     echo "ncu rc $?"
     grep -E "^  [A-Za-z_]+.*\(|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Dynamic Shared|Grid Size" \

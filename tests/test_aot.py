@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -193,16 +194,22 @@ def test_every_prefill_kernel_compiles_for_the_h200_at_real_dims(config, tp, bat
 # Launches per block of the 48B B = 1 step (`auto`, the serving layout). The H200's census counted 281 (docs/PERF.md,
 # nineteenth session), as this compile does with XLA's default precision; with the model's own roundings
 # (model.EXCESS_PRECISION False, twenty-first session) each MoE block after a KDA block takes 6, 262 in all. Layer 0's
-# KDA block also holds the embedding row's conversion for its first kernel (4 there). A change that adds a launch to
-# a block fails here first.
+# KDA block also holds the step's length update and the valid flags' conversion that the KDA and MLA kernels read (4
+# there). A change that adds a launch to a block fails here first.
 LAUNCH_BUDGET_48B_B1 = {"embed": 1, "kda": 3, "mla": 5, "mlp": 5, "moe": 7, "head": 5, "layer0_kda": 4}
 LAUNCH_OPS_48B_B1 = 262
 MOE_AFTER_KDA = 6
 
 
+@functools.lru_cache(maxsize=1)
+def _census_48b_b1() -> dict:
+    """The 48B B = 1 step's census row at main's switches (two tests read it: one compile)."""
+    (row,) = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")["rows"]
+    return row
+
+
 def test_48b_step_launches_within_the_measured_budget():
-    res = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")
-    (row,) = res["rows"]
+    row = _census_48b_b1()
     assert row["launch_ops"] <= LAUNCH_OPS_48B_B1, row["launch_ops"]
     # the thunk sequence read back (aot.launches): one kernel launch per launch op here (no copies or FFI calls)
     assert len(row["launches"]) == row["launch_ops"] and all("ctas" in x for x in row["launches"])
@@ -229,6 +236,27 @@ def test_48b_step_launches_within_the_measured_budget():
     # would read alike in a profile)
     unnamed = sorted({n for ns in kernels.values() for n in ns if n.startswith("_")})
     assert not unnamed, unnamed
+
+
+def test_48b_step_with_the_residual_added_in_the_experts_kernel(monkeypatch):
+    """moe_experts.RESIDUAL_IN_DOWN (kernel 2 writing the new stream bf16(h + out) itself) compiled for the H200 over the
+    48B's 27 layers at B = 1: every MoE block but the last one's (whose add the head's fusions take) loses XLA's
+    residual-add fusion, 25 launches (262 -> 237, under issue 22's 250), and its kernel 2 still compiles (576
+    programs of 4 rows: `_fold_config`); no block gains one."""
+    from jaxk3.kernels import moe_experts as ME
+
+    def counts(row: dict) -> tuple[int, dict]:
+        return row["launch_ops"], row["census"]["totals"]
+
+    main = ME.RESIDUAL_IN_DOWN
+    monkeypatch.setattr(ME, "RESIDUAL_IN_DOWN", not main)
+    (other,) = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")["rows"]
+    base = _census_48b_b1()  # (main's switch: the budget test's compile)
+    (n_off, t_off), (n_on, t_on) = (counts(other), counts(base)) if main else (counts(base), counts(other))
+    moe = [b for b in t_on if b.endswith("_moe")]
+    assert n_off - n_on == len(moe) - 1 == 25, (n_off, n_on, len(moe))
+    assert {b: t_off[b] - t_on[b] for b in moe} == {b: int(b != "layer26_moe") for b in moe}
+    assert all(t_on[b] == t_off[b] for b in t_on if b not in moe), (t_off, t_on)
 
 
 def test_k3_step_with_the_attn_res_stack_by_selects_and_the_latent_norm_in_up(monkeypatch):

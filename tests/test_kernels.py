@@ -2798,6 +2798,101 @@ def test_moe_residual_is_the_stream_add():
                                   np.asarray((hx + f).astype(jnp.bfloat16)).view(np.uint16))
 
 
+@pytest.mark.parametrize("routed", [False, True])
+def test_moe_residual_added_in_kernel_2(monkeypatch, routed):
+    """With RESIDUAL_IN_DOWN, kernel 2 adds the residual stream and rounds it itself (one token, bf16 experts, the
+    shared experts fused: the 48B's serving form; `experts` and the routed form): its output is bf16 from the
+    kernel (no partial sums left for XLA), bit for bit bf16(h + y) where y is the kernel's own float32 sum at the
+    tiling `_fold_config` gives (one part along I, 4-row programs here, tiles of up to FOLD_BK columns), and within
+    the experts tests' 2e-6 (float32 reassociation) of the jnp reference before the one rounding.  A kernel 2 that
+    skipped the add, or added a row of h shifted by one program, fails the bitwise check.  Compiled on the GPU by
+    tests/test_aot.py (the 48B step with it) and timed in the step (docs/PERF.md, thirty-fifth session)."""
+    from jaxk3.kernels import moe_experts as ME
+
+    cfg, w, z, logits, bias = _routed_case("dense", jnp.bfloat16, ties=False)
+    w = _joined(w)
+    shared = _shared(w, jnp.bfloat16)
+    from jaxk3.kernels.router import select_experts
+
+    wk, ids = select_experts(cfg, logits, bias)
+    L, I = w.experts_w2.shape[1:]
+    h = jnp.asarray(np.random.default_rng(4).standard_normal((1, L)), jnp.bfloat16)
+    c = ME.Config(bn=16, bk=32)
+    monkeypatch.setattr(ME, "RESIDUAL_IN_DOWN", True)
+    fc = ME._fold_config(ME._resolve(c, 1, z.shape[1], I, L), 1, False, h, L, I)
+    assert fc.splits == 1 and fc.down_bn == 4 and fc.down_bk == min(ME.FOLD_BK, I), fc  # (tiny L: fewer than 4 an SM)
+
+    def run(residual, config):
+        if routed:
+            return ME.experts_routed(cfg, w, z, logits, bias, shared=shared, interpret=True, config=config,
+                                     residual=residual)
+        return ME.experts(cfg, w, z, wk, ids, shared=shared, interpret=True, config=config, residual=residual)
+
+    assert ME.fits(cfg, w, z, wk, ids, shared=shared, config=c, only_where_faster=False, residual=h) is None
+    f = jax.jit(lambda h: run(h, c))
+
+    def down_out(f):  # kernel 2's output (dtype, shape), traced anew (RESIDUAL_IN_DOWN is read at trace time)
+        eqns = [e for e in jax.make_jaxpr(lambda h: run(h, c))(h).eqns if e.primitive.name == "pallas_call"]
+        assert len(eqns) == 2, eqns
+        (v,) = eqns[1].outvars
+        return v.aval.dtype, v.aval.shape
+
+    assert down_out(f) == (jnp.bfloat16, (1, 1, L))
+    got = np.asarray(f(h))
+    y = run(None, ME.Config(bn=16, bk=32, splits=1, down_bn=fc.down_bn, down_bk=fc.down_bk))  # the same sums, no add
+    assert got.dtype == np.dtype(jnp.bfloat16) and got.shape == (1, L)
+    want = np.asarray((h + y).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    ref = np.asarray(ME.reference(cfg, w, z, wk, ids, shared=shared))
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+    shifted = np.asarray((jnp.roll(h, 4, axis=1) + y).astype(jnp.bfloat16))
+    assert (shifted.view(np.uint16) != got.view(np.uint16)).mean() > 0.5
+    # off, and where it cannot fold (an explicit split of I): the partial sums and XLA's add, as before
+    monkeypatch.setattr(ME, "RESIDUAL_IN_DOWN", False)
+    assert down_out(f) == (jnp.float32, (ME._splits(ME._resolve(c, 1, z.shape[1], I, L), L, I), 1, L))
+    monkeypatch.setattr(ME, "RESIDUAL_IN_DOWN", True)
+    assert ME._fold_config(ME._resolve(ME.Config(bn=16, bk=32, splits=2), 1, z.shape[1], I, L), 1, False, h, L,
+                           I) is None
+    bad = ME.fits(cfg, w, z, wk, ids, shared=shared, config=ME.Config(bn=16, bk=32, down_bn=2), only_where_faster=False)
+    assert "down_bn" in bad and ">= 4" in bad
+    bad = ME.fits(cfg, w, z, wk, ids, shared=shared, config=ME.Config(bn=16, bk=32, down_bk=48),
+                  only_where_faster=False)
+    assert "down_bk" in bad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E", [64, 256])
+def test_moe_residual_in_kernel_2_on_gpu(monkeypatch, E):
+    """RESIDUAL_IN_DOWN compiled at Kimi-Linear-48B's dims (E experts, the serving layout with the shared experts
+    fused, one token; `_fold_config`: kernel 2 in 576 programs of 4 rows over L 2304, I 1024 in one tile), through
+    the routed form as the step calls it and through `experts`: bit for bit bf16(h + y), y the same kernels' float32
+    sum at that tiling without the add; y within 2e-6 of max|y| of the default tiling's (float32 reassociation, as
+    test_moe_experts_routed_matches_reference bounds it), so the new stream is within one bf16 rounding of the
+    unfused path's."""
+    if jax.default_backend() == "cpu":
+        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    from jaxk3.kernels import moe_experts as ME
+    from jaxk3.kernels.router import select_experts
+
+    cfg, w, z, logits, bias, shared = _routed_real(E, seed=13)
+    wk, ids = select_experts(cfg, logits, bias)
+    L, I = cfg.hidden_size, cfg.moe_intermediate_size
+    h = jnp.asarray(np.random.default_rng(13).standard_normal((1, L)), jnp.bfloat16)
+    monkeypatch.setattr(ME, "RESIDUAL_IN_DOWN", True)
+    fc = ME._fold_config(ME._resolve(ME.Config(), 1, L, I, L), 1, False, h, L, I)
+    assert (fc.splits, fc.down_bn, fc.down_bk) == (1, 4, 1024), fc
+    tiled = ME.Config(splits=1, down_bn=fc.down_bn, down_bk=fc.down_bk)
+    y = np.asarray(jax.jit(lambda w, s, *a: ME.experts(cfg, w, *a, shared=s, config=tiled))(w, shared, z, wk, ids))
+    y0 = np.asarray(jax.jit(lambda w, s, *a: ME.experts(cfg, w, *a, shared=s))(w, shared, z, wk, ids))
+    np.testing.assert_allclose(y, y0, rtol=0, atol=2e-6 * np.abs(y0).max())
+    want = np.asarray((h + y).astype(jnp.bfloat16)).view(np.uint16)
+    for name, f in (("routed", lambda w, s, h: ME.experts_routed(cfg, w, z, logits, bias, shared=s, residual=h)),
+                    ("ids", lambda w, s, h: ME.experts(cfg, w, z, wk, ids, shared=s, residual=h))):
+        got = np.asarray(jax.jit(f)(w, shared, h))
+        assert got.dtype == np.dtype(jnp.bfloat16) and got.shape == (1, L), name
+        np.testing.assert_array_equal(got.view(np.uint16), want, err_msg=name)
+
+
 class _LazyExperts(dict):
     """The MoE block's HF-named weights for tests/refs/np_ref.moe, each expert's matrix sliced from the bf16 stacks
     when the reference reads it (it reads only the selected experts'): no float64 copy of all 64."""

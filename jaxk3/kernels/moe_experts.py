@@ -102,6 +102,12 @@ CUDA_WIDE = True
 # against 91.3): there only an explicit Config.cuda_stages takes it
 CUDA_STAGES = 4
 CUDA_STAGES_WIDE = 8
+# One token, bf16 experts, handed the residual stream (one rank: `layers.moe`'s fold): kernel 2 adds it and rounds,
+# writing the new stream bf16(h + out) itself, in one part along I (Config.splits 1; its rows per program cut to keep
+# 4 programs an SM: `_fold_config`), instead of S partial sums that an XLA fusion after it adds to h: one launch
+# fewer per MoE block (the 48B B = 1 step: 25).  Off until timed in the step (docs/PERF.md, thirty-fifth session).
+RESIDUAL_IN_DOWN = False
+FOLD_BK = 1024  # kernel 2's input columns per tile when it adds the residual (at most; Config.down_bk overrides)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +115,10 @@ class Config:
     """The kernels' tiling and MXFP4 decode (scripts/gpu/moe_experts_sweep.py times them against XLA)."""
     bn: int = 0  # output rows per program, both kernels (a power of two dividing I and L); 0: `_resolve`'s
     bk: int = 0  # input columns per tile (a power of two; MXFP4: bk / 32 scale groups); 0: `_resolve`'s
+    down_bn: int = 0  # kernel 2's own output rows per program (a power of two >= 4 dividing L); 0: bn, or with the
+    # residual added in kernel 2 (`RESIDUAL_IN_DOWN`) the largest power of two <= bn giving >= 4 programs an SM
+    down_bk: int = 0  # kernel 2's own input columns per tile (a power of two dividing I); 0: bk, or with the residual
+    # added in kernel 2 the largest power of two <= FOLD_BK dividing I
     splits: int = 0  # kernel 2's programs along I (partial sums added by the consumer); 0: enough for 4 per SM
     slot_splits: int = 0  # kernel 2's programs along the slots (each sums a contiguous part of them; more partial
     # sums): for grids that `splits` alone leaves short of the SMs.  0: with `f16`, the fewest (up to 4) giving 8
@@ -733,14 +743,19 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
             gate_up(s13, s13, None, up)
 
 
-def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared: bool, steps: int, parts: int = 1):
+def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared: bool, steps: int, parts: int = 1,
+                 fold: bool = False):
     """Program (n, s): output rows [n·bn, (n+1)·bn), the s-th part of I: Σ over the slots u of
     coef[:, u] · W2[read[u]] a[u] (+ the shared experts' down projection of slot U), one partial sum
-    (coef [Bp, U]: at B = 1 the routing weights as the router gives them, or as kernel 1 wrote them)."""
+    (coef [Bp, U]: at B = 1 the routing weights as the router gives them, or as kernel 1 wrote them).
+    `fold` (one token, one part): the residual stream's rows h (the last input, [1, L]) added in float32 and the sum
+    rounded to h's dtype, the new stream, as `add_residual` does after the kernel otherwise."""
     pl = _pl()
     a, refs = refs[:na], refs[na:]
     if sp.f16:  # each slot's tokens' 2^-k [P, 16, 1]
         ainv, refs = refs[0], refs[1:]
+    if fold:
+        h_ref, refs = refs[-2], refs[:-2] + refs[-1:]
     w2, o_ref = refs[:nw], refs[-1]
     n, s, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(pl.multiple_of(n * sp.bn, sp.bn), sp.bn)
@@ -781,6 +796,8 @@ def _down_kernel(read_ref, coef_ref, *refs, sp: _Spec, na: int, nw: int, shared:
     y = lax.fori_loop(0, U, body, zero) if parts == 1 else lax.fori_loop(0, per, body_part, zero)
     if shared:  # (with one part: `fits`)
         y = add(y, _gemv_rows(sp, refs[nw:nw + 1], None, rows, a, (U,), steps, start))
+    if fold:  # (y [bn]: one token, element-wise; `_fold_config`)
+        y = h_ref[0, rows].astype(F32) + y
     _store(o_ref, (s * parts + part,), rows, y)
 
 
@@ -938,19 +955,40 @@ def _slot_splits(cf: Config, Out: int, I: int, one_mx: bool = False, sms: int = 
         return 4
     if not cf.f16:
         return 1
-    n = (Out // cf.bn) * _splits(cf, Out, I, sms)
+    n = (Out // (cf.down_bn or cf.bn)) * _splits(cf, Out, I, sms)
     return next((g for g in range(1, 4) if n * g >= 8 * sms), 4)
 
 
 def _splits(cf: Config, Out: int, I: int, sms: int = 132) -> int:
     """Kernel 2's programs along I: cf.splits, or the fewest dividing I's tiles that give >= 4 per SM."""
-    steps = I // cf.bk
+    bn, bk = cf.down_bn or cf.bn, cf.down_bk or cf.bk
+    steps = I // bk
     if cf.splits:
         return cf.splits
     for s in range(1, steps + 1):
-        if steps % s == 0 and (Out // cf.bn) * s >= 4 * sms:
+        if steps % s == 0 and (Out // bn) * s >= 4 * sms:
             return s
     return steps
+
+
+def _fold_config(cf: Config, B: int, packed: bool, residual: jax.Array | None, Out: int, I: int,
+                 sms: int = 132) -> Config | None:
+    """cf as kernel 2 runs it when it adds the residual stream itself (RESIDUAL_IN_DOWN; one token, bf16 experts,
+    kernel 2 in one part along I and the slots), else None: splits 1, its rows per program halved from bn (to 4 at
+    least) until it has 4 programs an SM (the 48B's L 2304: 576 programs of 4 rows, as many as 144 x 4 parts today),
+    its tiles up to FOLD_BK columns."""
+    if (residual is None or not RESIDUAL_IN_DOWN or B != 1 or packed or cf.splits > 1 or cf.slot_splits > 1
+            or cf.swap or cf.f16):
+        return None
+    bn = cf.down_bn or cf.bn
+    if not cf.down_bn:
+        while bn > 4 and Out // bn < 4 * sms:
+            bn //= 2
+    bk = cf.down_bk or FOLD_BK
+    if not cf.down_bk:
+        while bk > G32 and I % bk:
+            bk //= 2
+    return dataclasses.replace(cf, splits=1, down_bn=bn, down_bk=bk)
 
 
 def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared: SharedMLP | None = None,
@@ -1062,6 +1100,8 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
             grid=(P, I // cf.bn), in_specs=[any_] * len(ins), out_specs=[any_] * len(outs),
             out_shape=tuple(outs), interpret=interpret, name="moe_gate_up", **kw)(*ins)
 
+    fcf = _fold_config(cf, B, packed, residual, Out, I)
+    cf = fcf or cf
     S, G = _splits(cf, Out, I), _slot_splits(cf, Out, I, packed and B == 1)
     dstages = _cuda_down_stages(cf, B, U)
     Gc = U if dstages else G  # the streaming kernel 2: one slot a part (its items many; the warps split each slot's I)
@@ -1080,12 +1120,17 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
         av = [*av, ainv]
     else:
         av = _x_views(a, packed, cf.x_f32)
-    ins = [*(sel_down if route is None else sel), *av, *w2v, *s2]
+    fold = fcf is not None and S * G == 1  # (one part: always, with _fold_config's splits 1 and one slot part)
+    ins = [*(sel_down if route is None else sel), *av, *w2v, *s2, *([residual] if fold else [])]
+    sp2 = dataclasses.replace(sp, bn=cf.down_bn or cf.bn, bk=cf.down_bk or cf.bk)  # kernel 2's tile
     y = pl.pallas_call(
-        functools.partial(_down_kernel, sp=sp, na=len(av) - f16, nw=len(w2v), shared=shared is not None,
-                          steps=I // S // cf.bk, parts=G),
-        grid=(Out // cf.bn, S, G), in_specs=[any_] * len(ins), out_specs=any_,
-        out_shape=jax.ShapeDtypeStruct((S * G, Bp, Out), F32), interpret=interpret, name="moe_down", **kw)(*ins)
+        functools.partial(_down_kernel, sp=sp2, na=len(av) - f16, nw=len(w2v), shared=shared is not None,
+                          steps=I // S // sp2.bk, parts=G, fold=fold),
+        grid=(Out // sp2.bn, S, G), in_specs=[any_] * len(ins), out_specs=any_,
+        out_shape=jax.ShapeDtypeStruct((S * G, Bp, Out), residual.dtype if fold else F32), interpret=interpret,
+        name="moe_down", **kw)(*ins)
+    if fold:
+        return y[0, :B]
     return add_residual((y[0] if S * G == 1 else jnp.sum(y, axis=0))[:B], residual)
 
 
@@ -1199,13 +1244,20 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
                 f"'select' decode, got {z_BL.dtype}, x_f32 {cf.x_f32}, decode {cf.decode!r}")
     if not packed and w.experts_w2.dtype != jnp.bfloat16:
         return f"moe_experts kernel streams bf16 or MXFP4 experts, got {w.experts_w2.dtype}"
-    S = _splits(cf, Out, I) if I % cf.bk == 0 else 1  # (a bk not dividing I is refused below)
-    for name, rows, cols in (("w1/w3", I, In), ("w2", Out, I)):
-        if rows % cf.bn or cols % cf.bk:
-            return (f"moe_experts kernel needs {name} rows a multiple of bn {cf.bn} and columns of bk {cf.bk}, "
+    lo_bn = 4 if B == 1 else min_bn  # (kernel 2's element-wise tiles at one token may be 4 rows: `_fold_config`)
+    if not ((cf.down_bn == 0 or (pow2(cf.down_bn) and cf.down_bn >= lo_bn))
+            and (cf.down_bk == 0 or (pow2(cf.down_bk) and cf.down_bk >= G32))):
+        return (f"moe_experts kernel: kernel 2's down_bn (>= {lo_bn} at B = {B}) and down_bk (>= {G32}) must be "
+                f"powers of two, or 0 for bn and bk, got {cf.down_bn}, {cf.down_bk}")
+    cf = _fold_config(cf, B, packed, residual, Out, I) or cf
+    bn2, bk2 = cf.down_bn or cf.bn, cf.down_bk or cf.bk
+    S = _splits(cf, Out, I) if I % bk2 == 0 else 1  # (a bk not dividing I is refused below)
+    for name, rows, cols, bn, bk in (("w1/w3", I, In, cf.bn, cf.bk), ("w2", Out, I, bn2, bk2)):
+        if rows % bn or cols % bk:
+            return (f"moe_experts kernel needs {name} rows a multiple of bn {bn} and columns of bk {bk}, "
                     f"got [{rows}, {cols}]")
-    if I % (S * cf.bk):
-        return f"moe_experts kernel: {S} splits of I {I} in tiles of {cf.bk} do not divide it"
+    if I % (S * bk2):
+        return f"moe_experts kernel: {S} splits of I {I} in tiles of {bk2} do not divide it"
     if shared is not None:
         if packed:
             return "moe_experts kernel fuses the shared experts with bf16 routed experts only (these are MXFP4)"

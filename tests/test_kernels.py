@@ -2909,15 +2909,19 @@ class _LazyExperts(dict):
 
 
 @pytest.mark.gpu
-def test_moe_block_paths_against_float64_on_gpu():
+def test_moe_block_paths_against_float64_on_gpu(monkeypatch):
     """Kimi-Linear-48B's MoE block at one token (64 experts, the serving layout with the shared experts fused) through
     `layers.moe.moe` as the decode step calls it (a `Normed` input, under shard_map on one device), in XLA (kernels
     off) and through the Pallas kernels (auto), each against tests/refs/np_ref.moe in float64 on the same bf16 weights
     and the normed row XLA rounds to bf16: every path within 4e-3 of max|ref| (the other experts tests' bound: the bf16
     activations, rounded from float32 sums).  Handed the residual stream, each path's output is bf16(h + its output)
-    bit for bit."""
+    bit for bit, with the add after the kernels (moe_experts.RESIDUAL_IN_DOWN off here: kernel 2 adding it sums in one
+    part along I, its own order, which test_moe_residual_in_kernel_2_on_gpu checks)."""
     if jax.default_backend() == "cpu":
         pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
+    from jaxk3.kernels import moe_experts as ME
+
+    monkeypatch.setattr(ME, "RESIDUAL_IN_DOWN", False)
     from jaxk3 import collectives
     from jaxk3.layers import moe
     from jaxk3.layers.common import TP, Normed

@@ -14,7 +14,9 @@ P = U, plus one slot for the shared experts when they are given (Kimi-Linear: th
 read the hidden state, as the shared experts do; `shared` must have I intermediate rows per rank).
 Kernel 2 walks the P experts inside each program, so the combine, the shared experts' down
 projection and their sum with the routed partial cost no kernel of their own; its S programs along I
-leave S partial sums that XLA adds in the fusion that consumes the output (the residual add).
+leave S partial sums that XLA adds in the fusion that consumes the output (the residual add), except at one token
+with bf16 experts handed the residual stream, where kernel 2 runs in one part and adds it itself
+(`RESIDUAL_IN_DOWN`).
 
 How a tile is multiplied (as in jaxk3.kernels.gemv, whose sweep found the same):
   B = 1        the tile times x, accumulated element-wise in fp32 registers, reduced once at the end;
@@ -105,8 +107,10 @@ CUDA_STAGES_WIDE = 8
 # One token, bf16 experts, handed the residual stream (one rank: `layers.moe`'s fold): kernel 2 adds it and rounds,
 # writing the new stream bf16(h + out) itself, in one part along I (Config.splits 1; its rows per program cut to keep
 # 4 programs an SM: `_fold_config`), instead of S partial sums that an XLA fusion after it adds to h: one launch
-# fewer per MoE block (the 48B B = 1 step: 25).  Off until timed in the step (docs/PERF.md, thirty-fifth session).
-RESIDUAL_IN_DOWN = False
+# fewer per MoE block.  Thirty-fifth session, 1x H100, the 48B B = 1 step at 4K in two calls (main before and after):
+# 2927.1 and 2921.1 us, 237 launches, against main's 2917.5-2938.0 us, 262: even in time, 25 launches fewer (issue 22's
+# <= 250); with 256-wide tiles 2954.7, with 8-row programs (288) 2996.8: slower.
+RESIDUAL_IN_DOWN = True
 FOLD_BK = 1024  # kernel 2's input columns per tile when it adds the residual (at most; Config.down_bk overrides)
 
 
@@ -1297,7 +1301,9 @@ register(Kernel("moe_experts", reference, experts, platforms=("gpu",), fits=fits
                          "0.11.2; MEASURED, STEP_MEASURED); kernel 1's streaming form: 2.05x XLA at K3 TP 2 B=1 with 4 "
                          "stages (88.0 us against 180.1; the register form 1.90x), 3.78x at B=8 with 8 (327.9 against "
                          "1238.8; 3.61x), the K3 layers 11-14 packed steps 3218.8-3258.9 us at B=1 and 4162.5-4191.6 "
-                         "at B=8 against 3242.9-3289.8 and 4256.8-4274.6 with the register form (H100, jax 0.11.2)"))
+                         "at B=8 against 3242.9-3289.8 and 4256.8-4274.6 with the register form (H100, jax 0.11.2); "
+                         "kernel 2 adding the residual stream at one token (RESIDUAL_IN_DOWN): the 48B B=1 step "
+                         "2921.1-2927.1 us with 237 launches against 2917.5-2938.0 with 262 (H100, jax 0.11.2)"))
 
 
 def routed_reference(cfg, w, z_BL, logits_BE, bias_E, shared: SharedMLP | None = None, config: Config | None = None,

@@ -51,7 +51,8 @@ IMPLS = ("auto", "ffi", "lax")  # collective implementations (jaxk3.collectives.
 # so on a GPU the residual stream was carried in float32 across blocks where the model (and the CPU path, and the
 # bf16 reference models) rounds it after each block. Off here (docs/PERF.md, twenty-first session): on the CPU
 # the logits are bitwise as before; compiled for an H200, the 48B B = 1 step takes 262 launches instead of 281
-# (each MoE block's residual add, a kernel of its own, goes into its consumers). `True` restores XLA's default.
+# (each MoE block's residual add, a kernel of its own, goes into its consumers; 237 since the experts' kernel 2 adds
+# it itself, moe_experts.RESIDUAL_IN_DOWN). `True` restores XLA's default.
 EXCESS_PRECISION = False
 
 

@@ -250,9 +250,10 @@ def test_48b_step_with_the_residual_added_in_the_experts_kernel(monkeypatch):
         return row["launch_ops"], row["census"]["totals"]
 
     main = ME.RESIDUAL_IN_DOWN
-    monkeypatch.setattr(ME, "RESIDUAL_IN_DOWN", not main)
-    (other,) = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")["rows"]
-    base = _census_48b_b1()  # (main's switch: the budget test's compile)
+    base = _census_48b_b1()  # main's switch (the budget test's compile), before the switch is turned over
+    with monkeypatch.context() as m:
+        m.setattr(ME, "RESIDUAL_IN_DOWN", not main)
+        (other,) = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "auto")["rows"]
     (n_off, t_off), (n_on, t_on) = (counts(other), counts(base)) if main else (counts(base), counts(other))
     moe = [b for b in t_on if b.endswith("_moe")]
     assert n_off - n_on == len(moe) - 1 == 25, (n_off, n_on, len(moe))

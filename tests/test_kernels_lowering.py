@@ -25,8 +25,10 @@ def _cfg48():
     return load_config("kimi-linear-48b")
 
 
-@pytest.mark.parametrize("E,B", [(64, 1), (256, 1)])
-def test_moe_experts_routed_lowers(E, B):
+@pytest.mark.parametrize("E,B,residual", [(64, 1, False), (256, 1, False), (64, 1, True), (256, 1, True)])
+def test_moe_experts_routed_lowers(E, B, residual):
+    """The routed form at the 48B's dims lowers to Triton (kernel 1 and 2); handed the residual stream, with kernel 2
+    adding it itself (moe_experts.RESIDUAL_IN_DOWN: 576 programs of 4 rows, I in one tile)."""
     from jaxk3.kernels import moe_experts as ME
     from jaxk3.layers import moe
 
@@ -36,8 +38,14 @@ def test_moe_experts_routed_lowers(E, B):
                        experts_w2=S((E, L, I), BF16), experts_w13=S((E, 2 * I, L), BF16))
     shared = ME.SharedMLP(S((2 * I, L), BF16), S((L, I), BF16))
     z, logits, bias = S((B, L), BF16), S((B, E), jnp.float32), S((E,), jnp.float32)
-    assert ME.routed_fits(cfg, w, z, logits, bias, shared=shared, only_where_faster=False) is None
-    n = lower(lambda w, z, lg, b, sh: ME.experts_routed(cfg, w, z, lg, b, shared=sh), w, z, logits, bias, shared)
+    h = S((B, L), BF16) if residual else None
+    assert ME.routed_fits(cfg, w, z, logits, bias, shared=shared, only_where_faster=False, residual=h) is None
+    if residual:
+        assert ME.RESIDUAL_IN_DOWN and ME._fold_config(ME._resolve(ME.Config(), B, L, I, L), B, False, h, L, I)
+        n = lower(lambda w, z, lg, b, sh, h: ME.experts_routed(cfg, w, z, lg, b, shared=sh, residual=h), w, z, logits,
+                  bias, shared, h)
+    else:
+        n = lower(lambda w, z, lg, b, sh: ME.experts_routed(cfg, w, z, lg, b, shared=sh), w, z, logits, bias, shared)
     assert n == 2  # kernel 1 and 2
 
 

@@ -117,13 +117,15 @@ FOLD_BK = 1024  # kernel 2's input columns per tile when it adds the residual (a
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The kernels' tiling and MXFP4 decode (scripts/gpu/moe_experts_sweep.py times them against XLA)."""
-    bn: int = 0  # output rows per program, both kernels (a power of two dividing I and L); 0: `_resolve`'s
+    bn: int = 0  # output rows per program, both kernels but for down_bn (a power of two dividing I and L); 0: _resolve
     bk: int = 0  # input columns per tile (a power of two; MXFP4: bk / 32 scale groups); 0: `_resolve`'s
-    down_bn: int = 0  # kernel 2's own output rows per program (a power of two >= 4 dividing L); 0: bn, or with the
-    # residual added in kernel 2 (`RESIDUAL_IN_DOWN`) the largest power of two <= bn giving >= 4 programs an SM
+    down_bn: int = 0  # kernel 2's own output rows per program (a power of two dividing L, >= 4 at one token, else 16);
+    # 0: bn, or with the residual added in kernel 2 (`RESIDUAL_IN_DOWN`) the largest power of two <= bn giving >= 4
+    # programs an SM
     down_bk: int = 0  # kernel 2's own input columns per tile (a power of two dividing I); 0: bk, or with the residual
     # added in kernel 2 the largest power of two <= FOLD_BK dividing I
-    splits: int = 0  # kernel 2's programs along I (partial sums added by the consumer); 0: enough for 4 per SM
+    splits: int = 0  # kernel 2's programs along I (partial sums added by the consumer); 0: enough for 4 per SM, or 1
+    # where kernel 2 adds the residual stream itself (RESIDUAL_IN_DOWN: no partial sums)
     slot_splits: int = 0  # kernel 2's programs along the slots (each sums a contiguous part of them; more partial
     # sums): for grids that `splits` alone leaves short of the SMs.  0: with `f16`, the fewest (up to 4) giving 8
     # programs an SM, two waves at its 4 resident (seventeenth session, B = 8: K3's TP 2 share, where kernel 2's 336
@@ -902,7 +904,8 @@ def _cuda_down_stages(cf: Config, B: int, U: int) -> int:
 
 def add_residual(y: jax.Array, residual: jax.Array | None) -> jax.Array:
     """The block's fp32 output, or with `residual` the new residual stream bf16(residual + y) (the decode step's add
-    and rounding, as `attn_res.ffn_done` does them): the kernels' paths and `layers.moe.moe` alike."""
+    and rounding, as `attn_res.ffn_done` does them): the kernels' paths (but kernel 2 adding it itself, which does the
+    same in its epilogue: RESIDUAL_IN_DOWN) and `layers.moe.moe` alike."""
     return y if residual is None else (residual + y).astype(residual.dtype)
 
 
@@ -1000,7 +1003,8 @@ def experts(cfg, w, z_BL: jax.Array, w_Bk: jax.Array, ids_Bk: jax.Array, shared:
             residual: jax.Array | None = None) -> jax.Array:
     """The same function as the reference: fp32 [B, Out] = Σ_k w_k · W2_k act(W1_k z, W3_k z) over the
     local intermediate shard (+ the shared experts' partial); with `residual` [B, Out] (one rank's whole sum: no psum
-    after it), bf16(residual + that), added after the kernels (`add_residual`)."""
+    after it), bf16(residual + that): at one token with bf16 experts by kernel 2 itself (RESIDUAL_IN_DOWN, kernel 2 in
+    one part along I: `_fold_config`), else after the kernels (`add_residual`)."""
     B = z_BL.shape[0]
     E, *_ = _dims(w)
     uniq, coef = plan(ids_Bk, w_Bk, E)
@@ -1248,7 +1252,7 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
                 f"'select' decode, got {z_BL.dtype}, x_f32 {cf.x_f32}, decode {cf.decode!r}")
     if not packed and w.experts_w2.dtype != jnp.bfloat16:
         return f"moe_experts kernel streams bf16 or MXFP4 experts, got {w.experts_w2.dtype}"
-    lo_bn = 4 if B == 1 else min_bn  # (kernel 2's element-wise tiles at one token may be 4 rows: `_fold_config`)
+    lo_bn = 4 if B == 1 and not (cf.f16 or cf.swap) else 16  # (one token's element-wise tiles: 4 rows, `_fold_config`)
     if not ((cf.down_bn == 0 or (pow2(cf.down_bn) and cf.down_bn >= lo_bn))
             and (cf.down_bk == 0 or (pow2(cf.down_bk) and cf.down_bk >= G32))):
         return (f"moe_experts kernel: kernel 2's down_bn (>= {lo_bn} at B = {B}) and down_bk (>= {G32}) must be "

@@ -251,7 +251,7 @@ def moe(cfg: KimiK3Config, w: MoEWeights, x_BD: jax.Array | Normed, tp: TP | str
     A `Normed` input (decode) is normed by the routing kernels (`_route_normed`) where they run; at decode the
     Kimi-Linear experts may also take the router's logits and select inside their kernels (`_experts_routed`).
     `residual` (decode: the residual stream h [B, D] this block adds to): the new stream bf16(h + out) instead of out,
-    added in the experts' call where one rank holds the whole sum (by kernel 2 itself at one token,
+    added in the experts' call where one rank holds the whole sum (by kernel 2 itself at one token with bf16 experts,
     `moe_experts.RESIDUAL_IN_DOWN`; else `moe_experts.add_residual` after the kernels), else after the psum: each
     `attn_res.ffn_done`'s float32 add and bf16 rounding of the experts' sum."""
     dt = x_BD.dtype

@@ -2833,13 +2833,13 @@ def test_moe_residual_added_in_kernel_2(monkeypatch, routed):
     assert ME.fits(cfg, w, z, wk, ids, shared=shared, config=c, only_where_faster=False, residual=h) is None
     f = jax.jit(lambda h: run(h, c))
 
-    def down_out(f):  # kernel 2's output (dtype, shape), traced anew (RESIDUAL_IN_DOWN is read at trace time)
+    def down_out():  # kernel 2's output (dtype, shape), traced anew (RESIDUAL_IN_DOWN is read at trace time)
         eqns = [e for e in jax.make_jaxpr(lambda h: run(h, c))(h).eqns if e.primitive.name == "pallas_call"]
         assert len(eqns) == 2, eqns
         (v,) = eqns[1].outvars
         return v.aval.dtype, v.aval.shape
 
-    assert down_out(f) == (jnp.bfloat16, (1, 1, L))
+    assert down_out() == (jnp.bfloat16, (1, 1, L))
     got = np.asarray(f(h))
     y = run(None, ME.Config(bn=16, bk=32, splits=1, down_bn=fc.down_bn, down_bk=fc.down_bk))  # the same sums, no add
     assert got.dtype == np.dtype(jnp.bfloat16) and got.shape == (1, L)
@@ -2851,7 +2851,7 @@ def test_moe_residual_added_in_kernel_2(monkeypatch, routed):
     assert (shifted.view(np.uint16) != got.view(np.uint16)).mean() > 0.5
     # off, and where it cannot fold (an explicit split of I): the partial sums and XLA's add, as before
     monkeypatch.setattr(ME, "RESIDUAL_IN_DOWN", False)
-    assert down_out(f) == (jnp.float32, (ME._splits(ME._resolve(c, 1, z.shape[1], I, L), L, I), 1, L))
+    assert down_out() == (jnp.float32, (ME._splits(ME._resolve(c, 1, z.shape[1], I, L), L, I), 1, L))
     monkeypatch.setattr(ME, "RESIDUAL_IN_DOWN", True)
     assert ME._fold_config(ME._resolve(ME.Config(bn=16, bk=32, splits=2), 1, z.shape[1], I, L), 1, False, h, L,
                            I) is None

@@ -962,13 +962,18 @@ def _slot_splits(cf: Config, Out: int, I: int, one_mx: bool = False, sms: int = 
         return 4
     if not cf.f16:
         return 1
-    n = (Out // (cf.down_bn or cf.bn)) * _splits(cf, Out, I, sms)
+    n = (Out // _down_tile(cf)[0]) * _splits(cf, Out, I, sms)
     return next((g for g in range(1, 4) if n * g >= 8 * sms), 4)
+
+
+def _down_tile(cf: Config) -> tuple[int, int]:
+    """Kernel 2's (rows per program, columns per tile): its own down_bn / down_bk, else kernel 1's bn / bk."""
+    return cf.down_bn or cf.bn, cf.down_bk or cf.bk
 
 
 def _splits(cf: Config, Out: int, I: int, sms: int = 132) -> int:
     """Kernel 2's programs along I: cf.splits, or the fewest dividing I's tiles that give >= 4 per SM."""
-    bn, bk = cf.down_bn or cf.bn, cf.down_bk or cf.bk
+    bn, bk = _down_tile(cf)
     steps = I // bk
     if cf.splits:
         return cf.splits
@@ -984,9 +989,8 @@ def _fold_config(cf: Config, B: int, packed: bool, residual: jax.Array | None, O
     kernel 2 in one part along I and the slots), else None: splits 1, its rows per program halved from bn (to 4 at
     least) until it has 4 programs an SM (the 48B's L 2304: 576 programs of 4 rows, as many as 144 x 4 parts today),
     its tiles up to FOLD_BK columns."""
-    if (residual is None or not RESIDUAL_IN_DOWN or B != 1 or packed or cf.splits > 1 or cf.slot_splits > 1
-            or cf.swap or cf.f16):
-        return None
+    if residual is None or not RESIDUAL_IN_DOWN or B != 1 or packed or cf.splits > 1 or cf.slot_splits > 1:
+        return None  # (one token of bf16 experts: never the f16 or swap forms, `_resolve`)
     bn = cf.down_bn or cf.bn
     if not cf.down_bn:
         while bn > 4 and Out // bn < 4 * sms:
@@ -1128,9 +1132,10 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
         av = [*av, ainv]
     else:
         av = _x_views(a, packed, cf.x_f32)
-    fold = fcf is not None and S * G == 1  # (one part: always, with _fold_config's splits 1 and one slot part)
+    fold = fcf is not None  # (then S = G = 1: _fold_config's splits 1, one slot part)
     ins = [*(sel_down if route is None else sel), *av, *w2v, *s2, *([residual] if fold else [])]
-    sp2 = dataclasses.replace(sp, bn=cf.down_bn or cf.bn, bk=cf.down_bk or cf.bk)  # kernel 2's tile
+    bn2, bk2 = _down_tile(cf)
+    sp2 = dataclasses.replace(sp, bn=bn2, bk=bk2)
     y = pl.pallas_call(
         functools.partial(_down_kernel, sp=sp2, na=len(av) - f16, nw=len(w2v), shared=shared is not None,
                           steps=I // S // sp2.bk, parts=G, fold=fold),
@@ -1258,7 +1263,7 @@ def fits(cfg, w, z_BL, w_Bk, ids_Bk, shared: SharedMLP | None = None, config: Co
         return (f"moe_experts kernel: kernel 2's down_bn (>= {lo_bn} at B = {B}) and down_bk (>= {G32}) must be "
                 f"powers of two, or 0 for bn and bk, got {cf.down_bn}, {cf.down_bk}")
     cf = _fold_config(cf, B, packed, residual, Out, I) or cf
-    bn2, bk2 = cf.down_bn or cf.bn, cf.down_bk or cf.bk
+    bn2, bk2 = _down_tile(cf)
     S = _splits(cf, Out, I) if I % bk2 == 0 else 1  # (a bk not dividing I is refused below)
     for name, rows, cols, bn, bk in (("w1/w3", I, In, cf.bn, cf.bk), ("w2", Out, I, bn2, bk2)):
         if rows % bn or cols % bk:

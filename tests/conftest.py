@@ -44,9 +44,11 @@ _HEAVY_FIRST = ("test_model.py", "test_kernels.py", "test_distributed.py", "test
 # interpret mode) shows in any case of a function; the sweeps over shapes, dtypes and sizes are the first suite's.
 # The collectives' modules stay whole because lax's own collectives are their spec on each jax (bits per shape, group
 # size and device order), as does test_golden (tokens and logit digests at every TP size: XLA's partitioner is the
-# jax version's).  Measured in CI on 2026-12-06: 685 of the newest-jax suite's 2518 test-seconds were such cases.
-_EVERY_CASE = ("test_collectives.py", "test_psum.py", "test_bitwise_paths.py", "test_collectives_dropin.py",
-               "test_golden.py")
+# jax version's).  test_bitwise_paths (the model's logits through the FFI gathers against lax's, over a pairwise set
+# of TP sizes and switches) runs its first case there: the gathers' own bits on that jax are test_collectives'.
+# Measured in CI on 2026-12-06: 685 of the newest-jax suite's 2518 test-seconds were such cases, and
+# test_bitwise_paths' other cases 79 CPU-seconds of its 1188.
+_EVERY_CASE = ("test_collectives.py", "test_psum.py", "test_collectives_dropin.py", "test_golden.py")
 
 
 def _first_cases_only(config, items) -> None:

@@ -273,6 +273,28 @@ def test_gemv_gnorm_fits():
                                             only_where_faster=False)
 
 
+def test_gemv_gnorm_tiling_knobs(monkeypatch):
+    """GNORM_SPLITS / GNORM_BN / GNORM_WARPS (a step A/B's patch) replace config_for's tiling of the gated-norm GEMV, 0
+    keeps it; a tiling they make is checked by fits as any other, and computes the same function (interpret mode)."""
+    base = G.gnorm_config(2304, 4096, 128)
+    assert (base.splits, base.bn, base.num_warps) == (G.config_for(1, 2304, 4096).splits, 16, 4)
+    monkeypatch.setattr(G, "GNORM_SPLITS", 8)
+    monkeypatch.setattr(G, "GNORM_BN", 32)
+    monkeypatch.setattr(G, "GNORM_WARPS", 8)
+    c = G.gnorm_config(2304, 4096, 128)
+    assert (c.splits, c.bn, c.num_warps, c.bk) == (8, 32, 8, base.bk)
+    x, z, g, w = _gnorm_case(64, 16, 32)  # K 512: two tiles of 256
+    monkeypatch.setattr(G, "GNORM_SPLITS", 2)
+    monkeypatch.setattr(G, "GNORM_WARPS", 0)
+    c = G.gnorm_config(64, 512, 32)
+    assert (c.splits, c.bn, c.num_warps) == (2, 32, G.config_for(1, 64, 512).num_warps) and G.gnorm_fits(x, z, g, 1e-5, w, jnp.bfloat16, only_where_faster=False) is None
+    got = np.asarray(G.gemv_gnorm(x, z, g, 1e-5, w, jnp.bfloat16, interpret=True))
+    ref = np.asarray(G.gnorm_reference(x, z, g, 1e-5, w, jnp.bfloat16))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+    monkeypatch.setattr(G, "GNORM_BN", 48)  # not a power of two: refused by name
+    assert "tiles of bn 48" in G.gnorm_fits(x, z, g, 1e-5, w, jnp.bfloat16, only_where_faster=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,H,d", [(2304, 32, 128), (7168, 24, 128), (64, 8, 32)])
 def test_gemv_gnorm_on_gpu(N, H, d):

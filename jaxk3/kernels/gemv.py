@@ -407,10 +407,18 @@ def gnorm_reference(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: fl
     return reference(xn.astype(dt), w)
 
 
+# gemv_gnorm's tiling for a step A/B or a sweep (scripts/gpu/gnorm_sweep.py; step_with_kernel.py `gemv:GNORM_SPLITS=8`):
+# 0 keeps config_for's value.
+GNORM_SPLITS = 0
+GNORM_BN = 0
+GNORM_WARPS = 0
+
+
 def gnorm_config(N: int, K: int, d: int) -> Config:
     """The GEMV's tiling at (1, N, K) with tiles of whole heads (bk a multiple of d)."""
     c = config_for(1, N, K)
-    return dataclasses.replace(c, bk=max(c.bk, d))
+    return dataclasses.replace(c, bk=max(c.bk, d), splits=GNORM_SPLITS or c.splits, bn=GNORM_BN or c.bn,
+                               num_warps=GNORM_WARPS or c.num_warps)
 
 
 def gemv_gnorm(x_BK: jax.Array, z_BK: jax.Array, norm_w: jax.Array, eps: float, w: jax.Array, dt,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Thirty-sixth session, call 5: KDA's o_proj with the gated norm in its prologue (`gemv_gnorm`, 8.26 us in the H200's
+# Thirty-sixth session, calls 5-6: KDA's o_proj with the gated norm in its prologue (`gemv_gnorm`, 8.26 us in the H200's
 # census for 18.9 MB, 2.3 TB/s) against XLA's plain GEMV of the same weight (the MLA o_proj's 6.74 us): its tilings
 # (scripts/gpu/gnorm_sweep.py), then, if one beats the default by 2%, the 48B B = 1 step with it against main, main
 # again after (ab_call.sh). Predicted: at XLA's rate ~1.5 us x 20 KDA blocks, ~30 us off the step (1.2%).

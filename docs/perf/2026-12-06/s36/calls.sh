@@ -1,4 +1,5 @@
-# thirty-sixth session, 2026-12-06, 1x NVIDIA H200 (calls 1-4 on one warm machine), jax/jaxlib 0.11.2, CUDA 13,
+# thirty-sixth session, 2026-12-06/07, 1x NVIDIA H200 (calls 1-4 on one warm machine; calls 5-6 on a 1x H100 80GB HBM3,
+# 788b2b3's code: the gated-norm GEMV's tiling knobs), jax/jaxlib 0.11.2, CUDA 13,
 # Python 3.12.3 (the device image), main at 85333db (the model's code is d672b2b's, the thirty-fifth session's
 # last: this session changed tests, CI and docs only). Files start with their call's number; N_printed.txt is call N's printed output.
 # Tries: 22:54 `nvidia-h200` + needs_h200 (the 256-expert `bench generate`, 91.5 GB): no machine (91 s). 23:02 the
@@ -89,3 +90,32 @@
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.92; python3 -c "import jaxk3._ffi" || OUT=/tmp/gc bash scripts/gpu_check.sh env build | tail -3; OUT=$OUT CENSUS_TIMEOUT=200 bash scripts/gpu_check.sh census48 2>&1 | grep -v "^  \.\." | cut -c1-260 | head -60
 # call 4 (wall 442.8 s, warm; both stages stopped at their limits, rc 124):
 #   C2_GEN8=0 C2_GROUPED=0 C2_K3=0 C2_KT=1 C2_KT_T=290 C2_KR_T=150 bash scripts/gpu/s36_call2.sh
+#
+# Tries after call 4: 00:03 `nvidia-h200` (no needs_h200): none (180 s). 00:04 and 00:14 `nvidia-h100-x1`: refused
+# (none tried). 00:15 `nvidia-h100-x1`: an H100 80GB HBM3 (calls 5, 6), with 349 s of the session's device time left.
+# ---- call 5 (wall 49.7 s, fresh H100): the gated-norm o_proj's tilings alone (scripts/gpu/s36_call3.sh, no A/B)
+#   C3_AB=0 C3_SW_T=100 bash scripts/gpu/s36_call3.sh
+# ---- call 6 (wall 211.3 s, warm): the sweep's fastest tiling in the 48B B = 1 step, main / it / main. Every process
+#   ran past its 70 s limit (a fresh machine's random weights, copy bandwidth and compile take ~75-90 s): no rows.
+export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.92; mkdir -p $OUT/ab; OUT=$OUT/ab AGAIN=1 S_TIMEOUT=70 AB="gemv:GNORM_SPLITS=2+gemv:GNORM_BN=16+gemv:GNORM_WARPS=4@1" bash scripts/gpu/ab_call.sh 2>&1 | cut -c1-200 | tee $OUT/printed.txt
+# ---- scripts/gpu/s36_call3.sh as run (calls 5-6):
+#> #!/usr/bin/env bash
+#> # Thirty-sixth session, calls 5-6: KDA's o_proj with the gated norm in its prologue (`gemv_gnorm`, 8.26 us in the H200's
+#> # census for 18.9 MB, 2.3 TB/s) against XLA's plain GEMV of the same weight (the MLA o_proj's 6.74 us): its tilings
+#> # (scripts/gpu/gnorm_sweep.py), then, if one beats the default by 2%, the 48B B = 1 step with it against main, main
+#> # again after (ab_call.sh). Predicted: at XLA's rate ~1.5 us x 20 KDA blocks, ~30 us off the step (1.2%).
+#> set -u
+#> OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+#> P="$OUT/printed.txt"
+#> {
+#> python3 -c "import jaxk3._ffi" 2>/dev/null || OUT=/tmp/gc bash scripts/gpu_check.sh env build 2>&1 | grep -E "^==|GPU|H100|H200|rror" | head -20
+#> export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.92
+#> echo "== GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) ($(date -u +%T))"
+#> timeout -k 5 ${C3_SW_T:-120} python3 scripts/gpu/gnorm_sweep.py --json "$OUT/gnorm_sweep.json" 2>&1 | cut -c1-200
+#> best=$(python3 -c "import json; print(json.load(open('$OUT/gnorm_sweep.json'))['best'])" 2>/dev/null || echo -)
+#> echo "== best: $best ($(date -u +%T))"
+#> if [ "$best" != "-" ] && [ "${C3_AB:-1}" = 1 ]; then
+#>   OUT=$OUT/ab AGAIN=1 T_TIMEOUT=60 TEST_K="gnorm" S_TIMEOUT=${C3_S_T:-90} AB="$best@1" bash scripts/gpu/ab_call.sh 2>&1 | cut -c1-220
+#> fi
+#> echo "== done ($(date -u +%T))"
+#> } 2>&1 | tee "$P"

@@ -134,9 +134,19 @@ FIT_CASES = [("k3", 1, (4096, 32768), BOTH), ("k3", 2, (4096,), BOTH), ("k3", 8,
              ("kimi-linear-48b", 1, (4096,), ("packed+sharded+one-shot",))]
 
 
-@pytest.mark.parametrize("config,tp,contexts,strategies", FIT_CASES,
-                         ids=[f"{c}-tp{t}-{'+'.join(str(x // 1024) + 'k' for x in ctx)}-{'+'.join(s)}"
-                              for c, t, ctx, s in FIT_CASES])
+# `slow`: CI's aot stage leaves these out (.ci/run: `-m 'not slow'`, its 40 minutes); `make aot-test` runs them. Each
+# is a per-rank shape between two that CI compiles (K3 TP 2 between TP 1 and TP 8; the 48B prefill's 8 rows of 1024
+# tokens beside its one row of 4096; K3's TP 8 prefill beside its TP 1), or a census comparison of switches already on.
+CI_LEAVES_OUT = {("k3", 2), ("kimi-linear-48b", 1, 8, 1024), ("k3", 8, 1, 2048)}
+
+
+def _cases(cases, ids, key):
+    return [pytest.param(*c, id=i, marks=[pytest.mark.slow] if key(c) in CI_LEAVES_OUT else []) for c, i in zip(cases, ids)]
+
+
+@pytest.mark.parametrize("config,tp,contexts,strategies", _cases(
+    FIT_CASES, [f"{c}-tp{t}-{'+'.join(str(x // 1024) + 'k' for x in ctx)}-{'+'.join(s)}" for c, t, ctx, s in FIT_CASES],
+    lambda c: c[:2]))
 def test_every_kernel_compiles_for_the_h200_at_real_dims(config, tp, contexts, strategies):
     """`kernels="on"` at the preset's real dimensions compiles for the H200 in every case (no kernel asks for
     more than the device has), and the blocks' kernels are in it: each block's decode kernel was traced on its
@@ -181,8 +191,8 @@ PREFILL_CASES = [("kimi-linear-48b", 1, 1, 4096), ("kimi-linear-48b", 1, 8, 1024
                  ("k3", 8, 1, 2048)]
 
 
-@pytest.mark.parametrize("config,tp,batch,tokens", PREFILL_CASES,
-                         ids=[f"{c}-tp{t}-B{b}-T{n}" for c, t, b, n in PREFILL_CASES])
+@pytest.mark.parametrize("config,tp,batch,tokens", _cases(PREFILL_CASES, [f"{c}-tp{t}-B{b}-T{n}" for c, t, b, n in
+                                                                           PREFILL_CASES], tuple))
 def test_every_prefill_kernel_compiles_for_the_h200_at_real_dims(config, tp, batch, tokens):
     """The prefill's kernels (the grouped-GEMM MoE, KDA's chunked form, MLA's flash attention) forced on compile for
     the H200 at the presets' dimensions, and are there: traced on their device paths, Pallas calls compiled."""
@@ -239,6 +249,7 @@ def test_48b_step_launches_within_the_measured_budget():
     assert not unnamed, unnamed
 
 
+@pytest.mark.slow  # a second 48B compile with the switch turned over; the budget test above pins main's 237 (CI_LEAVES_OUT)
 def test_48b_step_with_the_residual_added_in_the_experts_kernel(monkeypatch):
     """moe_experts.RESIDUAL_IN_DOWN (kernel 2 writing the new stream bf16(h + out) itself) compiled for the H200 over the
     48B's 27 layers at B = 1: every MoE block but the last one's (whose add the head's fusions take) loses XLA's
@@ -261,6 +272,7 @@ def test_48b_step_with_the_residual_added_in_the_experts_kernel(monkeypatch):
     assert all(t_on[b] == t_off[b] for b in t_on if b not in moe), (t_off, t_on)
 
 
+@pytest.mark.slow  # three K3 compiles comparing two switches that are on by default (CI_LEAVES_OUT's note)
 def test_k3_step_with_the_attn_res_stack_by_selects_and_the_latent_norm_in_up(monkeypatch):
     """attn_res_norm.SELECT_STACK and moe.LATENT_NORM_IN_UP, on by default since an H100 A/B timed them faster at B = 1
     (docs/PERF.md, twenty-ninth session): compiled for the H200, K3 layers 11-14 packed at B = 1 takes 162 launches as

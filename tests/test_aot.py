@@ -141,7 +141,8 @@ CI_LEAVES_OUT = {("k3", 2), ("kimi-linear-48b", 1, 8, 1024), ("k3", 8, 1, 2048)}
 
 
 def _cases(cases, ids, key):
-    return [pytest.param(*c, id=i, marks=[pytest.mark.slow] if key(c) in CI_LEAVES_OUT else []) for c, i in zip(cases, ids)]
+    return [pytest.param(*c, id=i, marks=[pytest.mark.slow] if key(c) in CI_LEAVES_OUT else [])
+            for c, i in zip(cases, ids)]
 
 
 @pytest.mark.parametrize("config,tp,contexts,strategies", _cases(
@@ -249,7 +250,7 @@ def test_48b_step_launches_within_the_measured_budget():
     assert not unnamed, unnamed
 
 
-@pytest.mark.slow  # a second 48B compile with the switch turned over; the budget test above pins main's 237 (CI_LEAVES_OUT)
+@pytest.mark.slow  # a second 48B compile, the switch turned over; the budget test above pins main's 237 (CI_LEAVES_OUT)
 def test_48b_step_with_the_residual_added_in_the_experts_kernel(monkeypatch):
     """moe_experts.RESIDUAL_IN_DOWN (kernel 2 writing the new stream bf16(h + out) itself) compiled for the H200 over the
     48B's 27 layers at B = 1: every MoE block but the last one's (whose add the head's fusions take) loses XLA's

@@ -287,7 +287,8 @@ def test_gemv_gnorm_tiling_knobs(monkeypatch):
     monkeypatch.setattr(G, "GNORM_SPLITS", 2)
     monkeypatch.setattr(G, "GNORM_WARPS", 0)
     c = G.gnorm_config(64, 512, 32)
-    assert (c.splits, c.bn, c.num_warps) == (2, 32, G.config_for(1, 64, 512).num_warps) and G.gnorm_fits(x, z, g, 1e-5, w, jnp.bfloat16, only_where_faster=False) is None
+    assert (c.splits, c.bn, c.num_warps) == (2, 32, G.config_for(1, 64, 512).num_warps)
+    assert G.gnorm_fits(x, z, g, 1e-5, w, jnp.bfloat16, only_where_faster=False) is None
     got = np.asarray(G.gemv_gnorm(x, z, g, 1e-5, w, jnp.bfloat16, interpret=True))
     ref = np.asarray(G.gnorm_reference(x, z, g, 1e-5, w, jnp.bfloat16))
     np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())

@@ -2,18 +2,19 @@
 first case outside the collectives' modules and test_golden.  What it must keep, read from pytest's own collection in
 a child process (`--collect-only`, `-m 'not slow'` as CI passes it): every test function of the full set (the subset
 drops cases, never a function), every case of the modules that run whole, and fewer cases in all.  Collected over
-three modules, to keep it cheap: test_kernels (the most cases; a function there, test_kda_prefill_kernel_matches_reference,
-has a `slow` first case, so the subset must be taken after `-m`'s selection) and two that run whole."""
+three modules, to keep it cheap: test_kernels (the most cases; a function there,
+test_kda_prefill_kernel_matches_reference, has a `slow` first case, so the subset must be taken after `-m`'s
+selection) and two that run whole."""
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
 
-import pytest
+from conftest import _EVERY_CASE as WHOLE  # the modules that run every case
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WHOLE = ("test_collectives.py", "test_psum.py", "test_collectives_dropin.py", "test_golden.py")
 
 
 def _collect(subset: str | None, *paths: str) -> tuple[int, list[str]]:
@@ -42,10 +43,8 @@ def test_first_param_subset_keeps_every_function_and_the_whole_modules():
     whole = [i for i in every if os.path.basename(i.split("::", 1)[0]) in WHOLE]
     assert len(whole) > 50 and set(whole) <= set(subset)
     # outside those, one case a parametrized function
-    per = {}
-    for i in subset:
-        if "[" in i and os.path.basename(i.split("::", 1)[0]) not in WHOLE:
-            per[i.split("[", 1)[0]] = per.get(i.split("[", 1)[0], 0) + 1
+    per = collections.Counter(i.split("[", 1)[0] for i in subset
+                              if "[" in i and os.path.basename(i.split("::", 1)[0]) not in WHOLE)
     assert per and max(per.values()) == 1, {k: n for k, n in per.items() if n > 1}
 
 

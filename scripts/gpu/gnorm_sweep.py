@@ -50,7 +50,6 @@ def main(argv=None) -> int:
         return jax.jit(run)
 
     xla = lambda x, z, g, w: G.gnorm_reference(x, z, g, eps, w, dt)  # noqa: E731
-    xn = G.gnorm_reference  # the normed row for the plain dot's input
     plain = lambda x, z, g, w: jnp.dot(x.astype(dt), w.T, preferred_element_type=jnp.float32)  # noqa: E731
     want = np.asarray(xla(x, z, g, w))
     rows = []

@@ -3,8 +3,34 @@ import os
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    _flags = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _cuda_plugin_installed() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+
+
+# XLA's CPU backend at LLVM's -O0 (TEST_XLA_OPT_LEVEL) for the tests' programs and the processes they start: the
+# suites' CPU is mostly XLA compiling the tiny models (a warm compile cache took test_model + test_generation from 545
+# to 113 CPU-seconds), and LLVM's optimisation and code generation are half of each compile (perf, 2026-12-07).  -O0
+# took a K3 numpy-reference test and a prefill-vs-loop test from 43-51 to 28-34 CPU-seconds (interleaved runs, the
+# 2-core machine).  The tests compare paths compiled alike, or against references with tolerances; what LLVM's
+# vectoriser changes is the order of reduction adds, so test_golden, whose digests were recorded at XLA's default,
+# compiles its step at the default (`XLA_DEFAULT_OPT_LEVEL`, through the step's compiler options).  Not on a machine
+# with JAX_PLATFORMS other than cpu or a CUDA plugin installed (the GPU tests, the deviceless compile for the H200:
+# what they compile is the device's), and not when XLA_FLAGS names a level already.  JAXK3_TEST_XLA_OPT=default keeps
+# XLA's level everywhere.
+# CHILD_XLA_FLAGS: the level's flag for the processes a test starts with XLA_FLAGS of their own (its device count).
+TEST_XLA_OPT_LEVEL, XLA_DEFAULT_OPT_LEVEL = 0, 3
+CHILD_XLA_FLAGS = ""
+if (os.environ.get("JAXK3_TEST_XLA_OPT", "0") != "default" and "xla_backend_optimization_level" not in _flags
+        and os.environ["JAX_PLATFORMS"] == "cpu" and not _cuda_plugin_installed()):
+    CHILD_XLA_FLAGS = f"--xla_backend_optimization_level={TEST_XLA_OPT_LEVEL}"
+    _flags += " " + CHILD_XLA_FLAGS
+os.environ["XLA_FLAGS"] = _flags
 # Tests must not wait a minute for a peer that will never come.
 os.environ.setdefault("JAXK3_GATHER_TIMEOUT_S", "20")
 # One on-disk compilation cache for the session and for the CLI processes its tests start (every jax

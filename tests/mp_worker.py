@@ -9,7 +9,8 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# the flags the test passes (conftest.CHILD_XLA_FLAGS), and this process's device count
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 coord, pid, mode, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]

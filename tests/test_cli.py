@@ -15,6 +15,7 @@ from jaxk3.config import KimiK3Config
 sys.path.insert(0, os.path.dirname(__file__))
 from test_checkpoint import write_k3  # noqa: E402
 from small_models import tiny_k3_4l  # noqa: E402
+from conftest import CHILD_XLA_FLAGS  # noqa: E402
 
 MERGES = [b"he", b"ll", b"llo", b"hello", b" w", b"or", b" wor", b"ld", b" world"]
 SPECIAL = {990: "[BOS]", 991: "[EOS]"}
@@ -60,7 +61,7 @@ def test_generate_fresh_process_text_prompt(ckpt):
     load_model().generate.  (8 devices as in this process: the process's device count is part of the
     compilation cache's key, so the in-process run below gets the programs the subprocess compiled.)"""
     pytest.importorskip("tiktoken", reason="text prompts need tiktoken")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}, "XLA_FLAGS": CHILD_XLA_FLAGS}
     r = subprocess.run([sys.executable, "-m", "jaxk3.cli", "generate", "--checkpoint", ckpt, "--prompt",
                         "hello world", "--max-new-tokens", "4", "--tp", "2", "--dtype", "float32",
                         "--gather", "lax", "--cpu-devices", "8"],

@@ -20,6 +20,7 @@ from jaxk3.kernels import kda_decode
 sys.path.insert(0, os.path.dirname(__file__))
 from test_cli import write_tokenizer  # noqa: E402
 from small_models import tiny_k3_4l  # noqa: E402
+from conftest import CHILD_XLA_FLAGS  # noqa: E402
 
 
 def one_error_line(err: str, *needles: str, after_progress: bool = False) -> str:
@@ -588,7 +589,7 @@ def _cli_process(argv, sigint: bool = False, **kw):
     all 20000 tokens and exited 0)."""
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}, "XLA_FLAGS": CHILD_XLA_FLAGS}
     head = ([sys.executable, "-c", "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
              "sys.argv[0] = 'jaxk3'; runpy.run_module('jaxk3.cli', run_name='__main__', alter_sys=True)"]
             if sigint else [sys.executable, "-m", "jaxk3.cli"])

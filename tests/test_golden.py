@@ -153,6 +153,17 @@ def checkpoint_shapes(cfg: KimiK3Config) -> dict[str, tuple[int, ...]]:
     return shapes(cfg)
 
 
+@pytest.fixture(autouse=True)
+def xla_default_opt_level(monkeypatch):
+    """The step compiled at XLA's default backend level, at which the digests were recorded: the suite's processes run
+    XLA's CPU backend at LLVM's -O0 (tests/conftest.py, TEST_XLA_OPT_LEVEL), whose reductions add in another order."""
+    from conftest import XLA_DEFAULT_OPT_LEVEL
+
+    options = jaxk3.model.compiler_options
+    monkeypatch.setattr(jaxk3.model, "compiler_options",
+                        lambda: {**options(), "xla_backend_optimization_level": XLA_DEFAULT_OPT_LEVEL})
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("mode", ["k3", "kl"])
 def test_golden_tokens_and_logits(mode, tp):

@@ -1,5 +1,6 @@
 """Test session set-up: 8 fake CPU devices, set before JAX initialises its backend."""
 import os
+import re
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
@@ -19,18 +20,20 @@ def _cuda_plugin_installed() -> bool:
 # took a K3 numpy-reference test and a prefill-vs-loop test from 43-51 to 28-34 CPU-seconds (interleaved runs, the
 # 2-core machine).  The tests compare paths compiled alike, or against references with tolerances; what LLVM's
 # vectoriser changes is the order of reduction adds, so test_golden, whose digests were recorded at XLA's default,
-# compiles its step at the default (`XLA_DEFAULT_OPT_LEVEL`, through the step's compiler options).  Not on a machine
+# compiles its step at the default (`XLA_DEFAULT_OPT_LEVEL`, through the step's compiler options), as does
+# test_layers' same-bits test of the AttnRes stack's two forms; test_collectives_dropin's FFI-vs-lax gradients allow
+# ~40 ulps of the largest (its comment says why).  Not on a machine
 # with JAX_PLATFORMS other than cpu or a CUDA plugin installed (the GPU tests, the deviceless compile for the H200:
 # what they compile is the device's), and not when XLA_FLAGS names a level already.  JAXK3_TEST_XLA_OPT=default keeps
 # XLA's level everywhere.
-# CHILD_XLA_FLAGS: the level's flag for the processes a test starts with XLA_FLAGS of their own (its device count).
 TEST_XLA_OPT_LEVEL, XLA_DEFAULT_OPT_LEVEL = 0, 3
-CHILD_XLA_FLAGS = ""
 if (os.environ.get("JAXK3_TEST_XLA_OPT", "0") != "default" and "xla_backend_optimization_level" not in _flags
         and os.environ["JAX_PLATFORMS"] == "cpu" and not _cuda_plugin_installed()):
-    CHILD_XLA_FLAGS = f"--xla_backend_optimization_level={TEST_XLA_OPT_LEVEL}"
-    _flags += " " + CHILD_XLA_FLAGS
+    _flags += f" --xla_backend_optimization_level={TEST_XLA_OPT_LEVEL}"
 os.environ["XLA_FLAGS"] = _flags
+# The level's flag as this process has it (set above, or inherited: pytest-xdist's workers get the controller's
+# XLA_FLAGS), for the processes a test starts with XLA_FLAGS of their own (their device count).
+CHILD_XLA_FLAGS = " ".join(re.findall(r"--xla_backend_optimization_level=\S+", _flags))
 # Tests must not wait a minute for a peer that will never come.
 os.environ.setdefault("JAXK3_GATHER_TIMEOUT_S", "20")
 # One on-disk compilation cache for the session and for the CLI processes its tests start (every jax

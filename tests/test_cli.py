@@ -61,7 +61,8 @@ def test_generate_fresh_process_text_prompt(ckpt):
     load_model().generate.  (8 devices as in this process: the process's device count is part of the
     compilation cache's key, so the in-process run below gets the programs the subprocess compiled.)"""
     pytest.importorskip("tiktoken", reason="text prompts need tiktoken")
-    env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}, "XLA_FLAGS": CHILD_XLA_FLAGS}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = CHILD_XLA_FLAGS  # the tests' XLA level (conftest.py); the child sets its devices
     r = subprocess.run([sys.executable, "-m", "jaxk3.cli", "generate", "--checkpoint", ckpt, "--prompt",
                         "hello world", "--max-new-tokens", "4", "--tp", "2", "--dtype", "float32",
                         "--gather", "lax", "--cpu-devices", "8"],

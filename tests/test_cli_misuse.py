@@ -589,7 +589,8 @@ def _cli_process(argv, sigint: bool = False, **kw):
     all 20000 tokens and exited 0)."""
     import subprocess
 
-    env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}, "XLA_FLAGS": CHILD_XLA_FLAGS}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = CHILD_XLA_FLAGS  # the tests' XLA level (conftest.py); the child sets its devices
     head = ([sys.executable, "-c", "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
              "sys.argv[0] = 'jaxk3'; runpy.run_module('jaxk3.cli', run_name='__main__', alter_sys=True)"]
             if sigint else [sys.executable, "-m", "jaxk3.cli"])

@@ -69,9 +69,9 @@ def test_grad_jvp_vjp_remat_match_lax(impl):
                       lambda f: (lambda w, v: jax.vjp(f, w, v)[1](jnp.ones((2, 12))))):
         got, want = jax.jit(transform(ours))(w, v), jax.jit(transform(ref))(w, v)
         # Not bits: the FFI psum adds the ranks' parts in rank order, lax's in XLA's, and the gradients' float32 sums of
-        # terms up to |r| ~ 10 (ulp 9.5e-7) cancel to ~1e-6 in places, so an element may differ by a few ulps of the
-        # largest one (seen: 1.1e-5 with the tests' XLA at LLVM -O0, jax 0.12.1) while a wrong transpose or a missing
-        # term moves it by the term's size.  So a few ulps of the largest magnitude, beside the relative 1e-5.
+        # terms up to |r| ~ 10 (ulp 9.5e-7) cancel to ~1e-6 in places, so an element may differ by ulps of the largest
+        # one (seen: 1.1e-5, ~12 ulps, with the tests' XLA at LLVM -O0, jax 0.12.1) while a wrong transpose or a missing
+        # term moves it by the term's size (~1-10).  So 4e-6 of the largest magnitude (~40 ulps), beside rtol 1e-5.
         for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             r = np.asarray(r)
             np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=4e-6 * max(1.0, float(np.max(np.abs(r)))))

@@ -41,7 +41,8 @@ def _free_port() -> int:
 
 def run_pair(mode: str, tmp_path: Path, timeout: float = 240):
     coord = f"127.0.0.1:{_free_port()}"
-    env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}, "XLA_FLAGS": CHILD_XLA_FLAGS}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = CHILD_XLA_FLAGS  # the tests' XLA level (conftest.py); the child sets its devices
     env["JAXK3_GATHER_TIMEOUT_S"] = "20"
     procs, outs = [], []
     for pid in range(2):
@@ -119,7 +120,8 @@ def test_generate_cli_two_processes_matches_one(tmp_path):
     prompts = "5,9,100,7;3,1;42"
     ref = jaxk3.load_model(str(ckpt), mesh=dp_mesh()).generate([[5, 9, 100, 7], [3, 1], [42]], 5).tokens
     coord = f"127.0.0.1:{_free_port()}"
-    env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}, "XLA_FLAGS": CHILD_XLA_FLAGS}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = CHILD_XLA_FLAGS  # the tests' XLA level (conftest.py); the child sets its devices
     cmd = [sys.executable, "-m", "jaxk3.cli", "generate", "--checkpoint", str(ckpt), "--prompt-ids", prompts,
            "--max-new-tokens", "5", "--tp", "4", "--cpu-devices", "4", "--no-progress", "--coordinator", coord,
            "--num-processes", "2", "--heartbeat-timeout", "10"]
@@ -149,7 +151,8 @@ def test_bench_decode_two_processes(tmp_path):
     beside them, took 52 s for the pair alone, this 36 s; the KDA layers' psums across the processes'
     split are in the tests above, the whole model's)."""
     coord = f"127.0.0.1:{_free_port()}"
-    env = {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}, "XLA_FLAGS": CHILD_XLA_FLAGS}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = CHILD_XLA_FLAGS  # the tests' XLA level (conftest.py); the child sets its devices
     out = tmp_path / "decode.json"
     cmd = [sys.executable, "-m", "jaxk3.cli", "bench", "decode", "--config", "tiny", "--layers", "3", "--tp", "4",
            "--batch", "2", "--context", "64", "--steps", "2", "--repeats", "1", "--copy-mb", "1",

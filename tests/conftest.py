@@ -9,9 +9,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _cuda_plugin_installed() -> bool:
+    """A CUDA PJRT plugin, as a wheel (jax_cuda13_plugin, jax_cuda12_plugin) or only as jax's plugin namespace
+    (jax_plugins.xla_cuda13 / xla_cuda12)."""
     import importlib.util
 
-    return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+    def found(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ImportError:  # jax_plugins absent: find_spec of its submodule imports it
+            return False
+
+    return any(found(m) for m in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
+                                  "jax_plugins.xla_cuda12"))
 
 
 # XLA's CPU backend at LLVM's -O0 (TEST_XLA_OPT_LEVEL) for the tests' programs and the processes they start: the
@@ -19,14 +28,15 @@ def _cuda_plugin_installed() -> bool:
 # to 113 CPU-seconds), and LLVM's optimisation and code generation are half of each compile (perf, 2026-12-07).  -O0
 # took a K3 numpy-reference test and a prefill-vs-loop test from 43-51 to 28-34 CPU-seconds (interleaved runs, the
 # 2-core machine).  The tests compare paths compiled alike, or against references with tolerances; what LLVM's
-# vectoriser changes is the order of reduction adds, so test_golden, whose digests were recorded at XLA's default,
-# compiles its step at the default (`XLA_DEFAULT_OPT_LEVEL`, through the step's compiler options), as does
-# test_layers' same-bits test of the AttnRes stack's two forms; test_collectives_dropin's FFI-vs-lax gradients allow
-# ~40 ulps of the largest (its comment says why).  Not on a machine
-# with JAX_PLATFORMS other than cpu or a CUDA plugin installed (the GPU tests, the deviceless compile for the H200:
-# what they compile is the device's), and not when XLA_FLAGS names a level already.  JAXK3_TEST_XLA_OPT=default keeps
-# XLA's level everywhere.
+# vectoriser changes is the order of reduction adds.  So the tests whose claims are bits recorded or compared at XLA's
+# default level compile those programs with XLA_DEFAULT_OPTIONS (jit's compiler options): test_golden (its digests,
+# through the model's `compiler_options`) and test_layers' same-bits test of the AttnRes stack's two forms.
+# test_collectives_dropin's FFI-vs-lax gradients allow ~40 ulps of the largest (its comment says why).  Not on a
+# machine with JAX_PLATFORMS other than cpu or a CUDA plugin installed (the GPU tests, the deviceless compile for the
+# H200: what they compile is the device's), and not when XLA_FLAGS names a level already.  JAXK3_TEST_XLA_OPT=default
+# keeps XLA's level everywhere.
 TEST_XLA_OPT_LEVEL, XLA_DEFAULT_OPT_LEVEL = 0, 3
+XLA_DEFAULT_OPTIONS = {"xla_backend_optimization_level": XLA_DEFAULT_OPT_LEVEL}
 if (os.environ.get("JAXK3_TEST_XLA_OPT", "0") != "default" and "xla_backend_optimization_level" not in _flags
         and os.environ["JAX_PLATFORMS"] == "cpu" and not _cuda_plugin_installed()):
     _flags += f" --xla_backend_optimization_level={TEST_XLA_OPT_LEVEL}"

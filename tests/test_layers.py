@@ -31,7 +31,7 @@ from jaxk3.kernels.rms_norm import gated_rms_norm, rms_norm
 from jaxk3.checkpoint import weights_from_hf
 from jaxk3.model import random_hf_weights
 from refs import np_ref
-from conftest import XLA_DEFAULT_OPT_LEVEL  # noqa: E402
+from conftest import XLA_DEFAULT_OPTIONS  # noqa: E402
 
 RTOL = 1e-4
 
@@ -99,8 +99,7 @@ def test_attn_res_select_stack_same_bits_on_cpu(monkeypatch, n):
     def traced():  # a fresh function each time: jit's cache must not hand back the other form's trace
         # at XLA's default level, whose bits these are: at the suite's LLVM -O0 (conftest.py) the 9 sources' sums add in
         # another order in each form (seen: n = 9 differs in the last bits)
-        return jax.jit(lambda *s: attn_res(list(s), wn, wp, 1e-5),
-                       compiler_options={"xla_backend_optimization_level": XLA_DEFAULT_OPT_LEVEL})
+        return jax.jit(lambda *s: attn_res(list(s), wn, wp, 1e-5), compiler_options=XLA_DEFAULT_OPTIONS)
 
     monkeypatch.setattr(attn_res_norm, "SELECT_STACK", False)
     f = traced()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxk3
+from conftest import CHILD_XLA_FLAGS
 from jaxk3.config import KimiK3Config
 
 
@@ -71,7 +72,7 @@ def test_prefill_on_two_cpu_devices_finishes(tmp_path):
 
 _UNAWAITED = r"""
 import os, sys, time
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the test gives its own
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxk3.collectives as C
@@ -109,6 +110,7 @@ def test_2000_unawaited_jitted_gathers_and_psums_equal_serial_runs():
 
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("PJRT_NPROC", "NPROC")}
     env["JAXK3_GATHER_TIMEOUT_S"] = "20"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {CHILD_XLA_FLAGS}"  # and the tests' level (conftest)
     r = subprocess.run([sys.executable, "-c", _UNAWAITED, "2000"], capture_output=True, text=True, timeout=240,
                        env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -117,7 +119,7 @@ def test_2000_unawaited_jitted_gathers_and_psums_equal_serial_runs():
 
 _STARVED = r"""
 import os, sys, time
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the test gives its own
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxk3.collectives as C
@@ -151,7 +153,8 @@ def test_starved_cpu_pool_fails_cleanly_and_recovers_without_reset():
     import subprocess
     import sys
 
-    env = dict(os.environ, PJRT_NPROC="8", JAXK3_GATHER_TIMEOUT_S="2")
+    env = dict(os.environ, PJRT_NPROC="8", JAXK3_GATHER_TIMEOUT_S="2",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {CHILD_XLA_FLAGS}")  # the tests' level (conftest)
     env.pop("NPROC", None)
     r = subprocess.run([sys.executable, "-c", _STARVED], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

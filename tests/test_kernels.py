@@ -2903,47 +2903,6 @@ def test_moe_residual_in_kernel_2_on_gpu(monkeypatch, E):
         np.testing.assert_array_equal(got.view(np.uint16), want, err_msg=name)
 
 
-@pytest.mark.parametrize("layout", ["checkpoint", "joined+shared"])
-def test_moe_experts_joint_gate_up_same_bits(layout):
-    """`Config.joint` (kernel 1 at one token, bf16: the gate and up rows in one loop) is the two loops' products
-    summed in the same order: bit for bit the same output in interpret mode, w1 and w3 apart or joined with the
-    shared experts, both within float32 reassociation of the reference (as test_moe_experts_kernel_matches_reference
-    argues)."""
-    from jaxk3.kernels import moe_experts as ME
-
-    cfg, w, z, wk, ids = _moe_case("dense", jnp.bfloat16, 1)
-    shared = None
-    if layout != "checkpoint":
-        w = _joined(w)
-        shared = _shared(w, jnp.bfloat16)
-    c = ME.Config(bn=16, bk=32, splits=2)
-    two = np.asarray(ME.experts(cfg, w, z, wk, ids, shared=shared, interpret=True, config=c)).view(np.uint32)
-    one = np.asarray(ME.experts(cfg, w, z, wk, ids, shared=shared, interpret=True,
-                                config=dataclasses.replace(c, joint=True))).view(np.uint32)
-    np.testing.assert_array_equal(one, two)
-    ref = np.asarray(ME.reference(cfg, w, z, wk, ids, shared=shared))
-    np.testing.assert_allclose(one.view(np.float32), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
-
-
-@pytest.mark.gpu
-def test_moe_experts_joint_gate_up_on_gpu():
-    """`Config.joint` compiled at Kimi-Linear-48B's dims (64 experts, the serving layout with the shared experts fused,
-    one token): bit for bit the default two loops' output, through `experts` and the routed form the step calls."""
-    if jax.default_backend() == "cpu":
-        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
-    from jaxk3.kernels import moe_experts as ME
-    from jaxk3.kernels.router import select_experts
-
-    cfg, w, z, logits, bias, shared = _routed_real(64, seed=17)
-    wk, ids = select_experts(cfg, logits, bias)
-    for name, f in (("ids", lambda c: ME.experts(cfg, w, z, wk, ids, shared=shared, config=c)),
-                    ("routed", lambda c: ME.experts_routed(cfg, w, z, logits, bias, shared=shared, config=c))):
-        two = np.asarray(jax.jit(lambda: f(ME.Config(joint=False)))())
-        one = np.asarray(jax.jit(lambda: f(ME.Config(joint=True)))())
-        assert np.isfinite(one).all() and np.abs(two).max() > 0, name
-        np.testing.assert_array_equal(one.view(np.uint32), two.view(np.uint32), err_msg=name)
-
-
 class _LazyExperts(dict):
     """The MoE block's HF-named weights for tests/refs/np_ref.moe, each expert's matrix sliced from the bf16 stacks
     when the reference reads it (it reads only the selected experts'): no float64 copy of all 64."""

@@ -111,11 +111,6 @@ CUDA_STAGES_WIDE = 8
 # 2927.1 and 2921.1 us, 237 launches, against main's 2917.5-2938.0 us, 262: even in time, 25 launches fewer (issue 22's
 # <= 250); with 256-wide tiles 2954.7, with 8-row programs (288) 2996.8: slower.
 RESIDUAL_IN_DOWN = True
-# Config.joint None: kernel 1 at one token with bf16 experts walks the gate and the up rows in one loop (both tiles
-# loaded each iteration, two accumulators) instead of the gate loop and then the up loop, whose second loop's first
-# loads wait for the first loop to end in every program at once.  The same products summed in the same order: the
-# same bits.  Off until timed on a GPU (thirty-eighth session: built, docs/PERF.md)
-JOINT_GATE_UP = False
 FOLD_BK = 1024  # kernel 2's input columns per tile when it adds the residual (at most; Config.down_bk overrides)
 
 
@@ -195,8 +190,6 @@ class Config:
     # shared memory (persistent CTAs; 0: the register form): kernel 1 in every form but cuda_raw, kernel 2 (with
     # cuda_down) at one token from XLA's float16 copies, one slot a part.  None: kernel 1's CUDA_STAGES at one token
     # from XLA's float16 copy, CUDA_STAGES_WIDE in the wide form, the register form elsewhere
-    joint: bool | None = None  # kernel 1, one token, bf16 experts: the gate and up rows in one loop (the same bits).
-    # None: JOINT_GATE_UP
 
 
 @jax.tree_util.register_dataclass
@@ -495,7 +488,6 @@ class _Spec:
     mx_dot: bool = False  # Config.mx_dot where it applies (MXFP4, B > 1)
     f16: bool = False  # Config.f16 (MXFP4, any B; takes precedence over mx_dot)
     swap: bool = False  # Config.swap (f16, or set for bf16): `_mma`'s result is [bn, Bp], transposed after the loop
-    joint: bool = False  # Config.joint where it applies (one token, bf16): gate and up rows in one loop
 
     @property
     def dot(self) -> bool:
@@ -645,18 +637,6 @@ def _gemv_rows(sp: _Spec, w, e, rows, x, lead: tuple, steps: int, start=0):
     return lax.fori_loop(0, steps, body, tuple(jnp.zeros((sp.bn,), F32) for _ in range(sp.Bp)))
 
 
-def _gemv_rows_joint(sp: _Spec, w1, w3, e, rows1, rows3, x, steps: int) -> tuple[jax.Array, jax.Array]:
-    """One token, bf16: `_gemv_rows` of W1[e, rows1] and W3[e, rows3] in one loop (`Config.joint`), fp32 [bn] each,
-    every accumulator element summed in `_gemv_rows`' order: the same bits."""
-    def body(i, acc):
-        xt = _xs(sp, x, (0,), i).astype(F32)
-        return (acc[0] + _tile(sp, w1, e, rows1, i).astype(F32) * xt[None, :],
-                acc[1] + _tile(sp, w3, e, rows3, i).astype(F32) * xt[None, :])
-    zero = jnp.zeros((sp.bn, sp.bk), F32)
-    a1, a3 = lax.fori_loop(0, steps, body, (zero, zero))
-    return jnp.sum(a1, axis=1), jnp.sum(a3, axis=1)
-
-
 def _store(ref, lead: tuple, rows, y) -> None:
     """Write rows of a result shaped as `_gemv_rows` returns it: [bn] (token 0), [Bp, bn] or a tuple."""
     if isinstance(y, tuple):
@@ -747,11 +727,8 @@ def _gate_up_kernel(*refs, sp: _Spec, nsel: int, route: _Route | None, nx: int, 
             coef_ref[0, u] = jnp.sum(jnp.where(hit, _weights(s, rank, route), 0.0))
 
     def gate_up(w1, w3, e, rows3):
-        if sp.joint:
-            h1, h3 = _gemv_rows_joint(sp, w1, w3, e, rows, rows3, x, steps)
-        else:
-            h1 = _gemv_rows(sp, w1, e, rows, x, (), steps)
-            h3 = _gemv_rows(sp, w3, e, rows3, x, (), steps)
+        h1 = _gemv_rows(sp, w1, e, rows, x, (), steps)
+        h3 = _gemv_rows(sp, w3, e, rows3, x, (), steps)
         if sp.f16:
             h1, h3 = h1 * xinv[...], h3 * xinv[...]
         y = tuple(act(a, b) for a, b in zip(h1, h3)) if isinstance(h1, tuple) else act(h1, h3)
@@ -1096,8 +1073,7 @@ def _launch(cfg, w, z_BL, sel_up: list, sel_down: list | None, U: int, route: _R
     f16 = packed and bool(cf.f16)
     sp = _Spec(Bp=Bp, packed=packed, bn=cf.bn, bk=cf.bk, decode=decode,
                group=packed and cf.scale == "group" and not f16,
-               mx_dot=packed and bool(cf.mx_dot) and B > 1 and not f16, f16=f16, swap=bool(cf.swap),
-               joint=Bp == 1 and not packed and (JOINT_GATE_UP if cf.joint is None else bool(cf.joint)))
+               mx_dot=packed and bool(cf.mx_dot) and B > 1 and not f16, f16=f16, swap=bool(cf.swap))
     zp = jnp.pad(z_BL.astype(dt), ((0, Bp - B), (0, 0)))
     if f16:
         xs, xinv = _f16_views(zp)

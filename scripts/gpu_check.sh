@@ -7,7 +7,7 @@
 #   scripts/gpu_check.sh [env] [build] [test] [thunks] [bench] [decode] [decode_cb] [census] [bench_off] [generate] [kernels]
 #                        [gemvfused] [ktests] [kreal] [step48] [census48] [grouped] [attn] [kda] [chunks] [breakdown]
 #                        [mxfp4] [moestep] [targets] [mla] [hostcopy] [determinism] [cudaforms] [cudastep] [cudancu]
-#                        [exactstep] [cudastream] [moeblock] [bf16step] [bf16gen] [timeline] [groupedncu]
+#                        [exactstep] [cudastream] [moeblock] [bf16step] [bf16gen] [timeline] [groupedncu] [readfloor]
 #   (no argument: env build test thunks bench decode decode_cb census bench_off; `bench` is command buffers on, `bench_off` off; `census`
 #   is the kernel census of the Kimi-Linear-48B decode step; `generate` is the prefill + decode loop at
 #   Kimi-Linear-48B dimensions on one GPU, GEN_ARGS to change it; `kernels` (one GPU is enough):
@@ -34,7 +34,7 @@
 #   K3's TP 2 share (B 1 and 8) against the register form (then the steps: `cudastep`, the register form by default); `moeblock` the 48B's MoE block at one token
 #   (bf16 experts) in XLA and through the Pallas kernels against float64, its errors printed; `bf16step` the 48B B = 1
 #   step, main / BS_PATCHES (none by default) / main again; `bf16gen` its `bench generate` (B = 1), main / BG_PATCHES;
-#   `timeline` how busy the GPU is over back-to-back 48B B = 1 and K3 B = 1 steps, command buffers on and off;
+#   `readfloor` one read-only XLA kernel's rate at the step's sizes; `timeline` how busy the GPU is over back-to-back 48B B = 1 and K3 B = 1 steps, command buffers on and off;
 #   `groupedncu` Nsight Compute on the prefill's grouped-GEMM kernels and the plain GEMM of the same FLOPs.
 #   On one GPU: `scripts/gpu_check.sh env gemvfused ktests step48 generate`)
 #
@@ -294,6 +294,13 @@ if has hostcopy; then
   # Model.score's host path alone: the output's threaded first touch, then the pinned slices placed by threads.
   echo "== score's host copy ($(date -u +%T))"
   timeout -k 10 ${HC_TIMEOUT:-120} $PY scripts/gpu/host_copy.py ${HC_ARGS:---score-only} 2>&1 | tee "$OUT/host_copy.log"
+fi
+
+if has readfloor; then
+  # What one read-only XLA kernel streams at the decode step's sizes (10.6 MB to 755 MB, scripts/gpu/read_floor.py):
+  # the rate the step's kernels are held to, beside the copy bandwidth of the bench's floor (thirty-eighth session).
+  echo "== read-only kernels at the step's sizes ($(date -u +%T))"
+  timeout -k 10 ${RF_TIMEOUT:-200} $PY scripts/gpu/read_floor.py --json "$OUT/read_floor.json" 2>&1 | tail -8
 fi
 
 if has chunks; then

@@ -58,6 +58,7 @@ def _kernel(y_ref, gb_ref, conv_ref, cw_ref, dtb_ref, alog_ref, on_ref, s_ref, v
     from jax.experimental import pallas as pl
 
     h, r = pl.program_id(0), pl.program_id(1)
+    cdt = conv_out_ref.dtype  # the step's casts, as kda_decode_in's (the cache's dtype); `dt` is the norm's
     h0 = h * Kd
     ch = pl.ds(h0, Kd)
     pos = pos_ref[0]
@@ -67,7 +68,7 @@ def _kernel(y_ref, gb_ref, conv_ref, cw_ref, dtb_ref, alog_ref, on_ref, s_ref, v
         return jax.lax.rem(pos + (t + 1) % W, W)
 
     def U(i, start, size):  # the raw projection of q (0), k (1) or v (2) at channels [start, start + size)
-        return y_ref[0, pl.ds(i * C + start, size)].astype(dt)
+        return y_ref[0, pl.ds(i * C + start, size)].astype(cdt)
 
     def conv(i, start, size):  # the causal conv over the K-1 cached taps and the new projection, then SiLU
         chans = pl.ds(start, size)
@@ -79,9 +80,9 @@ def _kernel(y_ref, gb_ref, conv_ref, cw_ref, dtb_ref, alog_ref, on_ref, s_ref, v
     q, k = conv(0, h0, Kd), conv(1, h0, Kd)
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * Kd ** -0.5
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
-    fa = y_ref[0, pl.ds(3 * C, d)].astype(dt).astype(F32)
+    fa = y_ref[0, pl.ds(3 * C, d)].astype(cdt).astype(F32)
     f = jnp.sum(gb_ref[0, ch, :].astype(F32) * fa[None, :], axis=1) + dtb_ref[ch]
-    ga = y_ref[0, pl.ds(3 * C + d + H, d)].astype(dt).astype(F32)
+    ga = y_ref[0, pl.ds(3 * C + d + H, d)].astype(cdt).astype(F32)
     beta = jax.nn.sigmoid(y_ref[0, 3 * C + d + h])
     a = jnp.exp(alog_ref[h])
     if lb is not None:
@@ -183,6 +184,9 @@ def fits(cfg, y_BX, gate_b_2Cd, conv_B3CW, cw, state_BHKV, valid_B, w_o, dt, con
     C, d, H, Kd = gate_b_2Cd.shape[1], gate_b_2Cd.shape[2], state_BHKV.shape[1], cfg.kda_head_dim
     if w_o.ndim != 2 or w_o.shape[1] != C or w_o.dtype != jnp.bfloat16:
         return f"kda_decode_out kernel: o_proj must be bf16 [N, C] with C = {C} local channels, got {w_o.dtype} {w_o.shape}"
+    if cw.o_norm_K.shape != (Kd,) or state_BHKV.shape[0] != 1 or conv_B3CW.shape[0] != 1:
+        return (f"kda_decode_out kernel: one row of state and conv cache and the norm weight [{Kd}], got state "
+                f"{state_BHKV.shape}, conv {conv_B3CW.shape}, norm {cw.o_norm_K.shape}")
     c = config or Config()
     N = w_o.shape[0]
     if not (pow2(c.parts) and pow2(c.bv) and pow2(c.bn)) or Kd % min(c.bv, Kd) or N % (c.parts * c.bn):

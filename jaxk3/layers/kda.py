@@ -121,8 +121,10 @@ def ring_positions(cfg: KimiK3Config, conv_B3CW: jax.Array, pos_B: jax.Array | N
 
 def _core_and_o_proj(cfg: KimiK3Config, w: KDAWeights, args: tuple, dt, mode: str, tp, pos_B):
     """The step, the gated norm and o_proj as one kernel (`kda_decode_out`, one token, the ring conv cache), where it
-    runs: (out_BD, new conv, new state); else None."""
-    if not kernels.explain("kda_decode_out", *args, w.o_proj, dt, mode=mode, pos_B=pos_B).startswith("device"):
+    runs: (out_BD, new conv, new state); else None.  Not while it is unproven, even with kernels="on", which then keeps
+    the proven kda_decode_in + gemv_gnorm (scripts/gpu/step_with_kernel.py takes it for a step A/B)."""
+    if not kernels.active().get("kda_decode_out") or not kernels.explain(
+            "kda_decode_out", *args, w.o_proj, dt, mode=mode, pos_B=pos_B).startswith("device"):
         return None
     out, new_conv, new_state = kernels.call("kda_decode_out", *args, w.o_proj, dt, mode=mode, pos_B=pos_B)
     return psum(out, tp), new_conv, new_state

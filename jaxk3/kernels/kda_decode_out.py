@@ -19,8 +19,11 @@ conv slot in place (the ring: no program reads it), so the parts trade state rea
 
 The arithmetic is the reference's: the step as `kda_decode_in` computes it (the same tiles, so the same sums), the
 norm as `gemv_gnorm`'s prologue (its mean over the head summed tile by tile), the product in float32 with the head's
-columns summed per row and the heads by XLA: o_proj's sums run in another order than XLA's dot, so the output agrees
-to float32 reassociation (tests/test_kernels.py).  One token, the conv cache as the ring (`kda_decode.RING`).
+columns summed per row and the heads by XLA: o_proj's sums run in another order than XLA's dot, and a normed element
+whose float32 value moved by that order can round to the other bf16 neighbour, so the output agrees to float32
+reassociation and such flips (tests/test_kernels.py, OUT_TOL).  One token, the conv cache as the ring
+(`kda_decode.RING`).  Unproven until its first GPU call (scripts/gpu/s38_call6.sh): neither `auto` nor the layer with
+kernels="on" takes it before then.
 """
 from __future__ import annotations
 

@@ -116,6 +116,23 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))  # stable: files keep their order
 
 
+@pytest.fixture
+def fresh_steps():
+    """The model's compiled steps forgotten before and after a test that patches what a step is traced with (the
+    kernel registry, the compiler options): kernels are chosen when a step is traced, and jaxk3.generation caches its
+    jitted steps per (config, options, mesh), so a step traced by an earlier test would run without the patch (and a
+    patched one would outlive the test)."""
+    from jaxk3 import generation
+
+    def clear():
+        generation.build_prefill.cache_clear()
+        generation.build_decode_loop.cache_clear()
+        jax.clear_caches()
+    clear()
+    yield
+    clear()
+
+
 _here = [True]  # False in pytest-xdist's controller (its workers write the test log's lines)
 
 

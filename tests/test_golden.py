@@ -154,11 +154,11 @@ def checkpoint_shapes(cfg: KimiK3Config) -> dict[str, tuple[int, ...]]:
 
 
 @pytest.fixture(autouse=True)
-def xla_default_opt_level(monkeypatch):
+def xla_default_opt_level(monkeypatch, fresh_steps):
     """The model's programs compiled at XLA's default backend level, at which the digests were recorded: the suite's
     processes run XLA's CPU backend at LLVM's -O0 (tests/conftest.py, TEST_XLA_OPT_LEVEL), whose reductions add in
     another order.  The step (jaxk3.model) and the prefill and decode loop (jaxk3.generation, which imports the
-    function by name and keeps its jitted programs: their caches are emptied on the way in and out, so that none
+    function by name and keeps its jitted programs: `fresh_steps` empties them on the way in and out, so that none
     compiled at the other level is reused) all take it."""
     import jaxk3.generation as gen
     from conftest import XLA_DEFAULT_OPTIONS
@@ -166,11 +166,6 @@ def xla_default_opt_level(monkeypatch):
     options = jaxk3.model.compiler_options
     for module in (jaxk3.model, gen):
         monkeypatch.setattr(module, "compiler_options", lambda: {**options(), **XLA_DEFAULT_OPTIONS})
-    for cached in (gen.build_prefill, gen.build_decode_loop):
-        cached.cache_clear()
-    yield
-    for cached in (gen.build_prefill, gen.build_decode_loop):
-        cached.cache_clear()
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

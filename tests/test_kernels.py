@@ -496,22 +496,6 @@ def test_model_kernels_option():
     np.testing.assert_array_equal(a.logits, b.logits)
 
 
-@pytest.fixture
-def fresh_steps():
-    """The model's compiled steps forgotten before and after a test that patches the kernel registry: kernels are
-    chosen when a step is traced, and jaxk3.generation caches its jitted steps per (config, options, mesh), so a
-    step traced by an earlier test would run without the patch (and a patched one would outlive the test)."""
-    from jaxk3 import generation
-
-    def clear():
-        generation.build_prefill.cache_clear()
-        generation.build_decode_loop.cache_clear()
-        jax.clear_caches()
-    clear()
-    yield
-    clear()
-
-
 def _on_cpu(monkeypatch, name: str, arg: int) -> list:
     """Register kernel `name` for the CPU in interpret mode, taken by auto wherever it fits (the tiny dims were never
     timed); the list it returns collects the shape of argument `arg` of every call."""

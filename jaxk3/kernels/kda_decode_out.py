@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxk3.kernels.gemv import gnorm_reference
-from jaxk3.kernels.kda_decode import fused_fits, fused_reference
+from jaxk3.kernels.kda_decode import conv_silu, delta_tile, fused_fits, fused_reference, log_gate, qk_l2norm, ring_slot
 from jaxk3.kernels.registry import Kernel, pow2, register, triton_params
 
 F32 = jnp.float32
@@ -67,32 +67,21 @@ def _kernel(y_ref, gb_ref, conv_ref, cw_ref, dtb_ref, alog_ref, on_ref, s_ref, v
     pos = pos_ref[0]
     n_old = W - 1  # the ring's cached taps
 
-    def slot(t):  # the ring's slot of cached tap t (0 the oldest); slot(n_old) takes this token
-        return jax.lax.rem(pos + (t + 1) % W, W)
+    def slot(t):  # slot(n_old) takes this token
+        return ring_slot(pos, t, W)
 
     def U(i, start, size):  # the raw projection of q (0), k (1) or v (2) at channels [start, start + size)
         return y_ref[0, pl.ds(i * C + start, size)].astype(cdt)
 
-    def conv(i, start, size):  # the causal conv over the K-1 cached taps and the new projection, then SiLU
-        chans = pl.ds(start, size)
-        acc = U(i, start, size).astype(F32) * cw_ref[i, chans, n_old]
-        for t in range(n_old):
-            acc = acc + conv_ref[0, i, chans, slot(t)].astype(F32) * cw_ref[i, chans, t]
-        return acc * jax.nn.sigmoid(acc)
+    def conv(i, start, size):
+        return conv_silu(U(i, start, size).astype(F32), conv_ref, cw_ref, 0, i, pl.ds(start, size), n_old, slot)
 
-    q, k = conv(0, h0, Kd), conv(1, h0, Kd)
-    q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * Kd ** -0.5
-    k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
+    q, k = qk_l2norm(conv(0, h0, Kd), conv(1, h0, Kd), Kd)
     fa = y_ref[0, pl.ds(3 * C, d)].astype(cdt).astype(F32)
     f = jnp.sum(gb_ref[0, ch, :].astype(F32) * fa[None, :], axis=1) + dtb_ref[ch]
     ga = y_ref[0, pl.ds(3 * C + d + H, d)].astype(cdt).astype(F32)
     beta = jax.nn.sigmoid(y_ref[0, 3 * C + d + h])
-    a = jnp.exp(alog_ref[h])
-    if lb is not None:
-        g = lb * jax.nn.sigmoid(a * f)
-    else:
-        g = -a * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
-    decay = jnp.exp(g)
+    decay = jnp.exp(log_gate(jnp.exp(alog_ref[h]), f, lb))
     keep = valid_ref[0] != 0
 
     os_, zs = [], []
@@ -102,11 +91,8 @@ def _kernel(y_ref, gb_ref, conv_ref, cw_ref, dtb_ref, alog_ref, on_ref, s_ref, v
         v = conv(2, c0, bv)
         zs.append(jnp.sum(gb_ref[1, pl.ds(c0, bv), :].astype(F32) * ga[None, :], axis=1))
         S0 = s_ref[0, h, :, vs]
-        S = S0 * decay[:, None]  # [Kd, bv]
-        pred = jnp.sum(S * k[:, None], axis=0)
-        upd = beta * (v - pred)
-        S = S + k[:, None] * upd[None, :]
-        os_.append(jnp.sum(S * q[:, None], axis=0))
+        S, o = delta_tile(S0, decay, k, q, v, beta)  # [Kd, bv], [bv]
+        os_.append(o)
 
         @pl.when(r == j % parts)  # one program writes each tile, into a new buffer: every program of the head reads
         def _():                  # every tile, so the state is not updated in place

@@ -102,7 +102,7 @@ def test_kda_decode_in_lowers(gated, ring, B):
                  *kw.values()) == 1
 
 
-@pytest.mark.parametrize("config", [None, dict(bv=128, num_warps=8), dict(parts=8)])
+@pytest.mark.parametrize("config", [None, dict(bv=16), dict(bn=256, num_warps=8)])
 def test_kda_decode_out_lowers(config):
     """The KDA step with its gated norm and o_proj in one kernel (kda_decode_out) at the 48B's dims, one token, the
     ring."""

@@ -30,7 +30,8 @@ from jaxk3.kernels.kda_decode_out import Config  # noqa: E402
 from jaxk3.tools.bench_decode import load_config  # noqa: E402
 
 CHAIN, INNER, REPS = 20, 5, 7
-CONFIGS = [Config(), Config(bv=128, num_warps=8), Config(parts=8), Config(parts=2), Config(bn=16), Config(num_warps=8)]
+CONFIGS = [Config(), Config(bn=256), Config(bn=64), Config(bn=256, num_warps=8), Config(bv=16), Config(bv=16, bn=256),
+           Config(bv=64, bn=64), Config(num_stages=4), Config(bn=256, num_stages=2)]
 
 
 def main(argv=None) -> int:

@@ -32,7 +32,7 @@ import subprocess
 import sys
 
 
-KERNELS = ("moe_experts", "moe_experts_routed", "kda_decode_in", "kda_decode_out", "gemv_norm", "gemv_gnorm")
+KERNELS = ("moe_experts", "moe_experts_routed", "kda_decode_in", "gemv_norm", "gemv_gnorm")
 
 
 def _call(kernel: str, cfg, tp: int, batch: int, kw: dict):
@@ -79,16 +79,6 @@ def _call(kernel: str, cfg, tp: int, batch: int, kw: dict):
         return (lambda y, gb, conv, cw, st, valid, pos: KD.kda_decode_in(cfg, y, gb, conv, cw, st, valid, pos_B=pos),
                 (S((batch, 3 * C + 2 * d + H), f32), S((2, C, d), bf), S((batch, 3, C, K), bf), cw,
                  S((batch, H, Kd, Kd), f32), S((batch,), jnp.int32), S((batch,), jnp.int32)))
-    if kernel == "kda_decode_out":  # the step, the gated norm and o_proj in one kernel (Config(**kw))
-        from jaxk3.kernels import kda_decode as KD
-        from jaxk3.kernels import kda_decode_out as KO
-
-        K, c = cfg.short_conv_kernel_size, KO.Config(**kw)
-        cw = KD.CoreWeights(S((3, C, K), f32), S((C,), f32), S((H,), f32), S((Kd,), f32))
-        return (lambda y, gb, conv, cw, st, valid, w, pos: KO.kda_decode_out(cfg, y, gb, conv, cw, st, valid, w, bf,
-                                                                           config=c, pos_B=pos),
-                (S((1, 3 * C + 2 * d + H), f32), S((2, C, d), bf), S((1, 3, C, K), bf), cw, S((1, H, Kd, Kd), f32),
-                 S((1,), jnp.int32), S((D, C), bf), S((1,), jnp.int32)))
     from jaxk3.kernels import gemv as GV
 
     if kernel == "gemv_norm":

@@ -167,26 +167,6 @@ def test_every_kernel_compiles_for_the_h200_at_real_dims(config, tp, contexts, s
         assert seen & block, (block, sorted(seen))
 
 
-def test_kda_decode_out_compiles_for_the_h200_at_real_dims():
-    """`kda_decode_out` (KDA's step, gated norm and o_proj in one kernel; unproven until its first GPU call, so that
-    kernels="on" keeps the proven pair) taken as a step A/B takes it (scripts/gpu/step_with_kernel.py: unproven
-    cleared) in the 48B's layers 0-3 at B = 1: every KDA block's kernel is it (the pair it replaces never traced), and
-    the step compiles for the H200 (ptxas for sm_90: its registers and shared memory fit)."""
-    from jaxk3.kernels import registry
-
-    saved = registry.REGISTRY["kda_decode_out"]
-    assert saved.unproven  # (when its GPU call has proven it, kernels="on" takes it and this test goes)
-    registry.REGISTRY["kda_decode_out"] = dataclasses.replace(saved, unproven=None)
-    try:
-        with _device_kernels() as seen:
-            on = _census("kimi-linear-48b", 1, (1,), (4096,), ("stock",), "on", layers="0-3")
-    finally:
-        registry.REGISTRY["kda_decode_out"] = saved
-    assert "kda_decode_out" in seen and not seen & {"kda_decode_in", "gemv_gnorm"}, sorted(seen)
-    r = on["rows"][0]
-    assert r["profile_unavailable"] == "compiled for h200, not run" and _triton_calls(r) > 0
-
-
 def _prefill_triton_calls(config: str, tp: int, batch: int, tokens: int, kernels: str = "on") -> int:
     """The prefill of one chunk (`generation.build_prefill`, as `Model.generate` runs it) compiled for `tp` H200s
     with abstract weights and a cache of 8192 positions: its Pallas (Triton) kernels."""

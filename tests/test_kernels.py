@@ -561,24 +561,6 @@ def test_decode_norms_in_the_kernels_prologues(monkeypatch, fresh_steps):
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
 
 
-@pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own tests are in both suites)
-def test_decode_kda_step_and_o_proj_in_one_kernel(monkeypatch, fresh_steps):
-    """The Kimi-Linear decode step (serving layout, one row) with `kda_decode_out` running (interpret mode, registered
-    for the CPU) beside `kda_decode_in` and `gemv_gnorm`: each KDA block takes the fused kernel (once per KDA layer
-    and step), the two it replaces never run, and the logits agree with kernels='off' to 2e-3 of max|logit|
-    (test_decode_norms_in_the_kernels_prologues' bound: the norm's sum of squares in another order can move a normed
-    element across a bf16 rounding)."""
-    from small_models import tiny_kimi_linear_4l
-
-    names = {"kda_decode_out": 1, "kda_decode_in": 1, "gemv_gnorm": 0}
-    calls = {name: _on_cpu(monkeypatch, name, arg) for name, arg in names.items()}
-    cfg = tiny_kimi_linear_4l()
-    a, b = _off_and_auto(cfg, [[5, 6, 7, 8]], [c for name in names for c in calls[name]])
-    assert len(calls["kda_decode_out"]) == len(cfg.kda_layers) >= 1, calls
-    assert not calls["kda_decode_in"] and not calls["gemv_gnorm"], calls
-    np.testing.assert_allclose(b, a, rtol=0, atol=2e-3 * np.abs(a).max())
-
-
 @pytest.mark.slow  # interpret-mode kernels inside a model (the kernel's own test is in both suites)
 def test_decode_norms_the_latent_in_the_up_projection(monkeypatch, fresh_steps):
     """A K3 decode step (latent MoE, one rank) with moe.LATENT_NORM_IN_UP (on by default) and `gemv_norm` running
@@ -1345,141 +1327,6 @@ def _as_ring(conv_B3CW: jax.Array, pos_B: np.ndarray) -> jax.Array:
     return jnp.asarray(ring, conv_B3CW.dtype)
 
 
-def _kda_out_case(real: bool = False, valid: bool = True, seed: int = 0):
-    """`kda_decode_out`'s inputs at one token: `_kda_in_case`'s with the conv cache as the ring (at position 7) and a
-    random bf16 o_proj [N, C] (N the hidden size), scaled so that the output is O(1)."""
-    cfg, (y, gb, conv, cw, state, _) = _kda_in_case(jnp.bfloat16, 1, seed=seed, real=real)
-    pos = np.asarray([7], np.int32)
-    N, C = cfg.hidden_size, cfg.kda_dim
-    w_o = jnp.asarray(np.random.default_rng(seed + 3).standard_normal((N, C)) * C ** -0.5, jnp.bfloat16)
-    return cfg, (y, gb, _as_ring(conv, pos), cw, state, jnp.asarray([valid]), w_o, jnp.bfloat16), jnp.asarray(pos)
-
-
-# The fused kernel against its reference (kda_decode_in's, then gemv_gnorm's).  The reference rounds each normed element
-# xn_c to bf16 before o_proj; the kernel scales the head's sum by 1/rms after the product, so nothing is rounded: a
-# row moves by at most 2^-8 (bf16's unit roundoff) of sum_c |w_nc xn_c|.  Against the unrounded product in float64 the
-# kernel's only errors are float32 sums in another order (C terms: C 2^-24 ~ 2.4e-4 at the 48B's 4096 in the worst
-# case, ~1e-6 in practice) and the step's o (kda_decode_in's tiles, ~1e-6 relative): OUT_EXACT = 1e-4 of
-# sum_c |w_nc xn_c|.  A wrong head's columns, a missed norm or gate is off by O(1) of it (the mutations checked).
-OUT_ROUND = 2.0 ** -8
-OUT_EXACT = 1e-4
-
-
-def _out_bound(cfg, args, pos):
-    """(the unrounded output xn @ W^T in float64 [1, N], sum_c |w_nc xn_c| [1, N]): xn the reference's gated normed o
-    in float32, before its cast to the activation dtype."""
-    from jaxk3.kernels.rms_norm import gated_rms_norm
-
-    y, gb, ring, cw, state, valid, w_o, _ = args
-    o, z, _, _ = kernels.REGISTRY["kda_decode_in"].reference(cfg, y, gb, ring, cw, state, valid, gated=False, pos_B=pos)
-    H, Kd = state.shape[1], cfg.kda_head_dim
-    xn = np.asarray(gated_rms_norm(o.reshape(1, H, Kd), cw.o_norm_K, z.reshape(1, H, Kd), cfg.rms_norm_eps),
-                    np.float64).reshape(1, -1)
-    w = np.asarray(w_o.astype(jnp.float32), np.float64)
-    return xn @ w.T, np.abs(xn) @ np.abs(w).T
-
-
-def _check_out(got, ref, exact, scale):
-    """The kernel's output within OUT_EXACT of the unrounded product and OUT_ROUND + OUT_EXACT of the reference, per
-    row (scale: sum_c |w_nc xn_c|)."""
-    assert np.isfinite(got).all() and np.abs(ref).max() > 0.1
-    excess = np.abs(got - exact) / (OUT_EXACT * scale)
-    assert excess.max() <= 1, f"row {excess.argmax()}: {excess.max():.2f} of OUT_EXACT from the unrounded product"
-    excess = np.abs(got - ref) / ((OUT_ROUND + OUT_EXACT) * scale)
-    assert excess.max() <= 1, f"row {excess.argmax()}: {excess.max():.2f} of the rounding bound from the reference"
-
-
-@pytest.mark.parametrize("bv,bn", [(32, 8), (8, 16), (16, 256), (32, 32)])
-def test_kda_decode_out_kernel_matches_reference(bv, bn):
-    """Interpret mode, tiny Kimi-Linear (8 heads of 32, o_proj 256 x 256): the output within OUT_EXACT of the unrounded
-    product and the rounding bound of the reference's, per row; the state within kda_decode_in's bound (the same
-    tiles), this token's conv slot bitwise (the ring, the other slots as they were).  A row not kept (valid False)
-    keeps both caches bitwise."""
-    from jaxk3.kernels.kda_decode_out import Config
-
-    k = kernels.REGISTRY["kda_decode_out"]
-    c = Config(bv=bv, bn=bn)
-    for valid in (True, False):
-        cfg, args, pos = _kda_out_case(valid=valid)  # (the reference `r` kept below is the last case's)
-        assert k.fits(cfg, *args, config=c, only_where_faster=False, pos_B=pos) is None
-        got = k.device(cfg, *args, interpret=True, config=c, pos_B=pos)
-        ref = k.reference(cfg, *args, pos_B=pos)
-        assert got[0].shape == ref[0].shape == (1, cfg.hidden_size) and got[0].dtype == jnp.float32
-        o, r = np.asarray(got[0]), np.asarray(ref[0])
-        _check_out(o, r, *_out_bound(cfg, args, pos))
-        np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=0,
-                                   atol=1e-5 * float(jnp.abs(ref[2]).max()))
-        np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32)), np.asarray(ref[1].astype(jnp.float32)))
-        if not valid:  # both caches as they were, the ring's poisoned slot included
-            np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(args[4]))
-            np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32)),
-                                          np.asarray(args[2].astype(jnp.float32)))
-    # the norm and the gate matter: o_proj of the un-normed o is another output
-    o_raw, z, _, _ = kernels.REGISTRY["kda_decode_in"].reference(cfg, *args[:6], gated=False, pos_B=pos)
-    plain = np.asarray(jnp.einsum("bc,nc->bn", o_raw.astype(jnp.bfloat16), args[6], preferred_element_type=jnp.float32))
-    assert np.abs(plain - r).max() > 0.1 * np.abs(r).max()
-
-
-def test_kda_decode_out_fits():
-    """Where the fused kernel applies, each refusal naming its reason; auto takes it only where the step was measured
-    faster with it (none yet), kernels="on" wherever it fits."""
-    from jaxk3.kernels.kda_decode_out import Config
-
-    k = kernels.REGISTRY["kda_decode_out"]
-    cfg, args, pos = _kda_out_case()
-    assert "measured faster" in k.fits(cfg, *args, pos_B=pos)
-    assert kernels.explain("kda_decode_out", cfg, *args, mode="on", platform="gpu", pos_B=pos).startswith("device")
-    assert kernels.explain("kda_decode_out", cfg, *args, mode="auto", platform="gpu", pos_B=pos).startswith("reference")
-    assert "ring" in k.fits(cfg, *args, only_where_faster=False)  # the shift form's cache: no positions
-    y2 = jnp.concatenate([args[0], args[0]])
-    assert "one token" in k.fits(cfg, y2, *args[1:], only_where_faster=False, pos_B=pos)
-    assert "o_proj must be bf16" in k.fits(cfg, *args[:6], args[6].astype(jnp.float32), args[7],
-                                           only_where_faster=False, pos_B=pos)
-    assert "o_proj must be bf16" in k.fits(cfg, *args[:6], args[6][:, :-32], args[7], only_where_faster=False,
-                                           pos_B=pos)
-    assert "powers of two" in k.fits(cfg, *args, config=Config(bv=24), only_where_faster=False, pos_B=pos)
-    assert "powers of two" in k.fits(cfg, *args, config=Config(bn=512), only_where_faster=False, pos_B=pos)
-    assert "kda_decode_out kernel: in_proj's output" in k.fits(cfg, args[0][:, :-1], *args[1:],
-                                                               only_where_faster=False, pos_B=pos)
-    cw = dataclasses.replace(args[3], o_norm_K=args[3].o_norm_K[:-1])
-    assert "the norm weight" in k.fits(cfg, *args[:3], cw, *args[4:], only_where_faster=False, pos_B=pos)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config,valid", [(None, True), (dict(bv=16), True), (dict(bn=256, num_warps=8), True),
-                                          (dict(bv=64, bn=64), True), (None, False)])
-def test_kda_decode_out_on_gpu(config, valid):
-    """Compiled at Kimi-Linear-48B's dims (32 heads of 128, o_proj 2304 x 4096, one token, the ring and the state
-    donated as in the step) against the reference: the output per row within OUT_EXACT of the unrounded product and
-    the rounding bound of the reference, the state within kda_decode_in's GPU bound, the ring bitwise (a row not
-    kept: both caches as they were); and against the two kernels it replaces (kda_decode_in leaving o un-normed, then
-    gemv_gnorm) within the rounding bound."""
-    if jax.default_backend() == "cpu":
-        pytest.skip("needs a CUDA GPU (JAX_PLATFORMS=cuda)")
-    from jaxk3.kernels.kda_decode_out import Config
-
-    cfg, args, pos = _kda_out_case(real=True, valid=valid)
-    c = Config(**config) if config else None
-    ref = kernels.REGISTRY["kda_decode_out"].reference(cfg, *args, pos_B=pos)
-    exact, scale = _out_bound(cfg, args, pos)
-    fresh = [jnp.array(a, copy=True) if isinstance(a, jax.Array) else a for a in args]
-    got = jax.jit(lambda *a: kernels.call("kda_decode_out", cfg, *a[:-1], args[7], mode="on", config=c, pos_B=a[-1]),
-                  donate_argnums=(2, 4))(*fresh[:7], pos)
-    o, r = np.asarray(got[0]), np.asarray(ref[0])
-    _check_out(o, r, exact, scale)
-    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=0, atol=1e-4 * float(jnp.abs(ref[2]).max()))
-    np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32)), np.asarray(ref[1].astype(jnp.float32)))
-    if not valid:
-        np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(args[4]))
-    y, gb, ring, cw, state, valid, w_o, dt = args
-    o2, z2, _, _ = jax.jit(lambda *a: kernels.call("kda_decode_in", cfg, *a, mode="on", gated=False, pos_B=pos))(
-        y, gb, jnp.array(ring, copy=True), cw, jnp.array(state, copy=True), valid)
-    two = np.asarray(jax.jit(lambda o, z: kernels.call("gemv_gnorm", o, z, cw.o_norm_K, cfg.rms_norm_eps, w_o, dt,
-                                                       mode="on"))(o2, z2))
-    excess = np.abs(o - two) / ((OUT_ROUND + OUT_EXACT) * scale)
-    assert excess.max() <= 1, f"row {excess.argmax()}: {excess.max():.2f} of the rounding bound from the two kernels"
-
-
 @pytest.mark.parametrize("fused,B,bv", [(False, 3, 8), (False, 1, 32), (True, 3, 8), (True, 1, 32)])
 def test_kda_decode_ring_equals_the_shift_form(fused, B, bv):
     """The kernels with the conv cache as a ring written in place (`kda_decode.RING`; interpret mode), against
@@ -2235,9 +2082,9 @@ def test_router_topk_normed_on_gpu(B):
     assert np.mean(np.asarray(xn) == np.asarray(rxn)) > 0.9
 
 
-def test_status_says_what_auto_does():
+def test_status_says_what_auto_does(monkeypatch):
     """`kernels.status` (printed by `jaxk3 info`): on the CPU every kernel runs its reference; on a GPU
-    the proven ones run on the device and the unproven ones say why not."""
+    the proven ones run on the device and the unproven ones say why not (none now: one marked unproven here)."""
     cpu, gpu = kernels.status("cpu"), kernels.status("gpu")
     assert set(cpu) == set(gpu) == set(kernels.REGISTRY)
     assert all(v.startswith("reference: no ") for v in cpu.values())
@@ -2248,13 +2095,18 @@ def test_status_says_what_auto_does():
     assert gpu["gemv_norm"] == "device"
     assert gpu["kda_decode_in"] == gpu["moe_experts_routed"] == gpu["gemv_gnorm"] == gpu["mla_decode_uv"] == "device"
     assert gpu["mla_prep"] == "device"
-    assert [n for n, v in gpu.items() if v.startswith("reference: unproven")] == ["kda_decode_out"]
-    assert gpu["kda_decode_out"].startswith("reference: unproven")  # built; its compiled tests not yet run on a GPU
-    assert set(kernels.REGISTRY) == {"gemv", "gemv_gnorm", "gemv_norm", "kda_decode", "kda_decode_in", "kda_decode_out",
+    assert [n for n, v in gpu.items() if v.startswith("reference: unproven")] == []
+    assert set(kernels.REGISTRY) == {"gemv", "gemv_gnorm", "gemv_norm", "kda_decode", "kda_decode_in",
                                      "kda_prefill",
                                      "mla_decode", "mla_decode_uv", "mla_prefill", "mla_prep", "moe_experts",
                                      "moe_experts_routed", "moe_grouped", "rms_norm", "router_topk"}
     assert "1.23x XLA at Kimi-Linear-48B B=1" in kernels.speeds()["moe_experts"]
+    from jaxk3.kernels import registry
+
+    monkeypatch.setitem(registry.REGISTRY, "gemv_gnorm",
+                        dataclasses.replace(registry.REGISTRY["gemv_gnorm"], unproven="not yet run on a GPU"))
+    assert kernels.status("gpu")["gemv_gnorm"] == "reference: unproven on gpu (not yet run on a GPU)"
+    assert kernels.active("gpu")["gemv_gnorm"] is False and kernels.active("gpu")["gemv_norm"] is True
 
 
 def test_info_lists_the_kernels(capsys):

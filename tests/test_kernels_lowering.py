@@ -102,25 +102,6 @@ def test_kda_decode_in_lowers(gated, ring, B):
                  *kw.values()) == 1
 
 
-@pytest.mark.parametrize("config", [None, dict(bv=16), dict(bn=256, num_warps=8)])
-def test_kda_decode_out_lowers(config):
-    """The KDA step with its gated norm and o_proj in one kernel (kda_decode_out) at the 48B's dims, one token, the
-    ring."""
-    from jaxk3.kernels import kda_decode as KD
-    from jaxk3.kernels import kda_decode_out as KO
-
-    cfg = _cfg48()
-    C, H, d, K, N = cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.hidden_size
-    f32 = jnp.float32
-    cw = KD.CoreWeights(conv_3CK=S((3, C, K), f32), dt_bias_C=S((C,), f32), A_log_H=S((H,), f32), o_norm_K=S((d,), f32))
-    args = (S((1, 3 * C + 2 * d + H), f32), S((2, C, d), BF16), S((1, 3, C, K), BF16), cw, S((1, H, d, d), f32),
-            S((1,), jnp.bool_), S((N, C), BF16))
-    c = KO.Config(**config) if config else None
-    pos = S((1,), jnp.int32)
-    assert KO.fits(cfg, *args, BF16, config=c, only_where_faster=False, pos_B=pos) is None
-    assert lower(lambda *a: KO.kda_decode_out(cfg, *a[:7], BF16, config=c, pos_B=a[7]), *args, pos) == 1
-
-
 def test_kda_decode_ring_lowers():
     """The projections' form (K3, checkpoint layout) with the ring, at K3's TP 8 share."""
     from jaxk3.config import KimiK3Config

@@ -19,5 +19,5 @@ from __future__ import annotations
 
 from jaxk3.kernels.registry import (MODES, REGISTRY, Kernel, KernelUnavailableError, active, call,  # noqa: F401
                                     explain, register, speeds, status)
-from jaxk3.kernels import (attn_res_norm, gemv, kda_decode, kda_decode_out, kda_prefill, mla_decode,  # noqa: E402,F401,I001
+from jaxk3.kernels import (attn_res_norm, gemv, kda_decode, kda_prefill, mla_decode,  # noqa: E402,F401,I001
                            mla_prefill, mla_prep, moe_experts, moe_grouped, rms_norm, router)

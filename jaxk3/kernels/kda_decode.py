@@ -93,8 +93,7 @@ def log_gate(a, f, gate_lower_bound: float | None):
     return -a * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
 
 
-# ---------------------------------------------------------------- pieces of a decode program (this kernel's and
-# jaxk3.kernels.kda_decode_out's), each the same operations in both
+# ---------------------------------------------------------------- pieces of a decode program
 def ring_slot(pos, t: int, W: int):
     """The ring's slot of cached tap t (0 the oldest) for a row at position `pos`; t = W - 1 is this token's."""
     return jax.lax.rem(pos + (t + 1) % W, W)

@@ -119,17 +119,6 @@ def ring_positions(cfg: KimiK3Config, conv_B3CW: jax.Array, pos_B: jax.Array | N
     return pos_B
 
 
-def _core_and_o_proj(cfg: KimiK3Config, w: KDAWeights, args: tuple, dt, mode: str, tp, pos_B):
-    """The step, the gated norm and o_proj as one kernel (`kda_decode_out`, one token, the ring conv cache), where it
-    runs: (out_BD, new conv, new state); else None.  Not while it is unproven, even with kernels="on", which then keeps
-    the proven kda_decode_in + gemv_gnorm (scripts/gpu/step_with_kernel.py takes it for a step A/B)."""
-    if not kernels.active().get("kda_decode_out") or not kernels.explain(
-            "kda_decode_out", *args, w.o_proj, dt, mode=mode, pos_B=pos_B).startswith("device"):
-        return None
-    out, new_conv, new_state = kernels.call("kda_decode_out", *args, w.o_proj, dt, mode=mode, pos_B=pos_B)
-    return psum(out, tp), new_conv, new_state
-
-
 def _core_then_gnorm_o_proj(cfg: KimiK3Config, w: KDAWeights, args: tuple, dt, mode: str, tp, pos_B):
     """kda_decode_in leaving o un-normed, then o_proj with the gated per-head norm in its prologue (`gemv_gnorm`),
     where that kernel runs: (out_BD, new conv, new state); else None."""
@@ -158,8 +147,7 @@ def kda_step(cfg: KimiK3Config, w: KDAWeights, x_BD: jax.Array | Normed, conv_B3
         y_BX = linear(x_BD, w.in_proj, tp)  # [q | k | v | f_a | b | g_a], fp32
         args = (cfg, y_BX, w.gate_b_proj, conv_B3CW, cw, state_BHKV, valid_B)
         if kernels.explain("kda_decode_in", *args, mode=mode, pos_B=pos_B).startswith("device"):  # the glue inside
-            out = (_core_and_o_proj(cfg, w, args, dt, mode, tp, pos_B)
-                   or _core_then_gnorm_o_proj(cfg, w, args, dt, mode, tp, pos_B))
+            out = _core_then_gnorm_o_proj(cfg, w, args, dt, mode, tp, pos_B)
             if out is not None:
                 return out
             o_BC, new_conv, new_state = kernels.call("kda_decode_in", *args, mode=mode, pos_B=pos_B)

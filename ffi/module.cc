@@ -94,17 +94,19 @@ nb::bytes HostGatherForTest(std::vector<int64_t> devices, int64_t site, int rank
 }
 
 // Drives the yield gauge with made-up yields and times, from a fresh gauge, leaving a fresh one
-// behind.  Steps: ("yield", took_us, at_us), one rank's yield; ("probe", took_us, 0); ("how", 0,
-// at_us), whose answer ("yield", "sleep" or "probe") is returned in order.
-std::vector<std::string> YieldGaugeForTest(const std::vector<std::tuple<std::string, double, double>>& steps) {
+// behind.  Steps: ("yield", took_us, at_us, own_cpu_us), one rank's yield (own_cpu_us: this
+// process's CPU time meanwhile); ("probe", took_us, 0, own_cpu_us); ("how", 0, at_us, 0), whose
+// answer ("yield", "sleep" or "probe") is returned in order.
+std::vector<std::string> YieldGaugeForTest(
+    const std::vector<std::tuple<std::string, double, double, double>>& steps) {
   const auto us = [](double v) { return std::chrono::nanoseconds(static_cast<int64_t>(v * 1e3)); };
   const GaugeClock::time_point t0 = GaugeClock::now();
   std::atomic<int> slow_in_a_row{0};
   std::vector<std::string> out;
   ResetGaugeForTest();
-  for (const auto& [what, took, at] : steps) {
-    if (what == "yield") RecordYield(slow_in_a_row, us(took), t0 + us(at));
-    if (what == "probe") RecordProbe(us(took));
+  for (const auto& [what, took, at, own_cpu] : steps) {
+    if (what == "yield") RecordYield(slow_in_a_row, us(took), us(own_cpu), t0 + us(at));
+    if (what == "probe") RecordProbe(us(took), us(own_cpu));
     if (what != "how") continue;
     const WaitHow how = HowToWait(t0 + us(at));
     out.push_back(how == WaitHow::kYield ? "yield" : how == WaitHow::kSleep ? "sleep" : "probe");

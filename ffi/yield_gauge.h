@@ -10,6 +10,14 @@
 // whichever thread XLA or a completion worker gives it).  A few in a row put every waiter of the
 // process to sleep.  While they sleep, one waiter now and then yields once, timed (a probe);
 // enough fast probes in a row, and waiters yield again.
+//
+// A yield is also slow when it hands the core to one of this process's own threads that computes
+// for a while (a peer rank's share of a model step: 8 CPU devices on 2 cores).  That is the peer
+// the waiter waits for, and sleeping then only adds a wake-up to every round (the tiny model's
+// decode 27% slower per token on the 2-core dev box, docs/PERF.md).  So each yield is also timed
+// in the process's CPU time: a slow yield during which this process's threads ran at least
+// kOwnShare of its wall time (the core went to one of them) neither counts nor breaks a run of
+// slow ones, and such a probe counts as fast.
 #pragma once
 
 #include <atomic>
@@ -28,12 +36,14 @@ enum class WaitHow {
 // How a waiter should wait now.
 WaitHow HowToWait(GaugeClock::time_point now);
 
-// Records one yield of a waiter that took `took`, ending at `now`; `slow_in_a_row` is its rank's
+// Records one yield of a waiter that took `took` of wall time, ending at `now`, during which this
+// process's threads ran for `own_cpu` (CLOCK_PROCESS_CPUTIME_ID); `slow_in_a_row` is its rank's
 // count of slow yields in a row.
-void RecordYield(std::atomic<int>& slow_in_a_row, std::chrono::nanoseconds took, GaugeClock::time_point now);
+void RecordYield(std::atomic<int>& slow_in_a_row, std::chrono::nanoseconds took, std::chrono::nanoseconds own_cpu,
+                 GaugeClock::time_point now);
 
-// Records the yield of a probe (HowToWait returned kProbe).
-void RecordProbe(std::chrono::nanoseconds took);
+// Records the yield of a probe (HowToWait returned kProbe), timed as RecordYield's.
+void RecordProbe(std::chrono::nanoseconds took, std::chrono::nanoseconds own_cpu);
 
 // Test hook: back to the start (waiters yield).
 void ResetGaugeForTest();

@@ -144,8 +144,11 @@ def test_yield_gauge_sleeps_after_slow_yields_and_probes_its_way_back():
     """The policy of ffi/yield_gauge.h on made-up yields and times (microseconds): three slow
     (>= 0.5 ms) yields in a row on a rank put waiters to sleep, fewer do not; while asleep, one
     probe per 100 ms; sixteen fast probes in a row and waiters yield again, a slow one starts
-    the count over."""
-    g = ext._yield_gauge_for_test
+    the count over.  A slow yield during which this process's threads ran >= 0.9 of its wall time
+    (the core went to a peer of this process) neither counts nor breaks a run; such a probe is
+    fast."""
+    def g(steps):  # (what, took, at[, own cpu]): no own CPU time unless given
+        return ext._yield_gauge_for_test([tuple(s) + (0.0,) * (4 - len(s)) for s in steps])
     slow, fast = 3000.0, 30.0
     assert g([("yield", slow, 0), ("yield", slow, 1e3), ("yield", 499.0, 2e3), ("yield", slow, 3e3),
               ("yield", slow, 4e3), ("how", 0, 5e3)]) == ["yield"]
@@ -156,3 +159,11 @@ def test_yield_gauge_sleeps_after_slow_yields_and_probes_its_way_back():
     assert g(asleep + probes + [("how", 0, 3e3)]) == ["sleep"]
     assert g(asleep + probes + [("probe", fast, 0), ("how", 0, 3e3)]) == ["yield"]
     assert g([("how", 0, 0)]) == ["yield"]  # each call starts, and leaves, a fresh gauge
+    # the core to this process's own threads: slow yields with own CPU time >= 0.9 of the wall time
+    own = [("yield", slow, 0, 0.9 * slow), ("yield", slow, 1e3, 1.8 * slow), ("yield", slow, 2e3, slow)]
+    assert g(own * 3 + [("how", 0, 1e4)]) == ["yield"]
+    assert g([own[0], ("yield", slow, 1e3, 0.85 * slow), ("yield", slow, 2e3), own[1], ("yield", slow, 3e3),
+              ("how", 0, 4e3)]) == ["sleep"]  # an own one between foreign ones neither counts nor resets
+    own_probes = [("probe", slow, 0, slow)] * 8 + [("probe", fast, 0)] * 8
+    assert g(asleep + own_probes + [("how", 0, 3e3)]) == ["yield"]
+    assert g(asleep + own_probes[:-1] + [("probe", slow, 0, 0.5 * slow), ("how", 0, 3e3)]) == ["sleep"]

@@ -95,10 +95,11 @@ nb::bytes HostGatherForTest(std::vector<int64_t> devices, int64_t site, int rank
 
 // Drives the yield gauge with made-up yields and times, from a fresh gauge, leaving a fresh one
 // behind.  Steps: ("yield", took_us, at_us, own_cpu_us), one rank's yield (own_cpu_us: this
-// process's CPU time meanwhile); ("probe", took_us, 0, own_cpu_us); ("how", 0, at_us, 0), whose
-// answer ("yield", "sleep" or "probe") is returned in order.
+// process's working CPU time meanwhile); ("probe", took_us, 0, own_cpu_us); ("how", 0, at_us, 0),
+// whose answer ("yield", "sleep" or "probe") is returned in order.  `keep`: leave the gauge as the
+// steps left it (a test of what reads it), not fresh.
 std::vector<std::string> YieldGaugeForTest(
-    const std::vector<std::tuple<std::string, double, double, double>>& steps) {
+    const std::vector<std::tuple<std::string, double, double, double>>& steps, bool keep) {
   const auto us = [](double v) { return std::chrono::nanoseconds(static_cast<int64_t>(v * 1e3)); };
   const GaugeClock::time_point t0 = GaugeClock::now();
   std::atomic<int> slow_in_a_row{0};
@@ -111,7 +112,7 @@ std::vector<std::string> YieldGaugeForTest(
     const WaitHow how = HowToWait(t0 + us(at));
     out.push_back(how == WaitHow::kYield ? "yield" : how == WaitHow::kSleep ? "sleep" : "probe");
   }
-  ResetGaugeForTest();
+  if (!keep) ResetGaugeForTest();
   return out;
 }
 
@@ -201,7 +202,8 @@ NB_MODULE(_ffi, m) {
     if (mode != "auto" && mode != "yield" && mode != "sleep") throw nb::value_error("wait mode: auto, yield or sleep");
     SetWaitModeForTest(mode == "yield" ? WaitMode::kYield : mode == "sleep" ? WaitMode::kSleep : WaitMode::kAuto);
   });
-  m.def("_yield_gauge_for_test", &YieldGaugeForTest, nb::arg("steps"));
+  m.def("_yield_gauge_for_test", &YieldGaugeForTest, nb::arg("steps"), nb::arg("keep") = false);
+  m.def("waiters_sleeping", &GaugeSleeping);  // the CPU transport's waiters sleep (busy foreign threads seen)
   m.def("_host_gather_for_test", &HostGatherForTest, nb::arg("devices"), nb::arg("site"), nb::arg("rank"),
         nb::arg("payload"), nb::arg("dtype"), nb::arg("align"));
 }

@@ -4,6 +4,9 @@
 #include <sched.h>
 #include <time.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include "settings.h"
 #include "wait_word.h"
 #include "yield_gauge.h"
@@ -26,26 +29,106 @@ WaitHow How(Clock::time_point now) {
   }
 }
 
-// This process's CPU time, all its threads (a syscall of ~0.3 us on the dev box).
-std::chrono::nanoseconds ProcessCpu() {
+using Ns = std::chrono::nanoseconds;
+
+int64_t Ticks(Clock::time_point t) { return Ns(t.time_since_epoch()).count(); }
+
+// This process's CPU time, all its threads (a syscall: read at most every kSampleEvery, by whichever waiter).
+int64_t ProcessCpuNs() {
   timespec ts{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+// CPU time this process's yielding waiters spent polling rather than working, all threads.  A waiter adds its own
+// from its kAccountFrom-th yield on, every kAccountEvery yields, before a slow yield's reading and when its wait
+// ends (each reading a syscall of ~0.2-0.4 us on the dev box): a wait released within a couple of yields, as most
+// idle ones are, costs none, and its few microseconds left out only make the process look busier.
+std::atomic<int64_t> g_polling_ns{0};
+constexpr int kAccountFrom = 3, kAccountEvery = 8;
+
+struct Polling {
+  int yields = 0;
+  int64_t thread_cpu = -1;  // this thread's CPU time as last added
+
+  void Account() {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    const int64_t t = int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+    if (thread_cpu >= 0) g_polling_ns.fetch_add(t - thread_cpu, std::memory_order_relaxed);
+    thread_cpu = t;
+  }
+  void Yielded() {
+    if (++yields >= kAccountFrom && (yields - kAccountFrom) % kAccountEvery == 0) Account();
+  }
+  ~Polling() {
+    if (thread_cpu >= 0) Account();
+  }
+};
+
+// A sample of (time, the process's CPU time, the polling account), refreshed before a yield when older than
+// kSampleEvery, under a sequence count (odd while written).  A slow yield's working CPU time is measured from it.
+constexpr Ns kSampleEvery = std::chrono::microseconds(200);
+std::atomic<uint32_t> g_seq{0};
+std::atomic<int64_t> g_at{INT64_MIN / 2}, g_cpu{0}, g_polled{0};
+
+void MaybeSample(int64_t now) {
+  if (now - g_at.load(std::memory_order_relaxed) < kSampleEvery.count()) return;
+  uint32_t seq = g_seq.load(std::memory_order_relaxed);
+  if ((seq & 1) || !g_seq.compare_exchange_strong(seq, seq + 1, std::memory_order_acquire)) return;  // one writer
+  g_cpu.store(ProcessCpuNs(), std::memory_order_relaxed);
+  g_polled.store(g_polling_ns.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  g_at.store(now, std::memory_order_relaxed);
+  g_seq.store(seq + 2, std::memory_order_release);
+}
+
+struct Sample {
+  int64_t at = 0, cpu = 0, polled = 0;
+  bool ok = false;  // false while being written
+};
+
+Sample ReadSample() {
+  Sample x;
+  const uint32_t seq = g_seq.load(std::memory_order_acquire);
+  x.at = g_at.load(std::memory_order_relaxed);
+  x.cpu = g_cpu.load(std::memory_order_relaxed);
+  x.polled = g_polled.load(std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  x.ok = !(seq & 1) && seq == g_seq.load(std::memory_order_relaxed);
+  return x;
+}
+
+// The process's working CPU time (its CPU time less the waiters' polling) from sample `x` (read before the yield)
+// to `now`, scaled to `took`, for a yield of `took` that ended at `now`; 0 (as if another process had held the core)
+// when `x` was being written or was taken more than 2 kSampleEvery before the yield began.
+Ns Worked(const Sample& x, int64_t now, Ns took) {
+  if (!x.ok || x.at < now - took.count() - 2 * kSampleEvery.count()) return Ns(0);
+  const double worked =
+      static_cast<double>(ProcessCpuNs() - x.cpu - (g_polling_ns.load(std::memory_order_relaxed) - x.polled));
+  return Ns(static_cast<int64_t>(worked * static_cast<double>(took.count()) / static_cast<double>(now - x.at)));
 }
 
 struct Yielded {
-  std::chrono::nanoseconds took;     // wall time, from `now` on
-  std::chrono::nanoseconds own_cpu;  // this process's CPU time meanwhile (read only when slow enough to matter)
+  Ns took;     // wall time, from `now` on
+  Ns own_cpu;  // this process's working CPU time meanwhile (only when slow enough to matter)
 };
 
-// One sched_yield, timed in wall time and in this process's CPU time; sets `now` to its end.
-Yielded TimedYield(Clock::time_point& now) {
-  const auto cpu = ProcessCpu();
+// One sched_yield, timed in wall time and, when slow, in this process's working CPU time (the time its threads
+// worked while this waiter was off its core); sets `now` to its end.
+Yielded TimedYield(Clock::time_point& now, Polling& p) {
+  MaybeSample(Ticks(now));
+  const Sample x = ReadSample();
   sched_yield();
   const auto then = Clock::now();
-  const std::chrono::nanoseconds took = then - now;
+  const Ns took = then - now;
   now = then;
-  return {took, took >= std::chrono::microseconds(100) ? ProcessCpu() - cpu : std::chrono::nanoseconds(0)};
+  if (took < std::chrono::microseconds(100)) {
+    p.Yielded();
+    return {took, Ns(0)};
+  }
+  ++p.yields;
+  p.Account();
+  return {took, Worked(x, Ticks(then), took)};
 }
 
 }  // namespace
@@ -54,15 +137,18 @@ bool AwaitRelease(std::atomic<int>& w, Clock::time_point until, std::atomic<int>
   // Yield while that hands the core to this process's own threads (the peers to come).
   auto now = Clock::now();
   WaitHow how;
-  while ((how = How(now)) == WaitHow::kYield) {
-    if (w.load(std::memory_order_acquire) == kReleased) return true;
-    if (now >= until) return GiveUp(w, kWaiting);
-    const Yielded y = TimedYield(now);
-    RecordYield(slow_yields, y.took, y.own_cpu, now);
-  }
-  if (how == WaitHow::kProbe && w.load(std::memory_order_acquire) != kReleased) {
-    const Yielded y = TimedYield(now);
-    RecordProbe(y.took, y.own_cpu);
+  {
+    Polling polling;
+    while ((how = How(now)) == WaitHow::kYield) {
+      if (w.load(std::memory_order_acquire) == kReleased) return true;
+      if (now >= until) return GiveUp(w, kWaiting);
+      const Yielded y = TimedYield(now, polling);
+      RecordYield(slow_yields, y.took, y.own_cpu, now);
+    }
+    if (how == WaitHow::kProbe && w.load(std::memory_order_acquire) != kReleased) {
+      const Yielded y = TimedYield(now, polling);
+      RecordProbe(y.took, y.own_cpu);
+    }
   }
   // Otherwise sleep, so the core goes to whoever the scheduler finds next: a peer to come.
   int expected = kWaiting;

@@ -9,9 +9,9 @@ namespace {
 // A yield this long gave the core to another task for (most of) a time slice (0.7-8 ms); among
 // this process's own threads a yield comes back in 10-50 us (docs/PERF.md).
 constexpr auto kSlowYield = std::chrono::microseconds(500);
-// A slow yield during which this process's threads ran at least this share of its wall time gave
-// the core to one of them (with the core held by another process they ran only on the other
-// cores, and less than that on a 2-core machine shared with busy processes: docs/PERF.md).
+// A slow yield during which this process's threads worked at least this share of its wall time
+// gave the core to one of them (with the core held by another process they worked only on the
+// other cores, where its waiting peers yield rather than work: docs/PERF.md).
 constexpr double kOwnShare = 0.9;
 // This many slow yields in a row on one rank put the waiters to sleep.  With busy threads of
 // other processes in the run queue about a third of all yields are slow and runs of three come
@@ -68,6 +68,8 @@ void RecordProbe(std::chrono::nanoseconds took, std::chrono::nanoseconds own_cpu
     g_sleeping.store(false, std::memory_order_relaxed);
   }
 }
+
+bool GaugeSleeping() { return g_sleeping.load(std::memory_order_relaxed); }
 
 void ResetGaugeForTest() {
   g_sleeping.store(false);

@@ -14,10 +14,11 @@
 // A yield is also slow when it hands the core to one of this process's own threads that computes
 // for a while (a peer rank's share of a model step: 8 CPU devices on 2 cores).  That is the peer
 // the waiter waits for, and sleeping then only adds a wake-up to every round (the tiny model's
-// decode 27% slower per token on the 2-core dev box, docs/PERF.md).  So each yield is also timed
-// in the process's CPU time: a slow yield during which this process's threads ran at least
-// kOwnShare of its wall time (the core went to one of them) neither counts nor breaks a run of
-// slow ones, and such a probe counts as fast.
+// decode 27% slower per token on the 2-core dev box, docs/PERF.md).  So a slow yield is also
+// measured in the process's working CPU time: its CPU time less what its yielding waiters spent
+// polling (rank_wait.cc keeps both accounts).  A slow yield during which the process's threads
+// worked at least kOwnShare of its wall time (the core went to one of them) neither counts nor
+// breaks a run of slow ones, and such a probe counts as fast.
 #pragma once
 
 #include <atomic>
@@ -37,13 +38,16 @@ enum class WaitHow {
 WaitHow HowToWait(GaugeClock::time_point now);
 
 // Records one yield of a waiter that took `took` of wall time, ending at `now`, during which this
-// process's threads ran for `own_cpu` (CLOCK_PROCESS_CPUTIME_ID); `slow_in_a_row` is its rank's
-// count of slow yields in a row.
+// process's threads worked for `own_cpu` (its CPU time less its waiters' polling: rank_wait.cc);
+// `slow_in_a_row` is its rank's count of slow yields in a row.
 void RecordYield(std::atomic<int>& slow_in_a_row, std::chrono::nanoseconds took, std::chrono::nanoseconds own_cpu,
                  GaugeClock::time_point now);
 
 // Records the yield of a probe (HowToWait returned kProbe), timed as RecordYield's.
 void RecordProbe(std::chrono::nanoseconds took, std::chrono::nanoseconds own_cpu);
+
+// Whether waiters sleep now (the gauge's state, for `jaxk3 bench gather`'s report and tests).
+bool GaugeSleeping();
 
 // Test hook: back to the start (waiters yield).
 void ResetGaugeForTest();

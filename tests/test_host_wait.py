@@ -146,7 +146,7 @@ def test_yield_gauge_sleeps_after_slow_yields_and_probes_its_way_back():
     probe per 100 ms; sixteen fast probes in a row and waiters yield again, a slow one starts
     the count over.  A slow yield during which this process's threads ran >= 0.9 of its wall time
     (the core went to a peer of this process) neither counts nor breaks a run; such a probe is
-    fast."""
+    fast.  `waiters_sleeping` reports the gauge, and `jaxk3 bench gather` prints it."""
     def g(steps):  # (what, took, at[, own cpu]): no own CPU time unless given
         return ext._yield_gauge_for_test([tuple(s) + (0.0,) * (4 - len(s)) for s in steps])
     slow, fast = 3000.0, 30.0
@@ -167,3 +167,15 @@ def test_yield_gauge_sleeps_after_slow_yields_and_probes_its_way_back():
     own_probes = [("probe", slow, 0, slow)] * 8 + [("probe", fast, 0)] * 8
     assert g(asleep + own_probes + [("how", 0, 3e3)]) == ["yield"]
     assert g(asleep + own_probes[:-1] + [("probe", slow, 0, 0.5 * slow), ("how", 0, 3e3)]) == ["sleep"]
+    assert g(asleep + [("how", 0, 3e3)]) == ["sleep"] and ext.waiters_sleeping() is False  # left fresh
+    try:
+        assert ext._yield_gauge_for_test([s + (0.0,) for s in asleep], keep=True) == []
+        assert ext.waiters_sleeping() is True
+        r = bench.bench_collectives(sizes=(64,), chain=2, repeats=1, devices=jax.devices()[:8], impls=("ffi",))
+        assert r["cpu_waiters"] == "asleep"  # (16 fast probes at one per 100 ms to wake: not within this run)
+        assert "CPU waiters asleep at the end" in bench.gather_table(r)
+    finally:
+        ext._yield_gauge_for_test([("how", 0, 0, 0)])
+    assert ext.waiters_sleeping() is False
+    r = bench.bench_collectives(sizes=(64,), chain=2, repeats=1, devices=jax.devices()[:8], impls=("ffi",))
+    assert r["cpu_waiters"] in ("yielding", "asleep")  # asleep only if busy threads of other processes took cores

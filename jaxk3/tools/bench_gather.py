@@ -162,12 +162,22 @@ def bench_collectives(sizes=DEFAULT_SIZES, chain: int = 100, repeats: int = 15, 
     try:
         with busy_load(load) as pids:
             result = _bench(sizes, chain, repeats, devices, dtype, impls, progress, ops, forms)
-        return {**result, "load": load, "load_pids": pids}
+            waiters = _waiters()
+        return {**result, "load": load, "load_pids": pids, "cpu_waiters": waiters}
     finally:
         if saved is None:
             os.environ.pop(collectives.ENV_MAX_BYTES, None)
         else:
             os.environ[collectives.ENV_MAX_BYTES] = saved
+
+
+def _waiters() -> str | None:
+    """How the CPU transport's waiting ranks wait now ("yielding", or "asleep" once it saw busy threads of other
+    processes take the cores: ffi/yield_gauge.h); None without the extension."""
+    ext = collectives.extension()
+    if ext is None or not hasattr(ext, "waiters_sleeping"):
+        return None
+    return "asleep" if ext.waiters_sleeping() else "yielding"
 
 
 def _agree(a: np.ndarray, b: np.ndarray, op: str) -> bool:
@@ -255,7 +265,9 @@ def gather_table(result: dict) -> str:
     lines = [
         f"collective chains: {result['devices']} x {result['device_kind']} ({result['platform']}), "
         f"chain {result['chain']}, median of {result['repeats']}, {result['dtype']}, "
-        f"jax {result['versions']['jax']}, load {result.get('load', 0)} busy processes  (us per dependent step)",
+        f"jax {result['versions']['jax']}, load {result.get('load', 0)} busy processes"
+        + (f", CPU waiters {result['cpu_waiters']} at the end" if result.get("cpu_waiters") and
+           result.get("platform") == "cpu" else "") + "  (us per dependent step)",
     ]
     nan = float("nan")
     for (op, form), by in groups.items():

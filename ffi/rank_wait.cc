@@ -4,7 +4,6 @@
 #include <sched.h>
 #include <time.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "settings.h"
@@ -75,7 +74,8 @@ std::atomic<int64_t> g_at{INT64_MIN / 2}, g_cpu{0}, g_polled{0};
 void MaybeSample(int64_t now) {
   if (now - g_at.load(std::memory_order_relaxed) < kSampleEvery.count()) return;
   uint32_t seq = g_seq.load(std::memory_order_relaxed);
-  if ((seq & 1) || !g_seq.compare_exchange_strong(seq, seq + 1, std::memory_order_acquire)) return;  // one writer
+  if ((seq & 1) || !g_seq.compare_exchange_strong(seq, seq + 1, std::memory_order_relaxed)) return;  // one writer
+  std::atomic_thread_fence(std::memory_order_release);  // the odd count before the fields (ReadSample's fence)
   g_cpu.store(ProcessCpuNs(), std::memory_order_relaxed);
   g_polled.store(g_polling_ns.load(std::memory_order_relaxed), std::memory_order_relaxed);
   g_at.store(now, std::memory_order_relaxed);

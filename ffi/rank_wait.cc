@@ -32,7 +32,7 @@ using Ns = std::chrono::nanoseconds;
 
 int64_t Ticks(Clock::time_point t) { return Ns(t.time_since_epoch()).count(); }
 
-// This process's CPU time, all its threads (a syscall: read at most every kSampleEvery, by whichever waiter).
+// This process's CPU time, all its threads (a syscall: read about once every kSampleEvery, by whichever waiter).
 int64_t ProcessCpuNs() {
   timespec ts{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
@@ -65,47 +65,70 @@ struct Polling {
   }
 };
 
-// A sample of (time, the process's CPU time, the polling account), refreshed before a yield when older than
-// kSampleEvery, under a sequence count (odd while written).  A slow yield's working CPU time is measured from it.
-constexpr Ns kSampleEvery = std::chrono::microseconds(200);
-std::atomic<uint32_t> g_seq{0};
-std::atomic<int64_t> g_at{INT64_MIN / 2}, g_cpu{0}, g_polled{0};
-
-void MaybeSample(int64_t now) {
-  if (now - g_at.load(std::memory_order_relaxed) < kSampleEvery.count()) return;
-  uint32_t seq = g_seq.load(std::memory_order_relaxed);
-  if ((seq & 1) || !g_seq.compare_exchange_strong(seq, seq + 1, std::memory_order_relaxed)) return;  // one writer
-  std::atomic_thread_fence(std::memory_order_release);  // the odd count before the fields (ReadSample's fence)
-  g_cpu.store(ProcessCpuNs(), std::memory_order_relaxed);
-  g_polled.store(g_polling_ns.load(std::memory_order_relaxed), std::memory_order_relaxed);
-  g_at.store(now, std::memory_order_relaxed);
-  g_seq.store(seq + 2, std::memory_order_release);
-}
+// A sample of (time, the process's CPU time, the polling account) that the waiters share: a waiter about to yield
+// takes the shared one if it is younger than kSampleEvery, else reads its own (a syscall) and shares that.  Two
+// slots: the writer fills the one readers are not pointed at (under its sequence count, odd while written) and then
+// points them at it; only plain stores happen under the writer's flag, and a waiter that finds the flag taken keeps
+// its reading to itself, so none ever waits on another.  A slow yield's working CPU time is measured from it.
+constexpr Ns kSampleEvery = std::chrono::microseconds(50);
 
 struct Sample {
   int64_t at = 0, cpu = 0, polled = 0;
-  bool ok = false;  // false while being written
+  bool ok = false;  // false if the slot was rewritten while read
 };
 
-Sample ReadSample() {
+struct Slot {
+  std::atomic<uint32_t> seq{0};
+  std::atomic<int64_t> at{INT64_MIN / 2}, cpu{0}, polled{0};
+};
+Slot g_slots[2];
+std::atomic<int> g_current{0};
+std::atomic<bool> g_writing{false};
+
+Sample ReadShared() {
+  const Slot& s = g_slots[g_current.load(std::memory_order_acquire)];
   Sample x;
-  const uint32_t seq = g_seq.load(std::memory_order_acquire);
-  x.at = g_at.load(std::memory_order_relaxed);
-  x.cpu = g_cpu.load(std::memory_order_relaxed);
-  x.polled = g_polled.load(std::memory_order_relaxed);
+  const uint32_t seq = s.seq.load(std::memory_order_acquire);
+  x.at = s.at.load(std::memory_order_relaxed);
+  x.cpu = s.cpu.load(std::memory_order_relaxed);
+  x.polled = s.polled.load(std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_acquire);
-  x.ok = !(seq & 1) && seq == g_seq.load(std::memory_order_relaxed);
+  x.ok = !(seq & 1) && seq == s.seq.load(std::memory_order_relaxed);
   return x;
 }
 
-// The process's working CPU time (its CPU time less the waiters' polling) from sample `x` (read before the yield)
-// to `now`, scaled to `took`, for a yield of `took` that ended at `now`; 0 (as if another process had held the core)
-// when `x` was being written or was taken more than 2 kSampleEvery before the yield began.
-Ns Worked(const Sample& x, int64_t now, Ns took) {
-  if (!x.ok || x.at < now - took.count() - 2 * kSampleEvery.count()) return Ns(0);
-  const double worked =
-      static_cast<double>(ProcessCpuNs() - x.cpu - (g_polling_ns.load(std::memory_order_relaxed) - x.polled));
-  return Ns(static_cast<int64_t>(worked * static_cast<double>(took.count()) / static_cast<double>(now - x.at)));
+void Share(const Sample& x) {
+  if (g_writing.exchange(true, std::memory_order_acquire)) return;  // another waiter is sharing one
+  const int i = 1 - g_current.load(std::memory_order_relaxed);
+  Slot& s = g_slots[i];
+  const uint32_t seq = s.seq.load(std::memory_order_relaxed);
+  s.seq.store(seq + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);  // the odd count before the fields (ReadShared's fence)
+  s.cpu.store(x.cpu, std::memory_order_relaxed);
+  s.polled.store(x.polled, std::memory_order_relaxed);
+  s.at.store(x.at, std::memory_order_relaxed);
+  s.seq.store(seq + 2, std::memory_order_release);
+  g_current.store(i, std::memory_order_release);
+  g_writing.store(false, std::memory_order_release);
+}
+
+// A sample at most kSampleEvery old: the shared one, or a fresh reading (then shared).
+Sample FreshSample() {
+  Sample x = ReadShared();
+  const int64_t now = Ticks(Clock::now());
+  if (x.ok && now - x.at < kSampleEvery.count()) return x;
+  x = {now, ProcessCpuNs(), g_polling_ns.load(std::memory_order_relaxed), true};
+  Share(x);
+  return x;
+}
+
+// The process's working CPU time (its CPU time less the waiters' polling) from sample `x` (taken before the yield)
+// to `now`, for a yield that ended at `now` after `took`.  Not scaled to the yield: the core the waiter left, if one
+// of the process's threads held it throughout, gives `took` alone; the sample's lead adds at most kSampleEvery on
+// each core, and a thread still running on another core may not have been charged its last scheduler tick yet (the
+// kernel charges a running thread at ticks and switches), which only makes the process look idler.
+Ns Worked(const Sample& x) {
+  return Ns(ProcessCpuNs() - x.cpu - (g_polling_ns.load(std::memory_order_relaxed) - x.polled));
 }
 
 struct Yielded {
@@ -116,8 +139,7 @@ struct Yielded {
 // One sched_yield, timed in wall time and, when slow, in this process's working CPU time (the time its threads
 // worked while this waiter was off its core); sets `now` to its end.
 Yielded TimedYield(Clock::time_point& now, Polling& p) {
-  MaybeSample(Ticks(now));
-  const Sample x = ReadSample();
+  const Sample x = FreshSample();
   sched_yield();
   const auto then = Clock::now();
   const Ns took = then - now;
@@ -128,7 +150,7 @@ Yielded TimedYield(Clock::time_point& now, Polling& p) {
   }
   ++p.yields;
   p.Account();
-  return {took, Worked(x, Ticks(then), took)};
+  return {took, Worked(x)};
 }
 
 }  // namespace

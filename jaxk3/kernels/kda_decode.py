@@ -87,38 +87,10 @@ def kda_gate(f_BHK: jax.Array, A_log_H: jax.Array, gate_lower_bound: float | Non
 
 def log_gate(a, f, gate_lower_bound: float | None):
     """The gate g from a = exp(A_log) and f (float32, broadcast alike): lb·sigmoid(a·f) with a lower bound (K3: g in
-    (lb, 0)), else -a·softplus(f).  `kda_gate` and the decode kernels' programs (a scalar a per head) share it."""
+    (lb, 0)), else -a·softplus(f).  `kda_gate` and the decode kernel's programs (a scalar a per head) share it."""
     if gate_lower_bound is not None:
         return gate_lower_bound * jax.nn.sigmoid(a * f)
     return -a * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(jnp.minimum(f, 20.0))))
-
-
-# ---------------------------------------------------------------- pieces of a decode program
-def ring_slot(pos, t: int, W: int):
-    """The ring's slot of cached tap t (0 the oldest) for a row at position `pos`; t = W - 1 is this token's."""
-    return jax.lax.rem(pos + (t + 1) % W, W)
-
-
-def conv_silu(new_f32, conv_ref, cw_ref, b, i: int, chans, n_old: int, slot):
-    """The causal conv of projection i (0 q, 1 k, 2 v) at `chans`: the new projection `new_f32` (float32) and the
-    row b's n_old cached taps (`slot(t)` the cache slot of tap t), then SiLU."""
-    acc = new_f32 * cw_ref[i, chans, n_old]
-    for t in range(n_old):
-        acc = acc + conv_ref[b, i, chans, slot(t)].astype(F32) * cw_ref[i, chans, t]
-    return acc * jax.nn.sigmoid(acc)
-
-
-def qk_l2norm(q, k, Kd: int):
-    """q and k l2-normed (eps 1e-6 inside the sqrt), q also scaled by Kd^-1/2."""
-    return q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * Kd ** -0.5, k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
-
-
-def delta_tile(S0, decay, k, q, v, beta):
-    """The gated delta rule on a head's state columns S0 [Kd, bv] (decay = exp(g) [Kd]): (the new columns, o [bv])."""
-    S = S0 * decay[:, None]
-    upd = beta * (v - jnp.sum(S * k[:, None], axis=0))
-    S = S + k[:, None] * upd[None, :]
-    return S, jnp.sum(S * q[:, None], axis=0)
 
 
 @jax.tree_util.register_dataclass
@@ -205,16 +177,20 @@ def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int,
     if ring:
         pos = pos_ref[b]
 
-        def slot(t):  # slot(n_old) takes this token
-            return ring_slot(pos, t, W)
+        def slot(t):  # the ring's slot of cached tap t (0 the oldest); slot(n_old) takes this token
+            return jax.lax.rem(pos + (t + 1) % W, W)
     else:
         def slot(t):
             return t
 
-    def conv(i, chans):
-        return conv_silu(U(i, chans).astype(F32), conv_ref, cw_ref, b, i, chans, n_old, slot)
+    def conv(i, chans):  # conv over the K-1 cached taps and the new projection, then SiLU
+        acc = U(i, chans).astype(F32) * cw_ref[i, chans, n_old]
+        for t in range(n_old):
+            acc = acc + conv_ref[b, i, chans, slot(t)].astype(F32) * cw_ref[i, chans, t]
+        return acc * jax.nn.sigmoid(acc)
     q, k, v = conv(0, ch), conv(1, ch), conv(2, cv)
-    q, k = qk_l2norm(q, k, Kd)
+    q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * Kd ** -0.5
+    k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
     if fused:  # the low-rank products of f_a and g_a (in the activation dtype, fp32 sums), as `glue`
         fb, gbv = gb_ref[0, ch, :], gb_ref[1, cv, :]
         fa = y_ref[b, pl.ds(3 * C, d)].astype(dt).astype(F32)
@@ -227,7 +203,11 @@ def _kernel(*refs, Kd: int, W: int, bv: int, lb: float | None, fused: tuple[int,
     f = f + dtb_ref[ch]
     g = log_gate(jnp.exp(alog_ref[h]), f, lb)
     S0 = s_ref[b, h, :, vs]
-    S, o_ref[b, cv] = delta_tile(S0, jnp.exp(g), k, q, v, beta)  # o before the gated RMSNorm (the wrapper's)
+    S = S0 * jnp.exp(g)[:, None]  # [K, bv]
+    pred = jnp.sum(S * k[:, None], axis=0)  # [bv]
+    upd = beta * (v - pred)
+    S = S + k[:, None] * upd[None, :]
+    o_ref[b, cv] = jnp.sum(S * q[:, None], axis=0)  # before the gated RMSNorm over the head (the wrapper's)
     keep = valid_ref[b] != 0
     s_out_ref[b, h, :, vs] = jnp.where(keep, S, S0)
     for i, chans, own in ((0, ch, j == 0), (1, ch, j == 0), (2, cv, True)):  # q and k windows: one program writes

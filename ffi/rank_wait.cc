@@ -32,10 +32,11 @@ using Ns = std::chrono::nanoseconds;
 
 int64_t Ticks(Clock::time_point t) { return Ns(t.time_since_epoch()).count(); }
 
-// This process's CPU time, all its threads (a syscall: read about once every kSampleEvery, by whichever waiter).
-int64_t ProcessCpuNs() {
+// A CPU-time clock in nanoseconds: CLOCK_PROCESS_CPUTIME_ID (all this process's threads; read about once every
+// kSampleEvery, by whichever waiter) or CLOCK_THREAD_CPUTIME_ID.  Each reading is a syscall.
+int64_t CpuNs(clockid_t clock) {
   timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  clock_gettime(clock, &ts);
   return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
 }
 
@@ -51,13 +52,11 @@ struct Polling {
   int64_t thread_cpu = -1;  // this thread's CPU time as last added
 
   void Account() {
-    timespec ts{};
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    const int64_t t = int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+    const int64_t t = CpuNs(CLOCK_THREAD_CPUTIME_ID);
     if (thread_cpu >= 0) g_polling_ns.fetch_add(t - thread_cpu, std::memory_order_relaxed);
     thread_cpu = t;
   }
-  void Yielded() {
+  void FastYield() {
     if (++yields >= kAccountFrom && (yields - kAccountFrom) % kAccountEvery == 0) Account();
   }
   ~Polling() {
@@ -117,7 +116,7 @@ Sample FreshSample() {
   Sample x = ReadShared();
   const int64_t now = Ticks(Clock::now());
   if (x.ok && now - x.at < kSampleEvery.count()) return x;
-  x = {now, ProcessCpuNs(), g_polling_ns.load(std::memory_order_relaxed), true};
+  x = {now, CpuNs(CLOCK_PROCESS_CPUTIME_ID), g_polling_ns.load(std::memory_order_relaxed), true};
   Share(x);
   return x;
 }
@@ -128,7 +127,7 @@ Sample FreshSample() {
 // each core, and a thread still running on another core may not have been charged its last scheduler tick yet (the
 // kernel charges a running thread at ticks and switches), which only makes the process look idler.
 Ns Worked(const Sample& x) {
-  return Ns(ProcessCpuNs() - x.cpu - (g_polling_ns.load(std::memory_order_relaxed) - x.polled));
+  return Ns(CpuNs(CLOCK_PROCESS_CPUTIME_ID) - x.cpu - (g_polling_ns.load(std::memory_order_relaxed) - x.polled));
 }
 
 struct Yielded {
@@ -145,7 +144,7 @@ Yielded TimedYield(Clock::time_point& now, Polling& p) {
   const Ns took = then - now;
   now = then;
   if (took < std::chrono::microseconds(100)) {
-    p.Yielded();
+    p.FastYield();
     return {took, Ns(0)};
   }
   ++p.yields;

@@ -1015,8 +1015,15 @@ def test_moe_grouped_down_blocks():
     assert c_same.bm == 128 and np.array_equal(np.asarray(same), expert)
     cfg, w, z, wk, ids = _grouped_case("dense", 13, True)
     c = G.Config(bm=32, bn=32, bk=32, num_warps=8, down_bm=16, down_warps=4)
-    for bad in (dict(down_bm=8), dict(down_bm=48), dict(down_bm=64), dict(down_warps=2), dict(down_bm=0)):
+    for bad in (dict(down_bm=8), dict(down_bm=48), dict(down_bm=64), dict(down_warps=2), dict(down_bn=24),
+                dict(down_bn=8), dict(down_stages=-1)):
         assert "down_" in G.fits(cfg, w, z, wk, ids, config=dataclasses.replace(c, **bad)), bad
+    assert "Triton" in G.fits(cfg, w, z, wk, ids, config=G.Config(bm=64, bn=64, bk=64, backend="mosaic", mask=True))
+    # kernel 2's own tiling, on the layout's blocks or on their halves
+    own = dataclasses.replace(c, down_bm=0, down_bn=16, down_stages=2, down_warps=4)
+    assert G.fits(cfg, w, z, wk, ids, config=own) is None
+    _, c2 = G.down_blocks(jnp.asarray(expert), jnp.asarray(src), n, own)
+    assert (c2.bm, c2.bn, c2.num_stages, c2.num_warps, c2.down_bn) == (32, 16, 2, 4, 0)
 
 
 @pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
@@ -1036,6 +1043,39 @@ def test_moe_grouped_split_down_matches(fmt):
     assert np.abs(ref).max() > 0
     np.testing.assert_allclose(got, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
     np.testing.assert_array_equal(got, np.asarray(G.grouped(cfg, w, z, wk, ids, config=whole, interpret=True)))
+
+
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+def test_moe_grouped_masked_padding_matches(fmt):
+    """Interpret mode: the padding rows masked out of both kernels' loads and stores (`mask`), with kernel 2 on the
+    layout's blocks, on their halves, on its own columns and pipeline depth (`down_bn`, `down_stages`), and on the
+    sorted copy of the inputs: bitwise the unmasked form (each real row's products are the same); kernel 1's real
+    rows alone are the unmasked form's too, in a layout that has padding rows in used blocks."""
+    from jaxk3.kernels import moe_grouped as G
+
+    cfg, w, z, wk, ids = _grouped_case(fmt, 29, True)
+    ids = ids.at[:, 0].set(ids[0, 0])  # one expert on every token's first slot: 29+ rows, a block and a part of one
+    base = G.Config(bm=32, bn=32, bk=32, order="n")
+    want = np.asarray(G.grouped(cfg, w, z, wk, ids, config=base, interpret=True))
+    ref = np.asarray(G.experts_dense(cfg, w, z, wk, ids))
+    np.testing.assert_allclose(want, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
+    L = cfg.moe_hidden
+    R = dataclasses.replace
+    for c in (R(base, mask=True), R(base, mask=True, down_bm=16, down_warps=4), R(base, mask=True, gather=False),
+              R(base, down_bn=16, down_stages=2), R(base, mask=True, down_bn=L if L <= 128 else 64)):
+        assert G.fits(cfg, w, z, wk, ids, config=c) is None, c
+        np.testing.assert_array_equal(np.asarray(G.grouped(cfg, w, z, wk, ids, config=c, interpret=True)), want,
+                                      err_msg=str(c))
+    c = R(base, mask=True)
+    pos, expert, src, xs = G.prepare(w, z, ids, c)
+    a = np.asarray(G.gate_up(cfg, w, expert, src, xs, c, interpret=True, num_tokens=z.shape[0]))
+    a0 = np.asarray(G.gate_up(cfg, w, expert, src, xs, base, interpret=True))
+    real = np.asarray(src) < z.shape[0]
+    used = np.repeat(np.asarray(expert) >= 0, c.bm)
+    np.testing.assert_array_equal(a[real], a0[real])
+    assert np.any(used & ~real) and np.abs(a0[real]).max() > 0
+    with pytest.raises(ValueError, match="num_tokens"):
+        G.down(w, expert, jnp.asarray(a), c, interpret=True)
 
 
 def _wide_grouped_case(N: int = 29, E: int = 4, I: int = 128, L: int = 128, seed: int = 5):
@@ -1129,6 +1169,12 @@ def test_moe_grouped_kernel_on_gpu(fmt, fused, order, gather):
         a, b = (np.asarray(jax.jit(lambda *a, c=c: G.grouped(cfg, *a, config=c))(w, z, wk, ids)) for c in (whole, split))
         np.testing.assert_allclose(b, ref, rtol=0, atol=4e-3 * np.abs(ref).max())
         np.testing.assert_array_equal(a, b)
+        # the padding masked (`mask`), kernel 2 on its own columns and depth, on the blocks or their halves: same bits
+        R = dataclasses.replace
+        for m in (R(split, mask=True), R(whole, mask=True, down_bn=16, down_stages=2, down_warps=4),
+                  R(split, mask=True, down_bn=16, down_warps=8), R(whole, mask=True, gather=False)):
+            got = np.asarray(jax.jit(lambda *a, c=m: G.grouped(cfg, *a, config=c))(w, z, wk, ids))
+            np.testing.assert_array_equal(got, a, err_msg=str(m))
 
 
 @pytest.mark.gpu

@@ -46,7 +46,7 @@ from jax import lax
 
 from jaxk3.config import KimiK3Config
 from jaxk3.kernels.moe_experts import MXFP4, act, compute_dtype, dequantize, glu
-from jaxk3.kernels.registry import Kernel, dot_nt, register, triton_params
+from jaxk3.kernels.registry import Kernel, dot_nt, pow2, register, triton_params
 
 F32 = jnp.float32
 DENSE_MOE_BYTES = 1 << 30  # the dense prefill form's fp32 [n, E, I] activations per rank per block, at most
@@ -150,6 +150,14 @@ class Config:
     # computes and writes the padding's fp32 rows); split, each kernel keeps its faster tiling, and the same bits.
     down_bm: int = 0
     down_warps: int = 0
+    # Triton: kernel 2's own output columns a program and pipeline depth (0: bn and num_stages, as kernel 1)
+    down_bn: int = 0
+    down_stages: int = 0
+    # Triton: the padding rows' loads and stores masked out by each row's token (src < N): kernel 1 reads no zero row
+    # for them and writes no activations, kernel 2 reads none and writes no fp32 row.  Each real row's products are
+    # the same, so the output's bits are too; what changes is the bytes the L2 serves (padding is ~20% of the rows
+    # at bm 128 and 4096 tokens x 8 of 256 experts).
+    mask: bool = False
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
@@ -242,8 +250,27 @@ def _grid(c: Config, blocks: int, tiles: int) -> tuple[int, int]:
     return (blocks, tiles) if c.order == "m" else (tiles, blocks)
 
 
+def _load(ref, idx, real):
+    """ref[idx], the rows where `real` [rows] is False read as zeros without a memory access (c.mask), or plainly."""
+    if real is None:
+        return ref[idx]
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.load(ref.at[idx], mask=real[:, None], other=0)
+
+
+def _store(ref, idx, value, real) -> None:
+    """ref[idx] = value, but for the rows where `real` is False (c.mask), or plainly."""
+    if real is None:
+        ref[idx] = value
+        return
+    from jax.experimental.pallas import triton as plgpu
+
+    plgpu.store(ref.at[idx], value, mask=real[:, None])
+
+
 def _gate_up_kernel(expert_ref, src_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Config, steps: int, off3: int,
-                    act_fn):
+                    act_fn, num_tokens: int):
     from jax.experimental import pallas as pl
 
     b, n = _ids(c)
@@ -254,19 +281,27 @@ def _gate_up_kernel(expert_ref, src_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Con
         rows = pl.ds(pl.multiple_of(b * c.bm, c.bm), c.bm)
         g_rows = pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)
         u_rows = pl.ds(pl.multiple_of(off3 + n * c.bn, c.bn), c.bn)
-        x_rows = src_ref[rows] if c.gather else rows  # gather: the block's tokens (N: the zero row)
+        src = src_ref[rows]
+        x_rows = src if c.gather else rows  # gather: the block's tokens (N: the zero row)
+        real = src < num_tokens if c.mask else None
 
         def body(i, acc):
-            ks = pl.ds(pl.multiple_of(i * c.bk, c.bk), c.bk)
-            x = x_ref[x_rows, ks]
+            k0 = pl.multiple_of(i * c.bk, c.bk)
+            ks = pl.ds(k0, c.bk)
+            if real is not None and c.gather:  # the interpreter's masked load takes no index array beside a slice:
+                # both dims as [bm, bk] index arrays (Triton lowers either to the same pointers)
+                cols = k0 + lax.broadcasted_iota(jnp.int32, (c.bm, c.bk), 1)
+                x = _load(x_ref, (jnp.broadcast_to(x_rows[:, None], (c.bm, c.bk)), cols), real)
+            else:
+                x = _load(x_ref, (x_rows, ks), real)
             return acc[0] + dot_nt(x, w1_ref[e, g_rows, ks]), acc[1] + dot_nt(x, w3_ref[e, u_rows, ks])
 
         zero = jnp.zeros((c.bm, c.bn), F32)
         h1, h3 = lax.fori_loop(0, steps, body, (zero, zero))
-        a_ref[rows, pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)] = act_fn(h1, h3).astype(a_ref.dtype)
+        _store(a_ref, (rows, pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)), act_fn(h1, h3).astype(a_ref.dtype), real)
 
 
-def _down_kernel(expert_ref, a_ref, w2_ref, y_ref, *, c: Config, steps: int):
+def _down_kernel(expert_ref, src_ref, a_ref, w2_ref, y_ref, *, c: Config, steps: int, num_tokens: int):
     from jax.experimental import pallas as pl
 
     b, n = _ids(c)
@@ -276,12 +311,13 @@ def _down_kernel(expert_ref, a_ref, w2_ref, y_ref, *, c: Config, steps: int):
     def _():
         rows = pl.ds(pl.multiple_of(b * c.bm, c.bm), c.bm)
         cols = pl.ds(pl.multiple_of(n * c.bn, c.bn), c.bn)
+        real = src_ref[rows] < num_tokens if c.mask else None
 
         def body(i, acc):
             ks = pl.ds(pl.multiple_of(i * c.bk, c.bk), c.bk)
-            return acc + dot_nt(a_ref[rows, ks], w2_ref[e, cols, ks])
+            return acc + dot_nt(_load(a_ref, (rows, ks), real), w2_ref[e, cols, ks])
 
-        y_ref[rows, cols] = lax.fori_loop(0, steps, body, jnp.zeros((c.bm, c.bn), F32))
+        _store(y_ref, (rows, cols), lax.fori_loop(0, steps, body, jnp.zeros((c.bm, c.bn), F32)), real)
 
 
 def _gate_up_weights(w, dt) -> tuple[jax.Array, jax.Array, int]:
@@ -317,8 +353,9 @@ def prepare(w, z_NL: jax.Array, ids_Nk: jax.Array, c: Config):
 
 
 def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: jax.Array, c: Config,
-            interpret: bool = False) -> jax.Array:
-    """Kernel 1: a [M, I] = act(W1_e x, W3_e x) per row, in the experts' dtype (xs as `prepare` made it)."""
+            interpret: bool = False, num_tokens: int = -1) -> jax.Array:
+    """Kernel 1: a [M, I] = act(W1_e x, W3_e x) per row, in the experts' dtype (xs as `prepare` made it);
+    `num_tokens` N (src's padding value) where c.mask (found from xs where the kernel gathers)."""
     from jax.experimental import pallas as pl
 
     E, I, L = _shapes(w)
@@ -332,15 +369,21 @@ def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: 
             expert_B, xs_ML, w1, w3, off3, I, act_fn, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages,
             width=c.width, interpret=interpret)
     raw = pl.BlockSpec(memory_space=pl.ANY)
+    if num_tokens < 0 and c.mask:
+        if not _gathers(c):
+            raise ValueError("moe_grouped.gate_up: Config.mask on the sorted copy needs num_tokens (src's padding)")
+        num_tokens = xs_ML.shape[0] - 1
     return pl.pallas_call(
-        functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn),
+        functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn, num_tokens=num_tokens),
         grid=_grid(c, expert_B.shape[0], I // c.bn), in_specs=[raw] * 5, out_specs=raw,
         out_shape=jax.ShapeDtypeStruct((src_M.shape[0], I), xs_ML.dtype), interpret=interpret, name="grouped_gate_up",
         **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, src_M, xs_ML, w1, w3)
 
 
-def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = False) -> jax.Array:
-    """Kernel 2: y [M, L] fp32 = W2_e a per row."""
+def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = False, src_M: jax.Array | None = None,
+         num_tokens: int = -1) -> jax.Array:
+    """Kernel 2: y [M, L] fp32 = W2_e a per row (with c.mask, the rows whose token src_M is N = num_tokens, the
+    padding, left unwritten)."""
     from jax.experimental import pallas as pl
 
     E, I, L = _shapes(w)
@@ -350,12 +393,15 @@ def down(w, expert_B: jax.Array, a_MI: jax.Array, c: Config, interpret: bool = F
 
         return MG.down(expert_B, a_MI, w2, bm=c.bm, bn=c.bn, bk=c.bk, stages=c.num_stages, width=c.width,
                        interpret=interpret)
+    if c.mask and (src_M is None or num_tokens < 0):
+        raise ValueError("moe_grouped.down: Config.mask needs src_M and num_tokens (the padding rows' token)")
     raw = pl.BlockSpec(memory_space=pl.ANY)
+    src = src_M if src_M is not None else jnp.zeros((a_MI.shape[0],), jnp.int32)
     return pl.pallas_call(
-        functools.partial(_down_kernel, c=c, steps=I // c.bk),
-        grid=_grid(c, expert_B.shape[0], L // c.bn), in_specs=[raw] * 3, out_specs=raw,
+        functools.partial(_down_kernel, c=c, steps=I // c.bk, num_tokens=num_tokens),
+        grid=_grid(c, expert_B.shape[0], L // c.bn), in_specs=[raw] * 4, out_specs=raw,
         out_shape=jax.ShapeDtypeStruct((a_MI.shape[0], L), F32), interpret=interpret, name="grouped_down",
-        **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, a_MI, w2)
+        **triton_params(c.num_warps, c.num_stages, interpret))(expert_B, src, a_MI, w2)
 
 
 def combine(y_ML: jax.Array, pos_Nk: jax.Array, w_Nk: jax.Array) -> jax.Array:
@@ -366,13 +412,15 @@ def combine(y_ML: jax.Array, pos_Nk: jax.Array, w_Nk: jax.Array) -> jax.Array:
 def down_blocks(expert_B: jax.Array, src_M: jax.Array, num_tokens: int, c: Config) -> tuple[jax.Array, Config]:
     """Kernel 2's blocks and config: the layout's own (expert_B, c), or with `c.down_bm` its down_bm-row sub-blocks,
     each the expert of its block or -1 where it holds padding rows only (an expert's rows fill its blocks from the
-    first row, so a sub-block holds a real row iff its first row is one: src < N)."""
+    first row, so a sub-block holds a real row iff its first row is one: src < N); the config with kernel 2's own
+    tiling (down_bn, down_stages, down_warps) in bn, num_stages and num_warps."""
+    own = dict(bn=c.down_bn or c.bn, num_stages=c.down_stages or c.num_stages, num_warps=c.down_warps or c.num_warps,
+               down_bm=0, down_warps=0, down_bn=0, down_stages=0)
     if not c.down_bm:
-        return expert_B, c
+        return expert_B, dataclasses.replace(c, **own)
     r = c.bm // c.down_bm
     real = src_M[::c.down_bm] < num_tokens
-    return (jnp.where(real, jnp.repeat(expert_B, r), -1),
-            dataclasses.replace(c, bm=c.down_bm, num_warps=c.down_warps or c.num_warps, down_bm=0, down_warps=0))
+    return jnp.where(real, jnp.repeat(expert_B, r), -1), dataclasses.replace(c, bm=c.down_bm, **own)
 
 
 def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.Array, config: Config | None = None,
@@ -381,10 +429,11 @@ def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.
     intermediate shard, through the two grouped-GEMM kernels."""
     E, I, L = _shapes(w)
     c = config or config_for(ids_Nk.size, E, I, L)
+    N = z_NL.shape[0]
     pos, expert, src, xs = prepare(w, z_NL, ids_Nk, c)
-    a = gate_up(cfg, w, expert, src, xs, c, interpret)
-    expert_d, c_d = down_blocks(expert, src, z_NL.shape[0], c)
-    return combine(down(w, expert_d, a, c_d, interpret), pos, w_Nk)
+    a = gate_up(cfg, w, expert, src, xs, c, interpret, num_tokens=N)
+    expert_d, c_d = down_blocks(expert, src, N, c)
+    return combine(down(w, expert_d, a, c_d, interpret, src_M=src, num_tokens=N), pos, w_Nk)
 
 
 def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str | None:
@@ -405,8 +454,12 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
         return f"moe_grouped kernel: bm = {c.bm} must be a power of two >= 16 (tl.dot)"
     if c.down_bm and (c.backend != "triton" or c.down_bm < 16 or c.down_bm & (c.down_bm - 1) or c.bm % c.down_bm):
         return f"moe_grouped kernel: down_bm = {c.down_bm} must be a power of two >= 16 dividing bm = {c.bm} (Triton)"
-    if c.down_warps not in (0, 4, 8) or (c.down_warps and not c.down_bm):
-        return f"moe_grouped kernel: down_warps must be 0, 4 or 8, and only with down_bm, got {c.down_warps}"
+    if c.down_warps not in (0, 4, 8):
+        return f"moe_grouped kernel: down_warps must be 0, 4 or 8, got {c.down_warps}"
+    if c.down_bn and (not pow2(c.down_bn) or c.down_bn < 16 or L % c.down_bn):
+        return f"moe_grouped kernel: down_bn = {c.down_bn} must be a power of two >= 16 dividing the experts' L = {L}"
+    if c.down_stages < 0 or ((c.down_bn or c.down_stages or c.down_warps or c.mask) and c.backend != "triton"):
+        return "moe_grouped kernel: down_bn, down_stages, down_warps and mask are the Triton kernels' (backend 'triton')"
     if c.backend not in ("triton", *MOSAIC_BACKENDS):
         return f"moe_grouped kernel: backend must be 'triton', 'mosaic' or 'mosaic_ws', got {c.backend!r}"
     if c.backend == "mosaic_ws" and c.bn not in (128, 256):

@@ -13,10 +13,25 @@ error against `ragged` (max |a - b| / max |b|).  Routing is uniform at random (t
     python scripts/gpu/moe_grouped.py [--json PATH] [--tokens 512,4096] [--experts 256] [--no-sweep]
     python scripts/gpu/moe_grouped.py --align [--tokens 4096]   # only `align` against the sort it replaced, same
                                                                 # run, then the kernel path's phases (a short call)
-    python scripts/gpu/moe_grouped.py --tokens 4096 --mosaic --no-dense   # the Mosaic GPU form (MOSAIC) against
+    python scripts/gpu/moe_grouped.py --tokens 4096 --mosaic --no-dense   # `--down` (fortieth session): kernel 2's own tilings beside the split (down_bn, down_stages, down_warps; on the
+# layout's whole 128-row blocks with the padding rows masked, or on their 64-row halves) and the padding masked
+# (`mask`) in both kernels, the default again after them; each layer's device kernels from a profile
+_S = G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4)
+DOWN = [dataclasses.replace(_S, **kw) for kw in (
+    dict(mask=True),
+    dict(down_bn=256, down_warps=8, down_stages=3),
+    dict(down_bn=256, down_warps=8, down_stages=4, mask=True),
+    dict(down_bm=0, down_warps=8, down_stages=3, mask=True),
+    dict(down_bm=0, down_warps=8, down_stages=4, mask=True),
+    dict(down_bm=0, down_warps=8, down_bn=256, down_stages=3, mask=True),
+    dict(down_stages=3, mask=True),
+)]
+# the Mosaic GPU form (MOSAIC) against
                                                 # the Triton default, errors against the latter, then both's phases
     python scripts/gpu/moe_grouped.py --tokens 4096 --split --no-dense    # the split tiling (config_for's at 128 rows
                                                 # an expert) and bm 64 (SPLIT), the default before and after
+    python scripts/gpu/moe_grouped.py --tokens 4096 --down --no-dense --no-phases  # kernel 2's tilings and the
+                                                # masked padding (DOWN), each layer's kernels from a profile
 """
 from __future__ import annotations
 
@@ -67,15 +82,15 @@ def phases(kcfg, w, z, wk, ids, c, log, N):
     # the weights are arguments, not constants closed over (2.4 GB of them made each compile take minutes)
     prep = jax.jit(lambda w, z, ids: G.prepare(w, z, ids, c))
     pos, expert, src, xs = prep(w, z, ids)
-    gu = jax.jit(lambda w, e, s, x: G.gate_up(kcfg, w, e, s, x, c))
+    gu = jax.jit(lambda w, e, s, x: G.gate_up(kcfg, w, e, s, x, c, num_tokens=N))
     a = gu(w, expert, src, xs)
     expert_d, c_d = G.down_blocks(expert, src, N, c)  # kernel 2's blocks (`down_bm`: sub-blocks of the layout's)
-    dn = jax.jit(lambda w, e, a: G.down(w, e, a, c_d))
-    y = dn(w, expert_d, a)
+    dn = jax.jit(lambda w, e, a, s: G.down(w, e, a, c_d, src_M=s, num_tokens=N))
+    y = dn(w, expert_d, a, src)
     cb = jax.jit(G.combine)
     out = {}
     for name, f, args in (("prepare", prep, (w, z, ids)), ("gate_up", gu, (w, expert, src, xs)),
-                          ("down", dn, (w, expert_d, a)), ("combine", cb, (y, pos, wk))):
+                          ("down", dn, (w, expert_d, a, src)), ("combine", cb, (y, pos, wk))):
         out[name] = timing.per_call(f, args, reps=REPS, inner=INNER, chain=1) * 1e3
     k = kcfg.num_experts_per_token
     used = int(np.sum(np.asarray(expert) >= 0))
@@ -189,6 +204,9 @@ def main(argv=None) -> int:
                     "phases of the best of them")
     ap.add_argument("--split", action="store_true", help="the SPLIT configs (bm 64; gate|up on 128 rows, down on 64) "
                     "instead of SWEEP, then the default again")
+    ap.add_argument("--down", action="store_true", help="kernel 2's tilings and the masked padding (DOWN) instead of "
+                    "SWEEP, then the default again, each layer's device kernels from a profile")
+    ap.add_argument("--no-phases", action="store_true", help="leave out the default's and the best's phases")
     ap.add_argument("--no-dense", action="store_true", help="leave out the dense and ragged forms (minutes to compile)")
     a = ap.parse_args(argv)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
@@ -219,6 +237,8 @@ def main(argv=None) -> int:
             configs += [(f"kernel {c}", c) for c in MOSAIC]
         elif a.split:
             configs += [(f"kernel {c}", c) for c in SPLIT] + [("kernel default again", None)]
+        elif a.down:
+            configs += [(f"kernel {c}", c) for c in DOWN] + [("kernel default again", None)]
         elif not a.no_sweep:
             configs += [(f"kernel {c}", c) for c in SWEEP]
         for name, c in configs:
@@ -245,9 +265,11 @@ def main(argv=None) -> int:
                 + (f"  rel err {err:.1e}" if err is not None else ""))
             rows.append(dict(tokens=N, path=name, ms=t * 1e3, tflops=flops / t / 1e12, rel_err=err,
                              vs_dense=(base / t if base else None)))
+            if a.down and name.startswith("kernel"):
+                rows[-1]["kernels"] = device_ops(f, args, log, f"N {N:5d} {name}", top=5)
             if name.startswith("kernel") and (best is None or t < best[0]):
                 best = (t, [c for n, c in configs if n == name][0] or G.config_for(N * k, a.experts, I, L))
-        for c in {G.config_for(N * k, a.experts, I, L), best[1]} if best else ():
+        for c in {G.config_for(N * k, a.experts, I, L), best[1]} if best and not a.no_phases else ():
             try:
                 rows.append(dict(tokens=N, path=f"phases {c}", phases_ms=phases(kcfg, w, z, wk, ids, c, log, N)))
             except Exception as e:

@@ -1076,6 +1076,16 @@ def test_moe_grouped_masked_padding_matches(fmt):
     assert np.any(used & ~real) and np.abs(a0[real]).max() > 0
     with pytest.raises(ValueError, match="num_tokens"):
         G.down(w, expert, jnp.asarray(a), c, interpret=True)
+    # the combine as a kernel (`combine="kernel"`): the same terms summed in slot order where XLA's reduction picks
+    # its own, so within k fp32 roundings of the sum's magnitude (k = 2 here: 2^-22 of max|out| covers it); a wrong
+    # row, weight or token is off by far more.  N = 29 is not a multiple of combine_bt: the padding tokens are cut
+    for bt, bl in ((16, 32), (32, 64)):
+        ck = R(base, mask=True, combine="kernel", combine_bt=bt, combine_bl=bl)
+        assert G.fits(cfg, w, z, wk, ids, config=ck) is None
+        got = np.asarray(G.grouped(cfg, w, z, wk, ids, config=ck, interpret=True))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -22 * np.abs(want).max())
+    for bad in (dict(combine="cuda"), dict(combine="kernel", combine_bt=24), dict(combine="kernel", combine_bl=96)):
+        assert "combine" in G.fits(cfg, w, z, wk, ids, config=R(base, **bad)), bad
 
 
 def _wide_grouped_case(N: int = 29, E: int = 4, I: int = 128, L: int = 128, seed: int = 5):
@@ -1175,6 +1185,10 @@ def test_moe_grouped_kernel_on_gpu(fmt, fused, order, gather):
                   R(split, mask=True, down_bn=16, down_warps=8), R(whole, mask=True, gather=False)):
             got = np.asarray(jax.jit(lambda *a, c=m: G.grouped(cfg, *a, config=c))(w, z, wk, ids))
             np.testing.assert_array_equal(got, a, err_msg=str(m))
+        # the combine kernel: the same terms in slot order (test_moe_grouped_masked_padding_matches's tolerance)
+        m = R(split, mask=True, combine="kernel", combine_bt=16, combine_bl=32)
+        got = np.asarray(jax.jit(lambda *a: G.grouped(cfg, *a, config=m))(w, z, wk, ids))
+        np.testing.assert_allclose(got, a, rtol=0, atol=2.0 ** -22 * np.abs(a).max())
 
 
 @pytest.mark.gpu

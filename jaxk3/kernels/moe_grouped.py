@@ -158,6 +158,11 @@ class Config:
     # the same, so the output's bits are too; what changes is the bytes the L2 serves (padding is ~20% of the rows
     # at bm 128 and 4096 tokens x 8 of 256 experts).
     mask: bool = False
+    # the combine as a Pallas (Triton) kernel (`combine_kernel`: a program per combine_bt tokens x combine_bl columns
+    # gathers its tokens' k rows of y and sums them weighted, in slot order) instead of XLA's gather + reduction
+    combine: str = "xla"
+    combine_bt: int = 32
+    combine_bl: int = 256
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
@@ -344,10 +349,13 @@ def _gathers(c: Config) -> bool:
 
 def prepare(w, z_NL: jax.Array, ids_Nk: jax.Array, c: Config):
     """The block-aligned operands: (pos_Nk, expert_B, src_M, xs), xs the inputs in sorted, padded order
-    [M, L] (padding rows 0), or where the kernel gathers (`_gathers`) z itself and a zero row [N + 1, L]."""
+    [M, L] (padding rows 0), or where the kernel gathers (`_gathers`) z itself and a zero row [N + 1, L] (z alone
+    [N, L] where c.mask: the padding rows are not read)."""
     E, _, L = _shapes(w)
     pos, src, expert = align(ids_Nk, E, c.bm)
     dt = compute_dtype(w, z_NL)
+    if _gathers(c) and c.mask:  # the padding rows' index N is never read: no zero row to append
+        return pos, expert, src, z_NL.astype(dt)
     z = jnp.concatenate([z_NL.astype(dt), jnp.zeros((1, L), dt)])
     return pos, expert, src, (z if _gathers(c) else z[src])
 
@@ -372,7 +380,7 @@ def gate_up(cfg: KimiK3Config, w, expert_B: jax.Array, src_M: jax.Array, xs_ML: 
     if num_tokens < 0 and c.mask:
         if not _gathers(c):
             raise ValueError("moe_grouped.gate_up: Config.mask on the sorted copy needs num_tokens (src's padding)")
-        num_tokens = xs_ML.shape[0] - 1
+        num_tokens = xs_ML.shape[0]  # prepare's z without a zero row
     return pl.pallas_call(
         functools.partial(_gate_up_kernel, c=c, steps=L // c.bk, off3=off3, act_fn=act_fn, num_tokens=num_tokens),
         grid=_grid(c, expert_B.shape[0], I // c.bn), in_specs=[raw] * 5, out_specs=raw,
@@ -409,6 +417,39 @@ def combine(y_ML: jax.Array, pos_Nk: jax.Array, w_Nk: jax.Array) -> jax.Array:
     return jnp.einsum("nkl,nk->nl", y_ML[pos_Nk], w_Nk.astype(F32))
 
 
+def _combine_kernel(pos_ref, w_ref, y_ref, o_ref, *, bt: int, bl: int, k: int):
+    from jax.experimental import pallas as pl
+
+    toks = pl.ds(pl.multiple_of(pl.program_id(0) * bt, bt), bt)
+    cols = pl.ds(pl.multiple_of(pl.program_id(1) * bl, bl), bl)
+    acc = jnp.zeros((bt, bl), F32)
+    for slot in range(k):  # slot order: y rows gathered by index, each times its token's weight
+        rows = pos_ref[toks, slot]
+        acc = acc + y_ref[rows, cols] * w_ref[toks, slot][:, None]
+    o_ref[toks, cols] = acc
+
+
+def combine_kernel(y_ML: jax.Array, pos_Nk: jax.Array, w_Nk: jax.Array, c: Config,
+                   interpret: bool = False) -> jax.Array:
+    """`combine` as one Pallas (Triton) kernel: y read once, the weighted k-term sum in registers (in slot order,
+    where XLA's reduction picks its own), out written once.  N is padded to a multiple of combine_bt (the padding
+    tokens read y's row 0 with weight 0, and are cut)."""
+    from jax.experimental import pallas as pl
+
+    N, k = pos_Nk.shape
+    L = y_ML.shape[1]
+    bt, bl = c.combine_bt, c.combine_bl
+    n = -(-N // bt) * bt
+    pos = jnp.pad(pos_Nk.astype(jnp.int32), ((0, n - N), (0, 0)))
+    wk = jnp.pad(w_Nk.astype(F32), ((0, n - N), (0, 0)))
+    raw = pl.BlockSpec(memory_space=pl.ANY)
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, bt=bt, bl=bl, k=k), grid=(n // bt, L // bl), in_specs=[raw] * 3,
+        out_specs=raw, out_shape=jax.ShapeDtypeStruct((n, L), F32), interpret=interpret, name="grouped_combine",
+        **triton_params(4, 1, interpret))(pos, wk, y_ML)
+    return out if n == N else out[:N]
+
+
 def down_blocks(expert_B: jax.Array, src_M: jax.Array, num_tokens: int, c: Config) -> tuple[jax.Array, Config]:
     """Kernel 2's blocks and config: the layout's own (expert_B, c), or with `c.down_bm` its down_bm-row sub-blocks,
     each the expert of its block or -1 where it holds padding rows only (an expert's rows fill its blocks from the
@@ -433,7 +474,8 @@ def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.
     pos, expert, src, xs = prepare(w, z_NL, ids_Nk, c)
     a = gate_up(cfg, w, expert, src, xs, c, interpret, num_tokens=N)
     expert_d, c_d = down_blocks(expert, src, N, c)
-    return combine(down(w, expert_d, a, c_d, interpret, src_M=src, num_tokens=N), pos, w_Nk)
+    y = down(w, expert_d, a, c_d, interpret, src_M=src, num_tokens=N)
+    return combine_kernel(y, pos, w_Nk, c, interpret) if c.combine == "kernel" else combine(y, pos, w_Nk)
 
 
 def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str | None:
@@ -458,6 +500,11 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
         return f"moe_grouped kernel: down_warps must be 0, 4 or 8, got {c.down_warps}"
     if c.down_bn and (not pow2(c.down_bn) or c.down_bn < 16 or L % c.down_bn):
         return f"moe_grouped kernel: down_bn = {c.down_bn} must be a power of two >= 16 dividing the experts' L = {L}"
+    if c.combine not in ("xla", "kernel") or (c.combine == "kernel" and (
+            c.backend != "triton" or not pow2(c.combine_bt) or c.combine_bt < 16 or not pow2(c.combine_bl)
+            or L % c.combine_bl)):
+        return (f"moe_grouped kernel: combine 'xla' or 'kernel' (Triton; combine_bt a power of two >= 16, combine_bl "
+                f"one dividing L = {L}), got {c.combine!r}, {c.combine_bt}, {c.combine_bl}")
     if c.down_stages < 0 or ((c.down_bn or c.down_stages or c.down_warps or c.mask) and c.backend != "triton"):
         return "moe_grouped kernel: down_bn, down_stages, down_warps and mask are the Triton kernels' (backend 'triton')"
     if c.backend not in ("triton", *MOSAIC_BACKENDS):

@@ -13,25 +13,13 @@ error against `ragged` (max |a - b| / max |b|).  Routing is uniform at random (t
     python scripts/gpu/moe_grouped.py [--json PATH] [--tokens 512,4096] [--experts 256] [--no-sweep]
     python scripts/gpu/moe_grouped.py --align [--tokens 4096]   # only `align` against the sort it replaced, same
                                                                 # run, then the kernel path's phases (a short call)
-    python scripts/gpu/moe_grouped.py --tokens 4096 --mosaic --no-dense   # `--down` (fortieth session): kernel 2's own tilings beside the split (down_bn, down_stages, down_warps; on the
-# layout's whole 128-row blocks with the padding rows masked, or on their 64-row halves) and the padding masked
-# (`mask`) in both kernels, the default again after them; each layer's device kernels from a profile
-_S = G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4)
-DOWN = [dataclasses.replace(_S, **kw) for kw in (
-    dict(mask=True),
-    dict(down_bn=256, down_warps=8, down_stages=3),
-    dict(down_bn=256, down_warps=8, down_stages=4, mask=True),
-    dict(down_bm=0, down_warps=8, down_stages=3, mask=True),
-    dict(down_bm=0, down_warps=8, down_stages=4, mask=True),
-    dict(down_bm=0, down_warps=8, down_bn=256, down_stages=3, mask=True),
-    dict(down_stages=3, mask=True),
-)]
-# the Mosaic GPU form (MOSAIC) against
+    python scripts/gpu/moe_grouped.py --tokens 4096 --mosaic --no-dense   # the Mosaic GPU form (MOSAIC) against
                                                 # the Triton default, errors against the latter, then both's phases
     python scripts/gpu/moe_grouped.py --tokens 4096 --split --no-dense    # the split tiling (config_for's at 128 rows
                                                 # an expert) and bm 64 (SPLIT), the default before and after
     python scripts/gpu/moe_grouped.py --tokens 4096 --down --no-dense --no-phases  # kernel 2's tilings and the
-                                                # masked padding (DOWN), each layer's kernels from a profile
+                                                # masked padding, the combine kernel (DOWN), each layer's
+                                                # kernels from a profile
 """
 from __future__ import annotations
 
@@ -68,6 +56,22 @@ SPLIT = [G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n"),
          G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n"),
          G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4),
          G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, order="n", down_bm=64, down_warps=4)]
+# `--down` (fortieth session): kernel 2's own tilings beside the split (down_bn, down_stages, down_warps; on the
+# layout's whole 128-row blocks with the padding rows masked, or on their 64-row halves) and the padding masked
+# (`mask`) in both kernels, the combine as a kernel, the default again after them; each layer's device kernels from
+# a profile
+_S = G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4)
+DOWN = [dataclasses.replace(_S, **kw) for kw in (
+    dict(mask=True),
+    dict(down_bn=256, down_warps=8, down_stages=3),
+    dict(down_bn=256, down_warps=8, down_stages=4, mask=True),
+    dict(down_bm=0, down_warps=8, down_stages=3, mask=True),
+    dict(down_bm=0, down_warps=8, down_stages=4, mask=True),
+    dict(down_bm=0, down_warps=8, down_bn=256, down_stages=3, mask=True),
+    dict(down_stages=3, mask=True),
+    dict(mask=True, combine="kernel"),
+    dict(mask=True, combine="kernel", combine_bt=64, combine_bl=128),
+)]
 # the Mosaic GPU form (jaxk3.kernels.moe_grouped_mgpu: TMA, wgmma, a persistent grid): pipeline depth and snake width
 MOSAIC = [G.Config(bm=64, bn=128, bk=64, num_stages=s, backend="mosaic", width=wd)
           for s, wd in ((4, 4), (3, 4), (5, 4), (4, 1), (4, 8))] + [

@@ -164,9 +164,10 @@ def align_rows(a, log) -> list[dict]:
     return rows
 
 
-def device_ops(f, args, log, head: str, calls: int = 5, top: int = 12) -> list:
+def device_ops(f, args, log, head: str, calls: int = 5, top: int = 12, hlo: bool = True) -> list:
     """The device kernels of the compiled `f` from a profile of `calls` calls: [op, us per call, launches per call],
-    slowest first (where a small XLA program's time goes), each logged with the start of its HLO line."""
+    slowest first (where a small XLA program's time goes), each logged with the start of its HLO line (`hlo`: which
+    compiles f once more)."""
     import tempfile
 
     from jaxk3.tools.census import _event_op, find_xplane
@@ -188,7 +189,7 @@ def device_ops(f, args, log, head: str, calls: int = 5, top: int = 12) -> list:
                 ns[op] = ns.get(op, 0) + ev.duration_ns
                 n[op] = n.get(op, 0) + 1
     hlo = {ln.split("=")[0].strip().lstrip("%").replace("ROOT ", ""): ln.strip()
-           for ln in f.lower(*args).compile().as_text().splitlines() if " = " in ln}
+           for ln in f.lower(*args).compile().as_text().splitlines() if " = " in ln} if hlo else {}
     rows = sorted(([op, ns[op] / calls / 1e3, n[op] / calls] for op in ns), key=lambda r: -r[1])
     log(f"{head}: {sum(r[1] for r in rows):.1f} us of device events per call in {sum(r[2] for r in rows):.0f} "
         "launches; the slowest:")
@@ -270,7 +271,7 @@ def main(argv=None) -> int:
             rows.append(dict(tokens=N, path=name, ms=t * 1e3, tflops=flops / t / 1e12, rel_err=err,
                              vs_dense=(base / t if base else None)))
             if a.down and name.startswith("kernel"):
-                rows[-1]["kernels"] = device_ops(f, args, log, f"N {N:5d} {name}", top=5)
+                rows[-1]["kernels"] = device_ops(f, args, log, f"N {N:5d} {name}", top=5, hlo=False)
             if name.startswith("kernel") and (best is None or t < best[0]):
                 best = (t, [c for n, c in configs if n == name][0] or G.config_for(N * k, a.experts, I, L))
         for c in {G.config_for(N * k, a.experts, I, L), best[1]} if best and not a.no_phases else ():

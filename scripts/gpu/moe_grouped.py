@@ -63,14 +63,10 @@ SPLIT = [G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n"),
 _S = G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4)
 DOWN = [dataclasses.replace(_S, **kw) for kw in (
     dict(mask=True),
-    dict(down_bn=256, down_warps=8, down_stages=3),
     dict(down_bn=256, down_warps=8, down_stages=4, mask=True),
     dict(down_bm=0, down_warps=8, down_stages=3, mask=True),
-    dict(down_bm=0, down_warps=8, down_stages=4, mask=True),
     dict(down_bm=0, down_warps=8, down_bn=256, down_stages=3, mask=True),
-    dict(down_stages=3, mask=True),
     dict(mask=True, combine="kernel"),
-    dict(mask=True, combine="kernel", combine_bt=64, combine_bl=128),
 )]
 # the Mosaic GPU form (jaxk3.kernels.moe_grouped_mgpu: TMA, wgmma, a persistent grid): pipeline depth and snake width
 MOSAIC = [G.Config(bm=64, bn=128, bk=64, num_stages=s, backend="mosaic", width=wd)

@@ -9,10 +9,10 @@ export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 echo "== moe_grouped --down ($(date -u +%T))"
-timeout -k 10 ${C1_DOWN:-400} \
+timeout -k 10 ${C1_DOWN:-360} \
   python3 scripts/gpu/moe_grouped.py --tokens 4096 --down --no-dense --no-phases --json "$OUT/1_moe_grouped_down.json"
 echo "down rc $?"
 echo "== compiled tests ($(date -u +%T))"
-timeout -k 10 ${C1_KT:-150} python3 -m pytest tests/test_kernels.py -m gpu -q -rfEs -p no:cacheprovider -k moe_grouped \
+timeout -k 10 ${C1_KT:-120} python3 -m pytest tests/test_kernels.py -m gpu -q -rfEs -p no:cacheprovider -k moe_grouped \
   > "$OUT/1_ktests.log" 2>&1
 echo "ktests rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/1_ktests.log" | cut -c1-300 | tail -20

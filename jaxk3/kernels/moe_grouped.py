@@ -158,11 +158,6 @@ class Config:
     # the same, so the output's bits are too; what changes is the bytes the L2 serves (padding is ~20% of the rows
     # at bm 128 and 4096 tokens x 8 of 256 experts).
     mask: bool = False
-    # the combine as a Pallas (Triton) kernel (`combine_kernel`: a program per combine_bt tokens x combine_bl columns
-    # gathers its tokens' k rows of y and sums them weighted, in slot order) instead of XLA's gather + reduction
-    combine: str = "xla"
-    combine_bt: int = 32
-    combine_bl: int = 256
 
 
 def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
@@ -173,16 +168,27 @@ def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
     Measured on an H200 at Kimi-Linear-48B dims, 256 experts (docs/PERF.md): 512 tokens bm 16 1.26 ms
     (order n 1.20), bm 64 1.58 (n 1.24); 4096 tokens bm 64 2.54 ms, order n 2.16, n with 4 stages 2.02,
     bm 128 with 8 warps, order n 2.03 (4 warps, order m: 4.61).
-    From SPLIT_ROWS rows per expert on average (`SPLIT`): gate|up on 128-row blocks on 8 warps, down on their
-    64-row halves (`down_bm`) on 4."""
+    From SPLIT_ROWS rows per expert on average (`SPLIT`): gate|up on 128-row blocks on 8 warps, and with `MASK` the
+    padding rows masked out of both kernels and down on the same blocks in 3 stages (without `MASK`, down on the
+    blocks' 64-row halves (`down_bm`) on 4 warps)."""
     mean = max(1, pairs // max(1, num_experts))
     bm = min(64, max(16, 1 << (mean - 1).bit_length()))
     d = Config()
     bn = next((b for b in (d.bn, d.bn // 2, d.bn // 4, 16) if I % b == 0 and L % b == 0), d.bn)
     bk = next((b for b in (d.bk, d.bk // 2, 16) if I % b == 0 and L % b == 0), d.bk)
     if SPLIT and mean >= SPLIT_ROWS:
+        if MASK:
+            return Config(bm=128, bn=bn, bk=bk, num_warps=8, num_stages=4, order="n", down_stages=3, mask=True)
         return Config(bm=128, bn=bn, bk=bk, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4)
-    return Config(bm=bm, bn=bn, bk=bk, num_stages=4 if bm >= 64 else 3, order="n")
+    return Config(bm=bm, bn=bn, bk=bk, num_stages=4 if bm >= 64 else 3, order="n", mask=MASK)
+
+
+# config_for masks the padding rows out of both kernels (Config.mask), and from SPLIT_ROWS rows an expert runs kernel
+# 2 on kernel 1's 128-row blocks in 3 stages (two programs an SM: 96 KB of shared memory each) instead of on their
+# 64-row halves. Measured on an H100 at the 48B's dims, 4096 tokens x 8 of 256 experts (docs/PERF.md, fortieth
+# section; command buffers off, each kernel's time from a profile, three runs): gate|up 960-969 us against 1065-1068,
+# down 548-550 against 625, the layer 1.747-1.778 ms against 1.957-2.023, the output bitwise the same.
+MASK = True
 
 
 # config_for's split tiling where experts average SPLIT_ROWS rows or more. Measured on an H100 at the 48B's dims,
@@ -417,39 +423,6 @@ def combine(y_ML: jax.Array, pos_Nk: jax.Array, w_Nk: jax.Array) -> jax.Array:
     return jnp.einsum("nkl,nk->nl", y_ML[pos_Nk], w_Nk.astype(F32))
 
 
-def _combine_kernel(pos_ref, w_ref, y_ref, o_ref, *, bt: int, bl: int, k: int):
-    from jax.experimental import pallas as pl
-
-    toks = pl.ds(pl.multiple_of(pl.program_id(0) * bt, bt), bt)
-    cols = pl.ds(pl.multiple_of(pl.program_id(1) * bl, bl), bl)
-    acc = jnp.zeros((bt, bl), F32)
-    for slot in range(k):  # slot order: y rows gathered by index, each times its token's weight
-        rows = pos_ref[toks, slot]
-        acc = acc + y_ref[rows, cols] * w_ref[toks, slot][:, None]
-    o_ref[toks, cols] = acc
-
-
-def combine_kernel(y_ML: jax.Array, pos_Nk: jax.Array, w_Nk: jax.Array, c: Config,
-                   interpret: bool = False) -> jax.Array:
-    """`combine` as one Pallas (Triton) kernel: y read once, the weighted k-term sum in registers (in slot order,
-    where XLA's reduction picks its own), out written once.  N is padded to a multiple of combine_bt (the padding
-    tokens read y's row 0 with weight 0, and are cut)."""
-    from jax.experimental import pallas as pl
-
-    N, k = pos_Nk.shape
-    L = y_ML.shape[1]
-    bt, bl = c.combine_bt, c.combine_bl
-    n = -(-N // bt) * bt
-    pos = jnp.pad(pos_Nk.astype(jnp.int32), ((0, n - N), (0, 0)))
-    wk = jnp.pad(w_Nk.astype(F32), ((0, n - N), (0, 0)))
-    raw = pl.BlockSpec(memory_space=pl.ANY)
-    out = pl.pallas_call(
-        functools.partial(_combine_kernel, bt=bt, bl=bl, k=k), grid=(n // bt, L // bl), in_specs=[raw] * 3,
-        out_specs=raw, out_shape=jax.ShapeDtypeStruct((n, L), F32), interpret=interpret, name="grouped_combine",
-        **triton_params(4, 1, interpret))(pos, wk, y_ML)
-    return out if n == N else out[:N]
-
-
 def down_blocks(expert_B: jax.Array, src_M: jax.Array, num_tokens: int, c: Config) -> tuple[jax.Array, Config]:
     """Kernel 2's blocks and config: the layout's own (expert_B, c), or with `c.down_bm` its down_bm-row sub-blocks,
     each the expert of its block or -1 where it holds padding rows only (an expert's rows fill its blocks from the
@@ -474,8 +447,7 @@ def grouped(cfg: KimiK3Config, w, z_NL: jax.Array, w_Nk: jax.Array, ids_Nk: jax.
     pos, expert, src, xs = prepare(w, z_NL, ids_Nk, c)
     a = gate_up(cfg, w, expert, src, xs, c, interpret, num_tokens=N)
     expert_d, c_d = down_blocks(expert, src, N, c)
-    y = down(w, expert_d, a, c_d, interpret, src_M=src, num_tokens=N)
-    return combine_kernel(y, pos, w_Nk, c, interpret) if c.combine == "kernel" else combine(y, pos, w_Nk)
+    return combine(down(w, expert_d, a, c_d, interpret, src_M=src, num_tokens=N), pos, w_Nk)
 
 
 def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str | None:
@@ -500,11 +472,6 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
         return f"moe_grouped kernel: down_warps must be 0, 4 or 8, got {c.down_warps}"
     if c.down_bn and (not pow2(c.down_bn) or c.down_bn < 16 or L % c.down_bn):
         return f"moe_grouped kernel: down_bn = {c.down_bn} must be a power of two >= 16 dividing the experts' L = {L}"
-    if c.combine not in ("xla", "kernel") or (c.combine == "kernel" and (
-            c.backend != "triton" or not pow2(c.combine_bt) or c.combine_bt < 16 or not pow2(c.combine_bl)
-            or L % c.combine_bl)):
-        return (f"moe_grouped kernel: combine 'xla' or 'kernel' (Triton; combine_bt a power of two >= 16, combine_bl "
-                f"one dividing L = {L}), got {c.combine!r}, {c.combine_bt}, {c.combine_bl}")
     if c.down_stages < 0 or ((c.down_bn or c.down_stages or c.down_warps or c.mask) and c.backend != "triton"):
         return "moe_grouped kernel: down_bn, down_stages, down_warps and mask are the Triton kernels' (backend 'triton')"
     if c.backend not in ("triton", *MOSAIC_BACKENDS):

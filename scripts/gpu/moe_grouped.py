@@ -17,8 +17,10 @@ error against `ragged` (max |a - b| / max |b|).  Routing is uniform at random (t
                                                 # the Triton default, errors against the latter, then both's phases
     python scripts/gpu/moe_grouped.py --tokens 4096 --split --no-dense    # the split tiling (config_for's at 128 rows
                                                 # an expert) and bm 64 (SPLIT), the default before and after
+    python scripts/gpu/moe_grouped.py --tokens 512,4096 --mask --no-dense --no-phases  # config_for's choice against
+                                                # MASK off, each layer's kernels from a profile
     python scripts/gpu/moe_grouped.py --tokens 4096 --down --no-dense --no-phases  # kernel 2's tilings and the
-                                                # masked padding, the combine kernel (DOWN), each layer's
+                                                # masked padding (DOWN), each layer's
                                                 # kernels from a profile
 """
 from __future__ import annotations
@@ -58,7 +60,7 @@ SPLIT = [G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n"),
          G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, order="n", down_bm=64, down_warps=4)]
 # `--down` (fortieth session): kernel 2's own tilings beside the split (down_bn, down_stages, down_warps; on the
 # layout's whole 128-row blocks with the padding rows masked, or on their 64-row halves) and the padding masked
-# (`mask`) in both kernels, the combine as a kernel, the default again after them; each layer's device kernels from
+# (`mask`) in both kernels, the default again after them; each layer's device kernels from
 # a profile
 _S = G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4)
 DOWN = [dataclasses.replace(_S, **kw) for kw in (
@@ -66,8 +68,12 @@ DOWN = [dataclasses.replace(_S, **kw) for kw in (
     dict(down_bn=256, down_warps=8, down_stages=4, mask=True),
     dict(down_bm=0, down_warps=8, down_stages=3, mask=True),
     dict(down_bm=0, down_warps=8, down_bn=256, down_stages=3, mask=True),
-    dict(mask=True, combine="kernel"),
 )]
+# call 2: kernel 2 on the whole blocks, masked, around call 1's best
+DOWN2 = [dataclasses.replace(_S, down_bm=0, mask=True, **kw) for kw in (
+    dict(down_warps=8, down_stages=3), dict(down_warps=8, down_stages=4), dict(down_warps=8, down_stages=2),
+    dict(down_warps=8, down_bn=256, down_stages=2), dict(down_warps=4, down_bn=64, down_stages=4),
+    dict(down_warps=4, down_stages=3))]
 # the Mosaic GPU form (jaxk3.kernels.moe_grouped_mgpu: TMA, wgmma, a persistent grid): pipeline depth and snake width
 MOSAIC = [G.Config(bm=64, bn=128, bk=64, num_stages=s, backend="mosaic", width=wd)
           for s, wd in ((4, 4), (3, 4), (5, 4), (4, 1), (4, 8))] + [
@@ -207,6 +213,8 @@ def main(argv=None) -> int:
                     "instead of SWEEP, then the default again")
     ap.add_argument("--down", action="store_true", help="kernel 2's tilings and the masked padding (DOWN) instead of "
                     "SWEEP, then the default again, each layer's device kernels from a profile")
+    ap.add_argument("--mask", action="store_true", help="config_for's choice against its choice with MASK off (the "
+                    "form before the fortieth session), the default again")
     ap.add_argument("--no-phases", action="store_true", help="leave out the default's and the best's phases")
     ap.add_argument("--no-dense", action="store_true", help="leave out the dense and ragged forms (minutes to compile)")
     a = ap.parse_args(argv)
@@ -238,8 +246,14 @@ def main(argv=None) -> int:
             configs += [(f"kernel {c}", c) for c in MOSAIC]
         elif a.split:
             configs += [(f"kernel {c}", c) for c in SPLIT] + [("kernel default again", None)]
+        elif a.mask:
+            G.MASK = False  # config_for's choice before the fortieth session, then the default again
+            old = G.config_for(N * k, a.experts, I, L)
+            G.MASK = True
+            configs += [(f"kernel MASK off {old}", old), ("kernel default again", None)]
         elif a.down:
-            configs += [(f"kernel {c}", c) for c in DOWN] + [("kernel default again", None)]
+            configs += [(f"kernel {c}", c) for c in (DOWN2 if os.environ.get("DOWN2") else DOWN)] + [
+                ("kernel default again", None)]
         elif not a.no_sweep:
             configs += [(f"kernel {c}", c) for c in SWEEP]
         for name, c in configs:
@@ -266,7 +280,7 @@ def main(argv=None) -> int:
                 + (f"  rel err {err:.1e}" if err is not None else ""))
             rows.append(dict(tokens=N, path=name, ms=t * 1e3, tflops=flops / t / 1e12, rel_err=err,
                              vs_dense=(base / t if base else None)))
-            if a.down and name.startswith("kernel"):
+            if (a.down or a.mask) and name.startswith("kernel"):
                 rows[-1]["kernels"] = device_ops(f, args, log, f"N {N:5d} {name}", top=5, hlo=False)
             if name.startswith("kernel") and (best is None or t < best[0]):
                 best = (t, [c for n, c in configs if n == name][0] or G.config_for(N * k, a.experts, I, L))

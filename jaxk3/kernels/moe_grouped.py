@@ -170,7 +170,7 @@ def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
     bm 128 with 8 warps, order n 2.03 (4 warps, order m: 4.61).
     From SPLIT_ROWS rows per expert on average (`SPLIT`): gate|up on 128-row blocks on 8 warps, and with `MASK` the
     padding rows masked out of both kernels and down on the same blocks in 3 stages (without `MASK`, down on the
-    blocks' 64-row halves (`down_bm`) on 4 warps)."""
+    blocks' 64-row halves (`down_bm`) on 4 warps); fewer rows take the mask with `MASK_SMALL`."""
     mean = max(1, pairs // max(1, num_experts))
     bm = min(64, max(16, 1 << (mean - 1).bit_length()))
     d = Config()
@@ -180,7 +180,7 @@ def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
         if MASK:
             return Config(bm=128, bn=bn, bk=bk, num_warps=8, num_stages=4, order="n", down_stages=3, mask=True)
         return Config(bm=128, bn=bn, bk=bk, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4)
-    return Config(bm=bm, bn=bn, bk=bk, num_stages=4 if bm >= 64 else 3, order="n", mask=MASK)
+    return Config(bm=bm, bn=bn, bk=bk, num_stages=4 if bm >= 64 else 3, order="n", mask=MASK and MASK_SMALL)
 
 
 # config_for masks the padding rows out of both kernels (Config.mask), and from SPLIT_ROWS rows an expert runs kernel
@@ -189,6 +189,8 @@ def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
 # section; command buffers off, each kernel's time from a profile, three runs): gate|up 960-969 us against 1065-1068,
 # down 548-550 against 625, the layer 1.747-1.778 ms against 1.957-2.023, the output bitwise the same.
 MASK = True
+# ... and below SPLIT_ROWS rows an expert (bm 16-64): not timed yet, so off
+MASK_SMALL = False
 
 
 # config_for's split tiling where experts average SPLIT_ROWS rows or more. Measured on an H100 at the 48B's dims,

@@ -16,12 +16,13 @@ A grid program owns bm rows of one block and bn output columns, and walks the in
 tiles with `tl.dot` (bf16 in, fp32 accumulate).  Each selected expert's weights are read once per
 block of its rows (once per chunk where an expert has at most bm rows), and only the selected
 FLOPs are done: unused blocks (expert -1, the padding of the static block count) return at once.
-Rows of unused blocks are left unwritten and never read back; padded rows inside a block read zeros.
-Where experts average 128 rows or more, config_for takes bm 128 for kernel 1 and runs kernel 2 on the blocks'
-64-row halves (`Config.down_bm`; W2 then read once per half of an expert's rows), skipping the halves of padding
-only, whose y rows are left unwritten too: both kernels are bound by the L2's throughput (Nsight Compute,
-docs/PERF.md thirty-fourth section), which 128-row blocks relieve for kernel 1, while kernel 2 on whole 128-row
-blocks would compute and write the padding's fp32 rows.
+Rows of unused blocks are left unwritten and never read back; padded rows inside a block read zeros (`Config.mask`:
+masked out of the loads, no memory touched, and left unwritten by both kernels).
+Where experts average 128 rows or more, config_for takes bm 128 for both kernels with the padding masked, kernel 2 in
+3 stages: both kernels are bound by the L2's throughput (Nsight Compute, docs/PERF.md thirty-fourth section), which
+128-row blocks relieve, and which the padding's loads (a third of kernel 1's rows at 4096 tokens over 256 experts)
+and fp32 stores had spent for nothing (fortieth section).  `Config.down_bm` runs kernel 2 on the blocks' smaller
+parts instead, skipping those of padding only (config_for's form before the mask, `MASK = False`).
 
 `Config(backend="mosaic")` runs the same two GEMMs as Pallas Mosaic GPU kernels (jaxk3.kernels.moe_grouped_mgpu:
 TMA, wgmma, a persistent grid), on the sorted copy of the inputs: correct on an H200 and 4-7% slower than these
@@ -475,7 +476,7 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
     if c.down_bn and (not pow2(c.down_bn) or c.down_bn < 16 or L % c.down_bn):
         return f"moe_grouped kernel: down_bn = {c.down_bn} must be a power of two >= 16 dividing the experts' L = {L}"
     if c.down_stages < 0 or ((c.down_bn or c.down_stages or c.down_warps or c.mask) and c.backend != "triton"):
-        return "moe_grouped kernel: down_bn, down_stages, down_warps and mask are the Triton kernels' (backend 'triton')"
+        return "moe_grouped kernel: down_bn, down_stages, down_warps and mask are the Triton kernels' (backend triton)"
     if c.backend not in ("triton", *MOSAIC_BACKENDS):
         return f"moe_grouped kernel: backend must be 'triton', 'mosaic' or 'mosaic_ws', got {c.backend!r}"
     if c.backend == "mosaic_ws" and c.bn not in (128, 256):
@@ -495,4 +496,5 @@ register(Kernel("moe_grouped", experts_dense, grouped, platforms=("gpu",), fits=
                          "14.3x at 4096 with its rows gathered in the kernel (1.885 vs 27.0 ms, 246 TFLOP/s exact; "
                          "ragged_dot 0.16x) (H200, jax 0.11.2, 2026-12-03); 1.771-1.807 ms, 257-262 TFLOP/s, with "
                          "its layout free of a while loop (2026-12-04); H100: 1.960-2.041 ms with gate|up on 128-row "
-                         "blocks and down on their halves against 2.058-2.173 at bm 64 (2026-12-06)"))
+                         "blocks and down on their halves against 2.058-2.173 at bm 64 (2026-12-06); 1.747-1.778 ms "
+                         "with the padding masked and down on the 128-row blocks against 1.957-2.023 (2026-12-07)"))

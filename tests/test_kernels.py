@@ -1144,11 +1144,9 @@ def test_moe_grouped_selection(monkeypatch):
     assert G.config_for(4096 * 8, 256, 1024, 2304) == G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4,
                                                                order="n", down_stages=3, mask=True)
     assert G.config_for(4095 * 8, 256, 1024, 2304) == G.Config(bm=64, bn=128, bk=64, num_stages=4, order="n",
-                                                               mask=G.MASK_SMALL)
+                                                               mask=True)
     assert G.config_for(512 * 8, 256, 1024, 2304).bm == 16
-    assert G.config_for(5 * 4, 16, 64, 128) == G.Config(bm=16, bn=64, bk=64, order="n", mask=G.MASK_SMALL)
-    monkeypatch.setattr(G, "MASK_SMALL", True)
-    assert G.config_for(512 * 8, 256, 1024, 2304).mask
+    assert G.config_for(5 * 4, 16, 64, 128) == G.Config(bm=16, bn=64, bk=64, order="n", mask=True)
     monkeypatch.setattr(G, "MASK", False)  # the form before the fortieth session: down on the blocks' 64-row halves
     assert G.config_for(4096 * 8, 256, 1024, 2304) == G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4,
                                                                order="n", down_bm=64, down_warps=4)

@@ -18,7 +18,7 @@ block of its rows (once per chunk where an expert has at most bm rows), and only
 FLOPs are done: unused blocks (expert -1, the padding of the static block count) return at once.
 Rows of unused blocks are left unwritten and never read back; padded rows inside a block read zeros (`Config.mask`:
 masked out of the loads, no memory touched, and left unwritten by both kernels).
-Where experts average 128 rows or more, config_for takes bm 128 for both kernels with the padding masked, kernel 2 in
+config_for masks the padding; where experts average 128 rows or more it takes bm 128 for both kernels, kernel 2 in
 3 stages: both kernels are bound by the L2's throughput (Nsight Compute, docs/PERF.md thirty-fourth section), which
 128-row blocks relieve, and which the padding's loads (a third of kernel 1's rows at 4096 tokens over 256 experts)
 and fp32 stores had spent for nothing (fortieth section).  `Config.down_bm` runs kernel 2 on the blocks' smaller
@@ -171,7 +171,7 @@ def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
     bm 128 with 8 warps, order n 2.03 (4 warps, order m: 4.61).
     From SPLIT_ROWS rows per expert on average (`SPLIT`): gate|up on 128-row blocks on 8 warps, and with `MASK` the
     padding rows masked out of both kernels and down on the same blocks in 3 stages (without `MASK`, down on the
-    blocks' 64-row halves (`down_bm`) on 4 warps); fewer rows take the mask with `MASK_SMALL`."""
+    blocks' 64-row halves (`down_bm`) on 4 warps); fewer rows take the mask too."""
     mean = max(1, pairs // max(1, num_experts))
     bm = min(64, max(16, 1 << (mean - 1).bit_length()))
     d = Config()
@@ -181,17 +181,18 @@ def config_for(pairs: int, num_experts: int, I: int, L: int) -> Config:
         if MASK:
             return Config(bm=128, bn=bn, bk=bk, num_warps=8, num_stages=4, order="n", down_stages=3, mask=True)
         return Config(bm=128, bn=bn, bk=bk, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4)
-    return Config(bm=bm, bn=bn, bk=bk, num_stages=4 if bm >= 64 else 3, order="n", mask=MASK and MASK_SMALL)
+    return Config(bm=bm, bn=bn, bk=bk, num_stages=4 if bm >= 64 else 3, order="n", mask=MASK)
 
 
 # config_for masks the padding rows out of both kernels (Config.mask), and from SPLIT_ROWS rows an expert runs kernel
 # 2 on kernel 1's 128-row blocks in 3 stages (two programs an SM: 96 KB of shared memory each) instead of on their
-# 64-row halves. Measured on an H100 at the 48B's dims, 4096 tokens x 8 of 256 experts (docs/PERF.md, fortieth
-# section; command buffers off, each kernel's time from a profile, three runs): gate|up 960-969 us against 1065-1068,
-# down 548-550 against 625, the layer 1.747-1.778 ms against 1.957-2.023, the output bitwise the same.
+# 64-row halves. Measured on an H100 at the 48B's dims over 256 experts (docs/PERF.md, fortieth section; command
+# buffers off, each kernel's time from a profile), the output bitwise the same throughout: at 4096 tokens gate|up
+# 960-993 us against 1065-1081, down 548-563 against 625-629, the layer 1.747-1.815 ms against 1.938-2.023; at 8192
+# 2.531-2.534 ms (366 TFLOP/s) against 2.805; below 128 rows an expert (bm 16-64) the two kernels 1% (512 tokens),
+# 7% (1024) and 2-3% (2048) shorter with the mask. The 48B's B = 1 TTFT (4096-token prompt, 64 experts) 0.1163 s
+# against 0.1209.
 MASK = True
-# ... and below SPLIT_ROWS rows an expert (bm 16-64): not timed yet, so off
-MASK_SMALL = False
 
 
 # config_for's split tiling where experts average SPLIT_ROWS rows or more. Measured on an H100 at the 48B's dims,
@@ -497,4 +498,5 @@ register(Kernel("moe_grouped", experts_dense, grouped, platforms=("gpu",), fits=
                          "ragged_dot 0.16x) (H200, jax 0.11.2, 2026-12-03); 1.771-1.807 ms, 257-262 TFLOP/s, with "
                          "its layout free of a while loop (2026-12-04); H100: 1.960-2.041 ms with gate|up on 128-row "
                          "blocks and down on their halves against 2.058-2.173 at bm 64 (2026-12-06); 1.747-1.778 ms "
-                         "with the padding masked and down on the 128-row blocks against 1.957-2.023 (2026-12-07)"))
+                         "with the padding masked and down on the 128-row blocks against 1.957-2.023, the 4K TTFT "
+                         "0.1163 s against 0.1209 (2026-12-07)"))

@@ -246,14 +246,11 @@ def main(argv=None) -> int:
             configs += [(f"kernel {c}", c) for c in MOSAIC]
         elif a.split:
             configs += [(f"kernel {c}", c) for c in SPLIT] + [("kernel default again", None)]
-        elif a.mask:  # config_for's choice with the mask everywhere (MASK_SMALL), and before the fortieth session
-            G.MASK_SMALL = True
-            small = G.config_for(N * k, a.experts, I, L)
-            G.MASK_SMALL, G.MASK = False, False
+        elif a.mask:  # config_for's choice before the fortieth session (MASK off), then the default again
+            G.MASK = False
             old = G.config_for(N * k, a.experts, I, L)
             G.MASK = True
-            configs += [(f"kernel MASK_SMALL {small}", small), (f"kernel MASK off {old}", old),
-                        ("kernel default again", None)]
+            configs += [(f"kernel MASK off {old}", old), ("kernel default again", None)]
         elif a.down:
             configs += [(f"kernel {c}", c) for c in (DOWN2 if os.environ.get("DOWN2") else DOWN)] + [
                 ("kernel default again", None)]

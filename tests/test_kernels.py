@@ -1130,7 +1130,8 @@ def test_moe_grouped_mosaic_matches_reference(fmt, fused):
 def test_moe_grouped_selection(monkeypatch):
     """Proven on an H200 at the 48B dims (docs/PERF.md): auto takes it on a GPU, the CPU keeps the dense
     form; fp32 experts and tiles that do not divide the experts' dims are named; bm follows the mean rows
-    per expert up to 64 (the measured best), and from 128 rows an expert the split (128-row blocks, down on 64)."""
+    per expert up to 64 (the measured best), from 128 rows an expert 128-row blocks with down in 3 stages, the
+    padding masked at every tiling (`MASK`; off: the form before, down on the blocks' 64-row halves)."""
     from jaxk3.kernels import moe_grouped as G
 
     cfg, w, z, wk, ids = _grouped_case("dense", 5, True)

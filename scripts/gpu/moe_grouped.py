@@ -20,8 +20,7 @@ error against `ragged` (max |a - b| / max |b|).  Routing is uniform at random (t
     python scripts/gpu/moe_grouped.py --tokens 512,4096 --mask --no-dense --no-phases  # config_for's choice against
                                                 # MASK off, each layer's kernels from a profile
     python scripts/gpu/moe_grouped.py --tokens 4096 --down --no-dense --no-phases  # kernel 2's tilings and the
-                                                # masked padding (DOWN), each layer's
-                                                # kernels from a profile
+                                                # masked padding (DOWN; DOWN2=1: DOWN2), each layer's kernels
 """
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ SPLIT = [G.Config(bm=64, bn=128, bk=64, num_warps=4, num_stages=4, order="n"),
          G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, order="n", down_bm=64, down_warps=4)]
 # `--down` (fortieth session): kernel 2's own tilings beside the split (down_bn, down_stages, down_warps; on the
 # layout's whole 128-row blocks with the padding rows masked, or on their 64-row halves) and the padding masked
-# (`mask`) in both kernels, the default again after them; each layer's device kernels from
-# a profile
+# (`mask`) in both kernels, the default again after them; each layer's device kernels from a profile
 _S = G.Config(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, order="n", down_bm=64, down_warps=4)
 DOWN = [dataclasses.replace(_S, **kw) for kw in (
     dict(mask=True),

@@ -149,6 +149,7 @@ class Config:
     # down_warps warps (0: bm and num_warps, as kernel 1). Nsight Compute on an H100 (thirty-fourth session) had
     # gate|up at bm 128 (8 warps) 1.07 ms against 1.155 at bm 64, and down at bm 128 0.676 ms against 0.617 (it
     # computes and writes the padding's fp32 rows); split, each kernel keeps its faster tiling, and the same bits.
+    # config_for's choice from 128 rows an expert until the mask (below) made kernel 2 on the whole blocks faster.
     down_bm: int = 0
     down_warps: int = 0
     # Triton: kernel 2's own output columns a program and pipeline depth (0: bn and num_stages, as kernel 1)
@@ -265,13 +266,21 @@ def _grid(c: Config, blocks: int, tiles: int) -> tuple[int, int]:
     return (blocks, tiles) if c.order == "m" else (tiles, blocks)
 
 
-def _load(ref, idx, real):
-    """ref[idx], the rows where `real` [rows] is False read as zeros without a memory access (c.mask), or plainly."""
+def _load(ref, rows, k0, bk: int, real):
+    """ref[rows, k0 : k0 + bk] (rows a slice or an index array), the rows where `real` [rows] is False read as zeros
+    without a memory access (c.mask), or plainly."""
+    from jax.experimental import pallas as pl
+
+    cols = pl.ds(k0, bk)
     if real is None:
-        return ref[idx]
+        return ref[rows, cols]
     from jax.experimental.pallas import triton as plgpu
 
-    return plgpu.load(ref.at[idx], mask=real[:, None], other=0)
+    if not isinstance(rows, pl.Slice):  # the interpreter's masked load takes no index array beside a slice: both
+        # dims as [rows, bk] index arrays (Triton lowers either form to the same pointers)
+        shape = (rows.shape[0], bk)
+        rows, cols = jnp.broadcast_to(rows[:, None], shape), k0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+    return plgpu.load(ref.at[rows, cols], mask=real[:, None], other=0)
 
 
 def _store(ref, idx, value, real) -> None:
@@ -303,12 +312,7 @@ def _gate_up_kernel(expert_ref, src_ref, x_ref, w1_ref, w3_ref, a_ref, *, c: Con
         def body(i, acc):
             k0 = pl.multiple_of(i * c.bk, c.bk)
             ks = pl.ds(k0, c.bk)
-            if real is not None and c.gather:  # the interpreter's masked load takes no index array beside a slice:
-                # both dims as [bm, bk] index arrays (Triton lowers either to the same pointers)
-                cols = k0 + lax.broadcasted_iota(jnp.int32, (c.bm, c.bk), 1)
-                x = _load(x_ref, (jnp.broadcast_to(x_rows[:, None], (c.bm, c.bk)), cols), real)
-            else:
-                x = _load(x_ref, (x_rows, ks), real)
+            x = _load(x_ref, x_rows, k0, c.bk, real)
             return acc[0] + dot_nt(x, w1_ref[e, g_rows, ks]), acc[1] + dot_nt(x, w3_ref[e, u_rows, ks])
 
         zero = jnp.zeros((c.bm, c.bn), F32)
@@ -329,8 +333,8 @@ def _down_kernel(expert_ref, src_ref, a_ref, w2_ref, y_ref, *, c: Config, steps:
         real = src_ref[rows] < num_tokens if c.mask else None
 
         def body(i, acc):
-            ks = pl.ds(pl.multiple_of(i * c.bk, c.bk), c.bk)
-            return acc + dot_nt(_load(a_ref, (rows, ks), real), w2_ref[e, cols, ks])
+            k0 = pl.multiple_of(i * c.bk, c.bk)
+            return acc + dot_nt(_load(a_ref, rows, k0, c.bk, real), w2_ref[e, cols, pl.ds(k0, c.bk)])
 
         _store(y_ref, (rows, cols), lax.fori_loop(0, steps, body, jnp.zeros((c.bm, c.bn), F32)), real)
 
@@ -476,7 +480,9 @@ def fits(cfg, w, z_NL, w_Nk, ids_Nk, config: Config | None = None, **_) -> str |
         return f"moe_grouped kernel: down_warps must be 0, 4 or 8, got {c.down_warps}"
     if c.down_bn and (not pow2(c.down_bn) or c.down_bn < 16 or L % c.down_bn):
         return f"moe_grouped kernel: down_bn = {c.down_bn} must be a power of two >= 16 dividing the experts' L = {L}"
-    if c.down_stages < 0 or ((c.down_bn or c.down_stages or c.down_warps or c.mask) and c.backend != "triton"):
+    if c.down_stages < 0:
+        return f"moe_grouped kernel: down_stages = {c.down_stages} must be >= 0 (0: num_stages)"
+    if (c.down_bn or c.down_stages or c.down_warps or c.mask) and c.backend != "triton":
         return "moe_grouped kernel: down_bn, down_stages, down_warps and mask are the Triton kernels' (backend triton)"
     if c.backend not in ("triton", *MOSAIC_BACKENDS):
         return f"moe_grouped kernel: backend must be 'triton', 'mosaic' or 'mosaic_ws', got {c.backend!r}"
